@@ -1,0 +1,116 @@
+#include "core/exec_tables.h"
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "core/check.h"
+
+namespace rx {
+
+rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype) {
+  const int nd = static_cast<int>(size.size());
+  std::vector<int64_t> contig(nd, 1);
+  for (int d = nd - 2; d >= 0; --d) contig[d] = contig[d + 1] * size[d + 1];
+  const int64_t* ss = src_strides ? src_strides : contig.data();
+  const int64_t* ds = dst_strides ? dst_strides : contig.data();
+  // Innermost first, merging outward.
+  struct Dim { int64_t n, s, d; };
+  std::vector<Dim> dims;
+  for (int d = nd - 1; d >= 0; --d) {
+    if (size[d] == 1) continue;
+    if (!dims.empty() && ss[d] == dims.back().n * dims.back().s && ds[d] == dims.back().n * dims.back().d) {
+      dims.back().n *= size[d];
+      continue;
+    }
+    dims.push_back({size[d], ss[d], ds[d]});
+  }
+  if (dims.empty()) dims.push_back({1, 1, 1});
+  RX_USER_CHECK(static_cast<int>(dims.size()) <= RX_MAX_DIMS, "a box needs ", dims.size(),
+                " non-mergeable dims; at most ", RX_MAX_DIMS, " are supported");
+  rx_box b{};
+  b.src = src;
+  b.dst = dst;
+  b.ndim = static_cast<int32_t>(dims.size());
+  b.src_dtype = src_dtype;
+  b.dst_dtype = dst_dtype;
+  for (int i = 0; i < b.ndim; ++i) {
+    const Dim& dm = dims[dims.size() - 1 - i];
+    b.shape[i] = dm.n;
+    b.src_stride[i] = dm.s;
+    b.dst_stride[i] = dm.d;
+  }
+  return b;
+}
+
+ExecTables::ExecTables(std::shared_ptr<const RankPlan> plan) : plan_(std::move(plan)) {
+  for (const auto& op : plan_->sends) src_used_.push_back(op.src_name);
+  for (const auto& op : plan_->copies) src_used_.push_back(op.src_name);
+  for (const auto& op : plan_->recvs) dst_used_.push_back(op.dst_name);
+  for (const auto& op : plan_->copies) dst_used_.push_back(op.dst_name);
+  for (auto* v : {&src_used_, &dst_used_}) {
+    std::sort(v->begin(), v->end());
+    v->erase(std::unique(v->begin(), v->end()), v->end());
+  }
+}
+
+int64_t ExecTables::send_buffer_bytes() const {
+  int64_t n = 0;
+  for (const auto& b : plan_->batches) n = std::max(n, b.send_bytes);
+  return n;
+}
+
+int64_t ExecTables::recv_buffer_bytes() const {
+  int64_t n = 0;
+  for (const auto& b : plan_->batches) n = std::max(n, b.recv_bytes);
+  return n;
+}
+
+void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
+                      const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs) {
+  RX_HOST_ASSERT(src.size() == src_used_.size() && dst.size() == dst_used_.size(), "bind: wrong tensor count");
+  std::unordered_map<int32_t, const TensorRef*> src_of, dst_of;
+  for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
+  for (size_t i = 0; i < dst.size(); ++i) dst_of[dst_used_[i]] = &dst[i];
+
+  auto addr = [](const TensorRef& t, const std::vector<int64_t>& start) {
+    RX_HOST_ASSERT(t.strides.size() == start.size(), "bind: tensor rank differs from its layout");
+    int64_t off = 0;
+    for (size_t d = 0; d < start.size(); ++d) off += start[d] * t.strides[d];
+    return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
+  };
+  // Offsets of each peer's region in each batch.
+  const int32_t nb = num_batches();
+  auto region_offsets = [&](bool send) {
+    std::vector<std::unordered_map<int32_t, int64_t>> out(nb);
+    for (int32_t b = 0; b < nb; ++b)
+      for (const PeerRegion& r : send ? plan_->batches[b].sends : plan_->batches[b].recvs) out[b][r.peer] = r.offset;
+    return out;
+  };
+  const auto send_regions = region_offsets(true), recv_regions = region_offsets(false);
+
+  pack_.assign(nb, {});
+  unpack_.assign(nb, {});
+  copies_.clear();
+  if (nb > 0) RX_HOST_ASSERT(!send_bufs.empty() && !recv_bufs.empty(), "bind: no staging buffers");
+  for (const TransferOp& op : plan_->sends) {
+    const TensorRef& t = *src_of.at(op.src_name);
+    const uint64_t buf = send_bufs[op.batch % send_bufs.size()] + send_regions[op.batch].at(op.peer) + op.offset;
+    pack_[op.batch].push_back(
+        make_box(op.mine.size, addr(t, op.mine.start), t.strides.data(), t.dtype, buf, nullptr, op.wire_dtype));
+  }
+  for (const TransferOp& op : plan_->recvs) {
+    const TensorRef& t = *dst_of.at(op.dst_name);
+    const uint64_t buf = recv_bufs[op.batch % recv_bufs.size()] + recv_regions[op.batch].at(op.peer) + op.offset;
+    unpack_[op.batch].push_back(
+        make_box(op.mine.size, buf, nullptr, op.wire_dtype, addr(t, op.mine.start), t.strides.data(), t.dtype));
+  }
+  for (const TransferOp& op : plan_->copies) {
+    const TensorRef& s = *src_of.at(op.src_name);
+    const TensorRef& d = *dst_of.at(op.dst_name);
+    copies_.push_back(make_box(op.mine.size, addr(s, op.theirs.start), s.strides.data(), s.dtype,
+                               addr(d, op.mine.start), d.strides.data(), d.dtype));
+  }
+}
+
+}  // namespace rx

@@ -1,0 +1,54 @@
+// Descriptor tables of one rank's plan: the rx_box records the kernels replay on every
+// execute. Built once per (plan, bound tensors); execute only reads them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/planner.h"
+#include "kernels/api.h"
+
+namespace rx {
+
+struct TensorRef {
+  uint64_t ptr = 0;              // address of element 0
+  std::vector<int64_t> strides;  // in elements
+  int32_t dtype = -1;
+};
+
+// Builds one box and folds its dims: size-1 dims drop out and dims contiguous on both
+// sides merge, so a row-major slab becomes one long run. src/dst strides of nullptr
+// mean row-major contiguous. Throws ReshardError past RX_MAX_DIMS dims.
+rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype);
+
+class ExecTables {
+ public:
+  explicit ExecTables(std::shared_ptr<const RankPlan> plan);
+
+  const RankPlan& plan() const { return *plan_; }
+  // Table indices of the src / dst tensors this rank's plan reads or writes.
+  const std::vector<int32_t>& src_used() const { return src_used_; }
+  const std::vector<int32_t>& dst_used() const { return dst_used_; }
+  int32_t num_batches() const { return static_cast<int32_t>(plan_->batches.size()); }
+  int64_t send_buffer_bytes() const;  // the largest batch
+  int64_t recv_buffer_bytes() const;
+
+  // Binds tensors (aligned with src_used()/dst_used()) and staging buffers; batch b
+  // stages in send_bufs[b % n] / recv_bufs[b % n] (two each for pipelining).
+  void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
+            const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs);
+
+  const std::vector<rx_box>& pack(int32_t b) const { return pack_[b]; }
+  const std::vector<rx_box>& unpack(int32_t b) const { return unpack_[b]; }
+  const std::vector<rx_box>& copies() const { return copies_; }
+
+ private:
+  std::shared_ptr<const RankPlan> plan_;
+  std::vector<int32_t> src_used_, dst_used_;
+  std::vector<std::vector<rx_box>> pack_, unpack_;
+  std::vector<rx_box> copies_;
+};
+
+}  // namespace rx

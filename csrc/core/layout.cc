@@ -1,0 +1,217 @@
+#include "core/layout.h"
+
+#include <sstream>
+
+#include "core/check.h"
+#include "kernels/api.h"
+
+namespace rx {
+
+Mesh::Mesh(std::vector<int64_t> shape, std::vector<int32_t> ranks)
+    : shape_(std::move(shape)), ranks_(std::move(ranks)) {
+  if (shape_.size() > 16) error_ = "meshes have at most 16 dims";
+  int64_t n = 1;
+  for (int64_t s : shape_) {
+    if (s <= 0) error_ = "mesh dims must be positive";
+    n *= s;
+  }
+  if (error_.empty() && n != static_cast<int64_t>(ranks_.size()))
+    error_ = detail::format("mesh shape holds ", n, " ranks but ", ranks_.size(), " were given");
+  position_.reserve(ranks_.size());
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    if (ranks_[i] < 0 && error_.empty()) error_ = detail::format("negative rank ", ranks_[i], " in mesh");
+    if (!position_.emplace(ranks_[i], static_cast<int64_t>(i)).second && error_.empty())
+      error_ = detail::format("rank ", ranks_[i], " appears twice in the mesh");
+  }
+}
+
+int64_t Mesh::position(int32_t rank) const {
+  auto it = position_.find(rank);
+  return it == position_.end() ? -1 : it->second;
+}
+
+std::string Mesh::describe() const {
+  std::ostringstream os;
+  os << "Mesh(shape=(";
+  for (size_t i = 0; i < shape_.size(); ++i) os << (i ? ", " : "") << shape_[i];
+  os << "), ranks=[";
+  for (size_t i = 0; i < ranks_.size() && i < 16; ++i) os << (i ? ", " : "") << ranks_[i];
+  if (ranks_.size() > 16) os << ", ...";
+  os << "])";
+  return os.str();
+}
+
+std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t len, int64_t parts, int64_t c,
+                                                      const Placement& p) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  std::vector<int64_t> blocks = p.blocks;
+  if (blocks.empty()) {
+    blocks.push_back(len);
+  } else {
+    int64_t sum = 0;
+    for (int64_t b : blocks) {
+      RX_USER_CHECK(b >= 0, "negative block size ", b);
+      sum += b;
+    }
+    RX_USER_CHECK(sum == len, "packed blocks sum to ", sum, " but dim ", p.shard_dim,
+                  " has length ", len, " where this mesh dim splits it");
+  }
+  RX_USER_CHECK(p.stride >= 1, "Shard stride must be >= 1, got ", p.stride);
+  int64_t offset = 0;
+  for (int64_t b : blocks) {
+    if (p.stride == 1) {
+      const int64_t chunk = (b + parts - 1) / parts;  // torch.chunk semantics
+      const int64_t lo = std::min(c * chunk, b), hi = std::min(lo + chunk, b);
+      if (hi > lo) out.emplace_back(offset + lo, hi - lo);
+    } else {
+      RX_USER_CHECK(b % (parts * p.stride) == 0, "strided shard of dim ", p.shard_dim, ": length ", b,
+                    " is not divisible by parts*stride = ", parts, "*", p.stride);
+      const int64_t chunk = b / (parts * p.stride);
+      for (int64_t j = 0; j < p.stride; ++j)
+        if (chunk > 0) out.emplace_back(offset + (c + j * parts) * chunk, chunk);
+    }
+    offset += b;
+  }
+  return out;
+}
+
+Layout::Layout(std::vector<int64_t> shape, int32_t dtype, std::shared_ptr<const Mesh> mesh,
+               std::vector<Placement> placements)
+    : shape_(std::move(shape)), dtype_(dtype), mesh_(std::move(mesh)), placements_(std::move(placements)) {
+  validate();
+}
+
+int64_t Layout::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape_) n *= s;
+  return n;
+}
+
+void Layout::validate() {
+  if (!mesh_) { error_ = "layout has no mesh"; return; }
+  if (!mesh_->error().empty()) { error_ = mesh_->error(); return; }
+  if (rx_dtype_size(dtype_) == 0) { error_ = detail::format("unsupported dtype code ", dtype_); return; }
+  for (int64_t s : shape_)
+    if (s < 0) { error_ = "negative dim in shape"; return; }
+  if (static_cast<int>(placements_.size()) != mesh_->ndim()) {
+    error_ = detail::format(placements_.size(), " placements for a ", mesh_->ndim(), "-d mesh");
+    return;
+  }
+  for (int i = 0; i < mesh_->ndim(); ++i) {
+    const Placement& p = placements_[i];
+    if (p.is_shard()) {
+      if (p.shard_dim >= ndim()) {
+        error_ = detail::format("Shard(", p.shard_dim, ") of a ", ndim(), "-d tensor");
+        return;
+      }
+      shard_mesh_dims_.push_back(i);
+      num_classes_ *= mesh_->shape()[i];
+    } else {
+      repl_mesh_dims_.push_back(i);
+    }
+  }
+  // Every class piece must be computable, and together they must tile the tensor
+  // exactly once (this catches blocks/strides that disagree with the shape).
+  try {
+    int64_t covered = 0;
+    for (int64_t c = 0; c < num_classes_; ++c) {
+      int64_t vol = 1;
+      for (const Runs& r : class_piece(c)) vol *= total_len(r);
+      covered += vol;
+    }
+    if (covered != numel())
+      error_ = detail::format("the pieces cover ", covered, " elements of ", numel());
+  } catch (const ReshardError& e) {
+    error_ = e.what();
+  }
+}
+
+bool Layout::same_as(const Layout& o) const {
+  return shape_ == o.shape_ && dtype_ == o.dtype_ && mesh_->same_as(*o.mesh_) && placements_ == o.placements_;
+}
+
+std::string Layout::describe() const {
+  std::ostringstream os;
+  os << "Layout(shape=(";
+  for (size_t i = 0; i < shape_.size(); ++i) os << (i ? ", " : "") << shape_[i];
+  os << "), dtype=" << dtype_ << ", " << mesh_->describe() << ", placements=[";
+  for (size_t i = 0; i < placements_.size(); ++i) {
+    const Placement& p = placements_[i];
+    os << (i ? ", " : "");
+    if (!p.is_shard()) { os << "R"; continue; }
+    os << "S(" << p.shard_dim;
+    if (p.stride != 1) os << ", stride=" << p.stride;
+    if (!p.blocks.empty()) {
+      os << ", blocks=(";
+      for (size_t j = 0; j < p.blocks.size(); ++j) os << (j ? "," : "") << p.blocks[j];
+      os << ")";
+    }
+    os << ")";
+  }
+  os << "])";
+  return os.str();
+}
+
+int64_t Layout::class_of_position(int64_t pos) const {
+  // Decode the row-major mesh position, keep the Shard dims' coordinates.
+  const auto& ms = mesh_->shape();
+  int64_t coord[16];
+  for (int i = mesh_->ndim() - 1; i >= 0; --i) {
+    coord[i] = pos % ms[i];
+    pos /= ms[i];
+  }
+  int64_t cls = 0;
+  for (int d : shard_mesh_dims_) cls = cls * ms[d] + coord[d];
+  return cls;
+}
+
+Piece Layout::class_piece(int64_t cls) const {
+  const auto& ms = mesh_->shape();
+  int64_t coord[16] = {0};
+  for (int k = static_cast<int>(shard_mesh_dims_.size()) - 1; k >= 0; --k) {
+    const int d = shard_mesh_dims_[k];
+    coord[d] = cls % ms[d];
+    cls /= ms[d];
+  }
+  Piece piece(shape_.size());
+  for (size_t d = 0; d < shape_.size(); ++d) piece[d] = {Run{0, shape_[d]}};
+  for (int d : shard_mesh_dims_) {
+    const Placement& p = placements_[d];
+    Runs& runs = piece[p.shard_dim];
+    runs = select_local(runs, shard_ranges(total_len(runs), ms[d], coord[d], p));
+  }
+  return piece;
+}
+
+int32_t Layout::class_replica(int64_t cls, int64_t j) const {
+  const auto& ms = mesh_->shape();
+  int64_t coord[16] = {0};
+  for (int k = static_cast<int>(shard_mesh_dims_.size()) - 1; k >= 0; --k) {
+    const int d = shard_mesh_dims_[k];
+    coord[d] = cls % ms[d];
+    cls /= ms[d];
+  }
+  for (int k = static_cast<int>(repl_mesh_dims_.size()) - 1; k >= 0; --k) {
+    const int d = repl_mesh_dims_[k];
+    coord[d] = j % ms[d];
+    j /= ms[d];
+  }
+  int64_t pos = 0;
+  for (int d = 0; d < mesh_->ndim(); ++d) pos = pos * ms[d] + coord[d];
+  return mesh_->ranks()[pos];
+}
+
+bool Layout::piece_of(int32_t rank, Piece* out) const {
+  const int64_t pos = mesh_->position(rank);
+  if (pos < 0) return false;
+  *out = class_piece(class_of_position(pos));
+  return true;
+}
+
+std::vector<int64_t> Layout::local_shape(const Piece& piece) const {
+  std::vector<int64_t> s;
+  for (const Runs& r : piece) s.push_back(total_len(r));
+  return s;
+}
+
+}  // namespace rx

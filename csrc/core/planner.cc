@@ -1,0 +1,343 @@
+#include "core/planner.h"
+
+#include <algorithm>
+#include <functional>
+
+#include "core/check.h"
+#include "kernels/api.h"
+
+namespace rx {
+
+namespace {
+
+constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
+constexpr int64_t kRegionAlign = 256;  // every peer region too
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+bool is_float(int32_t d) { return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64; }
+
+// Every combination of one segment per dim is one box.
+void for_each_box(const std::vector<std::vector<Segment>>& segs,
+                  const std::function<void(const std::vector<const Segment*>&)>& fn) {
+  const size_t nd = segs.size();
+  for (const auto& s : segs)
+    if (s.empty()) return;
+  std::vector<size_t> idx(nd, 0);
+  std::vector<const Segment*> pick(nd);
+  while (true) {
+    for (size_t d = 0; d < nd; ++d) pick[d] = &segs[d][idx[d]];
+    fn(pick);
+    size_t d = nd;
+    while (d > 0) {
+      --d;
+      if (++idx[d] < segs[d].size()) break;
+      idx[d] = 0;
+      if (d == 0) return;
+    }
+    if (nd == 0) return;
+  }
+}
+
+// Replica choice among the ranks holding a src class (DESIGN section 4, step 2): the
+// receiver itself when it holds the class, else spread by (name, receiver position).
+// Returns the replica index j, or -1 for "the receiver itself".
+int64_t choose_replica(const Layout& src, int64_t cls, int32_t receiver, int64_t receiver_pos,
+                       uint64_t name_hash) {
+  const int64_t pos = src.mesh().position(receiver);
+  if (pos >= 0 && src.class_of_position(pos) == cls) return -1;
+  return static_cast<int64_t>((name_hash + static_cast<uint64_t>(receiver_pos)) %
+                              static_cast<uint64_t>(src.replicas_per_class()));
+}
+
+// Splits an op into pieces of at most `limit` wire bytes along its outermost dims.
+void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<TransferOp>& out) {
+  if (limit <= 0 || op.nbytes <= limit) {
+    out.push_back(op);
+    return;
+  }
+  const size_t nd = op.mine.size.size();
+  size_t d = 0;
+  while (d < nd && op.mine.size[d] == 1) ++d;
+  if (d == nd) {
+    out.push_back(op);
+    return;
+  }
+  const int64_t per = op.nbytes / op.mine.size[d];
+  const int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
+  for (int64_t lo = 0; lo < op.mine.size[d]; lo += step) {
+    const int64_t n = std::min(step, op.mine.size[d] - lo);
+    TransferOp part = op;
+    part.mine.start[d] += lo;
+    part.theirs.start[d] += lo;
+    part.global[d] += lo;
+    part.mine.size[d] = part.theirs.size[d] = n;
+    part.numel = op.numel / op.mine.size[d] * n;
+    part.nbytes = part.numel * elem;
+    split_op(part, limit, elem, out);
+  }
+}
+
+bool op_less(const TransferOp& a, const TransferOp& b) {
+  if (a.peer != b.peer) return a.peer < b.peer;
+  if (a.dst_name != b.dst_name) return a.dst_name < b.dst_name;
+  return a.global < b.global;
+}
+
+}  // namespace
+
+uint64_t fnv1a(const void* data, size_t n, uint64_t h) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+LayoutTable::LayoutTable(std::vector<std::pair<std::string, std::shared_ptr<const Layout>>> entries) {
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [name, layout] : entries) {
+    if (!names_.empty() && names_.back() == name) {
+      RX_USER_CHECK(layouts_.back()->same_as(*layout), "tensor '", name, "': ranks disagree on its layout: ",
+                    layouts_.back()->describe(), " vs ", layout->describe());
+      continue;
+    }
+    index_.emplace(name, static_cast<int32_t>(names_.size()));
+    hashes_.push_back(fnv1a(name.data(), name.size()));
+    names_.push_back(std::move(name));
+    layouts_.push_back(std::move(layout));
+  }
+}
+
+int32_t LayoutTable::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? -1 : it->second;
+}
+
+int32_t wire_dtype_for(int32_t src_dtype, int32_t dst_dtype) {
+  if (is_float(src_dtype) && is_float(dst_dtype) && rx_dtype_size(dst_dtype) < rx_dtype_size(src_dtype))
+    return dst_dtype;
+  return src_dtype;
+}
+
+std::vector<std::string> check_tables(const LayoutTable& src, const LayoutTable& dst, int32_t world_size) {
+  std::vector<std::string> errors;
+  auto check_side = [&](const LayoutTable& t, const char* side) {
+    for (int32_t i = 0; i < t.size(); ++i) {
+      const Layout& l = t.layout(i);
+      if (!l.error().empty()) {
+        errors.push_back(detail::format(side, " tensor '", t.name(i), "': invalid layout: ", l.error()));
+        continue;
+      }
+      if (world_size > 0) {
+        for (int32_t r : l.mesh().ranks()) {
+          if (r >= world_size) {
+            errors.push_back(detail::format(side, " tensor '", t.name(i), "': mesh names rank ", r,
+                                            ", outside the group of size ", world_size));
+            break;
+          }
+        }
+      }
+    }
+  };
+  check_side(src, "src");
+  check_side(dst, "dst");
+  for (int32_t i = 0; i < dst.size(); ++i) {
+    const int32_t j = src.find(dst.name(i));
+    if (j < 0) {
+      errors.push_back(detail::format("dst tensor '", dst.name(i), "' has no source: no rank passed it in src"));
+      continue;
+    }
+    const Layout& d = dst.layout(i);
+    const Layout& s = src.layout(j);
+    if (d.shape() != s.shape())
+      errors.push_back(detail::format("tensor '", dst.name(i), "': global shape differs between src ",
+                                      s.describe(), " and dst ", d.describe()));
+    if (!rx_dtype_castable(s.dtype(), d.dtype()))
+      errors.push_back(detail::format("tensor '", dst.name(i), "': cannot convert dtype code ", s.dtype(),
+                                      " to ", d.dtype(), " exactly in kind (only floating types convert)"));
+  }
+  return errors;
+}
+
+RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes) {
+  RankPlan plan;
+  plan.rank = rank;
+  plan.max_batch_bytes = max_batch_bytes;
+  std::vector<TransferOp> raw_sends, raw_recvs;
+
+  auto make_op = [&dst](int32_t dst_name, int32_t src_name, int32_t peer, const std::vector<const Segment*>& pick,
+                        bool mine_is_a, int32_t wire) {
+    TransferOp op;
+    op.dst_name = dst_name;
+    op.name_hash = dst.name_hash(dst_name);
+    op.src_name = src_name;
+    op.peer = peer;
+    op.numel = 1;
+    for (const Segment* s : pick) {
+      op.mine.start.push_back(mine_is_a ? s->a_local : s->b_local);
+      op.theirs.start.push_back(mine_is_a ? s->b_local : s->a_local);
+      op.mine.size.push_back(s->len);
+      op.theirs.size.push_back(s->len);
+      op.global.push_back(s->global);
+      op.numel *= s->len;
+    }
+    op.wire_dtype = wire;
+    op.nbytes = op.numel * rx_dtype_size(wire);
+    return op;
+  };
+
+  // As receiver: my dst piece of each tensor against every src class.
+  Piece mine;
+  for (int32_t di = 0; di < dst.size(); ++di) {
+    const Layout& dl = dst.layout(di);
+    const int64_t my_pos = dl.mesh().position(rank);
+    if (my_pos < 0 || dl.numel() == 0) continue;
+    const int32_t si = src.find(dst.name(di));
+    RX_HOST_ASSERT(si >= 0, "unchecked table");
+    const Layout& sl = src.layout(si);
+    mine = dl.class_piece(dl.class_of_position(my_pos));
+    const int32_t wire = wire_dtype_for(sl.dtype(), dl.dtype());
+    std::vector<std::vector<Segment>> segs(dl.ndim());
+    for (int64_t cls = 0; cls < sl.num_classes(); ++cls) {
+      const Piece theirs = sl.class_piece(cls);
+      bool empty = false;
+      for (int d = 0; d < dl.ndim() && !empty; ++d) {
+        segs[d] = intersect(theirs[d], mine[d]);
+        empty = segs[d].empty();
+      }
+      if (empty) continue;
+      const int64_t j = choose_replica(sl, cls, rank, my_pos, dst.name_hash(di));
+      const int32_t peer = j < 0 ? rank : sl.class_replica(cls, j);
+      for_each_box(segs, [&](const std::vector<const Segment*>& pick) {
+        (peer == rank ? plan.copies : raw_recvs).push_back(make_op(di, si, peer, pick, false, wire));
+      });
+    }
+  }
+
+  // As sender: for each tensor I hold, the dst pieces that choose me.
+  for (int32_t si = 0; si < src.size(); ++si) {
+    const Layout& sl = src.layout(si);
+    const int64_t my_pos = sl.mesh().position(rank);
+    if (my_pos < 0 || sl.numel() == 0) continue;
+    const int32_t di = dst.find(src.name(si));
+    if (di < 0) continue;  // extra src names are ignored
+    const Layout& dl = dst.layout(di);
+    const int64_t my_cls = sl.class_of_position(my_pos);
+    const Piece held = sl.class_piece(my_cls);
+    const int32_t wire = wire_dtype_for(sl.dtype(), dl.dtype());
+    std::vector<std::vector<Segment>> segs(sl.ndim());
+    for (int64_t dcls = 0; dcls < dl.num_classes(); ++dcls) {
+      const Piece want = dl.class_piece(dcls);
+      bool empty = false;
+      for (int d = 0; d < sl.ndim() && !empty; ++d) {
+        segs[d] = intersect(held[d], want[d]);
+        empty = segs[d].empty();
+      }
+      if (empty) continue;
+      for (int64_t j = 0; j < dl.replicas_per_class(); ++j) {
+        const int32_t receiver = dl.class_replica(dcls, j);
+        if (receiver == rank) continue;  // a same-rank copy, planned on the receive side
+        const int64_t rpos = dl.mesh().position(receiver);
+        const int64_t pick = choose_replica(sl, my_cls, receiver, rpos, dst.name_hash(di));
+        if (pick < 0 || sl.class_replica(my_cls, pick) != rank) continue;
+        for_each_box(segs, [&](const std::vector<const Segment*>& p) {
+          raw_sends.push_back(make_op(di, si, receiver, p, true, wire));
+        });
+      }
+    }
+  }
+
+  auto finish = [&](std::vector<TransferOp>& raw, std::vector<TransferOp>& out) {
+    out.reserve(raw.size());
+    for (const TransferOp& op : raw) split_op(op, max_batch_bytes, rx_dtype_size(op.wire_dtype), out);
+    std::sort(out.begin(), out.end(), op_less);
+  };
+  finish(raw_sends, plan.sends);
+  finish(raw_recvs, plan.recvs);
+  std::sort(plan.copies.begin(), plan.copies.end(), op_less);
+  plan.assign_batches(1);
+  return plan;
+}
+
+int64_t RankPlan::send_total() const {
+  int64_t n = 0;
+  for (const auto& op : sends) n += op.nbytes;
+  return n;
+}
+
+int64_t RankPlan::recv_total() const {
+  int64_t n = 0;
+  for (const auto& op : recvs) n += op.nbytes;
+  return n;
+}
+
+int32_t RankPlan::wanted_batches() const {
+  if (max_batch_bytes <= 0) return 1;
+  const int64_t most = std::max(send_total(), recv_total());
+  return static_cast<int32_t>(std::max<int64_t>(1, (most + max_batch_bytes - 1) / max_batch_bytes));
+}
+
+void RankPlan::assign_batches(int32_t k) {
+  RX_HOST_ASSERT(k >= 1, "need at least one batch");
+  batches.assign(k, BatchLayout{});
+  digests.clear();
+  send_digest = recv_digest = 0;
+
+  auto side = [&](std::vector<TransferOp>& ops, bool is_send) {
+    size_t i = 0;
+    while (i < ops.size()) {
+      size_t end = i;
+      int64_t total = 0;
+      while (end < ops.size() && ops[end].peer == ops[i].peer) total += ops[end++].nbytes;
+      const int32_t peer = ops[i].peer;
+      // Batch of an op: proportional to where it starts in the pair's byte stream, so
+      // every batch of every pair carries about total/k bytes, and both ends agree.
+      std::vector<int64_t> fill(k, 0);
+      int64_t running = 0;
+      uint64_t h = 1469598103934665603ull;
+      for (size_t o = i; o < end; ++o) {
+        TransferOp& op = ops[o];
+        op.batch = total == 0 ? 0
+                              : static_cast<int32_t>(std::min<__int128>(
+                                    k - 1, static_cast<__int128>(running) * k / total));
+        running += op.nbytes;
+        op.offset = align_up(fill[op.batch], kOpAlign);
+        fill[op.batch] = op.offset + op.nbytes;
+        const int64_t key[5] = {static_cast<int64_t>(op.name_hash), op.batch, op.offset, op.nbytes,
+                                op.wire_dtype};
+        h = fnv1a(key, sizeof(key), h);
+        h = fnv1a(op.global.data(), op.global.size() * sizeof(int64_t), h);
+        h = fnv1a(op.mine.size.data(), op.mine.size.size() * sizeof(int64_t), h);
+      }
+      for (int32_t b = 0; b < k; ++b) {
+        if (fill[b] == 0) continue;
+        BatchLayout& bl = batches[b];
+        auto& regions = is_send ? bl.sends : bl.recvs;
+        int64_t& used = is_send ? bl.send_bytes : bl.recv_bytes;
+        const int64_t off = align_up(used, kRegionAlign);
+        regions.push_back({peer, off, fill[b]});
+        used = off + fill[b];
+      }
+      PairDigest d{is_send ? rank : peer, is_send ? peer : rank, static_cast<int64_t>(end - i), total, h};
+      const uint64_t folded = mix64(h ^ mix64(static_cast<uint64_t>(d.count) * 31 + static_cast<uint64_t>(d.bytes)) ^
+                                    mix64((static_cast<uint64_t>(d.from) << 32) | static_cast<uint32_t>(d.to)));
+      (is_send ? send_digest : recv_digest) += folded;
+      digests.push_back(d);
+      i = end;
+    }
+  };
+  side(sends, true);
+  side(recvs, false);
+}
+
+}  // namespace rx

@@ -1,0 +1,106 @@
+// The planner (DESIGN section 4): from the global layouts alone, the ops of ONE rank.
+// Pure: no process group, no tensors. Every rank runs it on the same tables and gets
+// its own share, so sender and receiver agree without talking.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/layout.h"
+
+namespace rx {
+
+// One side's layouts by name, sorted by name (the canonical order both sides use).
+class LayoutTable {
+ public:
+  LayoutTable() = default;
+  // Duplicated names must carry the same layout; a disagreement is a ReshardError.
+  explicit LayoutTable(std::vector<std::pair<std::string, std::shared_ptr<const Layout>>> entries);
+
+  int32_t size() const { return static_cast<int32_t>(names_.size()); }
+  const std::string& name(int32_t i) const { return names_[i]; }
+  const Layout& layout(int32_t i) const { return *layouts_[i]; }
+  const std::shared_ptr<const Layout>& layout_ptr(int32_t i) const { return layouts_[i]; }
+  uint64_t name_hash(int32_t i) const { return hashes_[i]; }
+  int32_t find(const std::string& name) const;
+
+ private:
+  std::vector<std::string> names_;
+  std::vector<std::shared_ptr<const Layout>> layouts_;
+  std::vector<uint64_t> hashes_;
+  std::unordered_map<std::string, int32_t> index_;
+};
+
+uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull);
+
+struct Box {
+  std::vector<int64_t> start;  // local coordinates in a piece
+  std::vector<int64_t> size;
+};
+
+struct TransferOp {
+  int32_t dst_name = -1;  // index into the dst table
+  int32_t src_name = -1;  // index into the src table
+  int32_t peer = -1;      // the other rank; the rank itself for a same-rank copy
+  uint64_t name_hash = 0; // of the tensor name (digests)
+  Box mine;               // in my piece (src piece for a send, dst piece for a recv/copy)
+  Box theirs;             // in the peer's piece (for a copy: the src piece)
+  std::vector<int64_t> global;  // global coordinates of the box origin
+  int64_t numel = 0;
+  int32_t wire_dtype = 0;
+  int64_t nbytes = 0;     // bytes on the wire
+  int32_t batch = 0;
+  int64_t offset = 0;     // byte offset inside the peer's region of the batch's staging buffer
+};
+
+struct PeerRegion {
+  int32_t peer;
+  int64_t offset;  // in the batch's staging buffer
+  int64_t bytes;
+};
+
+struct BatchLayout {
+  std::vector<PeerRegion> sends, recvs;
+  int64_t send_bytes = 0, recv_bytes = 0;
+};
+
+struct PairDigest {
+  int32_t from, to;
+  int64_t count, bytes;
+  uint64_t hash;
+};
+
+// The wire dtype of a src->dst pair: the narrower float when both are floating (cast
+// once, on the sender: fewer bytes, same bits), else the source type.
+int32_t wire_dtype_for(int32_t src_dtype, int32_t dst_dtype);
+
+class RankPlan {
+ public:
+  int32_t rank = 0;
+  std::vector<TransferOp> sends, recvs, copies;  // sorted by (peer, name, global)
+  std::vector<BatchLayout> batches;
+  std::vector<PairDigest> digests;  // one per peer and direction, copies excluded
+  uint64_t send_digest = 0, recv_digest = 0;
+  int64_t max_batch_bytes = 0;
+
+  // How many batches this rank would need under max_batch_bytes (1 when unbounded).
+  int32_t wanted_batches() const;
+  // Splits every pair's ops into k batches (k is agreed globally: the max wanted),
+  // assigns offsets, regions and digests.
+  void assign_batches(int32_t k);
+  int64_t send_total() const;
+  int64_t recv_total() const;
+};
+
+RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes);
+
+// Deterministic checks of the global tables (every rank gets the same answer):
+// invalid layouts, ranks outside [0, world_size), unknown dst names, shape mismatch,
+// casts that cannot be exact in kind. One message per problem, naming the tensor.
+std::vector<std::string> check_tables(const LayoutTable& src, const LayoutTable& dst, int32_t world_size);
+
+}  // namespace rx

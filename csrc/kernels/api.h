@@ -1,0 +1,88 @@
+// C-style kernel API: raw pointers, descriptor tables and streams. No torch, no STL.
+//
+// Every data movement of a refit is one of three things, and all three are the same
+// operation - a strided box copy with an optional dtype cast - over a table of boxes:
+//   pack:   tensor boxes  -> contiguous regions of a staging buffer
+//   unpack: staging regions -> tensor boxes (cast fused)
+//   copy:   tensor boxes -> tensor boxes on the same rank, no staging
+// A staging region is simply a box whose strides are row-major contiguous.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RX_MAX_DIMS 6
+
+// Element types, fixed codes shared with Python (reshard_ext/_dtypes.py).
+typedef enum rx_dtype {
+  RX_U8 = 0,
+  RX_I8 = 1,
+  RX_I16 = 2,
+  RX_I32 = 3,
+  RX_I64 = 4,
+  RX_F16 = 5,
+  RX_BF16 = 6,
+  RX_F32 = 7,
+  RX_F64 = 8,
+  RX_BOOL = 9,
+  RX_F8E4M3 = 10,
+  RX_F8E5M2 = 11,
+  RX_F8E8M0 = 12,
+  RX_U16 = 13,
+  RX_U32 = 14,
+  RX_U64 = 15,
+  RX_NUM_DTYPES = 16
+} rx_dtype;
+
+// One box: `shape` elements (outermost dim first), read at `src` with `src_stride`
+// (in elements of src_dtype) and written at `dst` with `dst_stride` (in elements of
+// dst_dtype). src_dtype != dst_dtype only between floating types (f16/bf16/f32/f64);
+// the cast rounds to nearest even, as torch's Tensor.to does.
+typedef struct rx_box {
+  uint64_t src;
+  uint64_t dst;
+  int64_t shape[RX_MAX_DIMS];
+  int64_t src_stride[RX_MAX_DIMS];
+  int64_t dst_stride[RX_MAX_DIMS];
+  int32_t ndim;
+  int32_t src_dtype;
+  int32_t dst_dtype;
+  int32_t reserved;
+} rx_box;
+
+// Size in bytes of one element of `dtype`, 0 for an unknown code.
+int32_t rx_dtype_size(int32_t dtype);
+// 1 when boxes may convert src -> dst (equal types, or both floating).
+int32_t rx_dtype_castable(int32_t src, int32_t dst);
+
+// CPU twin: copies every box of the table, in order. Returns 0, or -1 on a bad box.
+int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
+
+#ifdef RX_WITH_CUDA
+// CUDA: copies every box of a device-resident table in one launch on `stream`.
+//   boxes_dev: the table in device memory (uploaded once at plan time).
+//   tiles_dev/num_tiles: the work split (rx_plan_tiles), device memory, uploaded once.
+// Returns a cudaError_t value (0 = cudaSuccess).
+typedef struct rx_tile {
+  int32_t box;        // index into the box table
+  int32_t reserved;
+  int64_t begin;      // first flattened element of the box this tile covers
+  int64_t end;        // one past the last
+} rx_tile;
+
+// Splits a host box table into tiles of about `tile_elems` elements so one launch
+// fills the GPU for one huge box and for 10,000 tiny ones alike. Writes at most
+// `max_tiles` tiles into `tiles` and returns how many are needed.
+int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t tile_bytes,
+                      rx_tile* tiles, int64_t max_tiles);
+
+int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev,
+                           int64_t num_tiles, void* stream);
+#endif
+
+#ifdef __cplusplus
+}
+#endif

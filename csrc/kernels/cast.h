@@ -1,0 +1,109 @@
+// Bit-exact element conversions shared by the CPU twins and the CUDA kernels, so both
+// produce the same bits as torch's Tensor.to (round to nearest even; float64 sources
+// go through float32 for the 16-bit types, as c10::BFloat16/c10::Half do).
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/api.h"
+
+#if defined(__CUDACC__)
+#define RX_HD __host__ __device__ __forceinline__
+#else
+#define RX_HD inline
+#endif
+
+namespace rx {
+
+RX_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+RX_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+RX_HD uint16_t bf16_from_f32(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10 does
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+RX_HD float f32_from_bf16(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+RX_HD uint16_t f16_from_f32(float f) {
+  uint32_t x = f32_bits(f);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); // overflow (incl. inf) after rounding
+  if (ax < 0x38800000u) {                                   // subnormal or zero in half
+    if (ax < 0x33000000u) return (uint16_t)sign;            // below half of the smallest subnormal
+    uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+    int shift = 113 - (int)(ax >> 23) + 13;                 // 14..24
+    uint32_t half = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) half++;
+    return (uint16_t)(sign | half);
+  }
+  uint32_t h = ((ax >> 13) - (112u << 10));                 // rebias exponent 127 -> 15
+  uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+  return (uint16_t)(sign | h);
+}
+
+RX_HD float f32_from_f16(uint16_t h) {
+  uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return f32_from_bits(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return f32_from_bits(sign);
+    // subnormal: normalise
+    int e = -1;
+    do { mant <<= 1; e++; } while ((mant & 0x400u) == 0);
+    mant &= 0x3ffu;
+    return f32_from_bits(sign | ((uint32_t)(112 - e) << 23) | (mant << 13));
+  }
+  return f32_from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+RX_HD bool dtype_is_float(int32_t d) {
+  return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64;
+}
+
+// Reads one floating element as double (exact for all four types).
+RX_HD double load_float(const void* p, int32_t dtype) {
+  switch (dtype) {
+    case RX_F16: return (double)f32_from_f16(*(const uint16_t*)p);
+    case RX_BF16: return (double)f32_from_bf16(*(const uint16_t*)p);
+    case RX_F32: return (double)*(const float*)p;
+    default: return *(const double*)p;
+  }
+}
+
+// Writes one floating element, rounding as torch does.
+RX_HD void store_float(void* p, int32_t dtype, double v) {
+  switch (dtype) {
+    case RX_F16: *(uint16_t*)p = f16_from_f32((float)v); break;
+    case RX_BF16: *(uint16_t*)p = bf16_from_f32((float)v); break;
+    case RX_F32: *(float*)p = (float)v; break;
+    default: *(double*)p = v; break;
+  }
+}
+
+}  // namespace rx

@@ -1,0 +1,194 @@
+// Layouts, the planner, metadata encoding and descriptor tables.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "core/check.h"
+#include "core/exec_tables.h"
+#include "core/layout.h"
+#include "core/metadata.h"
+#include "core/planner.h"
+#include "python/register.h"
+
+namespace py = pybind11;
+
+namespace rx::python {
+
+namespace {
+
+py::list piece_to_py(const Piece& piece) {
+  py::list dims;
+  for (const Runs& runs : piece) {
+    py::list l;
+    for (const Run& r : runs) l.append(py::make_tuple(r.start, r.len));
+    dims.append(l);
+  }
+  return dims;
+}
+
+py::tuple op_to_py(const TransferOp& op) {
+  return py::make_tuple(op.dst_name, op.peer, op.mine.start, op.mine.size, op.theirs.start, op.global, op.nbytes,
+                        op.batch, op.offset, op.wire_dtype);
+}
+
+py::list ops_to_py(const std::vector<TransferOp>& ops) {
+  py::list l;
+  for (const auto& op : ops) l.append(op_to_py(op));
+  return l;
+}
+
+py::bytes boxes_bytes(const std::vector<rx_box>& v) {
+  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(rx_box));
+}
+
+void run_cpu(const std::vector<rx_box>& v) {
+  int32_t rc;
+  {
+    py::gil_scoped_release release;
+    rc = rx_copy_boxes_cpu(v.data(), static_cast<int64_t>(v.size()));
+  }
+  RX_HOST_ASSERT(rc == 0, "bad box in table");
+}
+
+std::vector<TensorRef> refs_from_py(const py::list& l) {
+  std::vector<TensorRef> out;
+  out.reserve(l.size());
+  for (const auto& item : l) {
+    auto t = item.cast<py::tuple>();
+    out.push_back(TensorRef{t[0].cast<uint64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int32_t>()});
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_core(py::module_& m) {
+  py::class_<Mesh, std::shared_ptr<Mesh>>(m, "Mesh")
+      .def(py::init<std::vector<int64_t>, std::vector<int32_t>>(), py::arg("shape"), py::arg("ranks"))
+      .def_property_readonly("shape", &Mesh::shape)
+      .def_property_readonly("ranks", &Mesh::ranks)
+      .def_property_readonly("error", &Mesh::error)
+      .def("position", &Mesh::position)
+      .def("describe", &Mesh::describe);
+
+  py::class_<Placement>(m, "Placement")
+      .def(py::init([](int32_t dim, int64_t stride, std::vector<int64_t> blocks) {
+             return Placement{dim, stride, std::move(blocks)};
+           }),
+           py::arg("shard_dim"), py::arg("stride") = 1, py::arg("blocks") = std::vector<int64_t>{})
+      .def_readonly("shard_dim", &Placement::shard_dim)
+      .def_readonly("stride", &Placement::stride)
+      .def_readonly("blocks", &Placement::blocks);
+
+  py::class_<Layout, std::shared_ptr<Layout>>(m, "Layout")
+      .def(py::init([](std::vector<int64_t> shape, int32_t dtype, std::shared_ptr<Mesh> mesh,
+                       std::vector<Placement> placements) {
+             return std::make_shared<Layout>(std::move(shape), dtype, std::move(mesh), std::move(placements));
+           }),
+           py::arg("shape"), py::arg("dtype"), py::arg("mesh"), py::arg("placements"))
+      .def_property_readonly("error", &Layout::error)
+      .def_property_readonly("num_classes", &Layout::num_classes)
+      .def("describe", &Layout::describe)
+      .def("same_as", &Layout::same_as)
+      .def(
+          "piece",
+          [](const Layout& l, int32_t rank) -> py::object {
+            RX_USER_CHECK(l.error().empty(), "invalid layout: ", l.error());
+            Piece p;
+            if (!l.piece_of(rank, &p)) return py::none();
+            return piece_to_py(p);
+          },
+          "Per-dim runs [(global_start, len), ...] of `rank`'s piece, or None outside the mesh.");
+
+  py::class_<LayoutTable, std::shared_ptr<LayoutTable>>(m, "LayoutTable")
+      .def(py::init([](const std::vector<std::pair<std::string, std::shared_ptr<Layout>>>& entries) {
+        std::vector<std::pair<std::string, std::shared_ptr<const Layout>>> e(entries.begin(), entries.end());
+        return std::make_shared<LayoutTable>(std::move(e));
+      }))
+      .def("__len__", &LayoutTable::size)
+      .def("name", &LayoutTable::name)
+      .def("find", &LayoutTable::find)
+      .def("names", [](const LayoutTable& t) {
+        std::vector<std::string> v;
+        for (int32_t i = 0; i < t.size(); ++i) v.push_back(t.name(i));
+        return v;
+      })
+      .def("layout", [](const LayoutTable& t, int32_t i) { return std::const_pointer_cast<Layout>(t.layout_ptr(i)); });
+
+  m.def("check_tables", &check_tables, py::arg("src"), py::arg("dst"), py::arg("world_size"));
+
+  py::class_<RankPlan, std::shared_ptr<RankPlan>>(m, "RankPlan")
+      .def_readonly("rank", &RankPlan::rank)
+      .def_readonly("send_digest", &RankPlan::send_digest)
+      .def_readonly("recv_digest", &RankPlan::recv_digest)
+      .def("wanted_batches", &RankPlan::wanted_batches)
+      .def("assign_batches", &RankPlan::assign_batches)
+      .def_property_readonly("num_batches", [](const RankPlan& p) { return p.batches.size(); })
+      .def("send_total", &RankPlan::send_total)
+      .def("recv_total", &RankPlan::recv_total)
+      .def_property_readonly("num_ops", [](const RankPlan& p) {
+        return py::make_tuple(p.sends.size(), p.recvs.size(), p.copies.size());
+      })
+      .def("sends", [](const RankPlan& p) { return ops_to_py(p.sends); },
+           "(dst_name, peer, my_start, size, peer_start, global, nbytes, batch, offset, wire_dtype) tuples")
+      .def("recvs", [](const RankPlan& p) { return ops_to_py(p.recvs); })
+      .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
+      .def("regions", [](const RankPlan& p, int32_t b) {
+        py::list s, r;
+        for (const auto& x : p.batches.at(b).sends) s.append(py::make_tuple(x.peer, x.offset, x.bytes));
+        for (const auto& x : p.batches.at(b).recvs) r.append(py::make_tuple(x.peer, x.offset, x.bytes));
+        return py::make_tuple(s, r);
+      })
+      .def("digests", [](const RankPlan& p) {
+        py::list l;
+        for (const auto& d : p.digests) l.append(py::make_tuple(d.from, d.to, d.count, d.bytes, d.hash));
+        return l;
+      });
+
+  m.def(
+      "plan_rank",
+      [](const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes) {
+        py::gil_scoped_release release;
+        return std::make_shared<RankPlan>(plan_rank(src, dst, rank, max_batch_bytes));
+      },
+      py::arg("src"), py::arg("dst"), py::arg("rank"), py::arg("max_batch_bytes") = 0);
+
+  m.def("encode_entries", [](const std::vector<std::tuple<int, std::string, std::shared_ptr<Layout>>>& entries) {
+    std::vector<LayoutEntry> e;
+    e.reserve(entries.size());
+    for (const auto& [side, name, layout] : entries) e.push_back({static_cast<uint8_t>(side), name, layout});
+    return py::bytes(encode_entries(e));
+  });
+  m.def("decode_entries", [](const std::vector<std::string>& blobs) {
+    std::vector<LayoutEntry> e;
+    {
+      py::gil_scoped_release release;
+      e = decode_entries(blobs);
+    }
+    py::list out;
+    for (auto& x : e) out.append(py::make_tuple(static_cast<int>(x.side), x.name, std::const_pointer_cast<Layout>(x.layout)));
+    return out;
+  });
+
+
+  py::class_<ExecTables, std::shared_ptr<ExecTables>>(m, "ExecTables")
+      .def(py::init<std::shared_ptr<const RankPlan>>())
+      .def_property_readonly("src_used", &ExecTables::src_used)
+      .def_property_readonly("dst_used", &ExecTables::dst_used)
+      .def_property_readonly("num_batches", &ExecTables::num_batches)
+      .def_property_readonly("send_buffer_bytes", &ExecTables::send_buffer_bytes)
+      .def_property_readonly("recv_buffer_bytes", &ExecTables::recv_buffer_bytes)
+      .def("bind",
+           [](ExecTables& t, const py::list& src, const py::list& dst, const std::vector<uint64_t>& send_bufs,
+              const std::vector<uint64_t>& recv_bufs) {
+             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs);
+           },
+           "src/dst: lists of (data_ptr, strides, dtype_code) aligned with src_used/dst_used")
+      .def("pack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.pack(b)); })
+      .def("unpack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.unpack(b)); })
+      .def("copy_boxes", [](const ExecTables& t) { return boxes_bytes(t.copies()); })
+      .def("run_copies_cpu", [](const ExecTables& t) { run_cpu(t.copies()); })
+      .def("run_pack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.pack(b)); })
+      .def("run_unpack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.unpack(b)); });
+}
+
+}  // namespace rx::python

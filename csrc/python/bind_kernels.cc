@@ -1,0 +1,34 @@
+// CPU kernels: the box copy over a table passed as raw bytes (tests, CPU refit).
+#include <pybind11/pybind11.h>
+
+#include "core/check.h"
+#include "kernels/api.h"
+#include "python/register.h"
+
+namespace py = pybind11;
+
+namespace rx::python {
+
+void register_kernels(py::module_& m) {
+  m.def("dtype_size", &rx_dtype_size, "Bytes per element of an rx dtype code (0 if unknown).");
+  m.def("dtype_castable", [](int32_t s, int32_t d) { return rx_dtype_castable(s, d) != 0; },
+        "Whether boxes may convert dtype s to d.");
+  m.attr("MAX_DIMS") = RX_MAX_DIMS;
+  m.attr("BOX_BYTES") = sizeof(rx_box);
+  m.def(
+      "copy_boxes_cpu",
+      [](py::buffer table) {
+        py::buffer_info info = table.request();
+        RX_HOST_ASSERT(info.size * info.itemsize % sizeof(rx_box) == 0, "table is not a whole number of boxes");
+        const int64_t n = info.size * info.itemsize / sizeof(rx_box);
+        int32_t rc;
+        {
+          py::gil_scoped_release release;
+          rc = rx_copy_boxes_cpu(static_cast<const rx_box*>(info.ptr), n);
+        }
+        RX_HOST_ASSERT(rc == 0, "bad box in table");
+      },
+      "Runs the CPU box copy over a table of rx_box records (bytes-like).");
+}
+
+}  // namespace rx::python

@@ -1,0 +1,36 @@
+// The extension module: registration only. Each area binds itself in its own file.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "core/check.h"
+#include "python/register.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "reshard_ext compiled core (links no torch)";
+  py::register_exception<rx::ReshardError>(m, "ReshardError", PyExc_RuntimeError);
+  py::register_exception<rx::InternalError>(m, "InternalError", PyExc_RuntimeError);
+
+  rx::python::register_core(m);
+  rx::python::register_kernels(m);
+  rx::python::register_cuda(m);
+  rx::python::register_comm(m);
+  rx::python::register_mxfp8(m);
+
+  py::dict info;
+  info["version"] = RX_VERSION_INFO;
+#ifdef RX_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_arch"] = RX_CUDA_ARCH_INFO;
+#else
+  info["cuda"] = false;
+  info["cuda_arch"] = "";
+#endif
+#ifdef RX_WITH_NCCL
+  info["nccl"] = true;
+#else
+  info["nccl"] = false;
+#endif
+  m.attr("_build_info") = info;
+}

@@ -1,0 +1,1 @@
+from reshard_ext import _C  # noqa

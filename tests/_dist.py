@@ -1,0 +1,133 @@
+"""Real process groups for tests: a pool of spawned workers per (world size, backend).
+
+Starting torch in a fresh process costs seconds on a 2-core machine, so each pool is
+spawned once per test session and reused: `run_ranks(n, fn, *args)` runs the
+module-level function `fn(rank, world_size, *args)` on every rank of an n-process group
+(gloo on CPU, nccl on GPU) and returns the per-rank results. A rank that raises makes
+`run_ranks` raise with that rank's traceback; a rank that does not answer within the
+timeout (a hang) fails the test and the pool is torn down.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def _worker(rank: int, world: int, port: int, backend: str, inq, outq) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+        **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
+    )
+    outq.put((rank, "ready", None))
+    while True:
+        item = inq.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            outq.put((rank, "ok", fn(rank, world, *args)))
+        except BaseException as e:  # report everything, keep serving
+            outq.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class Pool:
+    def __init__(self, world: int, backend: str):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.backend = backend
+        self.inqs = [ctx.Queue() for _ in range(world)]
+        self.outq = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, backend, self.inqs[r], self.outq), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect(timeout=180, expect="ready")
+
+    def _collect(self, timeout: float, expect: str = "ok") -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.world:
+            try:
+                rank, kind, payload = self.outq.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(self.world)) - set(results) - set(errors))
+                self.close()
+                raise RankFailure(f"ranks {missing} did not answer within {timeout}s (hang)") from None
+            if kind == "err":
+                errors[rank] = payload
+            else:
+                results[rank] = payload
+        if errors:
+            first = min(errors)
+            raise RankFailure(f"rank {first} raised:\n{errors[first]}")
+        return [results[r] for r in range(self.world)]
+
+    def run(self, fn: Callable, *args, timeout: float = 300) -> list[Any]:
+        for q in self.inqs:
+            q.put((fn, args))
+        return self._collect(timeout)
+
+    def close(self) -> None:
+        for q in self.inqs:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        if _POOLS.get((self.world, self.backend)) is self:
+            del _POOLS[(self.world, self.backend)]
+
+
+_POOLS: dict[tuple[int, str], Pool] = {}
+
+
+def run_ranks(world: int, fn: Callable, *args, backend: str = "gloo", timeout: float = 300) -> list[Any]:
+    """Runs fn(rank, world, *args) on every rank of a `world`-process group."""
+    key = (world, backend)
+    pool = _POOLS.get(key)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        pool = _POOLS[key] = Pool(world, backend)
+    return pool.run(fn, *args, timeout=timeout)
+
+
+@atexit.register
+def _shutdown() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
