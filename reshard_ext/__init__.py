@@ -1,1 +1,20 @@
-from reshard_ext import _C  # noqa
+"""reshard_ext: move model weights between parallel layouts (training -> inference refit)."""
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads torch's CUDA/NCCL libraries before the extension)
+
+from . import _C
+from .errors import InternalError, ReshardError
+from .layout import Layout, Mesh, Replicate, Shard
+from .transforms import Rewrite, Transform
+
+
+def build_info() -> dict:
+    """What the compiled extension contains (CUDA kernels, NCCL transport, ...)."""
+    return dict(_C._build_info)
+
+
+__all__ = [
+    "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError",
+    "Rewrite", "Transform", "build_info",
+]

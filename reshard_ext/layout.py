@@ -1,0 +1,203 @@
+"""Layouts (DESIGN section 1): Mesh, Replicate, Shard, Layout.
+
+Thin descriptions; the geometry (runs, pieces, validation) is computed in C++ (_C.Layout).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from . import _C
+from ._dtypes import code_of
+from .errors import ReshardError
+
+Runs = list[tuple[int, int]]  # (global_start, length) in local order
+
+
+class Mesh:
+    """An N-d array of group ranks (ranks of the process group passed to ``plan``)."""
+
+    __slots__ = ("shape", "ranks", "_hash")
+
+    def __init__(self, ranks: Any):
+        if hasattr(ranks, "tolist"):
+            ranks = ranks.tolist()
+        shape: list[int] = []
+        level = ranks
+        while isinstance(level, (list, tuple)):
+            shape.append(len(level))
+            if not level:
+                break
+            level = level[0]
+        flat: list[int] = []
+
+        def walk(x: Any, depth: int) -> None:
+            if depth == len(shape):
+                flat.append(int(x))
+                return
+            if not isinstance(x, (list, tuple)) or len(x) != shape[depth]:
+                raise ReshardError(f"Mesh ranks must form a regular N-d array, got {ranks!r}")
+            for y in x:
+                walk(y, depth + 1)
+
+        if not shape:  # a single rank
+            shape, flat = [1], [int(ranks)]
+        else:
+            walk(ranks, 0)
+        self.shape: tuple[int, ...] = tuple(shape)
+        self.ranks: tuple[int, ...] = tuple(flat)
+        self._hash = hash((self.shape, self.ranks))
+
+    @classmethod
+    def arange(cls, *shape: int, start: int = 0) -> "Mesh":
+        """Ranks start, start+1, ... laid out row-major in `shape`."""
+        return cls(torch.arange(start, start + int(torch.tensor(shape).prod())).reshape(shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.ranks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and self.shape == other.shape and self.ranks == other.ranks
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Mesh(shape={self.shape}, ranks={list(self.ranks)})"
+
+    def _cpp(self) -> "_C.Mesh":
+        return _cpp_mesh(self.shape, self.ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cpp_mesh(shape: tuple[int, ...], ranks: tuple[int, ...]) -> "_C.Mesh":
+    # Interned: many layouts share one mesh, and its rank index is built once.
+    return _C.Mesh(list(shape), list(ranks))
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every coordinate along this mesh dim holds the same data."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split tensor dim `dim` over this mesh dim.
+
+    stride > 1: Megatron's partition_stride (P*stride chunks; rank r holds r, r+P, ...).
+    blocks: packed blocks (Megatron partition_sizes); each block is split separately and
+    a rank holds its share of every block, concatenated. Block sizes are of the dim as it
+    stands before this mesh dim splits it.
+    """
+
+    dim: int
+    stride: int = 1
+    blocks: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
+
+    def __repr__(self) -> str:
+        extra = "" if self.stride == 1 else f", stride={self.stride}"
+        extra += "" if self.blocks is None else f", blocks={self.blocks}"
+        return f"Shard({self.dim}{extra})"
+
+
+Placement = Union[Replicate, Shard]
+
+
+class Layout:
+    """How one logical tensor of `shape` and `dtype` is spread over `mesh`."""
+
+    __slots__ = ("shape", "dtype", "mesh", "placements", "_c", "_hash")
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, mesh: Mesh, placements: Sequence[Placement]):
+        if not isinstance(mesh, Mesh):
+            mesh = Mesh(mesh)
+        self.shape: tuple[int, ...] = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.mesh = mesh
+        self.placements: tuple[Placement, ...] = tuple(placements)
+        for p in self.placements:
+            if not isinstance(p, (Replicate, Shard)):
+                raise ReshardError(f"placements must be rx.Replicate() or rx.Shard(...), got {p!r}")
+        self._hash = hash((self.shape, self.dtype, self.mesh, self.placements))
+        cpp_placements = [
+            _C.Placement(-1) if isinstance(p, Replicate) else _C.Placement(p.dim, p.stride, list(p.blocks or ()))
+            for p in self.placements
+        ]
+        # Construction never raises for semantic problems: `plan` reports them on every
+        # rank together. `error` says what is wrong ("" when valid).
+        self._c = _C.Layout(list(self.shape), code_of(dtype), mesh._cpp(), cpp_placements)
+
+    @classmethod
+    def _from_cpp(cls, c: "_C.Layout", shape, dtype, mesh, placements) -> "Layout":
+        self = cls.__new__(cls)
+        self.shape, self.dtype, self.mesh, self.placements = shape, dtype, mesh, placements
+        self._hash = hash((shape, dtype, mesh, placements))
+        self._c = c
+        return self
+
+    @property
+    def error(self) -> str:
+        return self._c.error
+
+    def check(self) -> None:
+        if self._c.error:
+            raise ReshardError(f"invalid layout {self!r}: {self._c.error}")
+
+    def runs(self, rank: int) -> Optional[list[Runs]]:
+        """Per-dim runs (global_start, length) of `rank`'s piece, in local order."""
+        self.check()
+        return self._c.piece(rank)
+
+    def local_shape(self, rank: int) -> Optional[tuple[int, ...]]:
+        runs = self.runs(rank)
+        return None if runs is None else tuple(sum(n for _, n in r) for r in runs)
+
+    def local_part(self, global_tensor: torch.Tensor, rank: int) -> Optional[torch.Tensor]:
+        """Reference semantics: the piece of `global_tensor` that `rank` holds (a copy)."""
+        runs = self.runs(rank)
+        if runs is None:
+            return None
+        if tuple(global_tensor.shape) != self.shape:
+            raise ReshardError(f"global tensor of shape {tuple(global_tensor.shape)} for layout {self!r}")
+        out = global_tensor
+        for d, r in enumerate(runs):
+            idx = [torch.arange(s, s + n) for s, n in r]
+            index = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+            out = out.index_select(d, index.to(out.device))
+        return out.contiguous()
+
+    def with_dtype(self, dtype: torch.dtype) -> "Layout":
+        return Layout(self.shape, dtype, self.mesh, self.placements)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Layout)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+            and self.mesh == other.mesh
+            and self.placements == other.placements
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Layout(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh}, placements={list(self.placements)})"
