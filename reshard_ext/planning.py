@@ -1,9 +1,9 @@
 """Planning (DESIGN sections 2 and 4): validation, metadata exchange, the C++ planner.
 
 `plan` is collective over the group and makes three small all-gathers at most:
-  1. metadata: each rank encodes only the layouts it *reports* (the first rank of each
-     tensor's mesh), so the bytes exchanged are O(number of tensors), not
-     O(tensors x ranks); local input errors travel along.
+  1. metadata: each rank encodes only the layouts it *reports* (one rank of each
+     tensor's mesh, `reporter_of`), so the bytes exchanged are O(number of tensors),
+     not O(tensors x ranks); local input errors travel along.
   2. agreement: late errors (a rank disagreeing with the reported layout, a rank of a
      mesh that passed no piece), the batch count each rank wants, and two 64-bit plan
      digests whose sums must match (every send has its receive).
@@ -13,6 +13,7 @@ data moves, so no rank is left waiting in a collective the others skipped.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -146,6 +147,14 @@ def _check_local(side: str, entries: Entries, rank: int) -> list[str]:
     return errors
 
 
+def reporter_of(name: str, layout: Layout) -> int:
+    """The one rank that reports `name`'s layout: spread over the mesh by a stable hash
+    of the name, so every rank's metadata blob is about the same size (all_gather_object
+    pads every blob to the largest one)."""
+    ranks = layout.mesh.ranks
+    return ranks[zlib.crc32(name.encode()) % len(ranks)]
+
+
 def _check_against_global(side: int, entries: Entries, table: "_C.LayoutTable", rank: int) -> list[str]:
     """A rank's own layouts against the reported ones, and pieces it should have passed."""
     label = ("src", "dst")[side]
@@ -153,15 +162,14 @@ def _check_against_global(side: int, entries: Entries, table: "_C.LayoutTable", 
     for name, (_, layout) in entries.items():
         i = table.find(name)
         if i < 0:
-            first = min(layout.mesh.ranks)
             errors.append(
-                f"{label} tensor '{name}': rank {first}, the first rank of its mesh, passed no piece of it "
-                f"(rank {rank} did)"
+                f"{label} tensor '{name}': rank {reporter_of(name, layout)}, which reports its layout, "
+                f"passed no piece of it (rank {rank} did)"
             )
         elif not table.layout(i).same_as(layout._c):
             errors.append(
                 f"{label} tensor '{name}': rank {rank} has layout {layout!r} but rank "
-                f"{min(layout.mesh.ranks)} reported {table.layout(i).describe()}"
+                f"{reporter_of(name, layout)} reported {table.layout(i).describe()}"
             )
     held = set(entries)
     for name in table.held_by(rank):
@@ -190,7 +198,7 @@ def plan_collective(
     if not errors:
         for side, entries in ((0, src), (1, dst)):
             for name, (_, layout) in entries.items():
-                if min(layout.mesh.ranks) == rank:
+                if reporter_of(name, layout) == rank:
                     report.append((side, name, layout._c))
     payload = (_C.encode_entries(report), errors, device)
     gathered: list[Any] = [None] * world
