@@ -253,8 +253,13 @@ void NcclComm::exchange(const std::vector<NcclTransfer>& sends, const std::vecto
           keep(ncclRecv(reinterpret_cast<void*>(t.ptr), static_cast<size_t>(t.bytes), ncclUint8, t.peer, comm_, s),
                "ncclRecv");
       keep(ncclGroupEnd(), "ncclGroupEnd");
-      if (first != ncclSuccess)
-        detail::throw_nccl(first, __FILE__, __LINE__, first_what, where() + ", " + peers_of_last());
+      if (first != ncclSuccess) {
+        const char* last = ncclGetLastError(comm_);
+        fail_locked(detail::format("NCCL error ", static_cast<int>(first), " (", ncclGetErrorString(first), ") in ",
+                                   first_what, " on ", where(), " (", peers_of_last(), ")",
+                                   (last && last[0] ? ": " : ""), (last ? last : ""),
+                                   ". The communicator was aborted."));
+      }
       posted = true;
     }
   }
