@@ -125,8 +125,8 @@ def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[
     can broadcast a Python object works (nccl, gloo).
 
     A communicator that failed is recreated here, collectively: after a transport error
-    every rank must come back through communicator() (or clear_communicators()), which
-    holds when the error is raised to every rank, as execute() does.
+    every rank must come back through communicator() (or clear_communicators()); a rank
+    that still holds a healthy cached one would skip the id broadcast the others wait in.
     """
     _require_built()
     if not torch.cuda.is_available():
