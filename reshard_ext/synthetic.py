@@ -24,6 +24,7 @@ class ModelShape:
     vocab: int
     head_dim: Optional[int] = None
     tied_embeddings: bool = False
+    gated_mlp: bool = True  # SwiGLU fc1 = [gate; up]; False: GPT's plain fc1
     # MoE (0 experts: dense)
     experts: int = 0
     moe_ffn: int = 0
@@ -46,7 +47,8 @@ DEEPSEEK_V3 = ModelShape(
     experts=256, moe_ffn=2048, first_dense_layers=3, shared_expert_ffn=2048,
     q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64,
 )
-GPT_335M = ModelShape(layers=24, hidden=1024, ffn=4096, heads=16, kv_heads=16, vocab=32000, tied_embeddings=True)
+GPT_335M = ModelShape(layers=24, hidden=1024, ffn=4096, heads=16, kv_heads=16, vocab=32000, tied_embeddings=True,
+                      gated_mlp=False)
 TINY_LLAMA = ModelShape(layers=4, hidden=256, ffn=512, heads=8, kv_heads=2, vocab=1024)
 
 
@@ -116,7 +118,10 @@ def model_layouts(m: ModelShape, par: Parallel, dtype: torch.dtype = torch.bfloa
             add(p + "self_attention.linear_proj.weight", (h, q), s, Shard(1))
         moe = m.experts and i >= m.first_dense_layers
         if not moe:
-            add(p + "mlp.linear_fc1.weight", (2 * m.ffn, h), s, Shard(0, stride=2))
+            if m.gated_mlp:
+                add(p + "mlp.linear_fc1.weight", (2 * m.ffn, h), s, Shard(0, stride=2))
+            else:
+                add(p + "mlp.linear_fc1.weight", (m.ffn, h), s, Shard(0))
             add(p + "mlp.linear_fc1.layer_norm_weight", (h,), s, None)
             add(p + "mlp.linear_fc2.weight", (h, m.ffn), s, Shard(1))
             continue
