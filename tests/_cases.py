@@ -125,7 +125,26 @@ def case_casts(world: int) -> Spec:
     }
 
 
+def case_two(world: int) -> Spec:
+    """The matrix's kinds on two ranks (for 2-GPU machines)."""
+    return {
+        "dp.replicas": ((16, 8), F32, L((16, 8), F32, [[0], [1]], [Replicate(), Shard(0)]), F32, L((16, 8), F32, [0, 1], [Shard(0)])),
+        "nested.2d": ((8, 12), F32, L((8, 12), F32, [[0, 1]], [Shard(0), Shard(1)]), F32, L((8, 12), F32, [[1], [0]], [Shard(1), Shard(0)])),
+        "noncolo": ((12, 8), BF16, L((12, 8), BF16, [0], [Replicate()]), BF16, L((12, 8), BF16, [1], [Replicate()])),
+        "pp.layers.0": ((16, 8), F32, L((16, 8), F32, [0], [Replicate()]), F32, L((16, 8), F32, [0, 1], [Shard(0)])),
+        "pp.layers.1": ((16, 8), F32, L((16, 8), F32, [1], [Replicate()]), F32, L((16, 8), F32, [0, 1], [Shard(1)])),
+        "experts.weight0": ((6, 4), BF16, L((6, 4), BF16, [0], [Replicate()]), BF16, L((6, 4), BF16, [1], [Replicate()])),
+        "experts.weight1": ((6, 4), BF16, L((6, 4), BF16, [1], [Replicate()]), BF16, L((6, 4), BF16, [0], [Replicate()])),
+        "experts.stacked": ((4, 6, 4), BF16, L((4, 6, 4), BF16, [0, 1], [Shard(0)]), BF16, L((4, 6, 4), BF16, [1, 0], [Shard(2)])),
+        "zero.piece": ((1, 4), F32, L((1, 4), F32, [0, 1], [Shard(0)]), F32, L((1, 4), F32, [1, 0], [Shard(0)])),
+        "scalar": ((), F32, L((), F32, [1], [Replicate()]), F32, L((), F32, [0, 1], [Replicate()])),
+        "strided.qkv": ((48, 16), BF16, L((48, 16), BF16, [0, 1], [Shard(0, blocks=(32, 8, 8))]), F32,
+                        L((48, 16), F32, [0], [Replicate()])),
+    }
+
+
 CASES: dict[str, Callable[[int], Spec]] = {
+    "two": case_two,
     "tp": case_tp,
     "uneven_blocks": case_uneven_blocks,
     "meshes": case_meshes,

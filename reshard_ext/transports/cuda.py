@@ -72,11 +72,12 @@ class CudaTransport:
     def run(self, tables: Any) -> None:
         main = torch.cuda.current_stream()
         s = main.cuda_stream
-        self._copy.launch(s)
         k = len(self._pack)
         if k == 0:
+            self._copy.launch(s)
             return
         if self.comm is None:  # torch.distributed p2p: no overlap, for comparison
+            self._copy.launch(s)
             for b in range(k):
                 self._pack[b].launch(s)
                 self.p2p.exchange(self._regions[b], self.send[0], self.recv[0])
@@ -93,6 +94,7 @@ class CudaTransport:
             done.append(side.record_event())
 
         post(0)
+        self._copy.launch(s)  # same-rank boxes overlap the first transfer
         for b in range(k):
             if b + 1 < k:
                 post(b + 1)  # overlaps the transfer of b
