@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import reshard_ext as rx
 from reshard_ext import _C, _nccl
-from tests._dist import run_ranks
+from _dist import run_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_nccl = pytest.mark.skipif(not _nccl.available(), reason="built without NCCL")

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import reshard_ext as rx
 from reshard_ext import _C, _nccl
-from tests._dist import run_ranks
+from _dist import run_ranks
 
 HAS_NCCL = _nccl.available()
 
