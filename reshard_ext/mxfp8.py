@@ -183,7 +183,8 @@ class MXFP8(Transform):
     """Converts the selected BF16 tensors to MXFP8 on the way (see the module doc).
 
     params: the dst names to convert: an iterable of names or a predicate name -> bool.
-    group: the process group of the plan (for this rank's piece); default WORLD.
+    group: the plan's process group; only used to find this rank's piece when a data
+        buffer is given flattened (fewer dims than the layout). Default WORLD.
     """
 
     def __init__(self, params: Params, scale_layout: str = "2d", where: str = "receiver",
@@ -249,7 +250,9 @@ class MXFP8(Transform):
             raise ReshardError(f"MXFP8 converts {name!r}: its destination must be a (data, scale) pair of tensors")
         data, scale = target
         slayout = scale_layout(name, layout)
-        local = layout.local_shape(self._rank())
+        # A data buffer of the layout's rank is the local shape (the planner checks it
+        # against the layout); a flattened one needs this rank's piece.
+        local = tuple(data.shape) if data.dim() == len(layout.shape) else layout.local_shape(self._rank())
         if local is None:
             raise ReshardError(f"MXFP8 converts {name!r}: this rank holds no piece of {layout!r}")
         self._check_buffers(name, data, scale, local)

@@ -10,6 +10,7 @@ zero (or all non-finite) blocks get biased 0; elements saturate to +-448 (Inf to
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ def test_reference_hand_values():
 @pytest.mark.parametrize("scale_layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES)
 def test_cpu_kernel_matches_reference(case, rounding, scale_layout):
-    x = make_case(case, rows=130, cols=288, seed=hash(case) % 1000)
+    x = make_case(case, rows=130, cols=288, seed=zlib.crc32(case.encode()) % 1000)
     got_d, got_s = kernel(x, rounding, scale_layout)
     want_d, want_s = ref_mxfp8(x, rounding, scale_layout)
     assert_bytes_equal(got_d, want_d, f"data {case}")
