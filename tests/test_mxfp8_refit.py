@@ -53,7 +53,8 @@ def _global(name: str, shape, step: int) -> torch.Tensor:
     return x[:, :cols].contiguous().reshape(shape)
 
 
-def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str) -> dict:
+def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu") -> dict:
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     specs = cases()
     names = sorted(specs)
     transform = MXFP8(params=names, scale_layout=layout_kind, where=where, rounding=rounding)
@@ -64,20 +65,20 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     for n in names:
         sl, dl = specs[n]
         if rank in sl.mesh:
-            src[n] = (sl.local_part(globals_[n], rank), sl)
+            src[n] = (sl.local_part(globals_[n], rank).to(dev), sl)
         if rank in dl.mesh:
             local = dl.local_shape(rank)
-            data = torch.empty(local, dtype=torch.float8_e4m3fn)
+            data = torch.empty(local, dtype=torch.float8_e4m3fn, device=dev)
             if layout_kind == "2d":
-                scale = torch.empty(local[:-1] + (-(-local[-1] // 32),), dtype=torch.uint8)
+                scale = torch.empty(local[:-1] + (-(-local[-1] // 32),), dtype=torch.uint8, device=dev)
             else:
-                scale = torch.empty(scale_numel(local, "swizzled"), dtype=torch.uint8)
+                scale = torch.empty(scale_numel(local, "swizzled"), dtype=torch.uint8, device=dev)
             dst[n] = ((data, scale), dl)
     # an unconverted tensor passes through untouched
     bl_src, bl_dst = _L((12,), [0], [Replicate()], F32), _L((12,), [0, 1, 2, 3], [Shard(0)], F32)
     if rank == 0:
-        src["bias"] = (bias_global.clone(), bl_src)
-    bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32)
+        src["bias"] = (bias_global.clone().to(dev), bl_src)
+    bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32, device=dev)
     dst["bias"] = (bias_out, bl_dst)
 
     plan = rx.plan(src, dst, transform=transform)
@@ -88,7 +89,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
             globals_ = {n: _global(n, specs[n][0].shape, step) for n in names}
             for n, (t, sl) in src.items():
                 if n != "bias":
-                    t.copy_(sl.local_part(globals_[n], rank))  # in place, as an optimizer does
+                    t.copy_(sl.local_part(globals_[n], rank).to(dev))  # in place, as an optimizer does
         rx.execute(plan)
         for n, ((data, scale), dl) in converted.items():
             want_d, want_s = ref_mxfp8(globals_[n], rounding, "2d")
@@ -99,7 +100,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
             if layout_kind == "swizzled":
                 piece = ref_swizzle(piece.reshape(-1, piece.shape[-1]))
             assert_bytes_equal(scale, piece, f"{n} scale step {step}")
-        assert torch.equal(bias_out, bl_dst.local_part(bias_global, rank))
+        assert torch.equal(bias_out.cpu(), bl_dst.local_part(bias_global, rank))
     return {"sent": plan.bytes_sent}
 
 
@@ -159,3 +160,13 @@ def misaligned_worker(rank: int, world: int, where: str) -> str:
 def test_misaligned_last_dim_is_rejected(where):
     for msg in run_ranks(WORLD, misaligned_worker, where):
         assert "'bad'" in msg and "32-element" in msg, msg
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
+                         and rx.build_info()["cuda"]),
+                    reason=f"needs {WORLD} GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_matrix_cuda(where, layout_kind):
+    for rounding in ("ceil", "floor"):
+        run_ranks(WORLD, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
