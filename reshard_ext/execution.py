@@ -171,9 +171,16 @@ def plan(
     if not dist.is_initialized():
         raise ReshardError("rx.plan needs torch.distributed to be initialised (any launcher, any backend)")
     group = group if group is not None else dist.group.WORLD
-    src_w, src_steps = _rewrite(transform, "src", src or {})
-    dst_w, dst_steps = _rewrite(transform, "dst", dst or {})
-    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes)
+    # A transform may reject a tensor on some ranks only: its error joins the first
+    # exchange, so every rank raises together instead of some waiting in a collective.
+    errors: list[str] = []
+    try:
+        src_w, src_steps = _rewrite(transform, "src", src or {})
+        dst_w, dst_steps = _rewrite(transform, "dst", dst or {})
+    except ReshardError as e:
+        errors.append(f"rank {dist.get_rank(group)}: {e}")
+        src_w, dst_w, src_steps, dst_steps = {}, {}, ([], []), ([], [])
+    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors)
     return Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform)
 
 

@@ -189,10 +189,10 @@ class Agreement:
 
 
 def plan_collective(
-    src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int]
+    src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int], errors: Optional[list[str]] = None
 ) -> Agreement:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    errors = _check_local("src", src, rank) + _check_local("dst", dst, rank)
+    errors = list(errors or []) + _check_local("src", src, rank) + _check_local("dst", dst, rank)
     device = _device_kind([src, dst])
     report = []
     if not errors:
