@@ -42,9 +42,11 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, out) ->
     src_l = model_layouts(GPT_335M, Parallel(tp=src_tp, dp=WORLD // src_tp), torch.float32)
     dst_l = model_layouts(GPT_335M, Parallel(tp=dst_tp, dp=WORLD // dst_tp), torch.float32)
     src = {n: (torch.randn(l.local_shape(rank)), l) for n, l in src_l.items() if rank in l.mesh}
-    dst = {n: (torch.empty(l.local_shape(rank)), l) for n, l in dst_l.items() if rank in l.mesh}
+    # zeros, not empty: the destination pages must be resident before the baseline RSS
+    dst = {n: (torch.zeros(l.local_shape(rank)), l) for n, l in dst_l.items() if rank in l.mesh}
     model_bytes = sum(t.numel() * 4 for t, _ in list(src.values()) + list(dst.values()))
     base_rss = _rss_bytes()
+    dist.barrier()  # plan time should not include waiting for a slower rank's model setup
     t0 = time.perf_counter()
     plan = rx.plan(src, dst, max_batch_bytes=max_batch or None)
     plan_s = time.perf_counter() - t0

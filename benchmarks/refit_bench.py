@@ -106,7 +106,7 @@ def main() -> None:
     if comm is not None and (plan.bytes_sent or plan.bytes_received):
         def raw() -> None:
             for b in range(plan.num_batches):
-                s, r = tr._transfers(b)
+                s, r = tr.transfers(b)
                 comm.exchange(s, r, torch.cuda.current_stream().cuda_stream, 0)
         t_nccl = _time(raw, args.iters)
     local_bytes = sum(t.numel() * t.element_size() for t, _ in dst.values()) - plan.bytes_received

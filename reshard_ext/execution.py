@@ -92,9 +92,8 @@ class Plan:
     def _bind(self) -> None:
         send_bufs, recv_bufs = self.transport.bind(self.tables)
         self.tables.bind(_refs(self.src_names, self._entries["src"]), _refs(self.dst_names, self._entries["dst"]),
-                         send_bufs, recv_bufs)
-        if hasattr(self.transport, "upload"):
-            self.transport.upload(self.tables)
+                         send_bufs, recv_bufs, self.transport.direct_bytes)
+        self.transport.prepare(self.tables)
 
     # --- public -------------------------------------------------------------------
     @property

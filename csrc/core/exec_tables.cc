@@ -66,8 +66,52 @@ int64_t ExecTables::recv_buffer_bytes() const {
   return n;
 }
 
+namespace {
+
+// Cuts one batch's ops (in canonical order, `boxes` aligned with them) into messages and
+// drops the boxes of direct messages from the table. `staging_side_is_dst`: pack boxes
+// write staging (dst side), unpack boxes read it (src side).
+void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>& boxes, bool staging_is_dst,
+                  int64_t direct_bytes, std::vector<Message>& out) {
+  std::vector<rx_box> kept;
+  kept.reserve(boxes.size());
+  Message cur{-1, 0, 0};
+  auto flush = [&] {
+    if (cur.peer >= 0 && cur.bytes > 0) out.push_back(cur);
+    cur = Message{-1, 0, 0};
+  };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const TransferOp& op = *ops[i];
+    const rx_box& box = boxes[i];
+    const uint64_t staging = staging_is_dst ? box.dst : box.src;
+    if (direct_bytes > 0 && op.nbytes >= direct_bytes) {
+      flush();
+      const int64_t tensor_stride = staging_is_dst ? box.src_stride[0] : box.dst_stride[0];
+      const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype;
+      if (flat) {
+        out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes});
+      } else {
+        out.push_back({op.peer, staging, op.nbytes});
+        kept.push_back(box);
+      }
+      continue;
+    }
+    if (cur.peer != op.peer) {
+      flush();
+      cur = Message{op.peer, staging, 0};
+    }
+    cur.bytes = static_cast<int64_t>(staging - cur.ptr) + op.nbytes;
+    kept.push_back(box);
+  }
+  flush();
+  boxes.swap(kept);
+}
+
+}  // namespace
+
 void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
-                      const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs) {
+                      const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
+                      int64_t direct_bytes) {
   RX_HOST_ASSERT(src.size() == src_used_.size() && dst.size() == dst_used_.size(), "bind: wrong tensor count");
   std::unordered_map<int32_t, const TensorRef*> src_of, dst_of;
   for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
@@ -105,6 +149,17 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     unpack_[op.batch].push_back(
         make_box(op.mine.size, buf, nullptr, op.wire_dtype, addr(t, op.mine.start), t.strides.data(), t.dtype));
   }
+  // Messages per batch, in the canonical op order both ends share.
+  send_msgs_.assign(nb, {});
+  recv_msgs_.assign(nb, {});
+  std::vector<std::vector<const TransferOp*>> send_ops(nb), recv_ops(nb);
+  for (const TransferOp& op : plan_->sends) send_ops[op.batch].push_back(&op);
+  for (const TransferOp& op : plan_->recvs) recv_ops[op.batch].push_back(&op);
+  for (int32_t b = 0; b < nb; ++b) {
+    cut_messages(send_ops[b], pack_[b], /*staging_is_dst=*/true, direct_bytes, send_msgs_[b]);
+    cut_messages(recv_ops[b], unpack_[b], /*staging_is_dst=*/false, direct_bytes, recv_msgs_[b]);
+  }
+
   for (const TransferOp& op : plan_->copies) {
     const TensorRef& s = *src_of.at(op.src_name);
     const TensorRef& d = *dst_of.at(op.dst_name);

@@ -23,6 +23,15 @@ struct TensorRef {
 rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
                 uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype);
 
+// One point-to-point message of a batch: `bytes` at `ptr` (staging, or the tensor
+// itself for a direct message) to or from `peer`. Both ends cut a peer's ops into the
+// same messages, since the rule looks only at what both know (op order and size).
+struct Message {
+  int32_t peer;
+  uint64_t ptr;
+  int64_t bytes;
+};
+
 class ExecTables {
  public:
   explicit ExecTables(std::shared_ptr<const RankPlan> plan);
@@ -37,18 +46,26 @@ class ExecTables {
 
   // Binds tensors (aligned with src_used()/dst_used()) and staging buffers; batch b
   // stages in send_bufs[b % n] / recv_bufs[b % n] (two each for pipelining).
+  // direct_bytes > 0 (host transports): an op of at least that many bytes travels as a
+  // message of its own, read from / written to the tensor in place when its box is one
+  // contiguous run of the same dtype (no pack or unpack copy); smaller ops of a peer
+  // share one message. 0: one message per peer (GPU: packing is cheap, messages are not).
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
-            const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs);
+            const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
+            int64_t direct_bytes = 0);
 
   const std::vector<rx_box>& pack(int32_t b) const { return pack_[b]; }
   const std::vector<rx_box>& unpack(int32_t b) const { return unpack_[b]; }
   const std::vector<rx_box>& copies() const { return copies_; }
+  const std::vector<Message>& send_messages(int32_t b) const { return send_msgs_[b]; }
+  const std::vector<Message>& recv_messages(int32_t b) const { return recv_msgs_[b]; }
 
  private:
   std::shared_ptr<const RankPlan> plan_;
   std::vector<int32_t> src_used_, dst_used_;
   std::vector<std::vector<rx_box>> pack_, unpack_;
   std::vector<rx_box> copies_;
+  std::vector<std::vector<Message>> send_msgs_, recv_msgs_;
 };
 
 }  // namespace rx

@@ -187,10 +187,17 @@ void register_core(py::module_& m) {
       .def_property_readonly("recv_buffer_bytes", &ExecTables::recv_buffer_bytes)
       .def("bind",
            [](ExecTables& t, const py::list& src, const py::list& dst, const std::vector<uint64_t>& send_bufs,
-              const std::vector<uint64_t>& recv_bufs) {
-             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs);
+              const std::vector<uint64_t>& recv_bufs, int64_t direct_bytes) {
+             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes);
            },
+           py::arg("src"), py::arg("dst"), py::arg("send_bufs"), py::arg("recv_bufs"), py::arg("direct_bytes") = 0,
            "src/dst: lists of (data_ptr, strides, dtype_code) aligned with src_used/dst_used")
+      .def("messages", [](const ExecTables& t, int32_t b) {
+        py::list s, r;
+        for (const auto& m : t.send_messages(b)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));
+        for (const auto& m : t.recv_messages(b)) r.append(py::make_tuple(m.peer, m.ptr, m.bytes));
+        return py::make_tuple(s, r);
+      }, "([(peer, ptr, bytes)] sends, [...] recvs) of batch b, in the order both ends post them")
       .def("regions", [](const ExecTables& t, int32_t b) { return regions_to_py(t.plan(), b); })
       .def_property_readonly("send_total", [](const ExecTables& t) { return t.plan().send_total(); })
       .def_property_readonly("recv_total", [](const ExecTables& t) { return t.plan().recv_total(); })

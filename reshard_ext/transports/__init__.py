@@ -12,8 +12,13 @@ from typing import Any, Protocol
 
 
 class Transport(Protocol):
+    direct_bytes: int  # ExecTables.bind's message cut (0: one message per peer and batch)
+
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
         """Allocates staging for `tables`; returns (send buffer ptrs, recv buffer ptrs)."""
+
+    def prepare(self, tables: Any) -> None:
+        """Once the tables are bound: device uploads, message views."""
 
     def run(self, tables: Any) -> None:
         """Moves every batch: local copies, pack, exchange, unpack."""

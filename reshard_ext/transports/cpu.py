@@ -1,19 +1,27 @@
 """CPU transport: C++ box kernels over host memory, gloo point-to-point."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from .p2p import P2PExchange
 
+# Ops of at least this many bytes travel as their own message, straight from / into the
+# tensor when their box is contiguous: on the CPU every copy avoided is memory
+# bandwidth won, while a message costs little.
+DIRECT_BYTES = int(os.environ.get("RESHARD_EXT_CPU_DIRECT_BYTES", 1 << 20))
+
 
 class CpuTransport:
+    direct_bytes = DIRECT_BYTES
+
     def __init__(self, group: Any):
         self.p2p = P2PExchange(group)
         self.send_buf = torch.empty(0, dtype=torch.uint8)
         self.recv_buf = torch.empty(0, dtype=torch.uint8)
-        self._regions: list[tuple[list, list]] = []
+        self._ops: list[list[Any]] = []
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
         # One staging pair, sized for the largest batch, reused by every execute.
@@ -21,12 +29,15 @@ class CpuTransport:
             self.send_buf = torch.empty(tables.send_buffer_bytes, dtype=torch.uint8)
         if self.recv_buf.numel() < tables.recv_buffer_bytes:
             self.recv_buf = torch.empty(tables.recv_buffer_bytes, dtype=torch.uint8)
-        self._regions = [tables.regions(b) for b in range(tables.num_batches)]
         return [self.send_buf.data_ptr()], [self.recv_buf.data_ptr()]
+
+    def prepare(self, tables: Any) -> None:
+        bufs = [self.send_buf, self.recv_buf]
+        self._ops = [self.p2p.views(tables.messages(b), bufs) for b in range(tables.num_batches)]
 
     def run(self, tables: Any) -> None:
         tables.run_copies_cpu()
-        for b, regions in enumerate(self._regions):
+        for b, ops in enumerate(self._ops):
             tables.run_pack_cpu(b)
-            self.p2p.exchange(regions, self.send_buf, self.recv_buf)
+            self.p2p.run(ops)
             tables.run_unpack_cpu(b)

@@ -32,6 +32,8 @@ class CudaTransport:
     side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
     staging); the caller's stream waits for the last transfer before its unpack."""
 
+    direct_bytes = 0  # one message per peer and batch: packing is cheap on the GPU
+
     def __init__(self, group: Any, comm: Optional[Any]):
         self.comm = comm
         self.p2p = None if comm is not None else P2PExchange(group)
@@ -45,10 +47,9 @@ class CudaTransport:
         dev = torch.cuda.current_device()
         self.send = [torch.empty(max(1, tables.send_buffer_bytes), dtype=torch.uint8, device=dev) for _ in range(nbuf)]
         self.recv = [torch.empty(max(1, tables.recv_buffer_bytes), dtype=torch.uint8, device=dev) for _ in range(nbuf)]
-        self._regions = [tables.regions(b) for b in range(tables.num_batches)]
         return [t.data_ptr() for t in self.send], [t.data_ptr() for t in self.recv]
 
-    def upload(self, tables: Any) -> None:
+    def prepare(self, tables: Any) -> None:
         """Builds the device tables once (at plan/rebind time); execute only launches."""
         host = [_C.DeviceBoxTable(tables.copy_boxes())]
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
@@ -63,11 +64,13 @@ class CudaTransport:
             t.upload(self._blob.data_ptr() + off, stream)
         nb = tables.num_batches
         self._copy, self._pack, self._unpack = host[0], host[1 : 1 + nb], host[1 + nb :]
+        self._messages = [tables.messages(b) for b in range(nb)]
+        if self.p2p is not None:
+            self._p2p_ops = [self.p2p.views(m, self.send + self.recv) for m in self._messages]
 
-    def _transfers(self, b: int) -> tuple[list, list]:
-        sends, recvs = self._regions[b]
-        sbuf, rbuf = self.send[b % len(self.send)].data_ptr(), self.recv[b % len(self.recv)].data_ptr()
-        return ([(p, sbuf + off, n) for p, off, n in sends], [(p, rbuf + off, n) for p, off, n in recvs])
+    def transfers(self, b: int) -> tuple[list, list]:
+        """(sends, recvs) of batch b as (peer, device ptr, bytes)."""
+        return self._messages[b]
 
     def run(self, tables: Any) -> None:
         main = torch.cuda.current_stream()
@@ -80,7 +83,7 @@ class CudaTransport:
             self._copy.launch(s)
             for b in range(k):
                 self._pack[b].launch(s)
-                self.p2p.exchange(self._regions[b], self.send[0], self.recv[0])
+                self.p2p.run(self._p2p_ops[b])
                 self._unpack[b].launch(s)
             return
         side = self.side
@@ -89,7 +92,7 @@ class CudaTransport:
         def post(b: int) -> None:
             self._pack[b].launch(s)
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
-            sends, recvs = self._transfers(b)
+            sends, recvs = self._messages[b]
             self.comm.exchange(sends, recvs, side.cuda_stream, 0)
             done.append(side.record_event())
 

@@ -1,13 +1,26 @@
-"""torch.distributed point-to-point exchange of one batch's staging regions."""
+"""torch.distributed point-to-point exchange of one batch's messages."""
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
+def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tensor:
+    """A uint8 tensor over [ptr, ptr + nbytes): a slice of a staging buffer when it lies
+    in one, else (host memory only: a direct message) a zero-copy view of the address."""
+    for buf in buffers:
+        base = buf.data_ptr()
+        if base <= ptr and ptr + nbytes <= base + buf.numel():
+            return buf[ptr - base : ptr - base + nbytes]
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
 class P2PExchange:
+    """Posts every message of a batch at once and waits for all of them."""
+
     def __init__(self, group: Any):
         self.group = group
         self._global: dict[int, int] = {}
@@ -18,16 +31,19 @@ class P2PExchange:
             g = self._global[group_rank] = dist.get_global_rank(self.group, group_rank)
         return g
 
-    def exchange(self, regions: tuple[list, list], send_buf: torch.Tensor, recv_buf: torch.Tensor) -> None:
-        """One send and one receive per peer: regions = ([(peer, offset, bytes)], [...])."""
-        sends, recvs = regions
-        ops = [
-            dist.P2POp(dist.isend, send_buf[off : off + n], self.global_rank(peer), self.group)
-            for peer, off, n in sends
+    def views(self, messages: tuple[list, list], buffers: list[torch.Tensor]) -> list[Any]:
+        """Turns (peer, ptr, bytes) messages into P2P ops once, at bind time."""
+        sends, recvs = messages
+        return [
+            dist.P2POp(dist.isend, byte_view(ptr, n, buffers), self.global_rank(peer), self.group)
+            for peer, ptr, n in sends
         ] + [
-            dist.P2POp(dist.irecv, recv_buf[off : off + n], self.global_rank(peer), self.group)
-            for peer, off, n in recvs
+            dist.P2POp(dist.irecv, byte_view(ptr, n, buffers), self.global_rank(peer), self.group)
+            for peer, ptr, n in recvs
         ]
+
+    @staticmethod
+    def run(ops: list[Any]) -> None:
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
