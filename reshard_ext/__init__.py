@@ -5,7 +5,10 @@ import torch  # noqa: F401  (loads torch's CUDA/NCCL libraries before the extens
 
 from . import _C
 from .errors import InternalError, ReshardError
+from .execution import Plan, execute, plan
 from .layout import Layout, Mesh, Replicate, Shard
+from .mxfp8 import MXFP8
+from .planning import RankPlan, TransferOp, local_plan
 from .transforms import Rewrite, Transform
 
 
@@ -16,5 +19,5 @@ def build_info() -> dict:
 
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError",
-    "Rewrite", "Transform", "build_info",
+    "Rewrite", "Transform", "build_info", "plan", "execute", "Plan", "local_plan", "RankPlan", "TransferOp", "MXFP8",
 ]

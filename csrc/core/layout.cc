@@ -7,6 +7,14 @@
 
 namespace rx {
 
+const char* dtype_name(int32_t dtype) {
+  static const char* names[RX_NUM_DTYPES] = {"uint8",   "int8",    "int16",         "int32",       "int64",
+                                             "float16", "bfloat16", "float32",      "float64",     "bool",
+                                             "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint16", "uint32",
+                                             "uint64"};
+  return dtype >= 0 && dtype < RX_NUM_DTYPES ? names[dtype] : "unknown";
+}
+
 Mesh::Mesh(std::vector<int64_t> shape, std::vector<int32_t> ranks)
     : shape_(std::move(shape)), ranks_(std::move(ranks)) {
   if (shape_.size() > 16) error_ = "meshes have at most 16 dims";
@@ -134,7 +142,7 @@ std::string Layout::describe() const {
   std::ostringstream os;
   os << "Layout(shape=(";
   for (size_t i = 0; i < shape_.size(); ++i) os << (i ? ", " : "") << shape_[i];
-  os << "), dtype=" << dtype_ << ", " << mesh_->describe() << ", placements=[";
+  os << "), dtype=" << dtype_name(dtype_) << ", " << mesh_->describe() << ", placements=[";
   for (size_t i = 0; i < placements_.size(); ++i) {
     const Placement& p = placements_[i];
     os << (i ? ", " : "");
@@ -163,6 +171,18 @@ int64_t Layout::class_of_position(int64_t pos) const {
   int64_t cls = 0;
   for (int d : shard_mesh_dims_) cls = cls * ms[d] + coord[d];
   return cls;
+}
+
+int64_t Layout::replica_of_position(int64_t pos) const {
+  const auto& ms = mesh_->shape();
+  int64_t coord[16];
+  for (int i = mesh_->ndim() - 1; i >= 0; --i) {
+    coord[i] = pos % ms[i];
+    pos /= ms[i];
+  }
+  int64_t j = 0;
+  for (int d : repl_mesh_dims_) j = j * ms[d] + coord[d];
+  return j;
 }
 
 Piece Layout::class_piece(int64_t cls) const {

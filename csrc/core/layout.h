@@ -46,7 +46,10 @@ struct Placement {
   }
 };
 
-using Piece = std::vector<Runs>;  // one run list per tensor dim
+using Piece = std::vector<Runs>;
+
+// "float32", "bfloat16", ... for messages (torch's names).
+const char* dtype_name(int32_t dtype);  // one run list per tensor dim
 
 // The local ranges (local_start, len) a mesh coordinate `c` of `parts` takes from a
 // dim piece of length `len`. Throws ReshardError when the split is impossible.
@@ -74,6 +77,8 @@ class Layout {
   // dims hold the same piece; a class is a coordinate over the Shard mesh dims.
   int64_t num_classes() const { return num_classes_; }
   int64_t class_of_position(int64_t mesh_pos) const;
+  // Which of its class's replicas the rank at `mesh_pos` is (the j of class_replica).
+  int64_t replica_of_position(int64_t mesh_pos) const;
   Piece class_piece(int64_t cls) const;
   // The j-th rank (in mesh order) holding class `cls`, 0 <= j < replicas_per_class().
   int32_t class_replica(int64_t cls, int64_t j) const;

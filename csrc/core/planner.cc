@@ -47,13 +47,14 @@ void for_each_box(const std::vector<std::vector<Segment>>& segs,
 }
 
 // Replica choice among the ranks holding a src class (DESIGN section 4, step 2): the
-// receiver itself when it holds the class, else spread by (name, receiver position).
-// Returns the replica index j, or -1 for "the receiver itself".
-int64_t choose_replica(const Layout& src, int64_t cls, int32_t receiver, int64_t receiver_pos,
-                       uint64_t name_hash) {
+// receiver itself when it holds the class, else round robin over the receivers, keyed
+// by the receiver's (dst class + replica index) and offset by the name so that many
+// small tensors do not all start on the same replica. Returns the src replica index j,
+// or -1 for "the receiver itself".
+int64_t choose_replica(const Layout& src, int64_t cls, int32_t receiver, int64_t spread_key, uint64_t name_hash) {
   const int64_t pos = src.mesh().position(receiver);
   if (pos >= 0 && src.class_of_position(pos) == cls) return -1;
-  return static_cast<int64_t>((name_hash + static_cast<uint64_t>(receiver_pos)) %
+  return static_cast<int64_t>((name_hash + static_cast<uint64_t>(spread_key)) %
                               static_cast<uint64_t>(src.replicas_per_class()));
 }
 
@@ -163,8 +164,8 @@ std::vector<std::string> check_tables(const LayoutTable& src, const LayoutTable&
       errors.push_back(detail::format("tensor '", dst.name(i), "': global shape differs between src ",
                                       s.describe(), " and dst ", d.describe()));
     if (!rx_dtype_castable(s.dtype(), d.dtype()))
-      errors.push_back(detail::format("tensor '", dst.name(i), "': cannot convert dtype code ", s.dtype(),
-                                      " to ", d.dtype(), " exactly in kind (only floating types convert)"));
+      errors.push_back(detail::format("tensor '", dst.name(i), "': cannot convert ", dtype_name(s.dtype()),
+                                      " to ", dtype_name(d.dtype()), " exactly in kind (only floating types convert)"));
   }
   return errors;
 }
@@ -205,7 +206,9 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
     const int32_t si = src.find(dst.name(di));
     RX_HOST_ASSERT(si >= 0, "unchecked table");
     const Layout& sl = src.layout(si);
-    mine = dl.class_piece(dl.class_of_position(my_pos));
+    const int64_t my_dcls = dl.class_of_position(my_pos);
+    const int64_t spread_key = my_dcls + dl.replica_of_position(my_pos);
+    mine = dl.class_piece(my_dcls);
     const int32_t wire = wire_dtype_for(sl.dtype(), dl.dtype());
     std::vector<std::vector<Segment>> segs(dl.ndim());
     for (int64_t cls = 0; cls < sl.num_classes(); ++cls) {
@@ -216,7 +219,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
         empty = segs[d].empty();
       }
       if (empty) continue;
-      const int64_t j = choose_replica(sl, cls, rank, my_pos, dst.name_hash(di));
+      const int64_t j = choose_replica(sl, cls, rank, spread_key, dst.name_hash(di));
       const int32_t peer = j < 0 ? rank : sl.class_replica(cls, j);
       for_each_box(segs, [&](const std::vector<const Segment*>& pick) {
         (peer == rank ? plan.copies : raw_recvs).push_back(make_op(di, si, peer, pick, false, wire));
@@ -247,8 +250,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       for (int64_t j = 0; j < dl.replicas_per_class(); ++j) {
         const int32_t receiver = dl.class_replica(dcls, j);
         if (receiver == rank) continue;  // a same-rank copy, planned on the receive side
-        const int64_t rpos = dl.mesh().position(receiver);
-        const int64_t pick = choose_replica(sl, my_cls, receiver, rpos, dst.name_hash(di));
+        const int64_t pick = choose_replica(sl, my_cls, receiver, dcls + j, dst.name_hash(di));
         if (pick < 0 || sl.class_replica(my_cls, pick) != rank) continue;
         for_each_box(segs, [&](const std::vector<const Segment*>& p) {
           raw_sends.push_back(make_op(di, si, receiver, p, true, wire));

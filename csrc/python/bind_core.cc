@@ -36,6 +36,13 @@ py::list ops_to_py(const std::vector<TransferOp>& ops) {
   return l;
 }
 
+py::tuple regions_to_py(const RankPlan& p, int32_t b) {
+  py::list s, r;
+  for (const auto& x : p.batches.at(b).sends) s.append(py::make_tuple(x.peer, x.offset, x.bytes));
+  for (const auto& x : p.batches.at(b).recvs) r.append(py::make_tuple(x.peer, x.offset, x.bytes));
+  return py::make_tuple(s, r);
+}
+
 py::bytes boxes_bytes(const std::vector<rx_box>& v) {
   return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(rx_box));
 }
@@ -112,6 +119,12 @@ void register_core(py::module_& m) {
         for (int32_t i = 0; i < t.size(); ++i) v.push_back(t.name(i));
         return v;
       })
+      .def("held_by", [](const LayoutTable& t, int32_t rank) {
+        std::vector<std::string> v;
+        for (int32_t i = 0; i < t.size(); ++i)
+          if (t.layout(i).mesh().position(rank) >= 0) v.push_back(t.name(i));
+        return v;
+      }, "Names whose mesh contains `rank`.")
       .def("layout", [](const LayoutTable& t, int32_t i) { return std::const_pointer_cast<Layout>(t.layout_ptr(i)); });
 
   m.def("check_tables", &check_tables, py::arg("src"), py::arg("dst"), py::arg("world_size"));
@@ -132,12 +145,7 @@ void register_core(py::module_& m) {
            "(dst_name, peer, my_start, size, peer_start, global, nbytes, batch, offset, wire_dtype) tuples")
       .def("recvs", [](const RankPlan& p) { return ops_to_py(p.recvs); })
       .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
-      .def("regions", [](const RankPlan& p, int32_t b) {
-        py::list s, r;
-        for (const auto& x : p.batches.at(b).sends) s.append(py::make_tuple(x.peer, x.offset, x.bytes));
-        for (const auto& x : p.batches.at(b).recvs) r.append(py::make_tuple(x.peer, x.offset, x.bytes));
-        return py::make_tuple(s, r);
-      })
+      .def("regions", &regions_to_py, "([(peer, offset, bytes)] sends, [...] recvs) of batch b")
       .def("digests", [](const RankPlan& p) {
         py::list l;
         for (const auto& d : p.digests) l.append(py::make_tuple(d.from, d.to, d.count, d.bytes, d.hash));
@@ -183,6 +191,12 @@ void register_core(py::module_& m) {
              t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs);
            },
            "src/dst: lists of (data_ptr, strides, dtype_code) aligned with src_used/dst_used")
+      .def("regions", [](const ExecTables& t, int32_t b) { return regions_to_py(t.plan(), b); })
+      .def_property_readonly("send_total", [](const ExecTables& t) { return t.plan().send_total(); })
+      .def_property_readonly("recv_total", [](const ExecTables& t) { return t.plan().recv_total(); })
+      .def_property_readonly("num_ops", [](const ExecTables& t) {
+        return py::make_tuple(t.plan().sends.size(), t.plan().recvs.size(), t.plan().copies.size());
+      })
       .def("pack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.pack(b)); })
       .def("unpack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.unpack(b)); })
       .def("copy_boxes", [](const ExecTables& t) { return boxes_bytes(t.copies()); })

@@ -1,0 +1,98 @@
+"""CPU refit speed and memory: a GPT-shaped fp32 model of ~335M parameters (24 layers,
+hidden 1024, FFN 4096, vocab 32000, tied embeddings) refit on 4 gloo processes,
+collocated: TP2 x DP2 -> TP1 x DP4 and TP2 x DP2 -> TP4.
+
+Reports per warm refit the slowest rank's time (median of --iters) and host memory:
+peak RSS of each process minus its RSS once both models are allocated (the transient
+memory the refit itself costs), summed over processes.
+
+    python benchmarks/cpu_refit_bench.py [--iters 3] [--max-batch-mb 0]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 4
+CASES = {"TP2->TP1": (2, 1), "TP2->TP4": (2, 4)}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, out) -> None:
+    import reshard_ext as rx
+    from reshard_ext.synthetic import GPT_335M, Parallel, model_layouts
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=600))
+    src_tp, dst_tp = CASES[case]
+    src_l = model_layouts(GPT_335M, Parallel(tp=src_tp, dp=WORLD // src_tp), torch.float32)
+    dst_l = model_layouts(GPT_335M, Parallel(tp=dst_tp, dp=WORLD // dst_tp), torch.float32)
+    src = {n: (torch.randn(l.local_shape(rank)), l) for n, l in src_l.items() if rank in l.mesh}
+    dst = {n: (torch.empty(l.local_shape(rank)), l) for n, l in dst_l.items() if rank in l.mesh}
+    model_bytes = sum(t.numel() * 4 for t, _ in list(src.values()) + list(dst.values()))
+    base_rss = _rss_bytes()
+    t0 = time.perf_counter()
+    plan = rx.plan(src, dst, max_batch_bytes=max_batch or None)
+    plan_s = time.perf_counter() - t0
+    times = []
+    for _ in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        rx.execute(plan)
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    row = (rank, plan_s, times[1:], plan.bytes_sent, model_bytes, base_rss, peak)
+    rows = [None] * WORLD
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def run(case: str, iters: int, max_batch: int) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, q)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=1800)
+    for p in procs:
+        p.join()
+    per_iter = [max(r[2][i] for r in rows) for i in range(iters)]
+    transient = sum(max(0, r[6] - r[5]) for r in rows)
+    models = sum(r[4] for r in rows)
+    sent = sum(r[3] for r in rows)
+    print(f"{case:9} warm refit {statistics.median(per_iter):7.3f} s (min {min(per_iter):.3f}, max {max(per_iter):.3f})  "
+          f"plan {max(r[1] for r in rows):.2f} s  sent {sent / 1e9:.2f} GB  models {models / 1e9:.2f} GB  "
+          f"transient {transient / 1e9:.3f} GB  peak RSS sum {sum(r[6] for r in rows) / 1e9:.2f} GB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--max-batch-mb", type=int, default=0, help="rx.plan max_batch_bytes in MiB (0: unbounded)")
+    ap.add_argument("--case", choices=sorted(CASES), action="append")
+    args = ap.parse_args()
+    for case in args.case or list(CASES):
+        run(case, args.iters, args.max_batch_mb << 20)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Host (CPU) time that `rx.execute` spends per call for a plan with many tensors.
+
+The descriptor tables are built and uploaded at plan time, so execute costs a few
+launches and one grouped NCCL call per batch, whatever the tensor count.
+
+    torchrun --nproc-per-node 2 benchmarks/host_overhead.py [--tensors 10000]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import reshard_ext as rx
+from reshard_ext import Layout, Mesh, Shard
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tensors", type=int, default=10000)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    ranks = list(range(world))
+    src, dst = {}, {}
+    for i in range(args.tensors):
+        shape = (64, 32)
+        s = Layout(shape, torch.bfloat16, Mesh(ranks), [Shard(0)])
+        d = Layout(shape, torch.bfloat16, Mesh(ranks[::-1]), [Shard(1)])
+        src[f"t{i}"] = (torch.randn(s.local_shape(rank), device="cuda").to(torch.bfloat16), s)
+        dst[f"t{i}"] = (torch.empty(d.local_shape(rank), device="cuda", dtype=torch.bfloat16), d)
+    t0 = time.perf_counter()
+    plan = rx.plan(src, dst)
+    plan_s = time.perf_counter() - t0
+    for _ in range(3):
+        rx.execute(plan)
+    torch.cuda.synchronize()
+    cpu = []
+    for _ in range(args.iters):
+        t0 = time.thread_time()
+        rx.execute(plan)
+        cpu.append(time.thread_time() - t0)
+        torch.cuda.synchronize()
+    row = (rank, plan_s, statistics.median(cpu), sum(plan.num_ops))
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        for r, ps, c, ops in rows:
+            print(f"host_overhead: rank {r}: {args.tensors} tensors, {ops} boxes, plan {ps:.2f} s, "
+                  f"execute CPU time {1e3 * c:.3f} ms (median of {args.iters})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""GPU refit benchmark (torchrun, one process per GPU, NCCL).
+
+Per rank: the bytes that must cross the links, time, GB/s and the ratio to an NCCL
+send/recv of exactly the same byte counts between the same peers (measured in the same
+run, no pack/unpack), the same-rank bytes and their ratio to a device-to-device copy,
+and the same refit done the way Megatron-Core does it (one batch_isend_irecv op per
+slice, slices made contiguous in Python) as a baseline.
+
+    torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1
+Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import reshard_ext as rx
+from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts
+
+MOE_SMALL = ModelShape(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, vocab=151936,
+                       experts=64, moe_ffn=384, first_dense_layers=0)
+
+# name -> (model, src parallel, dst parallel, min world)
+CASES = {
+    "tp2-tp1": (LLAMA3_8B, Parallel(tp=2), Parallel(tp=1, dp=2), 2),            # collocated
+    "tp1-tp2": (LLAMA3_8B, Parallel(tp=1, dp=2), Parallel(tp=2), 2),            # collocated
+    "noncolo-tp1-tp1": (LLAMA3_8B, Parallel(tp=1), Parallel(tp=1, offset=1), 2),
+    "noncolo-tp2-tp2dp": (LLAMA3_8B, Parallel(tp=2), Parallel(tp=2, dp=1, offset=2), 4),
+    "moe-ep2-ep1": (MOE_SMALL, Parallel(dp=2, ep=2), Parallel(dp=2, ep=1), 2),
+}
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(out)
+
+
+def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
+    """One P2P op per slice, contiguous copies in Python, like core.resharding's NCCL path."""
+    p = rx.local_plan(src_l, dst_l, rank)
+    def run() -> None:
+        ops, landings = [], []
+        for op in p.sends:
+            if op.peer == rank:
+                continue
+            ops.append(dist.P2POp(dist.isend, src[op.name][0][op.my_box].contiguous(), op.peer))
+        for op in p.recvs:
+            t = dst[op.name][0]
+            if op.peer == rank:
+                t[op.my_box].copy_(src[op.name][0][op.peer_box])
+                continue
+            buf = torch.empty(t[op.my_box].shape, dtype=src_l[op.name].dtype, device=t.device)
+            ops.append(dist.P2POp(dist.irecv, buf, op.peer))
+            landings.append((t, op.my_box, buf))
+        if ops:
+            for r in dist.batch_isend_irecv(ops):
+                r.wait()
+        for t, box, buf in landings:
+            t[box].copy_(buf)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", choices=sorted(CASES), required=True)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--max-batch-mb", type=int, default=0)
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    model, sp, dp_, need = CASES[args.case]
+    if world < need:
+        if rank == 0:
+            print(f"{args.case}: needs {need} GPUs, have {world}: skipped")
+        return
+    src_l = model_layouts(model, sp)
+    dst_l = model_layouts(model, dp_)
+    src = {n: (torch.randn(l.local_shape(rank), device="cuda").to(l.dtype), l) for n, l in src_l.items() if rank in l.mesh}
+    dst = {n: (torch.empty(l.local_shape(rank), device="cuda", dtype=l.dtype), l) for n, l in dst_l.items() if rank in l.mesh}
+    plan = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None)
+    t_refit = _time(lambda: rx.execute(plan), args.iters)
+
+    # ceilings, same run: NCCL send/recv of the same per-peer bytes; D2D copy of the local bytes
+    tr = plan.transport
+    comm = getattr(tr, "comm", None)
+    t_nccl = 0.0
+    if comm is not None and (plan.bytes_sent or plan.bytes_received):
+        def raw() -> None:
+            for b in range(plan.num_batches):
+                s, r = tr._transfers(b)
+                comm.exchange(s, r, torch.cuda.current_stream().cuda_stream, 0)
+        t_nccl = _time(raw, args.iters)
+    local_bytes = sum(t.numel() * t.element_size() for t, _ in dst.values()) - plan.bytes_received
+    t_d2d = 0.0
+    if local_bytes > 0:
+        a = torch.empty(local_bytes, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        t_d2d = _time(lambda: b.copy_(a), args.iters)
+    t_base = 0.0
+    if not args.no_baseline:
+        t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
+    row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_nccl, t_d2d, t_base, plan.num_ops,
+           plan.num_batches)
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        print(f"\n== {args.case}: {model.layers} layers, {len(src_l)} tensors, {torch.cuda.get_device_name()} x{world}, "
+              f"batches {plan.num_batches}")
+        print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
+              f"{'nccl ms':>8} {'vs nccl':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7}")
+        for r, sent, recv, loc, t, tn, td, tb, ops, nb in rows:
+            link = max(sent, recv)
+            gbs = link / t / 1e9 if t else 0
+            ceil = max(tn, td)  # link and copy engines run concurrently: the slower is the floor
+            vs = f"{ceil / t:7.2f}" if ceil else "      -"
+            sp_ = f"{tb / t:7.2f}" if tb else "      -"
+            print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * t:9.2f} {gbs:9.1f} "
+                  f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_}")
+        print("vs ceil = max(NCCL send/recv of the same bytes, D2D copy of the local bytes) / refit time "
+              "(1.00 = at the ceiling); "
+              "speedup = megatron-style time / refit time")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+// MXFP8 (OCP Microscaling v1.0, E4M3 elements + E8M0 shared scale per 32 elements
+// along the last dim): the element math, the swizzled scale layout and the scale-slice
+// geometry. Plain C++17, no CUDA and no torch: the inline functions carry a
+// host/device annotation only so the CUDA kernel and the CPU twin run the very same
+// integer code (bit-identical by construction).
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+
+#include "core/runs.h"
+
+#if defined(__CUDACC__)
+#define RX_MX_HD __host__ __device__ __forceinline__
+#else
+#define RX_MX_HD inline
+#endif
+
+namespace rx::mx {
+
+constexpr int kBlock = 32;          // elements per shared scale
+constexpr int kTileRows = 128;      // swizzled scale tile: 128 rows ...
+constexpr int kTileCols = 4;        // ... x 4 scale columns = 512 bytes
+constexpr int kTileBytes = kTileRows * kTileCols;
+
+enum Rounding : int32_t { kCeil = 0, kFloor = 1 };
+enum ScaleLayout : int32_t { k2D = 0, kSwizzled = 1 };
+
+// |x| of a BF16 as its bit pattern when finite, else 0: integer max over these bit
+// patterns is the float max of the finite magnitudes (NaN and +-Inf do not vote).
+RX_MX_HD uint32_t finite_abs_bits(uint16_t h) {
+  uint32_t a = h & 0x7fffu;
+  return a < 0x7f80u ? a : 0u;
+}
+
+// Biased E8M0 exponent of the shared scale from the block's amax bits (finite_abs_bits).
+//   floor (OCP MX v1.0): X = 2^(floor(log2 amax) - 8)      (8 = emax of E4M3)
+//   ceil  (default):     X = 2^ceil(log2(amax / 448))      (the largest |x|/X <= 448)
+// Both exact: with amax = m * 2^E, m in [1, 2), amax/448 = (m/1.75) * 2^(E-8) and
+// m/1.75 in (0.5, 8/7), so the ceil is E-8, plus one when m > 1.75 (7-bit mantissa > 96).
+// Zero, BF16-subnormal and all-non-finite blocks get the smallest scale, biased 0.
+RX_MX_HD uint8_t scale_exponent(uint32_t amax_bits, int32_t rounding) {
+  int32_t ef = (int32_t)(amax_bits >> 7);  // BF16 biased exponent (bias 127, as E8M0)
+  if (ef == 0) return 0;
+  int32_t biased = ef - 8 + ((rounding == kCeil && (amax_bits & 0x7fu) > 96u) ? 1 : 0);
+  return (uint8_t)(biased < 0 ? 0 : (biased > 254 ? 254 : biased));
+}
+
+// E4M3 (fn: no Inf, 0x7f/0xff NaN, max 448) of x * 2^(127 - scale_biased), rounding to
+// nearest even and saturating to +-448 (Inf too); NaN stays NaN; the sign is kept
+// (-0 -> 0x80). Integer-only, so no FP mode (FTZ, fast-math) can change a bit.
+RX_MX_HD uint8_t e4m3_scaled(uint16_t h, uint8_t scale_biased) {
+  const uint8_t sign = (uint8_t)((h >> 8) & 0x80u);
+  const int32_t ef = (h >> 7) & 0xff;
+  const uint32_t f = h & 0x7fu;
+  if (ef == 0xff) return (uint8_t)(sign | (f ? 0x7fu : 0x7eu));
+  // x = M * 2^e with an integer M < 256.
+  uint32_t M = ef ? (0x80u | f) : f;
+  if (M == 0) return sign;
+  int32_t e = (ef ? ef : 1) - 127 - 7 - ((int32_t)scale_biased - 127);
+  int32_t p = 0;  // floor(log2 M)
+  while ((M >> (p + 1)) != 0) ++p;
+  int32_t exp_y = p + e;                   // floor(log2 y)
+  if (exp_y > 8) return (uint8_t)(sign | 0x7eu);  // >= 512: saturate
+  if (exp_y < -6) exp_y = -6;              // E4M3 subnormal range: quantum 2^-9
+  int32_t sh = (exp_y - 3) - e;            // y / quantum = M * 2^-sh
+  uint32_t k;
+  if (sh <= 0) {
+    k = M << (-sh);
+  } else if (sh > 16) {
+    k = 0;                                 // y < quantum / 2^8: rounds to zero
+  } else {
+    k = M >> sh;
+    uint32_t rem = M & ((1u << sh) - 1u), half = 1u << (sh - 1);
+    if (rem > half || (rem == half && (k & 1u))) ++k;
+  }
+  // k in [0, 16]: normal k in [8, 16) and exponent exp_y; the formula also covers
+  // subnormals (exp_y = -6, k < 8) and the carry k = 16 into the next binade.
+  int32_t bits = ((exp_y + 7) << 3) + (int32_t)k - 8;
+  if (bits > 0x7e) bits = 0x7e;
+  return (uint8_t)(sign | (uint32_t)bits);
+}
+
+// Scale columns for `cols` elements (the last block may be partial).
+RX_MX_HD int64_t scale_cols(int64_t cols) { return (cols + kBlock - 1) / kBlock; }
+
+// Swizzled layout (cuBLAS/cuBLASLt "1D block scaling factors layout", also what
+// Transformer Engine's swizzle and torchao's to_blocked produce): the [rows, scols]
+// scale matrix is padded to multiples of 128 rows and 4 columns and cut into 128x4
+// tiles stored one after another in row-major tile order (all tiles of rows 0..127
+// first). A tile is 512 bytes viewed as 32x16: row r, column c of the tile lands at
+// (r % 32) * 16 + (r / 32) * 4 + c.
+RX_MX_HD int64_t swizzled_cols_padded(int64_t scols) { return (scols + kTileCols - 1) / kTileCols * kTileCols; }
+RX_MX_HD int64_t swizzled_rows_padded(int64_t rows) { return (rows + kTileRows - 1) / kTileRows * kTileRows; }
+RX_MX_HD int64_t swizzled_size(int64_t rows, int64_t scols) {
+  return swizzled_rows_padded(rows) * swizzled_cols_padded(scols);
+}
+RX_MX_HD int64_t swizzled_offset(int64_t row, int64_t col, int64_t scols) {
+  const int64_t tiles_per_row = swizzled_cols_padded(scols) / kTileCols;
+  const int64_t tile = (row / kTileRows) * tiles_per_row + col / kTileCols;
+  const int64_t r = row % kTileRows, c = col % kTileCols;
+  return tile * kTileBytes + (r % 32) * 16 + (r / 32) * 4 + c;
+}
+
+// ---- scale-slice geometry (host only) ----------------------------------------------
+
+// Maps a piece's runs along the last dim (global extent `extent`) to the runs of its
+// scale columns. Local quantization equals quantizing the logical tensor only when
+// every run starts on a 32-element boundary and all but the piece's last run cover
+// whole blocks (the last may end at `extent`, in a partial final block). Returns ""
+// and fills `out`, or says why not.
+std::string scale_runs(const Runs& runs, int64_t extent, Runs* out);
+
+}  // namespace rx::mx

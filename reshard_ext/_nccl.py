@@ -1,0 +1,187 @@
+"""The NCCL transport, Python side: one communicator per process group and device, and a
+check that the extension and torch run the same libnccl.
+
+Importing this module needs neither CUDA nor NCCL; `communicator()` raises ReshardError
+with the reason when the transport cannot be used.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .errors import ReshardError
+
+# Bound on every host wait of the transport (communicator setup, posting, wait()).
+DEFAULT_TIMEOUT_S = float(os.environ.get("RESHARD_EXT_NCCL_TIMEOUT", "600"))
+# Set to 1 to run with a libnccl different from torch's (at your own risk).
+_SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
+
+Transfer = tuple[int, int, int]  # (peer group rank, device pointer, bytes)
+
+_COMMS: dict[tuple[tuple[int, ...], int], "_C.NcclComm"] = {}
+_LIB_CHECKED = False
+
+
+def available() -> bool:
+    """Whether the extension was built with the NCCL transport."""
+    return hasattr(_C, "NcclComm")
+
+
+def _require_built() -> None:
+    if not available():
+        raise ReshardError(
+            "reshard_ext was built without the NCCL transport (rx.build_info()['nccl'] is False). "
+            "Rebuild with CUDA and NCCL found: RESHARD_EXT_CUDA=ON, and the nvidia-nccl-cu<N> wheel "
+            "matching torch's CUDA major installed (or NCCL_HOME set); or use backend='torch'.")
+
+
+# --- the libnccl check -------------------------------------------------------------------
+
+_NCCL_LIB = re.compile(r"(^|/)libnccl\.so(\.\d+)*$")  # not plugins (libnccl-net.so, ...)
+
+
+def mapped_nccl_paths(maps_text: str) -> list[str]:
+    """The distinct libnccl files in a /proc/<pid>/maps text, in order of appearance."""
+    seen: list[str] = []
+    for line in maps_text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6:
+            path = fields[5].strip()
+            if _NCCL_LIB.search(path) and path not in seen:
+                seen.append(path)
+    return seen
+
+
+def _fmt(version: Sequence[int]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def nccl_mismatch(ours_path: str, ours_version: Sequence[int], torch_version: Optional[Sequence[int]],
+                  mapped: Iterable[str]) -> Optional[str]:
+    """Why the extension's libnccl and torch's differ, or None when they are the same.
+
+    ours_*: the library the extension loaded; torch_version: torch.cuda.nccl.version()
+    (None when torch has no NCCL); mapped: every libnccl file loaded in the process (any
+    file other than ours is taken to be torch's; none when torch links NCCL statically).
+    """
+    ours = os.path.realpath(ours_path) if ours_path else ""
+    others = sorted({os.path.realpath(p) for p in mapped} - {ours})
+    problems = []
+    if torch_version is not None and tuple(torch_version) != tuple(ours_version):
+        problems.append(f"torch uses NCCL {_fmt(torch_version)} but reshard_ext loaded NCCL "
+                        f"{_fmt(ours_version)} from {ours or '?'}")
+    if others:
+        problems.append(f"two libnccl files are loaded in this process: reshard_ext's {ours or '?'} "
+                        f"and {', '.join(others)} (torch's)")
+    if not problems:
+        return None
+    return ("; ".join(problems) + ". Two NCCLs in one process waste memory and can disagree on "
+            "protocols. Fix: install the nvidia-nccl-cu<N> wheel torch depends on (pip show torch, "
+            "requires) and rebuild reshard_ext against it, or set NCCL_HOME to torch's NCCL before "
+            f"building. Set {_SKIP_LIB_CHECK_ENV}=1 to skip this check.")
+
+
+def _torch_nccl_version() -> Optional[tuple[int, ...]]:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # CPU torch, or torch built without NCCL
+        return None
+    if isinstance(v, int):  # very old torch: one integer code
+        v = (v // 1000, (v % 1000) // 100, v % 100) if v < 10000 else (v // 10000, (v % 10000) // 100, v % 100)
+    return tuple(v)
+
+
+def check_nccl_library() -> None:
+    """Raises ReshardError unless the extension runs the libnccl torch runs (same file and
+    version). Call it once before the first NCCL transfer; communicator() does."""
+    global _LIB_CHECKED
+    if _LIB_CHECKED or os.environ.get(_SKIP_LIB_CHECK_ENV) == "1":
+        return
+    _require_built()
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = mapped_nccl_paths(f.read())
+    except OSError:  # not Linux: only the versions can be compared
+        mapped = []
+    problem = nccl_mismatch(_C.nccl_library_path(), _C.nccl_version(), _torch_nccl_version(), mapped)
+    if problem:
+        raise ReshardError(problem)
+    _LIB_CHECKED = True
+
+
+# --- communicators -----------------------------------------------------------------------
+
+def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None) -> "_C.NcclComm":
+    """The NCCL communicator of `group` (default WORLD) on the current CUDA device.
+
+    Collective over `group` the first time (and after a failure); cached afterwards by the
+    group's ranks and the device, so every plan over the same ranks shares one. Its ranks
+    are group ranks. The unique id travels through the group itself, so any backend that
+    can broadcast a Python object works (nccl, gloo).
+
+    A communicator that failed is recreated here, collectively: after a transport error
+    every rank must come back through communicator() (or clear_communicators()); a rank
+    that still holds a healthy cached one would skip the id broadcast the others wait in.
+    """
+    _require_built()
+    if not torch.cuda.is_available():
+        raise ReshardError("the NCCL transport needs a CUDA device, and torch.cuda.is_available() is False; "
+                           "use backend='torch' on CPU")
+    if not dist.is_initialized():
+        raise ReshardError("the NCCL transport needs torch.distributed to be initialized")
+    group = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
+    device = torch.cuda.current_device()
+    key = (ranks, device)
+    comm = _COMMS.get(key)
+    if comm is not None and comm.usable:
+        return comm
+    _COMMS.pop(key, None)
+    check_nccl_library()
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ReshardError(f"communicator(): this process is not a member of the group (ranks {list(ranks)})")
+    box = [_C.nccl_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=ranks[0], group=group)
+    comm = _C.NcclComm(rank, len(ranks), box[0], device, timeout)
+    try:
+        comm.wait_ready(timeout)
+    except ReshardError as e:
+        raise ReshardError(f"{e} (group ranks 0..{len(ranks) - 1} are global ranks {list(ranks)})") from None
+    _COMMS[key] = comm
+    return comm
+
+
+def exchange(comm: "_C.NcclComm", sends: Iterable[Transfer], recvs: Iterable[Transfer],
+             stream: Optional[torch.cuda.Stream] = None, on_side_stream: bool = True) -> None:
+    """One grouped send/recv of byte ranges, ordered after the work already on `stream`
+    (default: the current stream), which waits for it. With on_side_stream the transfer
+    runs on the communicator's own stream (see side_stream()), so later work on `stream`
+    that does not depend on it is not held back by NCCL's kernels."""
+    stream = stream if stream is not None else torch.cuda.current_stream()
+    comm.exchange(list(sends), list(recvs), stream.cuda_stream, comm.side_stream if on_side_stream else 0)
+
+
+def side_stream(comm: "_C.NcclComm") -> torch.cuda.ExternalStream:
+    """The communicator's stream as a torch stream: `t.record_stream(side_stream(comm))`
+    for a buffer freed while a transfer may still read or write it."""
+    return torch.cuda.ExternalStream(comm.side_stream, device=torch.device("cuda", comm.device))
+
+
+def clear_communicators(timeout_s: float = 10.0) -> None:
+    """Closes every cached communicator (finalize, else abort after timeout_s). Call it on
+    every rank; later communicator() calls create fresh ones."""
+    comms = list(_COMMS.values())
+    _COMMS.clear()
+    for comm in comms:
+        comm.close(timeout_s)
+
+
+__all__ = ["available", "communicator", "exchange", "side_stream", "clear_communicators", "check_nccl_library",
+           "nccl_mismatch", "mapped_nccl_paths", "DEFAULT_TIMEOUT_S"]

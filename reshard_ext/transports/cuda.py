@@ -1,0 +1,105 @@
+"""GPU transports: the CUDA box kernel over device-resident descriptor tables, with the
+bytes carried by the C++ NCCL communicator (pipelined on a side stream) or, for
+comparison, by torch.distributed point-to-point."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import _C
+from ..errors import ReshardError
+from .p2p import P2PExchange
+
+_ALIGN = 256
+
+
+def make_cuda_transport(backend: str, group: Any) -> "CudaTransport":
+    if not torch.cuda.is_available():
+        raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
+    if not _C._build_info["cuda"]:
+        raise ReshardError("reshard_ext was built without CUDA kernels (RESHARD_EXT_CUDA=OFF or no nvcc at build time)")
+    if backend == "nccl":
+        from .. import _nccl
+
+        return CudaTransport(group, _nccl.communicator(group))
+    return CudaTransport(group, None)
+
+
+class CudaTransport:
+    """Per batch: pack (one launch) -> exchange (one send/recv per peer) -> unpack (one
+    launch, cast fused). With the NCCL communicator the exchange of batch k runs on a
+    side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
+    staging); the caller's stream waits for the last transfer before its unpack."""
+
+    def __init__(self, group: Any, comm: Optional[Any]):
+        self.comm = comm
+        self.p2p = None if comm is not None else P2PExchange(group)
+        self.side = torch.cuda.Stream() if comm is not None else None
+        self.send: list[torch.Tensor] = []
+        self.recv: list[torch.Tensor] = []
+        self._regions: list[tuple[list, list]] = []
+
+    def bind(self, tables: Any) -> tuple[list[int], list[int]]:
+        nbuf = 2 if (tables.num_batches > 1 and self.comm is not None) else 1
+        dev = torch.cuda.current_device()
+        self.send = [torch.empty(max(1, tables.send_buffer_bytes), dtype=torch.uint8, device=dev) for _ in range(nbuf)]
+        self.recv = [torch.empty(max(1, tables.recv_buffer_bytes), dtype=torch.uint8, device=dev) for _ in range(nbuf)]
+        self._regions = [tables.regions(b) for b in range(tables.num_batches)]
+        return [t.data_ptr() for t in self.send], [t.data_ptr() for t in self.recv]
+
+    def upload(self, tables: Any) -> None:
+        """Builds the device tables once (at plan/rebind time); execute only launches."""
+        host = [_C.DeviceBoxTable(tables.copy_boxes())]
+        host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
+        host += [_C.DeviceBoxTable(tables.unpack_boxes(b)) for b in range(tables.num_batches)]
+        offsets, total = [], 0
+        for t in host:
+            offsets.append(total)
+            total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._blob = torch.empty(max(total, 1), dtype=torch.uint8, device=torch.cuda.current_device())
+        stream = torch.cuda.current_stream().cuda_stream
+        for t, off in zip(host, offsets):
+            t.upload(self._blob.data_ptr() + off, stream)
+        nb = tables.num_batches
+        self._copy, self._pack, self._unpack = host[0], host[1 : 1 + nb], host[1 + nb :]
+
+    def _transfers(self, b: int) -> tuple[list, list]:
+        sends, recvs = self._regions[b]
+        sbuf, rbuf = self.send[b % len(self.send)].data_ptr(), self.recv[b % len(self.recv)].data_ptr()
+        return ([(p, sbuf + off, n) for p, off, n in sends], [(p, rbuf + off, n) for p, off, n in recvs])
+
+    def run(self, tables: Any) -> None:
+        main = torch.cuda.current_stream()
+        s = main.cuda_stream
+        k = len(self._pack)
+        if k == 0:
+            self._copy.launch(s)
+            return
+        if self.comm is None:  # torch.distributed p2p: no overlap, for comparison
+            self._copy.launch(s)
+            for b in range(k):
+                self._pack[b].launch(s)
+                self.p2p.exchange(self._regions[b], self.send[0], self.recv[0])
+                self._unpack[b].launch(s)
+            return
+        side = self.side
+        done: list[torch.cuda.Event] = []
+
+        def post(b: int) -> None:
+            self._pack[b].launch(s)
+            side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
+            sends, recvs = self._transfers(b)
+            self.comm.exchange(sends, recvs, side.cuda_stream, 0)
+            done.append(side.record_event())
+
+        post(0)
+        self._copy.launch(s)  # same-rank boxes overlap the first transfer
+        for b in range(k):
+            if b + 1 < k:
+                post(b + 1)  # overlaps the transfer of b
+            main.wait_event(done[b])
+            self._unpack[b].launch(s)
+        # A dead peer or a lost message raises here (bounded by the communicator's
+        # timeout, RESHARD_EXT_NCCL_TIMEOUT) instead of hanging the next sync.
+        self.comm.wait(self.comm.timeout)

@@ -1,0 +1,172 @@
+"""End-to-end MXFP8 refits over real gloo groups: the (data, scale) buffers equal
+quantizing the whole logical tensor, byte for byte, refit after refit, in place."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import reshard_ext as rx
+from reshard_ext import Layout, Mesh, Replicate, Shard
+from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout, scale_numel
+
+from _dist import run_ranks
+from test_mxfp8_kernels import assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
+
+BF16, F32 = torch.bfloat16, torch.float32
+WORLD = 4
+
+
+def _L(shape, mesh, placements, dtype=BF16) -> Layout:
+    return Layout(shape, dtype, Mesh(mesh), placements)
+
+
+def cases() -> dict[str, tuple[Layout, Layout]]:
+    """name -> (src layout, dst layout) of BF16 tensors, for a world of 4."""
+    c: dict[str, tuple[Layout, Layout]] = {}
+    # TP2 -> TP1 (column parallel: rows; row parallel: columns in whole 32-blocks)
+    c["tp2_tp1.col"] = (_L((130, 256), [0, 1], [Shard(0)]), _L((130, 256), [2], [Replicate()]))
+    c["tp2_tp1.row"] = (_L((64, 256), [0, 1], [Shard(1)]), _L((64, 256), [3], [Replicate()]))
+    # TP1 -> TP2
+    c["tp1_tp2.col"] = (_L((96, 160), [0], [Replicate()]), _L((96, 160), [2, 3], [Shard(0)]))
+    c["tp1_tp2.row"] = (_L((40, 256), [1], [Replicate()]), _L((40, 256), [2, 3], [Shard(1)]))
+    # fused gate/up (stride 2) -> TP2 on the last dim; a partial final block (K = 80)
+    c["strided"] = (_L((48, 256), [0, 1], [Shard(1, stride=2)]), _L((48, 256), [2, 3], [Shard(1)]))
+    c["partial"] = (_L((33, 80), [0, 1], [Shard(0)]), _L((33, 80), [0, 1, 2, 3], [Shard(0)]))
+    # DP replicas on both sides (collocated), 3-D with leading dims as M
+    c["dp"] = (_L((4, 40, 64), [[0, 1], [2, 3]], [Replicate(), Shard(1)]),
+               _L((4, 40, 64), [0, 1, 2, 3], [Replicate()]))
+    # EP: per-expert tensors (EP2 -> EP4) and a stacked [E, M, K] (EP2 -> EP4)
+    for e in range(4):
+        c[f"experts.weight{e}"] = (_L((64, 96), [e // 2], [Replicate()]), _L((64, 96), [e], [Replicate()]))
+    c["experts.w13"] = (_L((4, 32, 128), [0, 1], [Shard(0)]), _L((4, 32, 128), [0, 1, 2, 3], [Shard(0)]))
+    return c
+
+
+def _global(name: str, shape, step: int) -> torch.Tensor:
+    kind = ("wide", "boundary", "normal", "zeros")[(len(name) + step) % 4]
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    x = make_case(kind, rows=rows, cols=-(-cols // 32) * 32, seed=(zlib.crc32(name.encode()) + 31 * step) % 10007)
+    return x[:, :cols].contiguous().reshape(shape)
+
+
+def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu") -> dict:
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    specs = cases()
+    names = sorted(specs)
+    transform = MXFP8(params=names, scale_layout=layout_kind, where=where, rounding=rounding)
+    torch.manual_seed(0)
+    globals_ = {n: _global(n, specs[n][0].shape, 0) for n in names}
+    bias_global = torch.arange(12, dtype=F32)
+    src, dst = {}, {}
+    for n in names:
+        sl, dl = specs[n]
+        if rank in sl.mesh:
+            src[n] = (sl.local_part(globals_[n], rank).to(dev), sl)
+        if rank in dl.mesh:
+            local = dl.local_shape(rank)
+            data = torch.empty(local, dtype=torch.float8_e4m3fn, device=dev)
+            if layout_kind == "2d":
+                scale = torch.empty(local[:-1] + (-(-local[-1] // 32),), dtype=torch.uint8, device=dev)
+            else:
+                scale = torch.empty(scale_numel(local, "swizzled"), dtype=torch.uint8, device=dev)
+            dst[n] = ((data, scale), dl)
+    # an unconverted tensor passes through untouched
+    bl_src, bl_dst = _L((12,), [0], [Replicate()], F32), _L((12,), [0, 1, 2, 3], [Shard(0)], F32)
+    if rank == 0:
+        src["bias"] = (bias_global.clone().to(dev), bl_src)
+    bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32, device=dev)
+    dst["bias"] = (bias_out, bl_dst)
+
+    plan = rx.plan(src, dst, transform=transform)
+    converted = {n: e for n, e in dst.items() if n != "bias"}
+    ptrs = {n: (d.data_ptr(), s.data_ptr()) for n, ((d, s), _) in converted.items()}
+    for step in range(2):
+        if step:
+            globals_ = {n: _global(n, specs[n][0].shape, step) for n in names}
+            for n, (t, sl) in src.items():
+                if n != "bias":
+                    t.copy_(sl.local_part(globals_[n], rank).to(dev))  # in place, as an optimizer does
+        rx.execute(plan)
+        for n, ((data, scale), dl) in converted.items():
+            want_d, want_s = ref_mxfp8(globals_[n], rounding, "2d")
+            assert (data.data_ptr(), scale.data_ptr()) == ptrs[n], f"{n}: buffers moved"
+            assert_bytes_equal(data.view(torch.uint8), data_layout(dl).with_dtype(torch.uint8).local_part(
+                want_d, rank), f"{n} data step {step}")
+            piece = scale_layout(n, dl).local_part(want_s, rank)
+            if layout_kind == "swizzled":
+                piece = ref_swizzle(piece.reshape(-1, piece.shape[-1]))
+            assert_bytes_equal(scale, piece, f"{n} scale step {step}")
+        assert torch.equal(bias_out.cpu(), bl_dst.local_part(bias_global, rank))
+    return {"sent": plan.bytes_sent}
+
+
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_matrix(where, layout_kind, rounding):
+    run_ranks(WORLD, refit_worker, where, layout_kind, rounding)
+
+
+def bytes_worker(rank: int, world: int, where: str) -> int:
+    """TP2 on ranks 0,1 -> TP2 (other dim) on ranks 2,3: every byte crosses ranks."""
+    sl = _L((256, 1024), [0, 1], [Shard(0)])
+    dl = _L((256, 1024), [2, 3], [Shard(1)])
+    g = _global("w", sl.shape, 0)
+    src = {"w": (sl.local_part(g, rank), sl)} if rank in sl.mesh else {}
+    dst = {}
+    if rank in dl.mesh:
+        local = dl.local_shape(rank)
+        dst["w"] = ((torch.empty(local, dtype=torch.float8_e4m3fn),
+                     torch.empty(local[:-1] + (local[-1] // 32,), dtype=torch.uint8)), dl)
+    plan = rx.plan(src, dst, transform=MXFP8(["w"], where=where))
+    rx.execute(plan)
+    if dst:
+        (data, scale), _ = dst["w"]
+        want_d, want_s = ref_mxfp8(g, "ceil")
+        assert_bytes_equal(data.view(torch.uint8), dl.with_dtype(torch.uint8).local_part(want_d, rank), "data")
+    return plan.bytes_sent
+
+
+def test_sender_side_halves_the_wire():
+    recv = sum(run_ranks(WORLD, bytes_worker, "receiver"))
+    send = sum(run_ranks(WORLD, bytes_worker, "sender"))
+    assert recv == 256 * 1024 * 2
+    assert send == 256 * 1024 + 256 * 1024 // 32
+    assert send <= 0.53 * recv
+
+
+def misaligned_worker(rank: int, world: int, where: str) -> str:
+    # every rank holds a piece on both sides, so every rank sees the error
+    sl = _L((8, 96), [0, 1, 2, 3], [Shard(1)])    # 24 columns each: not whole 32-blocks
+    dl = _L((8, 96), [0, 1, 2, 3], [Replicate()])
+    g = _global("bad", sl.shape, 0)
+    if where == "receiver":
+        sl, dl = dl, sl
+    src = {"bad": (sl.local_part(g, rank), sl)}
+    local = dl.local_shape(rank)
+    dst = {"bad": ((torch.empty(local, dtype=torch.float8_e4m3fn), torch.empty(8 * 3, dtype=torch.uint8)), dl)}
+    try:
+        rx.plan(src, dst, transform=MXFP8(["bad"], where=where))
+    except rx.ReshardError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_misaligned_last_dim_is_rejected(where):
+    for msg in run_ranks(WORLD, misaligned_worker, where):
+        assert "'bad'" in msg and "32-element" in msg, msg
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
+                         and rx.build_info()["cuda"]),
+                    reason=f"needs {WORLD} GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_matrix_cuda(where, layout_kind):
+    for rounding in ("ceil", "floor"):
+        run_ranks(WORLD, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")

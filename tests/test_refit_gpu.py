@@ -1,0 +1,26 @@
+"""GPU refits over NCCL: the same layout matrix as the CPU tests, bit for bit, through
+the C++ NCCL transport and through torch.distributed point-to-point."""
+import pytest
+import torch
+
+from _cases import run_case
+from _dist import run_ranks
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs2 = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+needs4 = pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
+
+
+@needs2
+@pytest.mark.parametrize("backend", ["nccl", "torch"])
+@pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
+@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+def test_matrix_2gpu(case, backend, max_batch_bytes):
+    run_ranks(2, run_case, case, "cuda", max_batch_bytes, backend, backend="nccl")
+
+
+@needs4
+@pytest.mark.parametrize("case", ["tp", "uneven_blocks", "meshes", "pp_experts", "placement", "casts"])
+@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+def test_matrix_4gpu(case, max_batch_bytes):
+    run_ranks(4, run_case, case, "cuda", max_batch_bytes, "nccl", backend="nccl")
