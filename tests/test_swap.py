@@ -12,8 +12,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from tests._dist import run_ranks
-from tests._models import GPT, Config, check_filled, fill, make_groups
+from _dist import run_ranks
+from _models import GPT, Config, check_filled, fill, make_groups
 
 IDS = torch.tensor([0, 3, 7, 12, 15, 9])
 
