@@ -1,0 +1,185 @@
+"""swap_model_weights: refit a destination model from a source model (DESIGN section 5).
+
+Either side may be None on a rank (source-only, destination-only and idle ranks), an
+nn.Module (or a list of virtual-pipeline chunks), or ready plan entries
+``{name: (tensor, layout)}`` (e.g. merged targets built with ``rx.merged``).
+
+Plans are cached by what determines them: the layouts (names, global shapes, dtypes,
+meshes, placements) of both sides, the group's ranks, backend, batch bound and
+transform -- never by object identity or parallel sizes, so a changed model replans
+and a re-created model with the same layouts reuses the plan (rebinding its tensors).
+
+Every call starts with one 3-integer all-reduce over the group, so that ranks never
+diverge: a rank that failed to describe its model makes every rank raise, and the plan
+is reused only if every rank hit the same cached plan; otherwise all ranks plan again
+together. A warm call does no metadata exchange and no planning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .adapters import Entries, NameMap, apply_name_map
+from .adapters import dtensor as dtensor_adapter
+from .adapters import megatron as megatron_adapter
+from .errors import ReshardError
+from .layout import Layout
+from .transforms import Transform
+
+ModelLike = Union[nn.Module, list, tuple, Mapping[str, tuple[torch.Tensor, Layout]], None]
+Adapter = Callable[..., Entries]
+
+
+@dataclass
+class _Cached:
+    plan: Any
+    generation: int
+    bound: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # "side:name" -> (ptr, strides)
+
+
+_PLANS: dict[tuple, _Cached] = {}
+_GENERATIONS: dict[tuple, Any] = {}  # group key -> counter; ranks of a group plan together
+
+
+def clear_caches() -> None:
+    """Drops every cached plan (and with them their transports and communicators)."""
+    _PLANS.clear()
+
+
+def _describe(model: ModelLike, side: str, group: Any, rank_offset: int, adapter: Optional[Adapter]) -> Entries:
+    if model is None:
+        return {}
+    if isinstance(model, Mapping):
+        return dict(model)
+    if adapter is not None:
+        return adapter(model, group=group, rank_offset=rank_offset)
+    first = next(iter(model.parameters() if isinstance(model, nn.Module) else model[0].parameters()), None)
+    if isinstance(first, dtensor_adapter.DTensor):
+        return dtensor_adapter.entries(model, group=group, rank_offset=rank_offset)
+    return megatron_adapter.entries(model, group=group, rank_offset=rank_offset, tie_output_to_embedding=side == "src")
+
+
+def _group_key(group: Any) -> tuple:
+    g = group if group is not None else dist.group.WORLD
+    return (dist.get_backend(g), tuple(dist.get_process_group_ranks(g)))
+
+
+def _signature(entries: Entries) -> tuple:
+    return tuple(sorted((name, layout) for name, (_, layout) in entries.items()))
+
+
+def _bindings(src: Entries, dst: Entries) -> dict[str, tuple[int, tuple[int, ...]]]:
+    return {
+        f"{side}:{name}": (t.data_ptr(), tuple(t.stride()))
+        for side, entries in (("src", src), ("dst", dst))
+        for name, (t, _) in entries.items()
+    }
+
+
+def _agree(group: Any, failed: bool, generation: int) -> tuple[int, bool]:
+    """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`)."""
+    g = group if group is not None else dist.group.WORLD
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(g) == "nccl" else torch.device("cpu")
+    rank = dist.get_rank(g)
+    # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
+    t = torch.tensor([-(rank + 1) if failed else -(2**62), generation, -generation], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    first_failed = 0 if t[0].item() == -(2**62) else -int(t[0].item())
+    return first_failed, generation >= 0 and int(t[1].item()) == generation == -int(t[2].item())
+
+
+def _get_plan(
+    src_model: ModelLike,
+    dst_model: ModelLike,
+    backend: str,
+    group: Any,
+    src_rank_offset: int,
+    dst_rank_offset: int,
+    name_map: Optional[NameMap],
+    max_batch_bytes: Optional[int],
+    transform: Optional[Transform],
+    adapter: Optional[Adapter],
+) -> Any:
+    from . import plan as rx_plan  # the core API; imported late (package init order)
+
+    error: Optional[BaseException] = None
+    src: Entries = {}
+    dst: Entries = {}
+    key: tuple = ()
+    try:
+        src = apply_name_map(_describe(src_model, "src", group, src_rank_offset, adapter), name_map)
+        dst = _describe(dst_model, "dst", group, dst_rank_offset, adapter)
+        key = (
+            _group_key(group), backend, max_batch_bytes,
+            transform.cache_key() if transform is not None else None,
+            _signature(src), _signature(dst),
+        )
+    except Exception as e:  # reported to every rank below, so no rank is left waiting
+        error = e
+    cached = _PLANS.get(key) if error is None else None
+    first_failed, all_hit = _agree(group, error is not None, cached.generation if cached else -1)
+    if error is not None:
+        raise error
+    if first_failed:
+        raise ReshardError(f"swap_model_weights: rank {first_failed - 1} failed to describe its models (see its error)")
+    if all_hit and cached is not None:
+        bound = _bindings(src, dst)
+        if bound != cached.bound:  # same layouts, new storages (a re-created model)
+            cached.plan.rebind(src=src, dst=dst)
+            cached.bound = bound
+        return cached.plan
+    plan = rx_plan(src=src, dst=dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, transform=transform)
+    gen = next(_GENERATIONS.setdefault(key[0], count()))
+    _PLANS[key] = _Cached(plan, gen, _bindings(src, dst))
+    return plan
+
+
+def prepare_swap_model_weights(
+    src_model: ModelLike,
+    dst_model: ModelLike,
+    backend: str = "auto",
+    group: Any = None,
+    *,
+    src_rank_offset: int = 0,
+    dst_rank_offset: int = 0,
+    name_map: Optional[NameMap] = None,
+    max_batch_bytes: Optional[int] = None,
+    transform: Optional[Transform] = None,
+    adapter: Optional[Adapter] = None,
+) -> Any:
+    """Builds (collectively) and caches the plan that `swap_model_weights` will use."""
+    return _get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
+                     name_map, max_batch_bytes, transform, adapter)
+
+
+def swap_model_weights(
+    src_model: ModelLike,
+    dst_model: ModelLike,
+    backend: str = "auto",
+    group: Any = None,
+    *,
+    src_rank_offset: int = 0,
+    dst_rank_offset: int = 0,
+    name_map: Optional[NameMap] = None,
+    max_batch_bytes: Optional[int] = None,
+    transform: Optional[Transform] = None,
+    adapter: Optional[Adapter] = None,
+) -> None:
+    """Copies every destination tensor from the source model, in place. Collective over `group`.
+
+    name_map renames source names to the destination's (e.g. trainer -> engine names).
+    adapter(model, group=..., rank_offset=...) overrides model description (default:
+    DTensor parameters -> rx.adapters.dtensor, otherwise rx.adapters.megatron).
+    """
+    from . import execute
+
+    execute(_get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
+                      name_map, max_batch_bytes, transform, adapter))
+
+
+__all__ = ["swap_model_weights", "prepare_swap_model_weights", "clear_caches"]
