@@ -8,6 +8,8 @@ from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
+from . import adapters, merged
+from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
 from .planning import RankPlan, TransferOp, local_plan
 from .transforms import Rewrite, Transform
 
@@ -20,4 +22,5 @@ def build_info() -> dict:
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError",
     "Rewrite", "Transform", "build_info", "plan", "execute", "Plan", "local_plan", "RankPlan", "TransferOp", "MXFP8",
+    "adapters", "merged", "swap_model_weights", "prepare_swap_model_weights", "clear_caches",
 ]
