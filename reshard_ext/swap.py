@@ -47,8 +47,12 @@ _GENERATIONS: dict[tuple, Any] = {}  # group key -> counter; ranks of a group pl
 
 
 def clear_caches() -> None:
-    """Drops every cached plan (and with them their transports and communicators)."""
+    """Drops every cached plan and NCCL communicator. Collective when communicators
+    exist: their destruction is (every rank of each group must call it)."""
     _PLANS.clear()
+    from . import _nccl
+
+    _nccl.clear_communicators()
 
 
 def _describe(model: ModelLike, side: str, group: Any, rank_offset: int, adapter: Optional[Adapter]) -> Entries:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
+# benchmarks. Logs go to $OUT (the device tool brings them back).
+#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench-big] [mx]   (default: all but bench-big)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/rx_out}"
+mkdir -p "$OUT"
+stages="${*:-build tests sanitize bench mx}"
+has() { [[ " $stages " == *" $1 "* ]]; }
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+step() { echo; echo "== $* ($(date +%T))"; }
+
+step "machine"
+nvidia-smi -L
+nvidia-smi topo -m 2>/dev/null | head -8
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+
+if has build; then
+  step "build (CUDA on, sm_90)"
+  if ! scripts/dev_build.sh ON > "$OUT/build.log" 2>&1; then tail -40 "$OUT/build.log"; exit 1; fi
+  PYTHONPATH=. python3 -m reshard_ext info
+fi
+export PYTHONPATH="$PWD"
+
+if has tests; then
+  step "GPU tests"
+  (cd tests && timeout 420 python3 -m pytest -q -p no:warnings -rs \
+      test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_refit.py \
+      2>&1 | tee "$OUT/tests.log" | tail -25)
+fi
+
+if has sanitize; then
+  step "compute-sanitizer memcheck: kernel tests"
+  (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py -k "not big" 2>&1 | tee "$OUT/sanitizer.log" | tail -8)
+fi
+
+if has bench; then
+  step "pack/unpack kernel benchmark"
+  timeout 240 python3 benchmarks/pack_bench.py 2>&1 | tee "$OUT/pack_bench.log" | tail -30
+  if [ "$ngpu" -ge 2 ]; then
+    for c in tp2-tp1 tp1-tp2 noncolo-tp1-tp1 moe-ep2-ep1; do
+      step "refit_bench $c"
+      timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" 2>&1 \
+        | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench.log" | tail -8
+    done
+    step "host overhead, 10,000 tensors"
+    timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep host_overhead | tee -a "$OUT/refit_bench.log"
+  fi
+fi
+
+if has bench-big; then
+  for c in tp2-tp1 noncolo-tp1-tp1; do
+    step "refit_bench $c, batched 1 GiB"
+    timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --max-batch-mb 1024 2>&1 \
+      | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench.log" | tail -6
+  done
+fi
+
+if has mx && [ "$ngpu" -ge 2 ]; then
+  for m in none receiver sender; do
+    step "mxfp8_bench $m"
+    timeout 200 python3 benchmarks/mxfp8_bench.py --world 2 --mxfp8 "$m" --layers 8 --hidden 4096 --ffn 14336 2>&1 \
+      | tee -a "$OUT/mxfp8_bench.log" | tail -4
+  done
+fi
+step "done"
