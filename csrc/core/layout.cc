@@ -106,6 +106,7 @@ void Layout::validate() {
     return;
   }
   for (int i = 0; i < mesh_->ndim(); ++i) {
+    all_mesh_dims_.push_back(i);
     const Placement& p = placements_[i];
     if (p.is_shard()) {
       if (p.shard_dim >= ndim()) {
@@ -160,39 +161,40 @@ std::string Layout::describe() const {
   return os.str();
 }
 
-int64_t Layout::class_of_position(int64_t pos) const {
-  // Decode the row-major mesh position, keep the Shard dims' coordinates.
-  const auto& ms = mesh_->shape();
-  int64_t coord[16];
-  for (int i = mesh_->ndim() - 1; i >= 0; --i) {
-    coord[i] = pos % ms[i];
-    pos /= ms[i];
+namespace {
+
+// Row-major (un)ravelling of an index over a subset of the mesh dims.
+void unravel(int64_t index, const std::vector<int>& dims, const std::vector<int64_t>& ms, int64_t* coord) {
+  for (int k = static_cast<int>(dims.size()) - 1; k >= 0; --k) {
+    coord[dims[k]] = index % ms[dims[k]];
+    index /= ms[dims[k]];
   }
-  int64_t cls = 0;
-  for (int d : shard_mesh_dims_) cls = cls * ms[d] + coord[d];
-  return cls;
+}
+
+int64_t ravel(const int64_t* coord, const std::vector<int>& dims, const std::vector<int64_t>& ms) {
+  int64_t index = 0;
+  for (int d : dims) index = index * ms[d] + coord[d];
+  return index;
+}
+
+}  // namespace
+
+int64_t Layout::class_of_position(int64_t pos) const {
+  int64_t coord[16];
+  unravel(pos, all_mesh_dims_, mesh_->shape(), coord);
+  return ravel(coord, shard_mesh_dims_, mesh_->shape());
 }
 
 int64_t Layout::replica_of_position(int64_t pos) const {
-  const auto& ms = mesh_->shape();
   int64_t coord[16];
-  for (int i = mesh_->ndim() - 1; i >= 0; --i) {
-    coord[i] = pos % ms[i];
-    pos /= ms[i];
-  }
-  int64_t j = 0;
-  for (int d : repl_mesh_dims_) j = j * ms[d] + coord[d];
-  return j;
+  unravel(pos, all_mesh_dims_, mesh_->shape(), coord);
+  return ravel(coord, repl_mesh_dims_, mesh_->shape());
 }
 
 Piece Layout::class_piece(int64_t cls) const {
   const auto& ms = mesh_->shape();
   int64_t coord[16] = {0};
-  for (int k = static_cast<int>(shard_mesh_dims_.size()) - 1; k >= 0; --k) {
-    const int d = shard_mesh_dims_[k];
-    coord[d] = cls % ms[d];
-    cls /= ms[d];
-  }
+  unravel(cls, shard_mesh_dims_, ms, coord);
   Piece piece(shape_.size());
   for (size_t d = 0; d < shape_.size(); ++d) piece[d] = {Run{0, shape_[d]}};
   for (int d : shard_mesh_dims_) {
@@ -204,21 +206,10 @@ Piece Layout::class_piece(int64_t cls) const {
 }
 
 int32_t Layout::class_replica(int64_t cls, int64_t j) const {
-  const auto& ms = mesh_->shape();
   int64_t coord[16] = {0};
-  for (int k = static_cast<int>(shard_mesh_dims_.size()) - 1; k >= 0; --k) {
-    const int d = shard_mesh_dims_[k];
-    coord[d] = cls % ms[d];
-    cls /= ms[d];
-  }
-  for (int k = static_cast<int>(repl_mesh_dims_.size()) - 1; k >= 0; --k) {
-    const int d = repl_mesh_dims_[k];
-    coord[d] = j % ms[d];
-    j /= ms[d];
-  }
-  int64_t pos = 0;
-  for (int d = 0; d < mesh_->ndim(); ++d) pos = pos * ms[d] + coord[d];
-  return mesh_->ranks()[pos];
+  unravel(cls, shard_mesh_dims_, mesh_->shape(), coord);
+  unravel(j, repl_mesh_dims_, mesh_->shape(), coord);
+  return mesh_->ranks()[ravel(coord, all_mesh_dims_, mesh_->shape())];
 }
 
 bool Layout::piece_of(int32_t rank, Piece* out) const {

@@ -97,6 +97,7 @@ class Layout {
   std::vector<Placement> placements_;
   std::vector<int> shard_mesh_dims_;  // mesh dims with a Shard placement, in order
   std::vector<int> repl_mesh_dims_;
+  std::vector<int> all_mesh_dims_;
   int64_t num_classes_ = 1;
   std::string error_;
 };
