@@ -103,6 +103,27 @@ RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
   split<ND>(g.n, kWarp, g.step);
 }
 
+// Global-space accesses that skip L1 (data is touched once); plain ones on the host.
+template <typename T>
+RX_LANE T load_item(const char* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(reinterpret_cast<const T*>(p));
+#else
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+#endif
+}
+
+template <typename T>
+RX_LANE void store_item(char* p, T v) {
+#if defined(__CUDA_ARCH__)
+  __stcg(reinterpret_cast<T*>(p), v);
+#else
+  memcpy(p, &v, sizeof(T));
+#endif
+}
+
 template <int U, typename T, typename W>
 RX_LANE void copy_items(const char* src, char* dst, W& w, int64_t i, int64_t end) {
 #pragma unroll 1  // the inner passes are unrolled; more only costs registers
@@ -111,13 +132,13 @@ RX_LANE void copy_items(const char* src, char* dst, W& w, int64_t i, int64_t end
     int64_t to[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
-      if (i + k * kWarp < end) v[k] = *reinterpret_cast<const T*>(src + w.src_off());
+      if (i + k * kWarp < end) v[k] = load_item<T>(src + w.src_off());
       to[k] = w.dst_off();
       w.advance();
     }
 #pragma unroll
     for (int k = 0; k < U; ++k)
-      if (i + k * kWarp < end) *reinterpret_cast<T*>(dst + to[k]) = v[k];
+      if (i + k * kWarp < end) store_item<T>(dst + to[k], v[k]);
   }
 }
 
@@ -168,14 +189,14 @@ RX_LANE uint64_t convert_bits(uint64_t raw, int s, int d) {
 template <int U, typename T>
 RX_LANE void load_raw(const char* src, const int64_t* from, const bool* ok, uint64_t* raw) {
 #pragma unroll
-  for (int k = 0; k < U; ++k) raw[k] = ok[k] ? *reinterpret_cast<const T*>(src + from[k]) : 0;
+  for (int k = 0; k < U; ++k) raw[k] = ok[k] ? load_item<T>(src + from[k]) : 0;
 }
 
 template <int U, typename T>
 RX_LANE void store_raw(char* dst, const int64_t* to, const bool* ok, const uint64_t* raw) {
 #pragma unroll
   for (int k = 0; k < U; ++k)
-    if (ok[k]) *reinterpret_cast<T*>(dst + to[k]) = static_cast<T>(raw[k]);
+    if (ok[k]) store_item<T>(dst + to[k], static_cast<T>(raw[k]));
 }
 
 template <int U, typename W>
@@ -195,16 +216,16 @@ RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_ti
       w.advance();
     }
     switch (t.src_size) {  // loads of a whole pass first, then convert and store
-      case 2: load_raw<U, uint16_t>(src, from, ok, raw); break;
-      case 4: load_raw<U, uint32_t>(src, from, ok, raw); break;
-      default: load_raw<U, uint64_t>(src, from, ok, raw); break;
+      case 2: load_raw<U, unsigned short>(src, from, ok, raw); break;
+      case 4: load_raw<U, unsigned int>(src, from, ok, raw); break;
+      default: load_raw<U, unsigned long long>(src, from, ok, raw); break;
     }
 #pragma unroll
     for (int k = 0; k < U; ++k) raw[k] = convert_bits(raw[k], s, d);
     switch (t.dst_size) {
-      case 2: store_raw<U, uint16_t>(dst, to, ok, raw); break;
-      case 4: store_raw<U, uint32_t>(dst, to, ok, raw); break;
-      default: store_raw<U, uint64_t>(dst, to, ok, raw); break;
+      case 2: store_raw<U, unsigned short>(dst, to, ok, raw); break;
+      case 4: store_raw<U, unsigned int>(dst, to, ok, raw); break;
+      default: store_raw<U, unsigned long long>(dst, to, ok, raw); break;
     }
   }
 }
@@ -228,10 +249,10 @@ RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
   char* dst = reinterpret_cast<char*>(b.dst & align);
   switch (t.unit) {
     case 16: copy_items<U, uint4>(src, dst, w, first, t.end); break;
-    case 8: copy_items<U, uint2>(src, dst, w, first, t.end); break;
-    case 4: copy_items<U, uint32_t>(src, dst, w, first, t.end); break;
-    case 2: copy_items<U, uint16_t>(src, dst, w, first, t.end); break;
-    default: copy_items<U, uint8_t>(src, dst, w, first, t.end); break;
+    case 8: copy_items<U, unsigned long long>(src, dst, w, first, t.end); break;
+    case 4: copy_items<U, unsigned int>(src, dst, w, first, t.end); break;
+    case 2: copy_items<U, unsigned short>(src, dst, w, first, t.end); break;
+    default: copy_items<U, unsigned char>(src, dst, w, first, t.end); break;
   }
 }
 
