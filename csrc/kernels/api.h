@@ -61,24 +61,39 @@ int32_t rx_dtype_castable(int32_t src, int32_t dst);
 // CPU twin: copies every box of the table, in order. Returns 0, or -1 on a bad box.
 int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
 
-#ifdef RX_WITH_CUDA
-// CUDA: copies every box of a device-resident table in one launch on `stream`.
-//   boxes_dev: the table in device memory (uploaded once at plan time).
-//   tiles_dev/num_tiles: the work split (rx_plan_tiles), device memory, uploaded once.
-// Returns a cudaError_t value (0 = cudaSuccess).
+// Work split of a box table for the CUDA kernel: one tile is one warp's share of one
+// box. A tile walks `unit`-byte items of its box in row-major order:
+//   unit 1/2/4/8/16: a same-dtype copy moving `unit` bytes per access. When unit exceeds
+//     the element size the innermost dim is contiguous on both sides and is viewed as
+//     shape[inner] * elem / unit items; item addresses count from the box pointers
+//     rounded down to a multiple of unit (a no-op except for the aligned body of a
+//     1-D box whose pointers are equally misaligned; its head and tail get
+//     element-sized tiles).
+//   unit 0: a cast; items are elements.
+// Every element of every box lies in exactly one tile; empty boxes get none.
 typedef struct rx_tile {
   int32_t box;        // index into the box table
-  int32_t reserved;
-  int64_t begin;      // first flattened element of the box this tile covers
+  uint8_t unit;       // bytes per item, 0 for a cast
+  uint8_t src_size;   // element sizes, resolved once on the host
+  uint8_t dst_size;
+  uint8_t reserved;
+  int64_t begin;      // first item of the box this tile covers
   int64_t end;        // one past the last
 } rx_tile;
 
-// Splits a host box table into tiles of about `tile_elems` elements so one launch
-// fills the GPU for one huge box and for 10,000 tiny ones alike. Writes at most
-// `max_tiles` tiles into `tiles` and returns how many are needed.
+// Splits a host box table into tiles of about `tile_bytes` (<= 0: chosen from the
+// table's total so one launch fills the GPU for one huge box and for 10,000 tiny ones
+// alike). Writes at most `max_tiles` tiles into `tiles` (which may be NULL when
+// max_tiles is 0) and returns how many are needed, or -1 for a bad box (ndim out of
+// range, negative extent, non-castable dtypes, pointers not aligned to their element).
 int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t tile_bytes,
                       rx_tile* tiles, int64_t max_tiles);
 
+#ifdef RX_WITH_CUDA
+// CUDA: copies every box of a device-resident table in one launch on `stream`
+// (a cudaStream_t). boxes_dev / tiles_dev: the table and its tiles (rx_plan_tiles) in
+// device memory, 16-byte aligned, uploaded once at plan time. Returns a cudaError_t
+// value (0 = cudaSuccess).
 int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev,
                            int64_t num_tiles, void* stream);
 #endif

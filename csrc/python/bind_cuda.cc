@@ -1,5 +1,78 @@
+// The CUDA box copy: DeviceBoxTable (plan time: build + upload; every execute: launch).
+// The tile planner is bound in every build so CPU CI tests it.
+#include <pybind11/pybind11.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/api.h"
 #include "python/register.h"
+#ifdef RX_WITH_CUDA
+#include "kernels/device_table.h"
+#endif
+
+namespace py = pybind11;
 
 namespace rx::python {
-void register_cuda(pybind11::module_&) {}
+
+namespace {
+
+// A bytes-like table of rx_box records (ExecTables.pack_boxes and friends), copied so
+// its alignment does not depend on the Python object.
+std::vector<rx_box> boxes_from(const py::buffer& table) {
+  const py::buffer_info info = table.request();
+  const size_t n = static_cast<size_t>(info.size * info.itemsize);
+  RX_HOST_ASSERT(n % sizeof(rx_box) == 0, "table is not a whole number of boxes");
+  std::vector<rx_box> v(n / sizeof(rx_box));
+  if (n) std::memcpy(v.data(), info.ptr, n);
+  return v;
+}
+
+}  // namespace
+
+void register_cuda(py::module_& m) {
+  m.attr("TILE_RECORD_BYTES") = sizeof(rx_tile);
+  m.def(
+      "plan_tiles",
+      [](const py::buffer& table, int64_t tile_bytes) {
+        const std::vector<rx_box> boxes = boxes_from(table);
+        const int64_t n = rx_plan_tiles(boxes.data(), static_cast<int64_t>(boxes.size()), tile_bytes, nullptr, 0);
+        RX_HOST_ASSERT(n >= 0, "box table has a bad box (ndim, extent, dtype pair or alignment)");
+        std::vector<rx_tile> tiles(static_cast<size_t>(n));
+        rx_plan_tiles(boxes.data(), static_cast<int64_t>(boxes.size()), tile_bytes, tiles.data(), n);
+        py::list out;
+        for (const rx_tile& t : tiles) out.append(py::make_tuple(t.box, t.unit, t.src_size, t.dst_size, t.begin, t.end));
+        return out;
+      },
+      py::arg("boxes"), py::arg("tile_bytes") = 0,
+      "Tiles of a box table as (box, unit, src_size, dst_size, begin, end); tile_bytes <= 0 picks a size.");
+
+#ifdef RX_WITH_CUDA
+  py::class_<DeviceBoxTable>(m, "DeviceBoxTable")
+      .def(py::init([](const py::buffer& table, int64_t tile_bytes) { return DeviceBoxTable(boxes_from(table), tile_bytes); }),
+           py::arg("boxes"), py::arg("tile_bytes") = 0)
+      .def_property_readonly("nbytes", &DeviceBoxTable::bytes_needed, "Device bytes upload() fills (16-byte aligned).")
+      .def_property_readonly("num_boxes", &DeviceBoxTable::num_boxes)
+      .def_property_readonly("num_tiles", &DeviceBoxTable::num_tiles)
+      .def(
+          "upload",
+          [](DeviceBoxTable& t, uint64_t dev_ptr, uint64_t stream) {
+            t.upload(reinterpret_cast<void*>(dev_ptr), reinterpret_cast<cudaStream_t>(stream));
+          },
+          py::arg("dev_ptr"), py::arg("stream"))
+      .def(
+          "launch",
+          [](const DeviceBoxTable& t, uint64_t stream) { t.launch(reinterpret_cast<cudaStream_t>(stream)); },
+          py::arg("stream"), "Copies every box: one kernel launch, no allocation, no sync.")
+      .def(
+          "run_emulated",
+          [](const DeviceBoxTable& t) {
+            py::gil_scoped_release release;
+            t.run_emulated();
+          },
+          "Runs the kernel's per-lane code on the host; the boxes must point at host memory (tests).");
+#endif
+}
+
 }  // namespace rx::python

@@ -1,0 +1,171 @@
+"""Pack / unpack throughput of the CUDA box copy (one launch per table).
+
+Boxes are TP column slices of a bf16 [rows, cols] weight (cols = tp * width): pack
+copies them into contiguous 16-byte aligned staging regions, unpack copies them back
+into a second weight. Each row of the table prints, for one total size and box count:
+  d2d     torch dst.copy_(src) of the same bytes (cudaMemcpy D2D): the ceiling
+  pack / unpack   the kernel, and its ratio to d2d
+  loop    a Python loop of torch slice copies, buf[a:b].view(shape).copy_(w[rows, cols])
+GB/s counts bytes read + written; times are medians of CUDA-event timings after warm-up.
+
+    python benchmarks/pack_bench.py [--check] [--sizes 16M,256M,1G] [--boxes 1,64,1000,10000]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reshard_ext import _C  # noqa: E402
+from tests._boxes import BOX  # noqa: E402
+
+BF16 = 6  # rx dtype code (reshard_ext/_dtypes.py)
+TP = 2
+
+
+def parse_size(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
+
+
+def boxes(n: int, rows: int, width: int, src: int, src_ld: int, dst: int, dst_ld: int, region: int) -> bytes:
+    """n 2-D boxes [rows, width] (bf16): box i reads rows i*rows.. of `src` at column
+    (i % TP) * width (row pitch src_ld) when src_ld > width, else region i of a staging
+    buffer; likewise for dst. Built with numpy: 10,000 boxes in milliseconds."""
+    a = np.zeros(n, dtype=BOX)
+    i = np.arange(n, dtype=np.uint64)
+
+    def side(base: int, ld: int) -> np.ndarray:
+        if ld > width:  # a column slice of the weight
+            return np.uint64(base) + (i * np.uint64(rows * ld) + (i % TP) * np.uint64(width)) * np.uint64(2)
+        return np.uint64(base) + i * np.uint64(region)  # a staging region
+
+    a["src"], a["dst"] = side(src, src_ld), side(dst, dst_ld)
+    a["ndim"], a["src_dtype"], a["dst_dtype"] = 2, BF16, BF16
+    a["shape"][:, 0], a["shape"][:, 1] = rows, width
+    a["src_stride"][:, 0], a["src_stride"][:, 1] = src_ld, 1
+    a["dst_stride"][:, 0], a["dst_stride"][:, 1] = dst_ld, 1
+    return a.tobytes()
+
+
+def timed(fn: Callable[[], None], inner: int, iters: int) -> float:
+    """Median seconds per call of fn, from CUDA events around `inner` calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(times)
+
+
+def geometry(total: int, count: int) -> tuple[int, int, int]:
+    """(rows, width, region bytes) of `count` boxes of about total/count bytes."""
+    per = total // count
+    width = max(64, min(4096, per // 2 // 16 // 64 * 64))
+    rows = max(1, per // (2 * width))
+    region = (rows * width * 2 + 15) // 16 * 16
+    return rows, width, region
+
+
+def bench(total: int, count: int, check: bool) -> dict:
+    rows, width, region = geometry(total, count)
+    cols = TP * width
+    weight = torch.randn(count * rows, cols, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(weight).fill_(7)
+    stage = torch.empty(count * region, dtype=torch.uint8, device="cuda")
+    nbytes = count * rows * width * 2
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def table(blob: bytes) -> tuple[object, torch.Tensor]:
+        t = _C.DeviceBoxTable(blob)
+        dev = torch.empty(t.nbytes, dtype=torch.uint8, device="cuda")
+        t.upload(dev.data_ptr(), stream)
+        return t, dev
+
+    pack, pack_mem = table(boxes(count, rows, width, weight.data_ptr(), cols, stage.data_ptr(), width, region))
+    unpack, unpack_mem = table(boxes(count, rows, width, stage.data_ptr(), width, out.data_ptr(), cols, region))
+    views = [(stage[i * region:i * region + rows * width * 2].view(torch.bfloat16).view(rows, width),
+              slice(i * rows, (i + 1) * rows), slice((i % TP) * width, (i % TP + 1) * width)) for i in range(count)]
+
+    def loop_pack() -> None:
+        for buf, r, c in views:
+            buf.copy_(weight[r, c])
+
+    def loop_unpack() -> None:
+        for buf, r, c in views:
+            out[r, c].copy_(buf)
+
+    if check:
+        pack.launch(stream)
+        got = stage.clone()
+        stage.fill_(0)
+        loop_pack()
+        assert torch.equal(got, stage), "pack differs from torch slicing"
+        unpack.launch(stream)
+        got = out.clone()
+        out.fill_(7)
+        loop_unpack()
+        assert torch.equal(got, out), "unpack differs from torch slicing"
+
+    src_flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst_flat = torch.empty_like(src_flat)
+    inner = max(1, min(50, (256 << 20) // total))
+    loop_iters = 3 if count >= 1000 else 5
+    r = {
+        "d2d": timed(lambda: dst_flat.copy_(src_flat), inner, 15),
+        "pack": timed(lambda: pack.launch(stream), inner, 15),
+        "unpack": timed(lambda: unpack.launch(stream), inner, 15),
+        "loop_pack": timed(loop_pack, 1, loop_iters),
+        "loop_unpack": timed(loop_unpack, 1, loop_iters),
+    }
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        pack.launch(stream)
+    r["host_us"] = (time.perf_counter() - t0) / 100 * 1e6
+    torch.cuda.synchronize()
+    r.update(bytes=nbytes, tiles=pack.num_tiles, shape=(rows, width))
+    del pack_mem, unpack_mem
+    return r
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="16M,256M,1G")
+    p.add_argument("--boxes", default="1,64,1000,10000")
+    p.add_argument("--check", action="store_true", help="verify pack/unpack against torch slicing once")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or not hasattr(_C, "DeviceBoxTable"):
+        sys.exit("needs a GPU and a CUDA build of reshard_ext")
+    print(f"# {torch.cuda.get_device_name()}  bf16 column slices, TP={TP}; GB/s = (read + written) / time")
+    hdr = (f"{'total':>6} {'boxes':>6} {'box [r,c]':>13} {'tiles':>6} {'d2d':>7} {'pack':>7} {'/d2d':>5} "
+           f"{'unpack':>7} {'/d2d':>5} {'loop pk':>8} {'loop up':>8} {'pk/loop':>8} {'host us':>7}")
+    print(hdr)
+    for size in args.sizes.split(","):
+        for count in (int(c) for c in args.boxes.split(",")):
+            r = bench(parse_size(size), count, args.check)
+            gbs = {k: 2 * r["bytes"] / r[k] / 1e9 for k in ("d2d", "pack", "unpack", "loop_pack", "loop_unpack")}
+            print(f"{size:>6} {count:>6} {str(list(r['shape'])):>13} {r['tiles']:>6} {gbs['d2d']:7.0f} "
+                  f"{gbs['pack']:7.0f} {gbs['pack'] / gbs['d2d']:5.2f} {gbs['unpack']:7.0f} "
+                  f"{gbs['unpack'] / gbs['d2d']:5.2f} {gbs['loop_pack']:8.1f} {gbs['loop_unpack']:8.1f} "
+                  f"{r['loop_pack'] / r['pack']:8.1f} {r['host_us']:7.1f}", flush=True)
+            torch.cuda.empty_cache()
+    if args.check:
+        print("# check: pack and unpack equal torch slicing, bit for bit")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+// The CUDA box copy: one launch copies every box of a device-resident table.
+//
+// One warp per tile (tiles.cc). Lane l of a tile handles items begin+l, begin+l+32, ...
+// Each lane keeps its position as mixed-radix digits over the box's extents and steps
+// by 32 items with carries (no division in the loop), issuing kUnroll independent
+// loads before their stores so several accesses per lane are in flight. Items are
+// 1..16 bytes (uint4 on the fast path) or, for a cast, single elements converted with
+// cast.h so the bits equal the CPU twin and torch's Tensor.to.
+//
+// The per-lane code is __host__ __device__ and has no warp intrinsics, so
+// rx_copy_boxes_emulated runs the very same index math on the host (tests on machines
+// without a GPU).
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/api.h"
+#include "kernels/cast.h"
+
+#define RX_LANE __host__ __device__ __forceinline__
+
+namespace rx {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 8;
+constexpr int kUnroll = 4;  // independent loads in flight per lane
+constexpr int kMinBlocksPerSm = 4;  // 64 registers: 32 warps per SM, ~64 KiB of loads in flight
+
+// A box viewed as ND dims of items (outermost first); boxes with fewer dims are padded
+// in front with extent-1, stride-0 dims. Uniform over the warp.
+template <int ND>
+struct Geom {
+  int64_t n[ND];     // extents in items
+  int64_t ss[ND];    // byte strides, src side
+  int64_t ds[ND];    // byte strides, dst side
+  int64_t step[ND];  // kWarp items in the same radix
+};
+
+// One lane's position as mixed-radix digits over a Geom. G is Geom<ND> (registers) or
+// volatile Geom<ND> (a shared-memory slot: the general walk would otherwise hold ~100
+// registers and halve the occupancy of every path).
+template <int ND, typename G>
+struct Walk {
+  G& g;
+  int64_t dig[ND];
+
+  RX_LANE void advance() {
+    int64_t carry = 0;
+#pragma unroll
+    for (int d = ND - 1; d > 0; --d) {  // digit + step < 2 * extent: one subtraction
+      const int64_t n = g.n[d];
+      const int64_t v = dig[d] + g.step[d] + carry;
+      carry = v >= n;
+      dig[d] = carry ? v - n : v;
+    }
+    dig[0] += g.step[0] + carry;
+  }
+
+  RX_LANE int64_t src_off() const {
+    int64_t o = 0;
+#pragma unroll
+    for (int d = 0; d < ND; ++d) o += dig[d] * g.ss[d];
+    return o;
+  }
+
+  RX_LANE int64_t dst_off() const {
+    int64_t o = 0;
+#pragma unroll
+    for (int d = 0; d < ND; ++d) o += dig[d] * g.ds[d];
+    return o;
+  }
+};
+
+template <int ND, typename N, typename Out>
+RX_LANE void split(const N& n, int64_t i, Out& out) {
+#pragma unroll
+  for (int d = ND - 1; d > 0; --d) {
+    out[d] = i % n[d];
+    i /= n[d];
+  }
+  out[0] = i;
+}
+
+template <int ND, typename G>
+RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
+  const int pad = ND - b.ndim;
+#pragma unroll
+  for (int d = 0; d < ND; ++d) {
+    if (d < pad) {
+      g.n[d] = 1;
+      g.ss[d] = g.ds[d] = 0;
+    } else {
+      g.n[d] = b.shape[d - pad];
+      g.ss[d] = b.src_stride[d - pad] * t.src_size;
+      g.ds[d] = b.dst_stride[d - pad] * t.dst_size;
+    }
+  }
+  if (t.unit > t.src_size) {  // contiguous innermost dim read as wider items
+    g.n[ND - 1] = b.shape[b.ndim - 1] * t.src_size / t.unit;
+    g.ss[ND - 1] = g.ds[ND - 1] = t.unit;
+  }
+  split<ND>(g.n, kWarp, g.step);
+}
+
+// Global-space accesses that skip L1 (data is touched once); plain ones on the host.
+template <typename T>
+RX_LANE T load_item(const char* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(reinterpret_cast<const T*>(p));
+#else
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+#endif
+}
+
+template <typename T>
+RX_LANE void store_item(char* p, T v) {
+#if defined(__CUDA_ARCH__)
+  __stcg(reinterpret_cast<T*>(p), v);
+#else
+  memcpy(p, &v, sizeof(T));
+#endif
+}
+
+template <int U, typename T, typename W>
+RX_LANE void copy_items(const char* src, char* dst, W& w, int64_t i, int64_t end) {
+#pragma unroll 1  // the inner passes are unrolled; more only costs registers
+  for (; i < end; i += kWarp * U) {
+    T v[U];
+    int64_t to[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (i + k * kWarp < end) v[k] = load_item<T>(src + w.src_off());
+      to[k] = w.dst_off();
+      w.advance();
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (i + k * kWarp < end) store_item<T>(dst + to[k], v[k]);
+  }
+}
+
+RX_LANE double f64_from_bits(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double d;
+  memcpy(&d, &u, 8);
+  return d;
+#endif
+}
+
+RX_LANE uint64_t f64_bits(double d) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(d));
+#else
+  uint64_t u;
+  memcpy(&u, &d, 8);
+  return u;
+#endif
+}
+
+RX_LANE float f32_of(uint64_t raw, int dt) {
+  switch (dt) {
+    case RX_F16: return f32_from_f16(static_cast<uint16_t>(raw));
+    case RX_BF16: return f32_from_bf16(static_cast<uint16_t>(raw));
+    default: return f32_from_bits(static_cast<uint32_t>(raw));
+  }
+}
+
+RX_LANE uint64_t bits_of(float f, int dt) {
+  switch (dt) {
+    case RX_F16: return f16_from_f32(f);
+    case RX_BF16: return bf16_from_f32(f);
+    default: return f32_bits(f);
+  }
+}
+
+// The cast of cast.h's load_float/store_float on raw bits; 16/32-bit types stay in
+// float (what load_float's double holds exactly), f64 narrows through float as c10 does.
+RX_LANE uint64_t convert_bits(uint64_t raw, int s, int d) {
+  if (s == RX_F64) return bits_of(static_cast<float>(f64_from_bits(raw)), d);
+  const float f = f32_of(raw, s);
+  return d == RX_F64 ? f64_bits(static_cast<double>(f)) : bits_of(f, d);
+}
+
+template <int U, typename T>
+RX_LANE void load_raw(const char* src, const int64_t* from, const bool* ok, uint64_t* raw) {
+#pragma unroll
+  for (int k = 0; k < U; ++k) raw[k] = ok[k] ? load_item<T>(src + from[k]) : 0;
+}
+
+template <int U, typename T>
+RX_LANE void store_raw(char* dst, const int64_t* to, const bool* ok, const uint64_t* raw) {
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+    if (ok[k]) store_item<T>(dst + to[k], static_cast<T>(raw[k]));
+}
+
+template <int U, typename W>
+RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_tile& t, W& w, int64_t i,
+                        int64_t end) {
+  const int s = b.src_dtype, d = b.dst_dtype;
+#pragma unroll 1
+  for (; i < end; i += kWarp * U) {
+    int64_t from[U], to[U];
+    bool ok[U];
+    uint64_t raw[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      ok[k] = i + k * kWarp < end;
+      from[k] = w.src_off();
+      to[k] = w.dst_off();
+      w.advance();
+    }
+    switch (t.src_size) {  // loads of a whole pass first, then convert and store
+      case 2: load_raw<U, unsigned short>(src, from, ok, raw); break;
+      case 4: load_raw<U, unsigned int>(src, from, ok, raw); break;
+      default: load_raw<U, unsigned long long>(src, from, ok, raw); break;
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) raw[k] = convert_bits(raw[k], s, d);
+    switch (t.dst_size) {
+      case 2: store_raw<U, unsigned short>(dst, to, ok, raw); break;
+      case 4: store_raw<U, unsigned int>(dst, to, ok, raw); break;
+      default: store_raw<U, unsigned long long>(dst, to, ok, raw); break;
+    }
+  }
+}
+
+// Copies this lane's items of tile t. g: where the tile's geometry lives (see Walk).
+template <int ND, typename G>
+RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
+  // The general walk keeps fewer accesses in flight: its digits cost registers.
+  constexpr int U = ND <= 2 ? kUnroll : 2;
+  const int64_t first = t.begin + lane;
+  if (first >= t.end) return;
+  init_geom<ND>(g, b, t);
+  Walk<ND, G> w{g, {}};
+  split<ND>(g.n, first, w.dig);
+  if (t.unit == 0) {
+    cast_items<U>(reinterpret_cast<const char*>(b.src), reinterpret_cast<char*>(b.dst), b, t, w, first, t.end);
+    return;
+  }
+  const uint64_t align = ~static_cast<uint64_t>(t.unit - 1);
+  const char* src = reinterpret_cast<const char*>(b.src & align);
+  char* dst = reinterpret_cast<char*>(b.dst & align);
+  switch (t.unit) {
+    case 16: copy_items<U, uint4>(src, dst, w, first, t.end); break;
+    case 8: copy_items<U, unsigned long long>(src, dst, w, first, t.end); break;
+    case 4: copy_items<U, unsigned int>(src, dst, w, first, t.end); break;
+    case 2: copy_items<U, unsigned short>(src, dst, w, first, t.end); break;
+    default: copy_items<U, unsigned char>(src, dst, w, first, t.end); break;
+  }
+}
+
+// Most boxes fold to 1 or 2 dims (make_box merges contiguous dims); those keep their
+// geometry in registers, the rest share the padded general walk in `slot`.
+RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
+  const rx_box& b = boxes[t.box];
+  switch (b.ndim) {
+    case 1: {
+      Geom<1> g;
+      run_tile<1>(b, t, lane, g);
+      break;
+    }
+    case 2: {
+      Geom<2> g;
+      run_tile<2>(b, t, lane, g);
+      break;
+    }
+    default: run_tile<RX_MAX_DIMS>(b, t, lane, slot); break;
+  }
+}
+
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kMinBlocksPerSm)
+    copy_boxes_kernel(const rx_box* __restrict__ boxes, const rx_tile* __restrict__ tiles, int64_t num_tiles) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (t >= num_tiles) return;
+  __shared__ Geom<RX_MAX_DIMS> slots[kWarpsPerBlock];  // every lane writes the same values
+  const rx_tile tile = tiles[t];
+  run_lane(boxes, tile, static_cast<int>(threadIdx.x % kWarp), slots[threadIdx.x / kWarp]);
+}
+
+}  // namespace
+}  // namespace rx
+
+extern "C" int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
+                                      void* stream) {
+  if (num_tiles <= 0) return cudaSuccess;
+  const int64_t blocks = (num_tiles + rx::kWarpsPerBlock - 1) / rx::kWarpsPerBlock;
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  rx::copy_boxes_kernel<<<static_cast<unsigned>(blocks), rx::kWarpsPerBlock * rx::kWarp, 0,
+                          static_cast<cudaStream_t>(stream)>>>(boxes_dev, tiles_dev, num_tiles);
+  return cudaGetLastError();
+}
+
+extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles) {
+  rx::Geom<RX_MAX_DIMS> slot;
+  for (int64_t t = 0; t < num_tiles; ++t)
+    for (int lane = 0; lane < rx::kWarp; ++lane) rx::run_lane(boxes, tiles[t], lane, slot);
+  return 0;
+}

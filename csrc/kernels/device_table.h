@@ -1,0 +1,85 @@
+// rx::DeviceBoxTable: a box table and its tiles, uploaded once at plan time into device
+// memory the caller owns (Python allocates it with torch, so the caching allocator
+// owns it), replayed by one kernel launch on every execute. launch() allocates
+// nothing and never synchronises.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/api.h"
+
+// A CUDA runtime call that must succeed; throws rx::InternalError with file:line.
+#define RX_CUDA_CHECK(expr)                                                                  \
+  do {                                                                                       \
+    const cudaError_t rx_err_ = static_cast<cudaError_t>(expr);                             \
+    if (rx_err_ != cudaSuccess)                                                              \
+      throw ::rx::InternalError(::rx::detail::format(__FILE__, ":", __LINE__, ": ", #expr,   \
+                                                     " failed: ", cudaGetErrorString(rx_err_))); \
+  } while (0)
+
+extern "C" {
+// Runs the kernel's per-lane code on the host over a host table (copy_boxes.cu): tests
+// the kernel's index math and casts on machines without a GPU. Returns 0.
+int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles);
+}
+
+namespace rx {
+
+class DeviceBoxTable {
+ public:
+  // tile_bytes <= 0: chosen from the table's total (rx_plan_tiles).
+  explicit DeviceBoxTable(const std::vector<rx_box>& boxes, int64_t tile_bytes = 0)
+      : num_boxes_(static_cast<int64_t>(boxes.size())) {
+    const int64_t n = rx_plan_tiles(boxes.data(), num_boxes_, tile_bytes, nullptr, 0);
+    RX_HOST_ASSERT(n >= 0, "box table has a bad box (ndim, extent, dtype pair or alignment)");
+    num_tiles_ = n;
+    tiles_offset_ = align_up(static_cast<int64_t>(boxes.size() * sizeof(rx_box)));
+    blob_.resize(static_cast<size_t>(tiles_offset_ + num_tiles_ * static_cast<int64_t>(sizeof(rx_tile))));
+    if (!boxes.empty()) std::memcpy(blob_.data(), boxes.data(), boxes.size() * sizeof(rx_box));
+    rx_plan_tiles(boxes.data(), num_boxes_, tile_bytes, tiles_host(), num_tiles_);
+  }
+
+  int64_t num_boxes() const { return num_boxes_; }
+  int64_t num_tiles() const { return num_tiles_; }
+  // Bytes of device memory upload() fills: the boxes, then the tiles.
+  int64_t bytes_needed() const { return static_cast<int64_t>(blob_.size()); }
+  const rx_tile* tiles_host() const { return reinterpret_cast<const rx_tile*>(blob_.data() + tiles_offset_); }
+  const rx_box* boxes_host() const { return reinterpret_cast<const rx_box*>(blob_.data()); }
+
+  // Copies the table into `dev` (bytes_needed() bytes, 16-byte aligned) on `stream`.
+  // The host copy stays here, so the caller need not wait for the copy.
+  void upload(void* dev, cudaStream_t stream) {
+    RX_HOST_ASSERT(dev != nullptr || blob_.empty(), "upload: null device pointer");
+    RX_HOST_ASSERT(reinterpret_cast<uintptr_t>(dev) % 16 == 0, "upload: device memory must be 16-byte aligned");
+    if (!blob_.empty()) RX_CUDA_CHECK(cudaMemcpyAsync(dev, blob_.data(), blob_.size(), cudaMemcpyHostToDevice, stream));
+    dev_ = static_cast<char*>(dev);
+    uploaded_ = true;
+  }
+
+  // Copies every box: one kernel launch on `stream`, stream-ordered after upload().
+  void launch(cudaStream_t stream) const {
+    RX_HOST_ASSERT(uploaded_, "launch before upload");
+    if (num_tiles_ == 0) return;
+    RX_CUDA_CHECK(rx_copy_boxes_cuda(reinterpret_cast<const rx_box*>(dev_),
+                                     reinterpret_cast<const rx_tile*>(dev_ + tiles_offset_), num_tiles_, stream));
+  }
+
+  // The same copy on the host, through the kernel's own per-lane code (tests).
+  void run_emulated() const { rx_copy_boxes_emulated(boxes_host(), tiles_host(), num_tiles_); }
+
+ private:
+  static int64_t align_up(int64_t x) { return (x + 255) / 256 * 256; }
+  rx_tile* tiles_host() { return reinterpret_cast<rx_tile*>(blob_.data() + tiles_offset_); }
+
+  int64_t num_boxes_ = 0, num_tiles_ = 0, tiles_offset_ = 0;
+  std::vector<char> blob_;  // boxes | pad to 256 | tiles: the device image
+  char* dev_ = nullptr;
+  bool uploaded_ = false;
+};
+
+}  // namespace rx
