@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from reshard_ext import _C
-from tests._boxes import (FLOATS, Spec, contiguous_strides, itemsize, nan_free_bytes, random_specs, specs_table,
+from _boxes import (FLOATS, Spec, contiguous_strides, itemsize, nan_free_bytes, random_specs, specs_table,
                           table, view)
 from reshard_ext._dtypes import code_of
 

@@ -10,23 +10,9 @@
 #include <cstring>
 #include <vector>
 
+#include "comm/cuda_check.h"
 #include "core/check.h"
 #include "kernels/api.h"
-
-// A CUDA runtime call that must succeed; throws rx::InternalError with file:line.
-#define RX_CUDA_CHECK(expr)                                                                  \
-  do {                                                                                       \
-    const cudaError_t rx_err_ = static_cast<cudaError_t>(expr);                             \
-    if (rx_err_ != cudaSuccess)                                                              \
-      throw ::rx::InternalError(::rx::detail::format(__FILE__, ":", __LINE__, ": ", #expr,   \
-                                                     " failed: ", cudaGetErrorString(rx_err_))); \
-  } while (0)
-
-extern "C" {
-// Runs the kernel's per-lane code on the host over a host table (copy_boxes.cu): tests
-// the kernel's index math and casts on machines without a GPU. Returns 0.
-int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles);
-}
 
 namespace rx {
 
