@@ -30,7 +30,9 @@ if(RX_HAVE_CUDA AND NOT RESHARD_EXT_NCCL STREQUAL "OFF")
     list(APPEND _rx_nccl_hints "${_rx_nccl_wheel}")
   endif()
   find_path(RX_NCCL_INCLUDE_DIR nccl.h HINTS ${_rx_nccl_hints} PATH_SUFFIXES include)
-  find_library(RX_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_rx_nccl_hints} PATH_SUFFIXES lib lib64)
+  # NAMES_PER_DIR: the wheel's lib/ holds only libnccl.so.2; without it a system
+  # libnccl.so elsewhere would win over the hinted wheel.
+  find_library(RX_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_rx_nccl_hints} PATH_SUFFIXES lib lib64)
   if(RX_NCCL_INCLUDE_DIR AND RX_NCCL_LIBRARY)
     get_filename_component(RX_NCCL_LIBRARY_DIR "${RX_NCCL_LIBRARY}" DIRECTORY)
     set(RX_HAVE_NCCL ON)
