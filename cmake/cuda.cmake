@@ -6,6 +6,14 @@ if(NOT RESHARD_EXT_CUDA STREQUAL "OFF")
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
+    # The runtime CMake links for CUDA sources follows RESHARD_EXT_CUDART (default
+    # shared): some toolkits' libcudart_static.a carry their own libstdc++ objects,
+    # which then shadow the process's and crash the first ostream use.
+    if(RESHARD_EXT_CUDART STREQUAL "static")
+      set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
+    else()
+      set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+    endif()
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(RX_HAVE_CUDA ON)

@@ -21,6 +21,8 @@ if has build; then
   step "build (CUDA on, sm_90)"
   if ! scripts/dev_build.sh ON > "$OUT/build.log" 2>&1; then tail -40 "$OUT/build.log"; exit 1; fi
   PYTHONPATH=. python3 -m reshard_ext info
+  echo "std:: symbols exported by _C (0-30 expected; thousands = a static libstdc++ copy): $(nm -D -C --defined-only reshard_ext/_C*.so | grep -c 'std::')"
+  ldd reshard_ext/_C*.so | grep -E "cudart|nccl|stdc"
 fi
 export PYTHONPATH="$PWD"
 
