@@ -20,7 +20,10 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 if has build; then
   step "build (CUDA on, sm_90)"
   rm -rf build/dev-on  # a fresh configure: cached toolchain state has bitten before
-  if ! scripts/dev_build.sh ON > "$OUT/build.log" 2>&1; then tail -40 "$OUT/build.log"; exit 1; fi
+  if ! RX_CMAKE_ARGS="-DCMAKE_MODULE_LINKER_FLAGS=-Wl,-Map=$OUT/link.map" scripts/dev_build.sh ON > "$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"; exit 1
+  fi
+  echo "archives that supplied code to _C:"; grep -oE "[^ (]+\.a\([^)]+\)" "$OUT/link.map" | sed 's/(.*//' | sort | uniq -c | sort -rn | head -8
   ninja -C build/dev-on -t commands _C | tail -1 | tr ' ' '\n' | grep -E "cudart|cudadevrt|stdc" | tr '\n' ' '; echo
   PYTHONPATH=. python3 -m reshard_ext info
   echo "std:: symbols exported by _C (0-30 expected; thousands = a static libstdc++ copy): $(nm -D -C --defined-only reshard_ext/_C*.so | grep -c 'std::')"

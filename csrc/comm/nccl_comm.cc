@@ -30,7 +30,6 @@ void stream_wait(cudaStream_t waiter, cudaStream_t signaller) {
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <thread>
 
 namespace rx {
@@ -76,11 +75,9 @@ class Backoff {
 };
 
 std::string join(const std::vector<int32_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += detail::format(i ? ", " : "", v[i]);
+  return s + "]";
 }
 
 std::vector<int32_t> peers(const std::vector<NcclTransfer>& v) {

@@ -5,9 +5,10 @@
 // Both carry file:line so a report points at the check that fired.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace rx {
 
@@ -22,17 +23,39 @@ class InternalError : public std::runtime_error {
 };
 
 namespace detail {
-inline void format_into(std::ostringstream&) {}
+// Message formatting without iostreams: snprintf/std::to_string only. An extension
+// module must not depend on libstdc++'s locale state being initialised in its copy of
+// the library (seen crash: a GPU image whose toolchain linked a static libstdc++ copy;
+// the first ostream << long segfaulted).
+inline void append(std::string& out, const std::string& v) { out += v; }
+inline void append(std::string& out, const char* v) { out += v ? v : "(null)"; }
+inline void append(std::string& out, char v) { out += v; }
+inline void append(std::string& out, bool v) { out += v ? "true" : "false"; }
+template <typename T>
+typename std::enable_if<std::is_integral<T>::value>::type append(std::string& out, T v) {
+  out += std::to_string(v);
+}
+template <typename T>
+typename std::enable_if<std::is_floating_point<T>::value>::type append(std::string& out, T v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+  out += buf;
+}
+template <typename T>
+typename std::enable_if<std::is_enum<T>::value>::type append(std::string& out, T v) {
+  out += std::to_string(static_cast<long long>(v));
+}
+inline void format_into(std::string&) {}
 template <typename T, typename... Rest>
-void format_into(std::ostringstream& os, const T& first, const Rest&... rest) {
-  os << first;
-  format_into(os, rest...);
+void format_into(std::string& out, const T& first, const Rest&... rest) {
+  append(out, first);
+  format_into(out, rest...);
 }
 template <typename... Args>
 std::string format(const Args&... args) {
-  std::ostringstream os;
-  format_into(os, args...);
-  return os.str();
+  std::string out;
+  format_into(out, args...);
+  return out;
 }
 }  // namespace detail
 

@@ -1,6 +1,5 @@
 #include "core/layout.h"
 
-#include <sstream>
 
 #include "core/check.h"
 #include "kernels/api.h"
@@ -39,14 +38,12 @@ int64_t Mesh::position(int32_t rank) const {
 }
 
 std::string Mesh::describe() const {
-  std::ostringstream os;
-  os << "Mesh(shape=(";
-  for (size_t i = 0; i < shape_.size(); ++i) os << (i ? ", " : "") << shape_[i];
-  os << "), ranks=[";
-  for (size_t i = 0; i < ranks_.size() && i < 16; ++i) os << (i ? ", " : "") << ranks_[i];
-  if (ranks_.size() > 16) os << ", ...";
-  os << "])";
-  return os.str();
+  std::string s = "Mesh(shape=(";
+  for (size_t i = 0; i < shape_.size(); ++i) s += detail::format(i ? ", " : "", shape_[i]);
+  s += "), ranks=[";
+  for (size_t i = 0; i < ranks_.size() && i < 16; ++i) s += detail::format(i ? ", " : "", ranks_[i]);
+  if (ranks_.size() > 16) s += ", ...";
+  return s + "])";
 }
 
 std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t len, int64_t parts, int64_t c,
@@ -140,25 +137,26 @@ bool Layout::same_as(const Layout& o) const {
 }
 
 std::string Layout::describe() const {
-  std::ostringstream os;
-  os << "Layout(shape=(";
-  for (size_t i = 0; i < shape_.size(); ++i) os << (i ? ", " : "") << shape_[i];
-  os << "), dtype=" << dtype_name(dtype_) << ", " << mesh_->describe() << ", placements=[";
+  std::string s = "Layout(shape=(";
+  for (size_t i = 0; i < shape_.size(); ++i) s += detail::format(i ? ", " : "", shape_[i]);
+  s += detail::format("), dtype=", dtype_name(dtype_), ", ", mesh_->describe(), ", placements=[");
   for (size_t i = 0; i < placements_.size(); ++i) {
     const Placement& p = placements_[i];
-    os << (i ? ", " : "");
-    if (!p.is_shard()) { os << "R"; continue; }
-    os << "S(" << p.shard_dim;
-    if (p.stride != 1) os << ", stride=" << p.stride;
-    if (!p.blocks.empty()) {
-      os << ", blocks=(";
-      for (size_t j = 0; j < p.blocks.size(); ++j) os << (j ? "," : "") << p.blocks[j];
-      os << ")";
+    s += i ? ", " : "";
+    if (!p.is_shard()) {
+      s += "R";
+      continue;
     }
-    os << ")";
+    s += detail::format("S(", p.shard_dim);
+    if (p.stride != 1) s += detail::format(", stride=", p.stride);
+    if (!p.blocks.empty()) {
+      s += ", blocks=(";
+      for (size_t j = 0; j < p.blocks.size(); ++j) s += detail::format(j ? "," : "", p.blocks[j]);
+      s += ")";
+    }
+    s += ")";
   }
-  os << "])";
-  return os.str();
+  return s + "])";
 }
 
 namespace {
