@@ -24,3 +24,21 @@ def test_matrix_2gpu(case, backend, max_batch_bytes):
 @pytest.mark.parametrize("max_batch_bytes", [None, 512])
 def test_matrix_4gpu(case, max_batch_bytes):
     run_ranks(4, run_case, case, "cuda", max_batch_bytes, "nccl", backend="nccl")
+
+
+def _with_direct(rank, world, case, direct_bytes):
+    import reshard_ext.transports.cuda as cuda_transport
+
+    saved = cuda_transport.DIRECT_BYTES
+    cuda_transport.DIRECT_BYTES = direct_bytes
+    try:
+        return run_case(rank, world, case, "cuda", None, "nccl")
+    finally:
+        cuda_transport.DIRECT_BYTES = saved
+
+
+@needs2
+@pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
+def test_direct_messages_2gpu(case):
+    """Every op big enough to go straight from/into its tensor where contiguous."""
+    run_ranks(2, _with_direct, case, 1, backend="nccl")

@@ -3,6 +3,7 @@ bytes carried by the C++ NCCL communicator (pipelined on a side stream) or, for
 comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -12,6 +13,7 @@ from ..errors import ReshardError
 from .p2p import P2PExchange
 
 _ALIGN = 256
+DIRECT_BYTES = int(os.environ.get("RESHARD_EXT_CUDA_DIRECT_BYTES", 1 << 20))
 
 
 def make_cuda_transport(backend: str, group: Any) -> "CudaTransport":
@@ -32,10 +34,13 @@ class CudaTransport:
     side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
     staging); the caller's stream waits for the last transfer before its unpack."""
 
-    direct_bytes = 0  # one message per peer and batch: packing is cheap on the GPU
-
     def __init__(self, group: Any, comm: Optional[Any]):
         self.comm = comm
+        # With NCCL, an op of >= DIRECT_BYTES whose box is one contiguous run is sent from
+        # / received into the tensor itself: no pack or unpack pass over its bytes (a
+        # refit is link-bound and those passes are serial with the transfer). torch p2p
+        # needs tensors for its messages, so it stages everything.
+        self.direct_bytes = DIRECT_BYTES if comm is not None else 0
         self.p2p = None if comm is not None else P2PExchange(group)
         self.side = torch.cuda.Stream() if comm is not None else None
         self.send: list[torch.Tensor] = []
