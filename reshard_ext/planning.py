@@ -221,6 +221,10 @@ def plan_collective(
     if errors:
         _raise(errors)
 
+    if max_batch_bytes is None and "cuda" in devices:
+        from .transports.cuda import DEFAULT_BATCH_BYTES
+
+        max_batch_bytes = DEFAULT_BATCH_BYTES  # pipelined batches by default on GPUs
     late = _check_against_global(0, src, src_t, rank) + _check_against_global(1, dst, dst_t, rank)
     rank_plan = None
     if not late:
