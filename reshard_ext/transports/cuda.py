@@ -48,7 +48,9 @@ class CudaTransport:
         # needs tensors for its messages, so it stages everything.
         self.direct_bytes = DIRECT_BYTES if comm is not None else 0
         self.p2p = None if comm is not None else P2PExchange(group)
-        self.side = torch.cuda.Stream() if comm is not None else None
+        # High priority: the transfer is the critical path; packs and unpacks on the
+        # caller's stream fill the SMs NCCL leaves idle instead of delaying its kernels.
+        self.side = torch.cuda.Stream(priority=-1) if comm is not None else None
         self.send: list[torch.Tensor] = []
         self.recv: list[torch.Tensor] = []
         self._regions: list[tuple[list, list]] = []
