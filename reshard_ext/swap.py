@@ -161,29 +161,18 @@ def prepare_swap_model_weights(
                      name_map, max_batch_bytes, transform, adapter)
 
 
-def swap_model_weights(
-    src_model: ModelLike,
-    dst_model: ModelLike,
-    backend: str = "auto",
-    group: Any = None,
-    *,
-    src_rank_offset: int = 0,
-    dst_rank_offset: int = 0,
-    name_map: Optional[NameMap] = None,
-    max_batch_bytes: Optional[int] = None,
-    transform: Optional[Transform] = None,
-    adapter: Optional[Adapter] = None,
-) -> None:
+def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str = "auto", group: Any = None,
+                       **options: Any) -> None:
     """Copies every destination tensor from the source model, in place. Collective over `group`.
 
-    name_map renames source names to the destination's (e.g. trainer -> engine names).
-    adapter(model, group=..., rank_offset=...) overrides model description (default:
-    DTensor parameters -> rx.adapters.dtensor, otherwise rx.adapters.megatron).
+    `options` are those of `prepare_swap_model_weights` (rank offsets, name_map renaming
+    source names to the destination's, max_batch_bytes, transform, adapter overriding the
+    model description: default DTensor parameters -> rx.adapters.dtensor, otherwise
+    rx.adapters.megatron). A warm call reuses the cached plan: no metadata exchange.
     """
     from . import execute
 
-    execute(_get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
-                      name_map, max_batch_bytes, transform, adapter))
+    execute(prepare_swap_model_weights(src_model, dst_model, backend, group, **options))
 
 
 __all__ = ["swap_model_weights", "prepare_swap_model_weights", "clear_caches"]
