@@ -36,6 +36,26 @@ RX_HD float f32_from_bits(uint32_t u) {
 #endif
 }
 
+RX_HD uint64_t f64_bits(double d) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(d));
+#else
+  uint64_t u;
+  memcpy(&u, &d, 8);
+  return u;
+#endif
+}
+
+RX_HD double f64_from_bits(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double d;
+  memcpy(&d, &u, 8);
+  return d;
+#endif
+}
+
 RX_HD uint16_t bf16_from_f32(float f) {
   uint32_t u = f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10 does

@@ -142,26 +142,6 @@ RX_LANE void copy_items(const char* src, char* dst, W& w, int64_t i, int64_t end
   }
 }
 
-RX_LANE double f64_from_bits(uint64_t u) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(static_cast<long long>(u));
-#else
-  double d;
-  memcpy(&d, &u, 8);
-  return d;
-#endif
-}
-
-RX_LANE uint64_t f64_bits(double d) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint64_t>(__double_as_longlong(d));
-#else
-  uint64_t u;
-  memcpy(&u, &d, 8);
-  return u;
-#endif
-}
-
 RX_LANE float f32_of(uint64_t raw, int dt) {
   switch (dt) {
     case RX_F16: return f32_from_f16(static_cast<uint16_t>(raw));
