@@ -37,3 +37,42 @@ def test_direct_messages(case, direct_bytes):
     """Ops sent straight from / received straight into tensors (no staging) where
     contiguous, staged otherwise: same bits."""
     run_ranks(4, _with_direct_messages, case, direct_bytes)
+
+
+def _rebind(rank, world):
+    import torch
+
+    import reshard_ext as rx
+    from _cases import bits_equal
+    from reshard_ext import Layout, Mesh, Shard
+
+    sl = Layout((8, 6), torch.float32, Mesh([0, 1]), [Shard(0)])
+    dl = Layout((8, 6), torch.float32, Mesh(list(range(world))), [Shard(1, stride=1)] if 6 % world == 0 else [Shard(0)])
+    g = torch.randn(8, 6, generator=torch.Generator().manual_seed(7))  # the same logical tensor on every rank
+    src = {"w": (sl.local_part(g, rank), sl)} if rank in sl.mesh else {}
+    old = torch.zeros(dl.local_shape(rank))
+    p = rx.plan(src, {"w": (old, dl)})
+    rx.execute(p)
+    assert bits_equal(old, dl.local_part(g, rank))
+    # the engine frees and reallocates its weights: rebind, no replanning
+    new = torch.full(dl.local_shape(rank), float("nan"))
+    keep = old.clone()
+    p.rebind(dst={"w": (new, dl)})
+    if src:
+        src["w"][0].mul_(2)
+    rx.execute(p)
+    assert bits_equal(new, dl.local_part(g * 2, rank)) and bits_equal(old, keep)
+    errors = []
+    for bad in ({"w": (new, Layout((8, 6), torch.float32, Mesh(list(range(world))), [Shard(0)]))},  # other layout
+                {"w": (torch.zeros(1, 1), dl)},                                                       # wrong shape
+                {"v": (new, dl)}):                                                                    # other name
+        try:
+            p.rebind(dst=bad)
+        except rx.ReshardError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_rebind_swaps_tensors_without_replanning():
+    for errors in run_ranks(2, _rebind):
+        assert len(errors) == 3, errors
