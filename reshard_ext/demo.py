@@ -3,7 +3,6 @@ CPU processes (gloo), every destination element checked against the source."""
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import statistics
 import time

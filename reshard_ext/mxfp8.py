@@ -35,7 +35,7 @@ import torch
 
 from . import _C
 from .errors import ReshardError
-from .layout import Layout, Replicate, Shard
+from .layout import Layout, Shard
 from .transforms import Rewrite, Transform
 
 DATA_SUFFIX = "::mx.data"

@@ -1,7 +1,6 @@
 """Property test of the pure planner over random layout pairs: every dst element is
 covered exactly once, every receive has its matching send on the peer, both boxes of
 an op name the same logical elements, and a rank holding the data copies locally."""
-import itertools
 
 import numpy as np
 import torch

@@ -9,7 +9,7 @@ layout (the tensor is not materialised) and is refused.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Union
 
 import torch
 import torch.distributed as dist
