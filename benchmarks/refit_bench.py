@@ -76,12 +76,40 @@ def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
     return run
 
 
+def _mxfp8_refit(args: argparse.Namespace, src: dict, dst_l: dict, rank: int) -> tuple[int, float]:
+    """The same refit with the 2-D linear weights landing as MXFP8 (data, scale) buffers."""
+    from reshard_ext.mxfp8 import scale_numel
+
+    dst, names = {}, []
+    for n, l in dst_l.items():
+        if rank not in l.mesh:
+            continue
+        local = l.local_shape(rank)
+        if ".linear_" in n and n.endswith("weight") and len(local) == 2 and l.shape[-1] % 32 == 0:
+            data = torch.empty(local, dtype=torch.float8_e4m3fn, device="cuda")
+            scale = torch.empty(scale_numel(local, args.scale_layout), dtype=torch.uint8, device="cuda")
+            dst[n] = ((data, scale), l)
+            names.append(n)
+        else:
+            dst[n] = (torch.empty(local, device="cuda", dtype=l.dtype), l)
+    # every rank must name the same converted tensors: the rule above depends on the name
+    # and global shape only, so gather the union
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)
+    converted = sorted({n for part in every for n in part})
+    transform = rx.MXFP8(params=converted, scale_layout=args.scale_layout, where=args.mxfp8)
+    plan = rx.plan(src, dst, transform=transform, max_batch_bytes=(args.max_batch_mb << 20) or None)
+    return plan.bytes_sent, _time(lambda: rx.execute(plan), args.iters)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=sorted(CASES), required=True)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-batch-mb", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
+    ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -124,8 +152,9 @@ def main() -> None:
     t_base = 0.0
     if not args.no_baseline:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
+    mx = _mxfp8_refit(args, src, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_nccl, t_d2d, t_base, plan.num_ops,
-           plan.num_batches)
+           plan.num_batches, mx)
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -133,7 +162,7 @@ def main() -> None:
               f"batches {plan.num_batches}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
               f"{'nccl ms':>8} {'vs nccl':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7}")
-        for r, sent, recv, loc, t, tn, td, tb, ops, nb in rows:
+        for r, sent, recv, loc, t, tn, td, tb, ops, nb, _ in rows:
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
             ceil = max(tn, td)  # link and copy engines run concurrently: the slower is the floor
@@ -144,6 +173,12 @@ def main() -> None:
         print("vs ceil = max(NCCL send/recv of the same bytes, D2D copy of the local bytes) / refit time "
               "(1.00 = at the ceiling); "
               "speedup = megatron-style time / refit time")
+        if args.mxfp8:
+            print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
+            print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}")
+            for r, sent, _, _, t, *_, (mx_sent, mx_t) in rows:
+                ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
+                print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}")
     dist.destroy_process_group()
 
 
