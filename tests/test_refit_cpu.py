@@ -76,3 +76,23 @@ def _rebind(rank, world):
 def test_rebind_swaps_tensors_without_replanning():
     for errors in run_ranks(2, _rebind):
         assert len(errors) == 3, errors
+
+
+def _nan_payloads(rank, world):
+    import torch
+
+    import reshard_ext as rx
+    from reshard_ext import Layout, Mesh, Replicate
+
+    # signalling and quiet NaNs with payloads, infinities, a subnormal, -0
+    bits = torch.tensor([0x7F81, 0xFF90, 0x7FC1, 0x7F80, 0x0001, 0x8000], dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(1, 6)
+    s = Layout((1, 6), torch.bfloat16, Mesh([0]), [Replicate()])
+    d = Layout((1, 6), torch.float32, Mesh([0, 1]), [Replicate()])  # rank 0: local copy, rank 1: over gloo
+    out = torch.zeros(1, 6)
+    rx.execute(rx.plan({"x": (x, s)} if rank == 0 else {}, {"x": (out, d)}))
+    return torch.equal(out.view(torch.int32), x.to(torch.float32).view(torch.int32))
+
+
+def test_casts_keep_nan_payloads_like_torch():
+    assert all(run_ranks(2, _nan_payloads))

@@ -106,23 +106,25 @@ RX_HD bool dtype_is_float(int32_t d) {
   return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64;
 }
 
-// Reads one floating element as double (exact for all four types).
-RX_HD double load_float(const void* p, int32_t dtype) {
+// Reads one floating element as float: exact (NaN payloads included) for the 16/32-bit
+// types; float64 narrows with C's conversion, as c10 does before a 16-bit type.
+RX_HD float load_float(const void* p, int32_t dtype) {
   switch (dtype) {
-    case RX_F16: return (double)f32_from_f16(*(const uint16_t*)p);
-    case RX_BF16: return (double)f32_from_bf16(*(const uint16_t*)p);
-    case RX_F32: return (double)*(const float*)p;
-    default: return *(const double*)p;
+    case RX_F16: return f32_from_f16(*(const uint16_t*)p);
+    case RX_BF16: return f32_from_bf16(*(const uint16_t*)p);
+    case RX_F32: return *(const float*)p;
+    default: return (float)*(const double*)p;
   }
 }
 
-// Writes one floating element, rounding as torch does.
-RX_HD void store_float(void* p, int32_t dtype, double v) {
+// Writes one floating element, rounding as torch does. Only f64 -> f64 keeps more than
+// float precision, and that pair never casts (equal types copy raw bytes).
+RX_HD void store_float(void* p, int32_t dtype, float v) {
   switch (dtype) {
-    case RX_F16: *(uint16_t*)p = f16_from_f32((float)v); break;
-    case RX_BF16: *(uint16_t*)p = bf16_from_f32((float)v); break;
-    case RX_F32: *(float*)p = (float)v; break;
-    default: *(double*)p = v; break;
+    case RX_F16: *(uint16_t*)p = f16_from_f32(v); break;
+    case RX_BF16: *(uint16_t*)p = bf16_from_f32(v); break;
+    case RX_F32: *(float*)p = v; break;
+    default: *(double*)p = (double)v; break;
   }
 }
 

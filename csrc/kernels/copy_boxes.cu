@@ -159,7 +159,7 @@ RX_LANE uint64_t bits_of(float f, int dt) {
 }
 
 // The cast of cast.h's load_float/store_float on raw bits; 16/32-bit types stay in
-// float (what load_float's double holds exactly), f64 narrows through float as c10 does.
+// float, f64 narrows through float as c10 does.
 RX_LANE uint64_t convert_bits(uint64_t raw, int s, int d) {
   if (s == RX_F64) return bits_of(static_cast<float>(f64_from_bits(raw)), d);
   const float f = f32_of(raw, s);
