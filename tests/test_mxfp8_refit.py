@@ -23,8 +23,10 @@ def _L(shape, mesh, placements, dtype=BF16) -> Layout:
     return Layout(shape, dtype, Mesh(mesh), placements)
 
 
-def cases() -> dict[str, tuple[Layout, Layout]]:
-    """name -> (src layout, dst layout) of BF16 tensors, for a world of 4."""
+def cases(world: int = 4) -> dict[str, tuple[Layout, Layout]]:
+    """name -> (src layout, dst layout) of BF16 tensors, for a world of 4 (or 2)."""
+    if world == 2:
+        return cases_two()
     c: dict[str, tuple[Layout, Layout]] = {}
     # TP2 -> TP1 (column parallel: rows; row parallel: columns in whole 32-blocks)
     c["tp2_tp1.col"] = (_L((130, 256), [0, 1], [Shard(0)]), _L((130, 256), [2], [Replicate()]))
@@ -45,6 +47,23 @@ def cases() -> dict[str, tuple[Layout, Layout]]:
     return c
 
 
+def cases_two() -> dict[str, tuple[Layout, Layout]]:
+    """The same kinds on two ranks (2-GPU machines): every pair crosses or copies locally."""
+    c: dict[str, tuple[Layout, Layout]] = {
+        "tp2_tp1.col": (_L((130, 256), [0, 1], [Shard(0)]), _L((130, 256), [1], [Replicate()])),
+        "tp2_tp1.row": (_L((64, 256), [0, 1], [Shard(1)]), _L((64, 256), [0], [Replicate()])),
+        "tp1_tp2.col": (_L((96, 160), [0], [Replicate()]), _L((96, 160), [0, 1], [Shard(0)])),
+        "tp1_tp2.row": (_L((40, 256), [1], [Replicate()]), _L((40, 256), [0, 1], [Shard(1)])),
+        "strided": (_L((48, 256), [0, 1], [Shard(1, stride=2)]), _L((48, 256), [1, 0], [Shard(1)])),
+        "partial": (_L((33, 80), [0, 1], [Shard(0)]), _L((33, 80), [1, 0], [Shard(0)])),
+        "dp": (_L((4, 40, 64), [[0], [1]], [Replicate(), Shard(1)]), _L((4, 40, 64), [0, 1], [Replicate()])),
+        "experts.w13": (_L((4, 32, 128), [0, 1], [Shard(0)]), _L((4, 32, 128), [1, 0], [Shard(0)])),
+    }
+    for e in range(4):
+        c[f"experts.weight{e}"] = (_L((64, 96), [e % 2], [Replicate()]), _L((64, 96), [(e + 1) % 2], [Replicate()]))
+    return c
+
+
 def _global(name: str, shape, step: int) -> torch.Tensor:
     kind = ("wide", "boundary", "normal", "zeros")[(len(name) + step) % 4]
     cols = shape[-1]
@@ -55,7 +74,7 @@ def _global(name: str, shape, step: int) -> torch.Tensor:
 
 def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu") -> dict:
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    specs = cases()
+    specs = cases(world)
     names = sorted(specs)
     transform = MXFP8(params=names, scale_layout=layout_kind, where=where, rounding=rounding)
     torch.manual_seed(0)
@@ -75,7 +94,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
                 scale = torch.empty(scale_numel(local, "swizzled"), dtype=torch.uint8, device=dev)
             dst[n] = ((data, scale), dl)
     # an unconverted tensor passes through untouched
-    bl_src, bl_dst = _L((12,), [0], [Replicate()], F32), _L((12,), [0, 1, 2, 3], [Shard(0)], F32)
+    bl_src, bl_dst = _L((12,), [0], [Replicate()], F32), _L((12,), list(range(world)), [Shard(0)], F32)
     if rank == 0:
         src["bias"] = (bias_global.clone().to(dev), bl_src)
     bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32, device=dev)
@@ -162,11 +181,21 @@ def test_misaligned_last_dim_is_rejected(where):
         assert "'bad'" in msg and "32-element" in msg, msg
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
-                         and rx.build_info()["cuda"]),
-                    reason=f"needs {WORLD} GPUs and reshard_ext built with CUDA")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_matrix_two_ranks(where):
+    """The 2-rank cases (what a 2-GPU machine runs) on CPU first."""
+    run_ranks(2, refit_worker, where, "swizzled", "ceil")
+
+
+@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
-def test_refit_matrix_cuda(where, layout_kind):
+def test_refit_matrix_cuda(where, layout_kind, world):
+    if GPUS < world:
+        pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):
-        run_ranks(WORLD, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
+        run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
