@@ -43,7 +43,15 @@ class P2PExchange:
         ]
 
     @staticmethod
-    def run(ops: list[Any]) -> None:
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+    def start(ops: list[Any]) -> list[Any]:
+        """Posts every message; returns the requests to wait on."""
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    @staticmethod
+    def finish(reqs: list[Any]) -> None:
+        for req in reqs:
+            req.wait()
+
+    @classmethod
+    def run(cls, ops: list[Any]) -> None:
+        cls.finish(cls.start(ops))
