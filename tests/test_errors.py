@@ -108,3 +108,30 @@ def test_layout_helpers_raise_on_invalid():
         bad.local_shape(0)
     with pytest.raises(rx.ReshardError):
         Mesh([[0, 1], [2]])
+
+
+def _skip_execute(rank: int, world: int, timeout_s: float):
+    import reshard_ext.transports.p2p as p2p
+
+    src_l = Layout((4, 4), F32, Mesh([0]), [Replicate()])
+    dst_l = Layout((4, 4), F32, Mesh([1]), [Replicate()])
+    src = {"w": (torch.ones(4, 4), src_l)} if rank == 0 else {}
+    dst = {"w": (torch.zeros(4, 4), dst_l)} if rank == 1 else {}
+    p = rx.plan(src, dst)
+    saved, p2p.TIMEOUT_S = p2p.TIMEOUT_S, timeout_s
+    try:
+        if rank == 1:
+            return "skipped"  # never posts its receive: rank 0 must not wait forever
+        rx.execute(p)
+        return "no error"
+    except rx.ReshardError as e:
+        return str(e)
+    finally:
+        p2p.TIMEOUT_S = saved
+
+
+def test_peer_that_skips_execute_raises_instead_of_hanging():
+    # world 3: its own pool, since the group is left with an unmatched send
+    results = run_ranks(3, _skip_execute, 3.0, timeout=120)
+    assert results[1] == "skipped"
+    assert "did not complete within 3 s" in results[0], results[0]

@@ -44,5 +44,5 @@ class CpuTransport:
             reqs = self.p2p.start(ops)
             if b == 0:
                 tables.run_copies_cpu()  # same-rank copies while gloo's threads move batch 0
-            self.p2p.finish(reqs)
+            self.p2p.finish(reqs, ops)
             tables.run_unpack_cpu(b)

@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 import ctypes
+import datetime
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..errors import ReshardError
+
+# A peer that never posts its half must not hang the refit for the process group's own
+# timeout (30 min by default): waits give up after this many seconds and raise.
+TIMEOUT_S = float(os.environ.get("RESHARD_EXT_P2P_TIMEOUT", 600))
 
 
 def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tensor:
@@ -48,10 +56,19 @@ class P2PExchange:
         return dist.batch_isend_irecv(ops) if ops else []
 
     @staticmethod
-    def finish(reqs: list[Any]) -> None:
+    def finish(reqs: list[Any], ops: list[Any]) -> None:
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
         for req in reqs:
-            req.wait()
+            try:
+                req.wait(timeout)
+            except RuntimeError as e:
+                peers = sorted({op.peer for op in ops})
+                raise ReshardError(
+                    f"refit transfer with ranks {peers} (global) did not complete within {TIMEOUT_S:g} s "
+                    f"(RESHARD_EXT_P2P_TIMEOUT): a peer died, skipped rx.execute, or runs another plan. "
+                    f"The process group may be unusable now. ({e})"
+                ) from e
 
     @classmethod
     def run(cls, ops: list[Any]) -> None:
-        cls.finish(cls.start(ops))
+        cls.finish(cls.start(ops), ops)
