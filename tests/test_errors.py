@@ -135,3 +135,22 @@ def test_peer_that_skips_execute_raises_instead_of_hanging():
     results = run_ranks(3, _skip_execute, 3.0, timeout=120)
     assert results[1] == "skipped"
     assert "did not complete within 3 s" in results[0], results[0]
+
+
+def _unknown_backends(rank: int, world: int):
+    out = []
+    lay = Layout((4,), F32, Mesh([0]), [Replicate()])
+    for backend in ("nvshmem", "carrier-pigeon"):
+        try:
+            rx.plan({"w": (torch.ones(4), lay)} if rank == 0 else {}, {"w": (torch.zeros(4), lay)} if rank == 0 else {},
+                    backend=backend)
+            out.append("no error")
+        except rx.ReshardError as e:
+            out.append(str(e))
+    return out
+
+
+def test_backends_not_available_raise_on_every_rank():
+    for nvshmem, bogus in run_ranks(2, _unknown_backends):
+        assert "nvshmem" in nvshmem and "not implemented" in nvshmem
+        assert "unknown backend" in bogus
