@@ -75,6 +75,9 @@ class CudaTransport:
         stream = torch.cuda.current_stream().cuda_stream
         for t, off in zip(host, offsets):
             t.upload(self._blob.data_ptr() + off, stream)
+        # execute may run on another stream than this one: finish the uploads here, at
+        # plan time, rather than order every later launch after them.
+        torch.cuda.current_stream().synchronize()
         nb = tables.num_batches
         self._copy, self._pack, self._unpack = host[0], host[1 : 1 + nb], host[1 + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
