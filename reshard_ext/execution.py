@@ -1,6 +1,8 @@
 """rx.plan / rx.execute (DESIGN section 2) and the Plan object that binds tensors."""
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -14,6 +16,7 @@ from .planning import Entries, _check_local, _raise, plan_collective
 from .transforms import Transform
 
 BACKENDS = ("auto", "cpu", "torch", "nccl", "nvshmem")
+log = logging.getLogger("reshard_ext")
 
 
 Steps = tuple[list[Callable[[], None]], list[Callable[[], None]]]  # (before, after)
@@ -182,8 +185,16 @@ def plan(
     except ReshardError as e:
         errors.append(f"rank {dist.get_rank(group)}: {e}")
         src_w, dst_w, src_steps, dst_steps = {}, {}, ([], []), ([], [])
+    t0 = time.perf_counter()
     agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors)
-    return Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform)
+    p = Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform)
+    if log.isEnabledFor(logging.INFO):
+        sends, recvs, copies = p.num_ops
+        log.info("rank %d: planned %d src / %d dst tensors in %.1f ms: %d sends (%.3f GB), %d receives (%.3f GB), "
+                 "%d same-rank copies, %d batch(es), backend %s", p.rank, len(src_w), len(dst_w),
+                 1e3 * (time.perf_counter() - t0), sends, p.bytes_sent / 1e9, recvs, p.bytes_received / 1e9,
+                 copies, p.num_batches, p.backend)
+    return p
 
 
 def execute(plan: Plan) -> None:
