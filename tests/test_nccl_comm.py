@@ -115,6 +115,16 @@ def _one_way(comm: "_C.NcclComm", peer: int, n: int) -> list[torch.Tensor]:
     return [a, b]
 
 
+def _send_expecting_failure(comm, nbytes: int, timeout: float) -> str:
+    """Sends to rank 1 and waits; the error message, or "no error"."""
+    try:
+        buffers = _one_way(comm, 1, nbytes)  # noqa: F841  (alive until the wait ends)
+        comm.wait(timeout)
+        return "no error"
+    except rx.ReshardError as e:
+        return str(e)
+
+
 def _peer_never_posts(rank: int, world: int, timeout: float) -> str:
     comm = _fresh_comm(rank, world, timeout)
     if rank == 1:
@@ -123,12 +133,7 @@ def _peer_never_posts(rank: int, world: int, timeout: float) -> str:
         dist.barrier()
         return "idle"
     t0 = time.monotonic()
-    try:
-        keep = _one_way(comm, 1, 1 << 20)
-        comm.wait(timeout)
-        msg = "no error"
-    except rx.ReshardError as e:
-        msg = str(e)
+    msg = _send_expecting_failure(comm, 1 << 20, timeout)
     elapsed = time.monotonic() - t0
     assert not comm.usable
     with pytest.raises(rx.ReshardError, match="unusable"):
@@ -159,12 +164,7 @@ def _peer_aborts(rank: int, world: int, timeout: float) -> str:
         dist.barrier()
         return "aborted"
     dist.barrier()  # rank 1 has aborted
-    try:
-        keep = _one_way(comm, 1, 1 << 16)
-        comm.wait(timeout)
-        msg = "no error"
-    except rx.ReshardError as e:
-        msg = str(e)
+    msg = _send_expecting_failure(comm, 1 << 16, timeout)
     torch.cuda.synchronize()
     return msg
 

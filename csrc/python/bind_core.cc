@@ -36,13 +36,6 @@ py::list ops_to_py(const std::vector<TransferOp>& ops) {
   return l;
 }
 
-py::tuple regions_to_py(const RankPlan& p, int32_t b) {
-  py::list s, r;
-  for (const auto& x : p.batches.at(b).sends) s.append(py::make_tuple(x.peer, x.offset, x.bytes));
-  for (const auto& x : p.batches.at(b).recvs) r.append(py::make_tuple(x.peer, x.offset, x.bytes));
-  return py::make_tuple(s, r);
-}
-
 py::bytes boxes_bytes(const std::vector<rx_box>& v) {
   return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(rx_box));
 }
@@ -145,7 +138,6 @@ void register_core(py::module_& m) {
            "(dst_name, peer, my_start, size, peer_start, global, nbytes, batch, offset, wire_dtype) tuples")
       .def("recvs", [](const RankPlan& p) { return ops_to_py(p.recvs); })
       .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
-      .def("regions", &regions_to_py, "([(peer, offset, bytes)] sends, [...] recvs) of batch b")
       .def("digests", [](const RankPlan& p) {
         py::list l;
         for (const auto& d : p.digests) l.append(py::make_tuple(d.from, d.to, d.count, d.bytes, d.hash));
@@ -198,7 +190,6 @@ void register_core(py::module_& m) {
         for (const auto& m : t.recv_messages(b)) r.append(py::make_tuple(m.peer, m.ptr, m.bytes));
         return py::make_tuple(s, r);
       }, "([(peer, ptr, bytes)] sends, [...] recvs) of batch b, in the order both ends post them")
-      .def("regions", [](const ExecTables& t, int32_t b) { return regions_to_py(t.plan(), b); })
       .def_property_readonly("send_total", [](const ExecTables& t) { return t.plan().send_total(); })
       .def_property_readonly("recv_total", [](const ExecTables& t) { return t.plan().recv_total(); })
       .def_property_readonly("num_ops", [](const ExecTables& t) {
