@@ -1,74 +1,79 @@
-"""Compare rx.swap_model_weights with Megatron-Core's swap_model_weights on real GPT models.
+"""rx.swap_model_weights next to Megatron-Core's own swap_model_weights(refit_method="nccl")
+on real GPTModels, collocated on the same GPUs, with the NCCL ceiling of the same run.
 
-Run on a GPU machine with megatron-core installed, e.g.
-  torchrun --nproc-per-node 4 benchmarks/megatron_compare.py --src-tp 2 --dst-tp 4
-Builds a source and a destination GPTModel (collocated, same ranks) with the given TP
-sizes, refits with both libraries, checks that the destinations are bit-identical, and
-prints the warm refit time of each (median of --iters, after one cold call).
+    torchrun --nproc-per-node 2 benchmarks/megatron_compare.py --case tp2-tp1
+Needs megatron-core (0.19.2 was measured; on the GPU machine it is carried as a wheel).
+Builds the source and two destinations (one per library) with tests/_megatron_real.py,
+checks that both destinations are bit-identical, and prints per rank the warm refit
+time of each (median of --iters after a cold call that plans) and their ratios to the
+ceiling: one NCCL send/recv per peer of the bytes the refit moves, measured in the same
+run. Default sizes: a dense 6.7B bf16 GPT (32 layers, hidden 4096, SwiGLU 11008,
+vocab 32000); --experts N makes every layer MoE.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import datetime
+import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import _megatron_real as mr  # noqa: E402
+from _common import cuda_time, nccl_ceiling  # noqa: E402
 
-def build(tp: int, args: argparse.Namespace):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer import TransformerConfig
-
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                            ffn_hidden_size=4 * args.hidden, gated_linear_unit=True, bf16=True,
-                            params_dtype=torch.bfloat16, tensor_model_parallel_size=tp)
-    pgc = ProcessGroupCollection.use_mpu_process_groups()
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=128,
-                     pg_collection=pgc).cuda()
-    return model
-
-
-def timed(fn, iters: int) -> float:
-    fn()  # cold: plans
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+CASES = {  # name -> (src parallel, dst parallel)
+    "tp2-tp1": (dict(tp=2), dict(tp=1)),
+    "tp1-tp2": (dict(tp=1), dict(tp=2)),
+    "ep2-ep1": (dict(ep=2), dict(ep=1)),
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    for k, v in (("src-tp", 2), ("dst-tp", 4), ("layers", 4), ("hidden", 1024), ("heads", 16), ("vocab", 32000), ("iters", 10)):
+    p.add_argument("--case", choices=sorted(CASES), default="tp2-tp1")
+    for k, v in (("layers", 32), ("hidden", 4096), ("heads", 32), ("query-groups", 32), ("ffn", 11008),
+                 ("vocab", 32000), ("experts", 0), ("moe-ffn", 0), ("iters", 5)):
         p.add_argument(f"--{k}", type=int, default=v)
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
     import reshard_ext as rx
     from megatron.core.resharding.refit import swap_model_weights as mcore_swap
-    from reshard_ext.swap import swap_model_weights as rx_swap
 
-    src = build(args.src_tp, args)  # note: parallel_state is rebuilt per model; each keeps its pg_collection
-    dst_rx, dst_mc = build(args.dst_tp, args), build(args.dst_tp, args)
-    t_rx = timed(lambda: rx_swap(src, dst_rx, backend="auto"), args.iters)
-    t_mc = timed(lambda: mcore_swap(src, dst_mc, "nccl"), args.iters)
-    same = all(torch.equal(a, b) for (_, a), (_, b) in zip(dst_rx.state_dict().items(), dst_mc.state_dict().items())
-               if isinstance(a, torch.Tensor))
-    nbytes = sum(t.numel() * t.element_size() for t in dst_rx.parameters())
-    if dist.get_rank() == 0:
-        print(f"TP{args.src_tp}->TP{args.dst_tp} bytes/rank={nbytes} identical={same} "
-              f"rx={t_rx * 1e3:.2f}ms mcore={t_mc * 1e3:.2f}ms ratio={t_mc / t_rx:.2f}x rx={rx.__name__}")
+    sizes = dict(dtype=torch.bfloat16, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                 query_groups=args.query_groups, ffn=args.ffn, vocab=args.vocab, experts=args.experts,
+                 moe_ffn=args.moe_ffn)
+    src_kw, dst_kw = CASES[args.case]
+    src = mr.build(seed=1, **src_kw, **sizes)
+    dst_rx = mr.build(seed=2, **dst_kw, **sizes)
+    dst_mc = mr.build(seed=3, **dst_kw, **sizes)
+    plan = rx.prepare_swap_model_weights(src, dst_rx)
+    t_rx = cuda_time(lambda: rx.swap_model_weights(src, dst_rx), args.iters)
+    t_mc = cuda_time(lambda: mcore_swap(src, dst_mc, "nccl"), args.iters)
+    t_ceil = nccl_ceiling(plan, args.iters)
+    ours, theirs = mr.tensors(dst_rx), mr.tensors(dst_mc)
+    differ = sorted(n for n in ours if not torch.equal(ours[n], theirs[n]))
+    local = sum(t.numel() * t.element_size() for t in ours.values()) - plan.bytes_received
+    row = (rank, plan.bytes_sent, plan.bytes_received, local, t_rx, t_mc, t_ceil, len(ours), differ[:3])
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        print(f"\n== megatron_compare {args.case}: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, "
+              f"experts {args.experts}, bf16, {torch.cuda.get_device_name()} x{dist.get_world_size()}")
+        print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'nccl ms':>8} {'rx ms':>8} {'rx/ceil':>7} "
+              f"{'mcore ms':>9} {'mcore/ceil':>10} {'speedup':>7} {'tensors':>7}  bit-identical")
+        for r, sent, recv, loc, trx, tmc, tc, n, bad in rows:
+            print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * tc:8.2f} {1e3 * trx:8.2f} "
+                  f"{tc / trx:7.2f} {1e3 * tmc:9.2f} {tc / tmc:10.2f} {tmc / trx:7.2f} {n:7d}  "
+                  f"{'yes' if not bad else 'NO: ' + ', '.join(bad)}")
+        print("x/ceil = NCCL send/recv of the same bytes / refit time (1.00 = at the link's ceiling); "
+              "speedup = mcore time / rx time")
     dist.destroy_process_group()
 
 

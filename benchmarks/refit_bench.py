@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 
 import reshard_ext as rx
 from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts
+
+from _common import cuda_time as _time, d2d_time, nccl_ceiling
 
 MOE_SMALL = ModelShape(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, vocab=151936,
                        experts=64, moe_ffn=384, first_dense_layers=0)
@@ -33,22 +34,6 @@ CASES = {
     "noncolo-tp2-tp2dp": (LLAMA3_8B, Parallel(tp=2), Parallel(tp=2, dp=1, offset=2), 4),
     "moe-ep2-ep1": (MOE_SMALL, Parallel(dp=2, ep=2), Parallel(dp=2, ep=1), 2),
 }
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(out)
 
 
 def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
@@ -110,6 +95,7 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
+    ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -126,35 +112,25 @@ def main() -> None:
     dst = {n: (torch.empty(l.local_shape(rank), device="cuda", dtype=l.dtype), l) for n, l in dst_l.items() if rank in l.mesh}
     plan = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None)
     t_refit = _time(lambda: rx.execute(plan), args.iters)
+    timeline = ""
+    if args.trace and hasattr(plan.transport, "last_timeline"):
+        import reshard_ext.transports.cuda as cuda_transport
+
+        cuda_transport.TRACE = True
+        rx.execute(plan)
+        cuda_transport.TRACE = False
+        timeline = plan.transport.last_timeline
 
     # ceilings, same run: NCCL send/recv of the same per-peer bytes; D2D copy of the local bytes
-    tr = plan.transport
-    comm = getattr(tr, "comm", None)
-    t_nccl = 0.0
-    if comm is not None and (plan.bytes_sent or plan.bytes_received):
-        # The ceiling: one NCCL send and one receive per peer of the same byte counts.
-        per_peer: dict[tuple[str, int], int] = {}
-        for b in range(plan.num_batches):
-            for kind, msgs in zip(("send", "recv"), tr.transfers(b)):
-                for peer, _, n in msgs:
-                    per_peer[(kind, peer)] = per_peer.get((kind, peer), 0) + n
-        scratch = {k: torch.empty(n, dtype=torch.uint8, device="cuda") for k, n in per_peer.items()}
-        sends = [(p, scratch[(k, p)].data_ptr(), scratch[(k, p)].numel()) for (k, p) in scratch if k == "send"]
-        recvs = [(p, scratch[(k, p)].data_ptr(), scratch[(k, p)].numel()) for (k, p) in scratch if k == "recv"]
-        t_nccl = _time(lambda: comm.exchange(sends, recvs, torch.cuda.current_stream().cuda_stream, 0), args.iters)
-        del scratch
+    t_nccl = nccl_ceiling(plan, args.iters)
     local_bytes = sum(t.numel() * t.element_size() for t, _ in dst.values()) - plan.bytes_received
-    t_d2d = 0.0
-    if local_bytes > 0:
-        a = torch.empty(local_bytes, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        t_d2d = _time(lambda: b.copy_(a), args.iters)
+    t_d2d = d2d_time(local_bytes, args.iters)
     t_base = 0.0
     if not args.no_baseline:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_nccl, t_d2d, t_base, plan.num_ops,
-           plan.num_batches, mx)
+           plan.num_batches, mx, timeline)
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -162,7 +138,7 @@ def main() -> None:
               f"batches {plan.num_batches}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
               f"{'nccl ms':>8} {'vs nccl':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7}")
-        for r, sent, recv, loc, t, tn, td, tb, ops, nb, _ in rows:
+        for r, sent, recv, loc, t, tn, td, tb, ops, nb, *_ in rows:
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
             ceil = max(tn, td)  # link and copy engines run concurrently: the slower is the floor
@@ -176,9 +152,12 @@ def main() -> None:
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}")
-            for r, sent, _, _, t, *_, (mx_sent, mx_t) in rows:
+            for r, sent, _, _, t, *_, (mx_sent, mx_t), _ in rows:
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
                 print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}")
+        for r, *_, timeline in rows:
+            if timeline:
+                print(f"\n-- rank {r}: {timeline}")
     dist.destroy_process_group()
 
 

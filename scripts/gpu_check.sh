@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench-big] [mx]   (default: all but bench-big)
+#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench-big] [mx] [trace] [megatron]
+#   (default: build tests sanitize bench mx). `megatron` needs megatron-core wheels carried
+#   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -71,6 +73,32 @@ if has mx && [ "$ngpu" -ge 2 ]; then
     step "mxfp8_bench $m"
     timeout 200 python3 benchmarks/mxfp8_bench.py --world 2 --mxfp8 "$m" --layers 8 --hidden 4096 --ffn 14336 2>&1 \
       | tee -a "$OUT/mxfp8_bench.log" | tail -4
+  done
+fi
+if has trace && [ "$ngpu" -ge 2 ]; then
+  for split in 1 0; do
+    step "refit_bench tp2-tp1, timeline, RESHARD_EXT_CUDA_SPLIT_COPIES=$split"
+    RESHARD_EXT_CUDA_SPLIT_COPIES=$split timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+      --case tp2-tp1 --no-baseline --trace 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/trace.log" | tail -45
+  done
+  for m in receiver sender; do
+    step "refit_bench tp2-tp1 --mxfp8 $m"
+    timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --no-baseline \
+      --mxfp8 "$m" 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/refit_mxfp8.log" | tail -12
+  done
+fi
+
+if has megatron && [ "$ngpu" -ge 2 ]; then
+  step "megatron-core from .whl/"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="$PWD:/tmp/site"
+  python3 -c "import megatron.core as m; print('megatron-core', m.__version__)"
+  (cd tests && timeout 300 python3 -m pytest -q -p no:warnings -rs test_megatron_real.py 2>&1 | tee "$OUT/megatron_tests.log" | tail -12)
+  for args in "--case tp2-tp1" "--case tp1-tp2" \
+              "--case ep2-ep1 --layers 16 --hidden 2048 --heads 16 --query-groups 4 --experts 64 --moe-ffn 1024"; do
+    step "megatron_compare $args"
+    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/megatron_compare.py $args 2>&1 \
+      | grep -v "^W\|^\[W\|Warning\|warn" | tee -a "$OUT/megatron_compare.log" | tail -8
   done
 fi
 step "done"

@@ -109,6 +109,27 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
 
 }  // namespace
 
+std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
+  RX_USER_CHECK(parts >= 1, "copies_split: parts must be >= 1, got ", parts);
+  auto bytes_of = [](const rx_box& b) {
+    int64_t n = rx_dtype_size(b.dst_dtype);
+    for (int d = 0; d < b.ndim; ++d) n *= b.shape[d];
+    return n;
+  };
+  int64_t total = 0;
+  for (const rx_box& b : copies_) total += bytes_of(b);
+  std::vector<std::vector<rx_box>> out(parts);
+  int64_t done = 0;
+  for (const rx_box& b : copies_) {
+    // The part whose byte range holds this box's midpoint.
+    const int64_t mid = done + bytes_of(b) / 2;
+    const int64_t part = total > 0 ? std::min<int64_t>(parts - 1, mid * parts / total) : 0;
+    out[part].push_back(b);
+    done += bytes_of(b);
+  }
+  return out;
+}
+
 void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
                       const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
                       int64_t direct_bytes) {

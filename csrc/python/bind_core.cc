@@ -198,6 +198,11 @@ void register_core(py::module_& m) {
       .def("pack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.pack(b)); })
       .def("unpack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.unpack(b)); })
       .def("copy_boxes", [](const ExecTables& t) { return boxes_bytes(t.copies()); })
+      .def("copy_boxes_split", [](const ExecTables& t, int32_t parts) {
+        py::list l;
+        for (const auto& part : t.copies_split(parts)) l.append(boxes_bytes(part));
+        return l;
+      }, py::arg("parts"), "copy_boxes cut into `parts` tables of about equal bytes, in order")
       .def("run_copies_cpu", [](const ExecTables& t) { run_cpu(t.copies()); })
       .def("run_pack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.pack(b)); })
       .def("run_unpack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.unpack(b)); });

@@ -3,6 +3,7 @@ bytes carried by the C++ NCCL communicator (pipelined on a side stream) or, for
 comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
@@ -20,6 +21,45 @@ DIRECT_BYTES = int(os.environ.get("RESHARD_EXT_CUDA_DIRECT_BYTES", 64 << 20))
 # Default batch size on GPUs when rx.plan gets max_batch_bytes=None: several batches
 # let pack k+1 and unpack k-1 hide behind the transfer of k.
 DEFAULT_BATCH_BYTES = int(os.environ.get("RESHARD_EXT_CUDA_BATCH_BYTES", 512 << 20))
+# RESHARD_EXT_TRACE=1: every execute records CUDA events around each pack, transfer,
+# copy and unpack and logs the timeline (synchronising at the end: diagnostics only).
+TRACE = os.environ.get("RESHARD_EXT_TRACE", "0") not in ("", "0")
+# Same-rank copies in one slice per batch (default) or all at once before the first
+# unpack (RESHARD_EXT_CUDA_SPLIT_COPIES=0; kept to measure the difference).
+SPLIT_COPIES = os.environ.get("RESHARD_EXT_CUDA_SPLIT_COPIES", "1") not in ("", "0")
+
+_log = logging.getLogger("reshard_ext")
+
+
+class _Timeline:
+    """CUDA events around the steps of one execute; `report` waits for them and logs
+    when each step started and ended on its stream, relative to the first."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, Any, Any]] = []
+
+    def step(self, label: str, stream: torch.cuda.Stream, fn: Any) -> None:
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        fn()
+        end.record(stream)
+        self.marks.append((label, begin, end))
+
+    def report(self) -> str:
+        if not self.marks:
+            return ""
+        self.marks[-1][2].synchronize()
+        t0 = self.marks[0][1]
+        lines = [f"{label:>12}: {t0.elapsed_time(b):8.3f} -> {t0.elapsed_time(e):8.3f} ms"
+                 for label, b, e in self.marks]
+        text = "execute timeline (CUDA events):\n" + "\n".join(lines)
+        _log.info(text)
+        return text
+
+
+def _untraced(label: str, stream: Any, fn: Any) -> None:
+    fn()
 
 
 def make_cuda_transport(backend: str, group: Any) -> "CudaTransport":
@@ -53,7 +93,7 @@ class CudaTransport:
         self.side = torch.cuda.Stream(priority=-1) if comm is not None else None
         self.send: list[torch.Tensor] = []
         self.recv: list[torch.Tensor] = []
-        self._regions: list[tuple[list, list]] = []
+        self.last_timeline = ""
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
         nbuf = 2 if (tables.num_batches > 1 and self.comm is not None) else 1
@@ -64,7 +104,11 @@ class CudaTransport:
 
     def prepare(self, tables: Any) -> None:
         """Builds the device tables once (at plan/rebind time); execute only launches."""
-        host = [_C.DeviceBoxTable(tables.copy_boxes())]
+        nb = tables.num_batches
+        # With a side stream the local copies go in one slice per batch, between the pack
+        # of the next batch and the unpack of this one (see run).
+        copy_parts = tables.copy_boxes_split(nb) if (SPLIT_COPIES and self.comm is not None and nb > 1) else [tables.copy_boxes()]
+        host = [_C.DeviceBoxTable(part) for part in copy_parts]
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
         host += [_C.DeviceBoxTable(tables.unpack_boxes(b)) for b in range(tables.num_batches)]
         offsets, total = [], 0
@@ -78,8 +122,8 @@ class CudaTransport:
         # execute may run on another stream than this one: finish the uploads here, at
         # plan time, rather than order every later launch after them.
         torch.cuda.current_stream().synchronize()
-        nb = tables.num_batches
-        self._copy, self._pack, self._unpack = host[0], host[1 : 1 + nb], host[1 + nb :]
+        nc = len(copy_parts)
+        self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
         if self.p2p is not None:
             self._p2p_ops = [self.p2p.views(m, self.send + self.recv) for m in self._messages]
@@ -92,33 +136,42 @@ class CudaTransport:
         main = torch.cuda.current_stream()
         s = main.cuda_stream
         k = len(self._pack)
-        if k == 0:
-            self._copy.launch(s)
-            return
-        if self.comm is None:  # torch.distributed p2p: no overlap, for comparison
-            self._copy.launch(s)
-            for b in range(k):
-                self._pack[b].launch(s)
+        timeline = _Timeline() if TRACE else None
+        step = timeline.step if timeline else _untraced
+        if k == 0 or self.comm is None:
+            for c in self._copy:
+                step("copy", main, lambda c=c: c.launch(s))
+            for b in range(k):  # torch.distributed p2p: no overlap, for comparison
+                step(f"pack {b}", main, lambda b=b: self._pack[b].launch(s))
                 self.p2p.run(self._p2p_ops[b])
-                self._unpack[b].launch(s)
+                step(f"unpack {b}", main, lambda b=b: self._unpack[b].launch(s))
+            self._finish(timeline)
             return
         side = self.side
         done: list[torch.cuda.Event] = []
 
         def post(b: int) -> None:
-            self._pack[b].launch(s)
+            step(f"pack {b}", main, lambda: self._pack[b].launch(s))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
             sends, recvs = self._messages[b]
-            self.comm.exchange(sends, recvs, side.cuda_stream, 0)
+            step(f"transfer {b}", side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
             done.append(side.record_event())
 
         post(0)
-        self._copy.launch(s)  # same-rank boxes overlap the first transfer
         for b in range(k):
+            # This batch's slice of the same-rank copies runs under transfer b; one big
+            # copy up front would hold back the pack of b + 1 and leave the link idle.
+            if b < len(self._copy):
+                step(f"copy {b}", main, lambda b=b: self._copy[b].launch(s))
             if b + 1 < k:
                 post(b + 1)  # overlaps the transfer of b
             main.wait_event(done[b])
-            self._unpack[b].launch(s)
+            step(f"unpack {b}", main, lambda b=b: self._unpack[b].launch(s))
         # A dead peer or a lost message raises here (bounded by the communicator's
         # timeout, RESHARD_EXT_NCCL_TIMEOUT) instead of hanging the next sync.
         self.comm.wait(self.comm.timeout)
+        self._finish(timeline)
+
+    def _finish(self, timeline: Optional[_Timeline]) -> None:
+        if timeline is not None:
+            self.last_timeline = timeline.report()

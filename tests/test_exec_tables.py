@@ -1,0 +1,53 @@
+"""ExecTables pieces the transports rely on, checked without a process group."""
+import struct
+
+import torch
+
+import reshard_ext as rx
+from reshard_ext import Layout, Mesh, Replicate, _C
+from reshard_ext._dtypes import code_of
+
+_BOX = struct.Struct("<QQ6q6q6qiiii")  # rx_box (csrc/kernels/api.h)
+
+
+def _boxes(blob: bytes) -> list[tuple]:
+    assert len(blob) % _BOX.size == 0
+    return [_BOX.unpack_from(blob, i) for i in range(0, len(blob), _BOX.size)]
+
+
+def _nbytes(box: tuple) -> int:
+    ndim, dtype = box[20], box[22]
+    n = torch.empty((), dtype=rx._dtypes.dtype_of(dtype)).element_size()
+    for d in range(ndim):
+        n *= box[2 + d]
+    return n
+
+
+def test_copies_split_keeps_order_and_balances_bytes():
+    # 40 tensors of mixed sizes, all copied on rank 0 (src and dst both live there).
+    sizes = [(i % 7 + 1) * 1000 for i in range(40)]
+    mesh = Mesh([0])
+    layouts = {f"t{i}": Layout((n,), torch.float32, mesh, [Replicate()]) for i, n in enumerate(sizes)}
+    rp = rx.local_plan(layouts, layouts, rank=0)
+    tables = _C.ExecTables(rp._c)
+    src = {n: torch.randn(s) for n, s in zip(layouts, sizes)}
+    dst = {n: torch.empty(s) for n, s in zip(layouts, sizes)}
+    names = sorted(layouts)  # the planner's table order
+
+    def refs(tensors, used):
+        return [(tensors[names[i]].data_ptr(), list(tensors[names[i]].stride()), code_of(torch.float32)) for i in used]
+
+    staging = torch.empty(16, dtype=torch.uint8)  # unused: nothing travels
+    tables.bind(refs(src, tables.src_used), refs(dst, tables.dst_used), [staging.data_ptr()], [staging.data_ptr()])
+    whole = _boxes(tables.copy_boxes())
+    assert len(whole) == 40
+    for parts in (1, 3, 7, 64):
+        split = [_boxes(b) for b in tables.copy_boxes_split(parts)]
+        assert len(split) == parts
+        assert [b for part in split for b in part] == whole  # every box once, in order
+        per = [sum(map(_nbytes, part)) for part in split]
+        biggest = max(map(_nbytes, whole))
+        if parts <= len(whole):
+            # about equal: no part is off the mean by more than one box
+            mean = sum(per) / parts
+            assert all(abs(p - mean) <= biggest for p in per), per
