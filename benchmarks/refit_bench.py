@@ -61,7 +61,7 @@ def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
     return run
 
 
-def _mxfp8_refit(args: argparse.Namespace, src: dict, dst_l: dict, rank: int) -> tuple[int, float]:
+def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict, rank: int) -> tuple[int, int, float]:
     """The same refit with the 2-D linear weights landing as MXFP8 (data, scale) buffers."""
     from reshard_ext.mxfp8 import scale_numel
 
@@ -84,7 +84,11 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, dst_l: dict, rank: int) ->
     converted = sorted({n for part in every for n in part})
     transform = rx.MXFP8(params=converted, scale_layout=args.scale_layout, where=args.mxfp8)
     plan = rx.plan(src, dst, transform=transform, max_batch_bytes=(args.max_batch_mb << 20) or None)
-    return plan.bytes_sent, _time(lambda: rx.execute(plan), args.iters)
+    # BF16 bytes this rank sends of the converted tensors alone (the rest travels as is)
+    chosen = set(converted)
+    bf16_conv = sum(op.nbytes for op in rx.local_plan(src_l, dst_l, rank).sends
+                    if op.peer != rank and op.name in chosen)
+    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters)
 
 
 def main() -> None:
@@ -128,7 +132,7 @@ def main() -> None:
     t_base = 0.0
     if not args.no_baseline:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
-    mx = _mxfp8_refit(args, src, dst_l, rank) if args.mxfp8 else None
+    mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_nccl, t_d2d, t_base, plan.num_ops,
            plan.num_batches, mx, timeline)
     rows = [None] * world
@@ -151,10 +155,15 @@ def main() -> None:
               "speedup = megatron-style time / refit time")
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
-            print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}")
-            for r, sent, _, _, t, *_, (mx_sent, mx_t), _ in rows:
+            print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
+                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}")
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t), _ in rows:
+                other = sent - conv_bf16  # bytes of tensors that travel unconverted
+                conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
-                print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}")
+                cratio = f"{conv_wire / conv_bf16:6.3f}" if conv_bf16 else "     -"
+                print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
+                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}")
         for r, *_, timeline in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")

@@ -68,6 +68,10 @@ if has bench-big; then
   done
 fi
 
+if has mx; then
+  step "MXFP8 quantize kernel"
+  timeout 120 python3 benchmarks/mxfp8_kernel_bench.py 2>&1 | tee -a "$OUT/mxfp8_bench.log" | tail -4
+fi
 if has mx && [ "$ngpu" -ge 2 ]; then
   for m in none receiver sender; do
     step "mxfp8_bench $m"
@@ -81,10 +85,10 @@ if has trace && [ "$ngpu" -ge 2 ]; then
     RESHARD_EXT_CUDA_SPLIT_COPIES=$split timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
       --case tp2-tp1 --no-baseline --trace 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/trace.log" | tail -45
   done
-  for m in receiver sender; do
+  for m in "receiver --scale-layout swizzled" "receiver --scale-layout 2d" "sender --scale-layout swizzled"; do
     step "refit_bench tp2-tp1 --mxfp8 $m"
     timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --no-baseline \
-      --mxfp8 "$m" 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/refit_mxfp8.log" | tail -12
+      --mxfp8 $m 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/refit_mxfp8.log" | tail -4
   done
 fi
 

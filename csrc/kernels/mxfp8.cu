@@ -20,18 +20,22 @@ constexpr int kThreads = 256;
 constexpr int kPerThread = 8;
 constexpr int kLanesPerBlock = mx::kBlock / kPerThread;  // 4
 
+// Index: uint32_t when every index fits (64-bit division is emulated by a long
+// instruction sequence and dominated this kernel), else int64_t.
+template <typename Index>
 __global__ void quantize_kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t cols,
                                 int64_t row_stride, uint8_t* __restrict__ data,
                                 uint8_t* __restrict__ scale, int64_t rows_span, int64_t scols,
                                 int64_t scols_span, int64_t total, bool swz, int32_t rounding,
                                 bool vec_in, bool vec_out) {
   const int64_t step = (int64_t)gridDim.x * blockDim.x;
+  const Index span = (Index)scols_span;
   // The loop bound is uniform per CUDA block so that every lane reaches the shuffles.
   for (int64_t base = (int64_t)blockIdx.x * blockDim.x; base < total; base += step) {
     const int64_t idx = base + threadIdx.x;
-    const int64_t g = idx / kLanesPerBlock;
+    const Index g = (Index)(idx / kLanesPerBlock);
     const int sub = (int)(idx % kLanesPerBlock);
-    const int64_t r = g / scols_span, b = g % scols_span;
+    const int64_t r = (int64_t)(g / span), b = (int64_t)(g % span);
     const bool live = idx < total;
     const bool valid = live && r < rows && b < scols;
     const int64_t c0 = b * mx::kBlock + sub * kPerThread;
@@ -105,9 +109,15 @@ extern "C" int32_t rx_mxfp8_quantize_cuda(const uint16_t* bf16, int64_t rows, in
   const bool vec_in = cols % kPerThread == 0 && row_stride % kPerThread == 0 &&
                       reinterpret_cast<uintptr_t>(bf16) % 16 == 0;
   const bool vec_out = cols % kPerThread == 0 && reinterpret_cast<uintptr_t>(data) % 8 == 0;
-  quantize_kernel<<<(unsigned)grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      bf16, rows, cols, row_stride, data, scale, rows_span, scols, scols_span, total, swz, rounding,
-      vec_in, vec_out);
+  const auto launch = [&](auto kernel) {
+    kernel<<<(unsigned)grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        bf16, rows, cols, row_stride, data, scale, rows_span, scols, scols_span, total, swz, rounding,
+        vec_in, vec_out);
+  };
+  if (total / kLanesPerBlock <= UINT32_MAX)  // every group index g fits
+    launch(quantize_kernel<uint32_t>);
+  else
+    launch(quantize_kernel<int64_t>);
   return (int32_t)cudaGetLastError();
 }
 
