@@ -13,7 +13,7 @@ from ._dtypes import code_of
 from .errors import ReshardError
 from .layout import Layout
 from .planning import Entries, _check_local, _raise, plan_collective
-from .transforms import Transform
+from .transforms import Piece, Transform
 
 BACKENDS = ("auto", "cpu", "torch", "nccl", "nvshmem")
 log = logging.getLogger("reshard_ext")
@@ -46,11 +46,20 @@ def _rewrite(transform: Optional[Transform], side: str, entries: Entries) -> tup
     return out, (before, after)
 
 
-def _refs(names: list[str], entries: Mapping[str, tuple[torch.Tensor, Layout]]) -> list[tuple]:
+def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: Any = None,
+          src_dtypes: Optional[list[int]] = None) -> list[tuple]:
+    """TensorRef tuples of `names` (aligned with the tables' src_used or dst_used); a
+    Piece binds itself, told (destinations) whether its boxes keep its blocks whole."""
+    whole: dict[int, set[int]] = {}
     out = []
-    for name in names:
+    for i, name in enumerate(names):
         t = entries[name][0]
-        out.append((t.data_ptr(), list(t.stride()), code_of(t.dtype)))
+        if isinstance(t, Piece):
+            if t.group and t.group not in whole:
+                whole[t.group] = set(tables.whole_group_dsts(src_dtypes, t.group))
+            out.append(t.ref(bool(t.group) and i in whole[t.group]))
+        else:
+            out.append((t.data_ptr(), list(t.stride()), code_of(t.dtype)))
     return out
 
 
@@ -97,8 +106,9 @@ class Plan:
 
     def _bind(self) -> None:
         send_bufs, recv_bufs = self.transport.bind(self.tables)
-        self.tables.bind(_refs(self.src_names, self._entries["src"]), _refs(self.dst_names, self._entries["dst"]),
-                         send_bufs, recv_bufs, self.transport.direct_bytes)
+        src = _refs(self.src_names, self._entries["src"])
+        dst = _refs(self.dst_names, self._entries["dst"], self.tables, [r[2] for r in src])
+        self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes)
         self.transport.prepare(self.tables)
 
     # --- public -------------------------------------------------------------------

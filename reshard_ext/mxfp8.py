@@ -8,12 +8,20 @@ swizzled 128x4-tile layout cuBLAS block scaling reads (``"swizzled"``, padded to
 rows and 4 scale columns, padding 0). Every refit rewrites the same buffers, so CUDA
 graphs that captured them stay valid.
 
-- ``where="receiver"``: BF16 on the wire into a persistent BF16 staging tensor; once
-  everything arrived, ``after`` quantizes staging -> (data, scale).
-- ``where="sender"``: each source rank quantizes its piece into persistent wire tensors
-  ``name::mx.data`` (E4M3) and ``name::mx.scale`` (uint8) at the start of every execute;
-  the wire carries 1 + 1/32 bytes per element (51.6% of BF16), landing directly in the
+- ``where="receiver"``: BF16 on the wire. Fused (no extra memory, no extra pass): with
+  ``scale_layout="2d"``, a local last dim K % 32 == 0 and every incoming box (receive or
+  same-rank copy) reading BF16 in whole 32-element blocks, the unpack and copy boxes
+  quantize on the way, writing data and scales directly. Otherwise (swizzled scales, a
+  partial final block, sources sharded off the 32-grid, a same-rank copy from a
+  non-BF16 source) the wire lands in a persistent BF16 staging tensor and ``after``
+  quantizes the whole piece once. Each rank decides on its own when the plan binds.
+- ``where="sender"``: the wire carries ``name::mx.data`` (E4M3) and ``name::mx.scale``
+  (uint8), 1 + 1/32 bytes per element (51.6% of BF16), landing directly in the
   destination buffers (swizzled scales land in a 2-D staging and are swizzled after).
+  Fused: for a BF16 source with unit last-dim stride and a global K % 32 == 0, the pack
+  and copy boxes read the source in place and quantize (data) or compute the block
+  scales (scale) on the way. Otherwise each execute first quantizes the source into
+  persistent wire tensors.
 
 Either way the result equals quantizing the whole logical tensor, byte for byte. That
 needs every piece's last-dim runs to consist of whole 32-element blocks aligned on the
@@ -34,9 +42,10 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from . import _C
+from ._dtypes import code_of
 from .errors import ReshardError
 from .layout import Layout, Shard
-from .transforms import Rewrite, Transform
+from .transforms import Piece, Rewrite, Transform
 
 DATA_SUFFIX = "::mx.data"
 SCALE_SUFFIX = "::mx.scale"
@@ -174,6 +183,57 @@ def scale_layout(name: str, layout: Layout) -> Layout:
     return got
 
 
+# ---- pieces that quantize inside the box kernels --------------------------------------
+
+# How each converted piece of this process was last bound: (side, name) -> "fused"
+# (quantized inside the pack/unpack/copy boxes) or "staged" (a BF16 staging or wire
+# tensor plus a separate quantize pass). For tests and diagnostics.
+PATHS: dict[tuple[str, str], str] = {}
+
+
+def _mode(kind: int, rounding: str) -> int:
+    return kind | _ROUNDINGS[rounding] << 8
+
+
+class _ReceivedData(Piece):
+    """The BF16 destination piece the wire lands in, bound as the (data, 2-D scale) pair
+    itself when every incoming box holds whole BF16 blocks (unpack and same-rank copy
+    quantize on the way: no staging), else as a BF16 staging tensor that `after`
+    quantizes once the whole piece arrived."""
+
+    def __init__(self, name: str, data: torch.Tensor, scale: torch.Tensor, local: tuple[int, ...], rounding: str):
+        super().__init__(local, torch.bfloat16, data.device, group=BLOCK)
+        self.name, self.data, self.scale, self.rounding = name, data.view(local), scale, rounding
+        self.staging: Optional[torch.Tensor] = None
+
+    def ref(self, whole: bool) -> tuple:
+        PATHS[("dst", self.name)] = "fused" if whole else "staged"
+        if whole:
+            self.staging = None
+            return (self.data.data_ptr(), list(self.data.stride()), code_of(self.data.dtype),
+                    _mode(int(_C.BOX_MX_DATA), self.rounding), self.scale.data_ptr())
+        if self.staging is None:
+            self.staging = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
+        return (self.staging.data_ptr(), list(self.staging.stride()), code_of(torch.bfloat16))
+
+    def after(self) -> None:
+        if self.staging is not None:
+            quantize(self.staging, self.data.view(-1), self.scale, "2d", self.rounding)
+
+
+class _SentFromSource(Piece):
+    """A wire tensor (`name::mx.data` or `name::mx.scale`) that is never materialized:
+    the pack and copy boxes read the BF16 source piece in place and quantize it (data)
+    or compute its block scales (scale) on the way."""
+
+    def __init__(self, source: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, kind: int, rounding: str):
+        super().__init__(shape, dtype, source.device)
+        self.source, self.mode = source, _mode(kind, rounding)
+
+    def ref(self, whole: bool) -> tuple:
+        return (self.source.data_ptr(), list(self.source.stride()), code_of(torch.bfloat16), self.mode, 0)
+
+
 # ---- the transform -----------------------------------------------------------------
 
 Params = Union[Iterable[str], Callable[[str], bool]]
@@ -225,8 +285,20 @@ class MXFP8(Transform):
         shape = tuple(tensor.shape)
         if len(shape) != len(layout.shape):
             return None  # a malformed entry: let the planner report it
+        slocal = shape[:-1] + (scale_cols(shape[-1]),)
+        # Whole blocks everywhere (K % 32 == 0; the layouts of both sides are checked to be
+        # block-aligned and the planner cuts rows only between blocks): the boxes
+        # quantize the BF16 source in place, no wire tensors.
+        if tensor.dtype == torch.bfloat16 and layout.shape[-1] % BLOCK == 0 and (shape[-1] == 0 or tensor.stride(-1) == 1):
+            PATHS[("src", name)] = "fused"
+            return Rewrite(entries={
+                name + DATA_SUFFIX: (_SentFromSource(tensor, shape, torch.float8_e4m3fn, int(_C.BOX_MX_DATA),
+                                                     self.rounding), data_layout(layout)),
+                name + SCALE_SUFFIX: (_SentFromSource(tensor, slocal, torch.uint8, int(_C.BOX_MX_SCALE), self.rounding),
+                                      slayout)})
+        PATHS[("src", name)] = "staged"
         wire_data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=tensor.device)
-        wire_scale = torch.empty(shape[:-1] + (scale_cols(shape[-1]),), dtype=torch.uint8, device=tensor.device)
+        wire_scale = torch.empty(slocal, dtype=torch.uint8, device=tensor.device)
         # BF16 pieces with flattenable rows are read in place; anything else goes through
         # a persistent BF16 copy (the cast rounds as Tensor.to does).
         stage = tensor if tensor.dtype == torch.bfloat16 and _rows_view(tensor) else \
@@ -259,7 +331,11 @@ class MXFP8(Transform):
         data_b = data.view(torch.uint8)
         scale_b = scale.view(torch.uint8)
 
+        if self.where == "receiver" and self.scale_layout == "2d" and local[-1] % BLOCK == 0:
+            piece = _ReceivedData(name, data_b, scale_b, local, self.rounding)
+            return Rewrite(entries={name: (piece, layout.with_dtype(torch.bfloat16))}, after=piece.after)
         if self.where == "receiver":
+            PATHS[("dst", name)] = "staged"
             staging = torch.empty(local, dtype=torch.bfloat16, device=data.device)
 
             def after() -> None:

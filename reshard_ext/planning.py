@@ -23,6 +23,7 @@ import torch.distributed as dist
 from . import _C
 from .errors import ReshardError
 from .layout import Layout
+from .transforms import Piece
 
 # Counters for tests and diagnostics: collective metadata exchanges and planner runs.
 STATS: dict[str, int] = {"exchanges": 0, "plans": 0}
@@ -106,7 +107,7 @@ def local_plan(
 
 
 def _device_kind(entries: list[Entries]) -> Optional[str]:
-    kinds = {t.device.type for e in entries for t, _ in e.values() if isinstance(t, torch.Tensor)}
+    kinds = {t.device.type for e in entries for t, _ in e.values() if isinstance(t, (torch.Tensor, Piece))}
     if len(kinds) > 1:
         return "mixed:" + ",".join(sorted(kinds))
     return kinds.pop() if kinds else None
@@ -123,7 +124,7 @@ def _check_local(side: str, entries: Entries, rank: int) -> list[str]:
         if not isinstance(layout, Layout):
             errors.append(f"{side} tensor '{name}' on rank {rank}: layout is {type(layout).__name__}, not rx.Layout")
             continue
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, (torch.Tensor, Piece)):
             errors.append(f"{side} tensor '{name}' on rank {rank}: got {type(tensor).__name__}, not a torch.Tensor")
             continue
         if rank not in layout.mesh:

@@ -15,20 +15,49 @@ never learn about it (DESIGN section 5):
 Both rewrites must derive the same wire names and global layouts from (name, layout)
 alone, since sender and receiver apply them independently. ``after`` runs once all
 batches of the refit are in, so a transform always sees whole tensors.
+
+An entry's tensor may be a ``Piece`` instead: the transform then binds it itself when
+the plan binds (``Piece.ref``), e.g. to fuse a conversion into the box kernels. What a
+rank binds never changes the plan, so each rank may choose on its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .layout import Layout
 
 
+class Piece:
+    """A local piece that a transform binds itself instead of a plain tensor.
+
+    The planner checks `shape`, `dtype` and `device` against the layout as it does a
+    tensor's. When the plan binds, it calls `ref(whole)` for the kernels' TensorRef:
+    a tuple (ptr, strides, rx dtype code[, box mode, aux pointer]) (csrc/core/exec_tables.h).
+    `group` > 0 (destinations only) asks whether every box into the piece reads
+    bfloat16 and keeps `group`-element blocks of the last dim whole; `whole` is the
+    answer (always False for group 0).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group: int = 0):
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.device = device
+        self.group = group
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def ref(self, whole: bool) -> tuple:
+        raise NotImplementedError
+
+
 @dataclass
 class Rewrite:
-    entries: dict[str, tuple[torch.Tensor, Layout]] = field(default_factory=dict)
+    entries: dict[str, tuple[Union[torch.Tensor, Piece], Layout]] = field(default_factory=dict)
     before: Optional[Callable[[], None]] = None
     after: Optional[Callable[[], None]] = None
 

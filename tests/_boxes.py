@@ -20,7 +20,7 @@ MAX_DIMS = int(_C.MAX_DIMS)
 BOX = np.dtype([
     ("src", "<u8"), ("dst", "<u8"),
     ("shape", "<i8", (MAX_DIMS,)), ("src_stride", "<i8", (MAX_DIMS,)), ("dst_stride", "<i8", (MAX_DIMS,)),
-    ("ndim", "<i4"), ("src_dtype", "<i4"), ("dst_dtype", "<i4"), ("reserved", "<i4"),
+    ("ndim", "<i4"), ("src_dtype", "<i4"), ("dst_dtype", "<i4"), ("mode", "<i4"), ("aux", "<u8"),
 ])
 assert BOX.itemsize == _C.BOX_BYTES, (BOX.itemsize, _C.BOX_BYTES)
 
@@ -35,13 +35,15 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def table(rows: Sequence[tuple]) -> bytes:
-    """rows: (src, dst, shape, src_stride, dst_stride, src_code, dst_code)."""
+    """rows: (src, dst, shape, src_stride, dst_stride, src_code, dst_code[, mode, aux])."""
     a = np.zeros(len(rows), dtype=BOX)
-    for i, (src, dst, shape, ss, ds, sc, dc) in enumerate(rows):
+    for i, (src, dst, shape, ss, ds, sc, dc, *mx) in enumerate(rows):
         n = len(shape)
         a[i]["src"], a[i]["dst"], a[i]["ndim"] = src, dst, n
         a[i]["shape"][:n], a[i]["src_stride"][:n], a[i]["dst_stride"][:n] = shape, ss, ds
         a[i]["src_dtype"], a[i]["dst_dtype"] = sc, dc
+        if mx:
+            a[i]["mode"], a[i]["aux"] = mx
     return a.tobytes()
 
 

@@ -10,7 +10,9 @@ import torch
 
 import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate, Shard
+from reshard_ext import mxfp8
 from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout, scale_numel
+from reshard_ext.transports.cpu import CpuTransport
 
 from _dist import run_ranks
 from test_mxfp8_kernels import assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
@@ -23,10 +25,32 @@ def _L(shape, mesh, placements, dtype=BF16) -> Layout:
     return Layout(shape, dtype, Mesh(mesh), placements)
 
 
-def cases(world: int = 4) -> dict[str, tuple[Layout, Layout]]:
-    """name -> (src layout, dst layout) of BF16 tensors, for a world of 4 (or 2)."""
-    if world == 2:
-        return cases_two()
+def cases(world: int = 4, where: str = "sender") -> dict[str, tuple[Layout, Layout]]:
+    """name -> (src layout, dst layout), for a world of 4 (or 2). BF16 unless named fp32;
+    where="receiver" adds a source sharded off the 32-grid (the sender rejects it)."""
+    c = cases_two() if world == 2 else cases_four()
+    last = world - 1
+    # fp32 sources: the sender casts to BF16 on the wire; a same-rank copy reads fp32
+    c["fp32"] = (_L((64, 128), [0], [Replicate()], F32), _L((64, 128), [last], [Replicate()]))
+    c["fp32_local"] = (_L((64, 128), [0, 1], [Shard(0)], F32), _L((64, 128), [0, 1], [Shard(0)]))
+    if where == "receiver":
+        c["ragged_src"] = (_L((8, 96), list(range(world)), [Shard(1)]), _L((8, 96), [1], [Replicate()]))
+    return c
+
+
+def expected_path(name: str, where: str, layout_kind: str) -> str:
+    """Where the quantize runs for a case: "fused" into the boxes or "staged" (a BF16
+    staging / wire tensor and a separate pass)."""
+    if name == "partial":
+        return "staged"  # K = 80: a partial final block
+    if where == "sender":
+        return "staged" if name.startswith("fp32") else "fused"
+    if layout_kind == "swizzled" or name in ("ragged_src", "fp32_local"):
+        return "staged"  # swizzled scales; boxes that split blocks; a copy that reads fp32
+    return "fused"
+
+
+def cases_four() -> dict[str, tuple[Layout, Layout]]:
     c: dict[str, tuple[Layout, Layout]] = {}
     # TP2 -> TP1 (column parallel: rows; row parallel: columns in whole 32-blocks)
     c["tp2_tp1.col"] = (_L((130, 256), [0, 1], [Shard(0)]), _L((130, 256), [2], [Replicate()]))
@@ -72,11 +96,13 @@ def _global(name: str, shape, step: int) -> torch.Tensor:
     return x[:, :cols].contiguous().reshape(shape)
 
 
-def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu") -> dict:
+def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu",
+                 direct_bytes: int = 0) -> dict:
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    specs = cases(world)
+    specs = cases(world, where)
     names = sorted(specs)
     transform = MXFP8(params=names, scale_layout=layout_kind, where=where, rounding=rounding)
+    mxfp8.PATHS.clear()
     torch.manual_seed(0)
     globals_ = {n: _global(n, specs[n][0].shape, 0) for n in names}
     bias_global = torch.arange(12, dtype=F32)
@@ -84,7 +110,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     for n in names:
         sl, dl = specs[n]
         if rank in sl.mesh:
-            src[n] = (sl.local_part(globals_[n], rank).to(dev), sl)
+            src[n] = (sl.local_part(globals_[n], rank).to(dev, sl.dtype), sl)
         if rank in dl.mesh:
             local = dl.local_shape(rank)
             data = torch.empty(local, dtype=torch.float8_e4m3fn, device=dev)
@@ -100,7 +126,16 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32, device=dev)
     dst["bias"] = (bias_out, bl_dst)
 
-    plan = rx.plan(src, dst, transform=transform)
+    saved = CpuTransport.direct_bytes
+    CpuTransport.direct_bytes = direct_bytes or saved  # small: ops travel straight from/into tensors
+    try:
+        plan = rx.plan(src, dst, transform=transform)
+    finally:
+        CpuTransport.direct_bytes = saved
+    side = "src" if where == "sender" else "dst"
+    for n in names:
+        if rank in specs[n][side == "dst"].mesh:
+            assert mxfp8.PATHS[(side, n)] == expected_path(n, where, layout_kind), (n, mxfp8.PATHS)
     converted = {n: e for n, e in dst.items() if n != "bias"}
     ptrs = {n: (d.data_ptr(), s.data_ptr()) for n, ((d, s), _) in converted.items()}
     for step in range(2):
@@ -108,7 +143,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
             globals_ = {n: _global(n, specs[n][0].shape, step) for n in names}
             for n, (t, sl) in src.items():
                 if n != "bias":
-                    t.copy_(sl.local_part(globals_[n], rank).to(dev))  # in place, as an optimizer does
+                    t.copy_(sl.local_part(globals_[n], rank))  # in place, as an optimizer does
         rx.execute(plan)
         for n, ((data, scale), dl) in converted.items():
             want_d, want_s = ref_mxfp8(globals_[n], rounding, "2d")
@@ -120,7 +155,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
                 piece = ref_swizzle(piece.reshape(-1, piece.shape[-1]))
             assert_bytes_equal(scale, piece, f"{n} scale step {step}")
         assert torch.equal(bias_out.cpu(), bl_dst.local_part(bias_global, rank))
-    return {"sent": plan.bytes_sent}
+    return {"sent": plan.bytes_sent, "paths": dict(mxfp8.PATHS)}
 
 
 @pytest.mark.parametrize("rounding", ["ceil", "floor"])
@@ -128,6 +163,13 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
 @pytest.mark.parametrize("where", ["receiver", "sender"])
 def test_refit_matrix(where, layout_kind, rounding):
     run_ranks(WORLD, refit_worker, where, layout_kind, rounding)
+
+
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_direct_messages(where):
+    """Every op big enough to travel as its own message: fused boxes are never sent
+    as flat bytes of the tensor, they still pack and unpack."""
+    run_ranks(WORLD, refit_worker, where, "2d", "ceil", "cpu", 1)
 
 
 def bytes_worker(rank: int, world: int, where: str) -> int:
@@ -187,7 +229,8 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 @pytest.mark.parametrize("where", ["receiver", "sender"])
 def test_refit_matrix_two_ranks(where):
     """The 2-rank cases (what a 2-GPU machine runs) on CPU first."""
-    run_ranks(2, refit_worker, where, "swizzled", "ceil")
+    for layout_kind in ("2d", "swizzled"):
+        run_ranks(2, refit_worker, where, layout_kind, "ceil")
 
 
 @pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")

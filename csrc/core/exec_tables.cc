@@ -8,7 +8,7 @@
 namespace rx {
 
 rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
-                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype) {
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode, uint64_t aux) {
   const int nd = static_cast<int>(size.size());
   std::vector<int64_t> contig(nd, 1);
   for (int d = nd - 2; d >= 0; --d) contig[d] = contig[d + 1] * size[d + 1];
@@ -40,6 +40,13 @@ rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* s
     b.src_stride[i] = dm.s;
     b.dst_stride[i] = dm.d;
   }
+  b.mode = mode;
+  b.aux = aux;
+  // Merging only multiplies the innermost extent, so whole blocks stay whole; a box
+  // that is not valid here means a caller bound MX to a piece it should not have.
+  RX_HOST_ASSERT(rx_box_valid(&b), "bad box for mode ", mode, ": innermost extent ", b.shape[b.ndim - 1],
+                 ", strides ", b.src_stride[b.ndim - 1], "/", b.dst_stride[b.ndim - 1], ", dtypes ", src_dtype, "->",
+                 dst_dtype);
   return b;
 }
 
@@ -87,7 +94,7 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
     if (direct_bytes > 0 && op.nbytes >= direct_bytes) {
       flush();
       const int64_t tensor_stride = staging_is_dst ? box.src_stride[0] : box.dst_stride[0];
-      const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype;
+      const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.mode == RX_BOX_COPY;
       if (flat) {
         out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes});
       } else {
@@ -138,11 +145,32 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
   for (size_t i = 0; i < dst.size(); ++i) dst_of[dst_used_[i]] = &dst[i];
 
-  auto addr = [](const TensorRef& t, const std::vector<int64_t>& start) {
-    RX_HOST_ASSERT(t.strides.size() == start.size(), "bind: tensor rank differs from its layout");
+  // Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
+  auto coord_strides = [](const TensorRef& t) {
+    std::vector<int64_t> s = t.strides;
+    if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= RX_BOX_MX_GROUP;
+    return s;
+  };
+  std::unordered_map<const TensorRef*, std::vector<int64_t>> strides_of;
+  for (const auto* side : {&src, &dst})
+    for (const TensorRef& t : *side) strides_of[&t] = coord_strides(t);
+  auto addr = [&](const TensorRef& t, const std::vector<int64_t>& start) {
+    const std::vector<int64_t>& st = strides_of.at(&t);
+    RX_HOST_ASSERT(st.size() == start.size(), "bind: tensor rank differs from its layout");
     int64_t off = 0;
-    for (size_t d = 0; d < start.size(); ++d) off += start[d] * t.strides[d];
+    for (size_t d = 0; d < start.size(); ++d) off += start[d] * st[d];
     return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
+  };
+  // A box's mode from the refs it joins (at most one side is MX), and for a scale-writing
+  // data dst the scale byte of the box's first element: data bytes / 32 past mx_scale.
+  auto mode_of = [](const TensorRef* s, const TensorRef* d) {
+    RX_HOST_ASSERT(!(s && s->mx_mode && d && d->mx_mode), "bind: MX on both ends of a box");
+    return (s && s->mx_mode) ? s->mx_mode : (d ? d->mx_mode : 0);
+  };
+  auto aux_of = [](const TensorRef& d, uint64_t at) -> uint64_t {
+    if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return 0;
+    RX_HOST_ASSERT((at - d.ptr) % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
+    return d.mx_scale + (at - d.ptr) / RX_BOX_MX_GROUP;
   };
   // Offsets of each peer's region in each batch.
   const int32_t nb = num_batches();
@@ -161,14 +189,15 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (const TransferOp& op : plan_->sends) {
     const TensorRef& t = *src_of.at(op.src_name);
     const uint64_t buf = send_bufs[op.batch % send_bufs.size()] + send_regions[op.batch].at(op.peer) + op.offset;
-    pack_[op.batch].push_back(
-        make_box(op.mine.size, addr(t, op.mine.start), t.strides.data(), t.dtype, buf, nullptr, op.wire_dtype));
+    pack_[op.batch].push_back(make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf,
+                                       nullptr, op.wire_dtype, mode_of(&t, nullptr)));
   }
   for (const TransferOp& op : plan_->recvs) {
     const TensorRef& t = *dst_of.at(op.dst_name);
     const uint64_t buf = recv_bufs[op.batch % recv_bufs.size()] + recv_regions[op.batch].at(op.peer) + op.offset;
-    unpack_[op.batch].push_back(
-        make_box(op.mine.size, buf, nullptr, op.wire_dtype, addr(t, op.mine.start), t.strides.data(), t.dtype));
+    const uint64_t at = addr(t, op.mine.start);
+    unpack_[op.batch].push_back(make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
+                                         mode_of(nullptr, &t), aux_of(t, at)));
   }
   // Messages per batch, in the canonical op order both ends share.
   send_msgs_.assign(nb, {});
@@ -184,9 +213,31 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (const TransferOp& op : plan_->copies) {
     const TensorRef& s = *src_of.at(op.src_name);
     const TensorRef& d = *dst_of.at(op.dst_name);
-    copies_.push_back(make_box(op.mine.size, addr(s, op.theirs.start), s.strides.data(), s.dtype,
-                               addr(d, op.mine.start), d.strides.data(), d.dtype));
+    const uint64_t at = addr(d, op.mine.start);
+    copies_.push_back(make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
+                               d.strides.data(), d.dtype, mode_of(&s, &d), aux_of(d, at)));
   }
+}
+
+std::vector<int32_t> ExecTables::whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group) const {
+  RX_HOST_ASSERT(src_dtypes.size() == src_used_.size() && group > 0, "whole_group_dsts: bad arguments");
+  std::unordered_map<int32_t, int32_t> src_dtype;
+  for (size_t i = 0; i < src_used_.size(); ++i) src_dtype[src_used_[i]] = src_dtypes[i];
+  std::unordered_map<int32_t, bool> whole;  // by dst table index
+  auto note = [&](const TransferOp& op, int32_t reads) {
+    const std::vector<int64_t>& start = op.mine.start;
+    const bool ok = !start.empty() && reads == RX_BF16 && start.back() % group == 0 && op.mine.size.back() % group == 0;
+    auto it = whole.emplace(op.dst_name, true).first;
+    it->second = it->second && ok;
+  };
+  for (const TransferOp& op : plan_->recvs) note(op, op.wire_dtype);
+  for (const TransferOp& op : plan_->copies) note(op, src_dtype.at(op.src_name));
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < dst_used_.size(); ++i) {
+    auto it = whole.find(dst_used_[i]);
+    if (it == whole.end() || it->second) out.push_back(static_cast<int32_t>(i));
+  }
+  return out;
 }
 
 }  // namespace rx

@@ -15,13 +15,25 @@ struct TensorRef {
   uint64_t ptr = 0;              // address of element 0
   std::vector<int64_t> strides;  // in elements
   int32_t dtype = -1;
+  // MXFP8 fused into the boxes of this piece (rx_box.mode; 0: plain). Every box that
+  // touches the piece gets the mode:
+  //   RX_BOX_MX_DATA on a dst: ptr/strides/dtype are the E4M3 data buffer; mx_scale,
+  //     when not 0, the byte of element 0 in a row-major [M, K/32] scale buffer of
+  //     that contiguous [M, K] buffer.
+  //   RX_BOX_MX_DATA on a src: ptr/strides are a BF16 tensor read as its E4M3 data.
+  //   RX_BOX_MX_SCALE on a src: ptr/strides are a BF16 tensor read as its scales: the
+  //     piece's coordinates are scale coordinates (last dim in 32-element blocks).
+  // MX boxes must keep 32-element blocks whole along the last dim (whole_group_dsts).
+  int32_t mx_mode = 0;
+  uint64_t mx_scale = 0;
 };
 
 // Builds one box and folds its dims: size-1 dims drop out and dims contiguous on both
 // sides merge, so a row-major slab becomes one long run. src/dst strides of nullptr
-// mean row-major contiguous. Throws ReshardError past RX_MAX_DIMS dims.
+// mean row-major contiguous. Throws ReshardError past RX_MAX_DIMS dims; an MX box
+// (mode != 0) whose innermost run is not whole unit-stride blocks is an InternalError.
 rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
-                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype);
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode = 0, uint64_t aux = 0);
 
 // One point-to-point message of a batch: `bytes` at `ptr` (staging, or the tensor
 // itself for a direct message) to or from `peer`. Both ends cut a peer's ops into the
@@ -53,6 +65,12 @@ class ExecTables {
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
             const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
             int64_t direct_bytes = 0);
+
+  // Positions in dst_used() of the dst pieces whose every incoming box (receives and
+  // same-rank copies) reads BF16 and keeps `group`-element blocks of the last dim
+  // whole: the pieces an MX_DATA dst ref may bind to. src_dtypes: the dtype of each
+  // src tensor, aligned with src_used() (what bind will get).
+  std::vector<int32_t> whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group) const;
 
   const std::vector<rx_box>& pack(int32_t b) const { return pack_[b]; }
   const std::vector<rx_box>& unpack(int32_t b) const { return unpack_[b]; }

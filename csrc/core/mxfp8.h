@@ -87,6 +87,23 @@ RX_MX_HD uint8_t e4m3_scaled(uint16_t h, uint8_t scale_biased) {
   return (uint8_t)(sign | (uint32_t)bits);
 }
 
+// Whole 32-element blocks in the box kernels (CUDA and CPU twin alike) are handled a
+// word of two BF16 at a time (element 2i in the low half, as little-endian memory
+// holds it), so a lane keeps only a few words of a block live.
+constexpr int kBlockWords = kBlock / 2;
+
+// finite_abs_bits max of the two BF16 of a word.
+RX_MX_HD uint32_t word_amax(uint32_t w) {
+  const uint32_t lo = finite_abs_bits((uint16_t)(w & 0xffffu)), hi = finite_abs_bits((uint16_t)(w >> 16));
+  return lo > hi ? lo : hi;
+}
+
+// E4M3 bytes of the four BF16 of words a, b under scale `s`, packed little-endian.
+RX_MX_HD uint32_t quantize_words(uint32_t a, uint32_t b, uint8_t s) {
+  return (uint32_t)e4m3_scaled((uint16_t)(a & 0xffffu), s) | (uint32_t)e4m3_scaled((uint16_t)(a >> 16), s) << 8 |
+         (uint32_t)e4m3_scaled((uint16_t)(b & 0xffffu), s) << 16 | (uint32_t)e4m3_scaled((uint16_t)(b >> 16), s) << 24;
+}
+
 // Scale columns for `cols` elements (the last block may be partial).
 RX_MX_HD int64_t scale_cols(int64_t cols) { return (cols + kBlock - 1) / kBlock; }
 

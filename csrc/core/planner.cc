@@ -10,6 +10,7 @@ namespace rx {
 
 namespace {
 
+constexpr int64_t kLastDimGrain = RX_BOX_MX_GROUP;
 constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
 constexpr int64_t kRegionAlign = 256;  // every peer region too
 
@@ -72,7 +73,10 @@ void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<Tra
     return;
   }
   const int64_t per = op.nbytes / op.mine.size[d];
-  const int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
+  int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
+  // Cuts inside the last dim fall on multiples of 32 elements (soft limit), so MXFP8
+  // blocks stay whole in every box (a fused quantize needs a block in one box).
+  if (d + 1 == nd) step = std::max<int64_t>(kLastDimGrain, step / kLastDimGrain * kLastDimGrain);
   for (int64_t lo = 0; lo < op.mine.size[d]; lo += step) {
     const int64_t n = std::min(step, op.mine.size[d] - lo);
     TransferOp part = op;

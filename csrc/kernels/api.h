@@ -37,10 +37,30 @@ typedef enum rx_dtype {
   RX_NUM_DTYPES = 16
 } rx_dtype;
 
+// What a box does with its elements (rx_box.mode = kind | rounding << 8).
+//   RX_BOX_COPY: copy, casting between floating types.
+//   RX_BOX_MX_DATA: MXFP8 quantize fused into the copy (src BF16, dst E4M3 or uint8
+//     bytes). The innermost dim has unit stride on both sides and an extent that is a
+//     multiple of RX_BOX_MX_GROUP; each run of 32 innermost elements is one MX block
+//     (the host only builds such boxes where they lie on the logical tensor's 32-grid).
+//     Per block: e = shared E8M0 exponent of its amax, data = x / 2^(e-127) in E4M3
+//     (core/mxfp8.h). aux != 0: e is also written to the byte at
+//     aux + (dst element offset of the block within the box) / 32, i.e. a row-major
+//     [M, K/32] scale buffer of a contiguous [M, K] data buffer (outer dst strides are
+//     then multiples of 32).
+//   RX_BOX_MX_SCALE: the scales alone (src BF16, dst uint8 or E8M0): dst element j is
+//     the shared exponent of the 32 contiguous BF16 at src element j's address, so
+//     src strides step over whole blocks (innermost 32 for a row of blocks).
+// rounding: RX_MX_ROUND_CEIL (0) or RX_MX_ROUND_FLOOR (1) of kernels/mxfp8_api.h.
+typedef enum rx_box_kind { RX_BOX_COPY = 0, RX_BOX_MX_DATA = 1, RX_BOX_MX_SCALE = 2 } rx_box_kind;
+#define RX_BOX_MX_GROUP 32
+#define RX_BOX_KIND(mode) ((mode) & 0xff)
+#define RX_BOX_ROUNDING(mode) ((mode) >> 8)
+
 // One box: `shape` elements (outermost dim first), read at `src` with `src_stride`
 // (in elements of src_dtype) and written at `dst` with `dst_stride` (in elements of
-// dst_dtype). src_dtype != dst_dtype only between floating types (f16/bf16/f32/f64);
-// the cast rounds to nearest even, as torch's Tensor.to does.
+// dst_dtype). For a copy, src_dtype != dst_dtype only between floating types
+// (f16/bf16/f32/f64); the cast rounds to nearest even, as torch's Tensor.to does.
 typedef struct rx_box {
   uint64_t src;
   uint64_t dst;
@@ -50,13 +70,17 @@ typedef struct rx_box {
   int32_t ndim;
   int32_t src_dtype;
   int32_t dst_dtype;
-  int32_t reserved;
+  int32_t mode;  // rx_box_kind | rounding << 8
+  uint64_t aux;  // RX_BOX_MX_DATA: scale byte of the box's first block, or 0
 } rx_box;
 
 // Size in bytes of one element of `dtype`, 0 for an unknown code.
 int32_t rx_dtype_size(int32_t dtype);
 // 1 when boxes may convert src -> dst (equal types, or both floating).
 int32_t rx_dtype_castable(int32_t src, int32_t dst);
+
+// 1 when a box is well formed for its mode (ndim, extents, dtypes, MX geometry).
+int32_t rx_box_valid(const rx_box* box);
 
 // CPU twin: copies every box of the table, in order. Returns 0, or -1 on a bad box.
 int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
@@ -69,7 +93,8 @@ int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
 //     rounded down to a multiple of unit (a no-op except for the aligned body of a
 //     1-D box whose pointers are equally misaligned; its head and tail get
 //     element-sized tiles).
-//   unit 0: a cast; items are elements.
+//   unit 0: a cast; items are elements. MX boxes (mode != RX_BOX_COPY) also have
+//     unit 0; their items are 32-element blocks (MX_DATA) or scale bytes (MX_SCALE).
 // Every element of every box lies in exactly one tile; empty boxes get none.
 typedef struct rx_tile {
   int32_t box;        // index into the box table
@@ -85,7 +110,8 @@ typedef struct rx_tile {
 // table's total so one launch fills the GPU for one huge box and for 10,000 tiny ones
 // alike). Writes at most `max_tiles` tiles into `tiles` (which may be NULL when
 // max_tiles is 0) and returns how many are needed, or -1 for a bad box (ndim out of
-// range, negative extent, non-castable dtypes, pointers not aligned to their element).
+// range, negative extent, non-castable dtypes or MX geometry, pointers not aligned to
+// their element).
 int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t tile_bytes,
                       rx_tile* tiles, int64_t max_tiles);
 

@@ -5,7 +5,8 @@
 // by 32 items with carries (no division in the loop), issuing kUnroll independent
 // loads before their stores so several accesses per lane are in flight. Items are
 // 1..16 bytes (uint4 on the fast path) or, for a cast, single elements converted with
-// cast.h so the bits equal the CPU twin and torch's Tensor.to.
+// cast.h so the bits equal the CPU twin and torch's Tensor.to. MX boxes (api.h) take
+// one 32-element block (or one scale byte) per item, quantized with core/mxfp8.h.
 //
 // The per-lane code is __host__ __device__ and has no warp intrinsics, so
 // rx_copy_boxes_emulated runs the very same index math on the host (tests on machines
@@ -14,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "core/mxfp8.h"
 #include "kernels/api.h"
 #include "kernels/cast.h"
 
@@ -99,6 +101,11 @@ RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
   if (t.unit > t.src_size) {  // contiguous innermost dim read as wider items
     g.n[ND - 1] = b.shape[b.ndim - 1] * t.src_size / t.unit;
     g.ss[ND - 1] = g.ds[ND - 1] = t.unit;
+  }
+  if (RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA) {  // items are whole blocks of the unit-stride innermost dim
+    g.n[ND - 1] = b.shape[b.ndim - 1] / mx::kBlock;
+    g.ss[ND - 1] = mx::kBlock * t.src_size;
+    g.ds[ND - 1] = mx::kBlock * t.dst_size;
   }
   split<ND>(g.n, kWarp, g.step);
 }
@@ -210,6 +217,65 @@ RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_ti
   }
 }
 
+// Words 4c..4c+3 of the BF16 block at p: one 16-byte load where the block is 16-byte
+// aligned (staging and tensor rows of whole blocks are), else 2-byte loads.
+RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
+  if (wide) return load_item<uint4>(p + 16 * c);
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = static_cast<uint32_t>(load_item<unsigned short>(p + 16 * c + 4 * k)) |
+           static_cast<uint32_t>(load_item<unsigned short>(p + 16 * c + 4 * k + 2)) << 16;
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// MX boxes: one lane per item (no warp intrinsics, so the emulated run executes this
+// very code). A block is read twice, once for its amax and once to quantize it 16
+// elements at a time: the second read hits L2, and a lane never holds the whole block
+// (which would spill at this kernel's 64-register budget). MX_DATA writes the block's
+// E4M3 bytes (and its scale byte when aux is set), MX_SCALE the scale byte.
+template <typename W>
+RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
+  const int32_t rounding = RX_BOX_ROUNDING(b.mode);
+  const bool data = RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA;
+  const char* src = reinterpret_cast<const char*>(b.src);
+  char* dst = reinterpret_cast<char*>(b.dst);
+#pragma unroll 1
+  for (; i < end; i += kWarp) {
+    const char* from = src + w.src_off();
+    char* to = dst + w.dst_off();
+    w.advance();
+    const bool wide_in = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
+    uint32_t amax = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint4 v = load_chunk(from, c, wide_in);
+      amax = max(amax, max(max(mx::word_amax(v.x), mx::word_amax(v.y)), max(mx::word_amax(v.z), mx::word_amax(v.w))));
+    }
+    const uint8_t e = mx::scale_exponent(amax, rounding);
+    if (!data) {
+      store_item<unsigned char>(to, e);
+      continue;
+    }
+    const bool wide_out = (reinterpret_cast<uintptr_t>(to) & 15u) == 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 u = load_chunk(from, 2 * h, wide_in), v = load_chunk(from, 2 * h + 1, wide_in);
+      const uint4 q = make_uint4(mx::quantize_words(u.x, u.y, e), mx::quantize_words(u.z, u.w, e),
+                                 mx::quantize_words(v.x, v.y, e), mx::quantize_words(v.z, v.w, e));
+      if (wide_out) {
+        store_item<uint4>(to + 16 * h, q);
+        continue;
+      }
+      const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int k = 0; k < 16; ++k) store_item<unsigned char>(to + 16 * h + k, static_cast<unsigned char>(qw[k / 4] >> (8 * (k % 4))));
+    }
+    // dst elements are bytes: the block's scale is its dst offset / 32 past aux
+    if (b.aux) store_item<unsigned char>(reinterpret_cast<char*>(b.aux) + (to - dst) / mx::kBlock, e);
+  }
+}
+
 // Copies this lane's items of tile t. g: where the tile's geometry lives (see Walk).
 template <int ND, typename G>
 RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
@@ -220,6 +286,10 @@ RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
   init_geom<ND>(g, b, t);
   Walk<ND, G> w{g, {}};
   split<ND>(g.n, first, w.dig);
+  if (b.mode != RX_BOX_COPY) {
+    mx_items(b, w, first, t.end);
+    return;
+  }
   if (t.unit == 0) {
     cast_items<U>(reinterpret_cast<const char*>(b.src), reinterpret_cast<char*>(b.dst), b, t, w, first, t.end);
     return;

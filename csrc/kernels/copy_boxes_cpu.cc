@@ -2,6 +2,7 @@
 // and the data path of the CPU (gloo) refit.
 #include <string.h>
 
+#include "core/mxfp8.h"
 #include "kernels/api.h"
 #include "kernels/cast.h"
 
@@ -25,7 +26,58 @@ extern "C" int32_t rx_dtype_castable(int32_t src, int32_t dst) {
   return src == dst || (rx::dtype_is_float(src) && rx::dtype_is_float(dst));
 }
 
+extern "C" int32_t rx_box_valid(const rx_box* b) {
+  if (b->ndim < 1 || b->ndim > RX_MAX_DIMS) return 0;
+  for (int d = 0; d < b->ndim; ++d)
+    if (b->shape[d] < 0) return 0;
+  const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode);
+  if (kind == RX_BOX_COPY) return b->mode == 0 && b->aux == 0 && rx_dtype_castable(b->src_dtype, b->dst_dtype);
+  if (rounding != rx::mx::kCeil && rounding != rx::mx::kFloor) return 0;
+  if (b->src_dtype != RX_BF16) return 0;
+  const int inner = b->ndim - 1;
+  if (kind == RX_BOX_MX_SCALE) return b->aux == 0 && (b->dst_dtype == RX_U8 || b->dst_dtype == RX_F8E8M0);
+  if (kind != RX_BOX_MX_DATA || !(b->dst_dtype == RX_F8E4M3 || b->dst_dtype == RX_U8)) return 0;
+  if (b->src_stride[inner] != 1 || b->dst_stride[inner] != 1 || b->shape[inner] % RX_BOX_MX_GROUP != 0) return 0;
+  for (int d = 0; b->aux && d < inner; ++d)
+    if (b->dst_stride[d] % RX_BOX_MX_GROUP != 0) return 0;
+  return 1;
+}
+
 namespace {
+
+// Shared exponent of the block of 16 words at w.
+uint8_t block_scale(const uint32_t* w, int32_t rounding) {
+  uint32_t amax = 0;
+  for (int i = 0; i < rx::mx::kBlockWords; ++i) {
+    const uint32_t a = rx::mx::word_amax(w[i]);
+    amax = a > amax ? a : amax;
+  }
+  return rx::mx::scale_exponent(amax, rounding);
+}
+
+// One innermost row of an MX box: `n` elements (MX_DATA) or scale bytes (MX_SCALE).
+// `scale`: the scale byte of the row's first block (MX_DATA with scales), else null.
+void mx_row(const rx_box& box, const char* src, char* dst, uint8_t* scale, int64_t n) {
+  namespace mx = rx::mx;
+  const int32_t rounding = RX_BOX_ROUNDING(box.mode);
+  uint32_t w[mx::kBlockWords];
+  if (RX_BOX_KIND(box.mode) == RX_BOX_MX_SCALE) {
+    const int64_t ss = box.src_stride[box.ndim - 1] * 2, ds = box.dst_stride[box.ndim - 1];
+    for (int64_t j = 0; j < n; ++j) {
+      memcpy(w, src + j * ss, sizeof(w));
+      dst[j * ds] = static_cast<char>(block_scale(w, rounding));
+    }
+    return;
+  }
+  uint32_t q[mx::kBlock / 4];
+  for (int64_t g = 0; g < n / mx::kBlock; ++g) {
+    memcpy(w, src + g * mx::kBlock * 2, sizeof(w));
+    const uint8_t e = block_scale(w, rounding);
+    for (int i = 0; i < mx::kBlock / 4; ++i) q[i] = mx::quantize_words(w[2 * i], w[2 * i + 1], e);
+    memcpy(dst + g * mx::kBlock, q, sizeof(q));
+    if (scale) scale[g] = e;
+  }
+}
 
 // Copies `n` elements along the innermost dim.
 void copy_row(const char* src, int64_t src_stride, int32_t src_dtype, char* dst,
@@ -48,7 +100,7 @@ void copy_row(const char* src, int64_t src_stride, int32_t src_dtype, char* dst,
 extern "C" int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes) {
   for (int64_t b = 0; b < num_boxes; ++b) {
     const rx_box& box = boxes[b];
-    if (box.ndim < 1 || box.ndim > RX_MAX_DIMS || !rx_dtype_castable(box.src_dtype, box.dst_dtype)) return -1;
+    if (!rx_box_valid(&box)) return -1;
     int64_t count = 1;
     for (int d = 0; d < box.ndim; ++d) count *= box.shape[d];
     if (count == 0) continue;
@@ -62,8 +114,13 @@ extern "C" int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes) {
         so += idx[d] * box.src_stride[d];
         doff += idx[d] * box.dst_stride[d];
       }
-      copy_row(reinterpret_cast<const char*>(box.src) + so * ss, box.src_stride[inner], box.src_dtype,
-               reinterpret_cast<char*>(box.dst) + doff * ds, box.dst_stride[inner], box.dst_dtype,
+      const char* src = reinterpret_cast<const char*>(box.src) + so * ss;
+      char* dst = reinterpret_cast<char*>(box.dst) + doff * ds;
+      if (box.mode == RX_BOX_COPY)
+        copy_row(src, box.src_stride[inner], box.src_dtype, dst, box.dst_stride[inner], box.dst_dtype,
+                 box.shape[inner]);
+      else  // dst elements are bytes: doff / 32 is the row's first block
+        mx_row(box, src, dst, box.aux ? reinterpret_cast<uint8_t*>(box.aux) + doff / rx::mx::kBlock : nullptr,
                box.shape[inner]);
       for (int d = inner - 1; d >= 0; --d) {  // odometer over the outer dims
         if (++idx[d] < box.shape[d]) break;

@@ -19,15 +19,24 @@ int64_t box_elems(const rx_box& b) {
   return n;
 }
 
+// Source bytes one MX item reads: a whole block of BF16 (the work of a lane).
+constexpr int64_t kMxItemBytes = RX_BOX_MX_GROUP * 2;
+
+// Items of an MX box: its blocks (MX_DATA) or its scale bytes (MX_SCALE).
+int64_t mx_items(const rx_box& b) {
+  return RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA ? box_elems(b) / RX_BOX_MX_GROUP : box_elems(b);
+}
+
 class TileWriter {
  public:
   TileWriter(rx_tile* out, int64_t cap, int64_t tile_bytes) : out_(out), cap_(cap), tile_bytes_(tile_bytes) {}
 
-  // Items [begin, end) of `unit` bytes (0: cast elements of item_bytes) of box `box`.
-  void emit(int32_t box, int unit, int src_size, int dst_size, int64_t begin, int64_t end) {
+  // Items [begin, end) of `unit` bytes (0: cast elements, or MX items, of item_bytes;
+  // by default the larger element) of box `box`.
+  void emit(int32_t box, int unit, int src_size, int dst_size, int64_t begin, int64_t end, int64_t item_bytes = 0) {
     const int64_t n = end - begin;
     if (n <= 0) return;
-    const int64_t item_bytes = unit ? unit : std::max(src_size, dst_size);
+    if (item_bytes <= 0) item_bytes = unit ? unit : std::max(src_size, dst_size);
     const int64_t per = std::max<int64_t>(1, tile_bytes_ / item_bytes);
     const int64_t k = (n + per - 1) / per;
     // Equal tiles (no runt at the end), whole warp passes where the box is big enough.
@@ -103,7 +112,7 @@ int64_t auto_tile_bytes(const rx_box* boxes, int64_t n) {
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t es = std::max(rx_dtype_size(boxes[i].src_dtype), rx_dtype_size(boxes[i].dst_dtype));
-    total += box_elems(boxes[i]) * es;
+    total += boxes[i].mode == RX_BOX_COPY ? box_elems(boxes[i]) * es : mx_items(boxes[i]) * kMxItemBytes;
   }
   const int64_t t = total / kAutoTiles / 512 * 512;
   return std::min(kAutoMaxTile, std::max(kAutoMinTile, t));
@@ -115,9 +124,7 @@ extern "C" int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t
                                  int64_t max_tiles) {
   for (int64_t i = 0; i < num_boxes; ++i) {
     const rx_box& b = boxes[i];
-    if (b.ndim < 1 || b.ndim > RX_MAX_DIMS || !rx_dtype_castable(b.src_dtype, b.dst_dtype)) return -1;
-    for (int d = 0; d < b.ndim; ++d)
-      if (b.shape[d] < 0) return -1;
+    if (!rx_box_valid(&b)) return -1;
     // The GPU faults on misaligned element accesses (torch never makes such tensors).
     if (b.src % rx_dtype_size(b.src_dtype) != 0 || b.dst % rx_dtype_size(b.dst_dtype) != 0) return -1;
   }
@@ -131,7 +138,9 @@ extern "C" int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t
     if (count == 0) continue;
     const int ss = rx_dtype_size(b.src_dtype), ds = rx_dtype_size(b.dst_dtype);
     const int32_t index = static_cast<int32_t>(i);
-    if (b.src_dtype != b.dst_dtype)
+    if (b.mode != RX_BOX_COPY)  // one lane per block (or scale byte): a block is never split
+      w.emit(index, 0, ss, ds, 0, mx_items(b), kMxItemBytes);
+    else if (b.src_dtype != b.dst_dtype)
       w.emit(index, 0, ss, ds, 0, count);
     else
       plan_copy(b, index, count, ss, w);

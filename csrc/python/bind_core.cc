@@ -54,7 +54,10 @@ std::vector<TensorRef> refs_from_py(const py::list& l) {
   out.reserve(l.size());
   for (const auto& item : l) {
     auto t = item.cast<py::tuple>();
-    out.push_back(TensorRef{t[0].cast<uint64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int32_t>()});
+    TensorRef r{t[0].cast<uint64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int32_t>()};
+    if (t.size() > 3) r.mx_mode = t[3].cast<int32_t>();
+    if (t.size() > 4) r.mx_scale = t[4].cast<uint64_t>();
+    out.push_back(std::move(r));
   }
   return out;
 }
@@ -183,7 +186,11 @@ void register_core(py::module_& m) {
              t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes);
            },
            py::arg("src"), py::arg("dst"), py::arg("send_bufs"), py::arg("recv_bufs"), py::arg("direct_bytes") = 0,
-           "src/dst: lists of (data_ptr, strides, dtype_code) aligned with src_used/dst_used")
+           "src/dst: lists of (data_ptr, strides, dtype_code[, mx_mode, mx_scale_ptr]) aligned with "
+           "src_used/dst_used")
+      .def("whole_group_dsts", &ExecTables::whole_group_dsts, py::arg("src_dtypes"), py::arg("group"),
+           "Positions in dst_used of the pieces whose every incoming box reads bfloat16 and keeps "
+           "`group`-element blocks of the last dim whole (where a fused MX_DATA dst may bind).")
       .def("messages", [](const ExecTables& t, int32_t b) {
         py::list s, r;
         for (const auto& m : t.send_messages(b)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));

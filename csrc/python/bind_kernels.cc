@@ -15,6 +15,9 @@ void register_kernels(py::module_& m) {
         "Whether boxes may convert dtype s to d.");
   m.attr("MAX_DIMS") = RX_MAX_DIMS;
   m.attr("BOX_BYTES") = sizeof(rx_box);
+  m.attr("BOX_COPY") = static_cast<int>(RX_BOX_COPY);
+  m.attr("BOX_MX_DATA") = static_cast<int>(RX_BOX_MX_DATA);
+  m.attr("BOX_MX_SCALE") = static_cast<int>(RX_BOX_MX_SCALE);
   m.def(
       "copy_boxes_cpu",
       [](py::buffer table) {
