@@ -25,8 +25,9 @@ from .errors import ReshardError
 from .layout import Layout
 from .transforms import Piece
 
-# Counters for tests and diagnostics: collective metadata exchanges and planner runs.
-STATS: dict[str, int] = {"exchanges": 0, "plans": 0}
+# Counters for tests and diagnostics: collective metadata exchanges, planner runs and
+# warm swaps that reused a model description (swap.py).
+STATS: dict[str, int] = {"exchanges": 0, "plans": 0, "describe_reused": 0}
 
 Entries = Mapping[str, tuple[Any, Layout]]
 _MAX_LISTED_ERRORS = 20

@@ -29,6 +29,7 @@ from .adapters import dtensor as dtensor_adapter
 from .adapters import megatron as megatron_adapter
 from .errors import ReshardError
 from .layout import Layout
+from .planning import STATS
 from .transforms import Transform
 
 ModelLike = Union[nn.Module, list, tuple, Mapping[str, tuple[torch.Tensor, Layout]], None]
@@ -47,25 +48,72 @@ _GENERATIONS: dict[tuple, Any] = {}  # group key -> counter; ranks of a group pl
 
 
 def clear_caches() -> None:
-    """Drops every cached plan and NCCL communicator. Collective when communicators
-    exist: their destruction is (every rank of each group must call it)."""
+    """Drops every cached plan, model description and NCCL communicator. Collective when
+    communicators exist: their destruction is (every rank of each group must call it)."""
     _PLANS.clear()
+    _DESCRIBED.clear()
     from . import _nccl
 
     _nccl.clear_communicators()
 
 
-def _describe(model: ModelLike, side: str, group: Any, rank_offset: int, adapter: Optional[Adapter]) -> Entries:
+# Megatron descriptions of the last models seen: (side, group, offset) -> (model ids,
+# fingerprint, entries, signature). A warm swap re-reads only what the description
+# depends on (one walk over the modules) instead of describing the model again.
+_DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, tuple]] = {}
+_TENSOR_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_sizes", "allreduce")
+
+
+def _fingerprint(chunks: list[nn.Module]) -> tuple:
+    """Everything the Megatron adapter reads, cheaply: the module tree (names, layer
+    numbers, process groups, expert count, tying) and every parameter and buffer (object,
+    storage, shape, strides, dtype, parallel attributes). Equal fingerprints give equal
+    descriptions, so a changed model is described (and planned) again."""
+    out: list = []
+    for chunk in chunks:
+        core = megatron_adapter.unwrap(chunk)
+        out += [id(core), id(getattr(core, "pg_collection", None)),
+                getattr(getattr(core, "config", None), "num_moe_experts", None),
+                getattr(core, "share_embeddings_and_output_weights", None)]
+        for mod in core.modules():
+            out += [id(mod), tuple(mod._modules), getattr(mod, "layer_number", None),
+                    tuple(mod._non_persistent_buffers_set)]
+            for table in (mod._parameters, mod._buffers):
+                for key, t in table.items():
+                    if t is not None:
+                        out.append((key, id(t), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
+                                    tuple(getattr(t, a, None) for a in _TENSOR_ATTRS)))
+    return tuple(out)
+
+
+def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
+              adapter: Optional[Adapter]) -> tuple[Entries, tuple]:
+    """(entries, layout signature) of one side."""
     if model is None:
-        return {}
+        return {}, ()
     if isinstance(model, Mapping):
-        return dict(model)
+        entries = dict(model)
+        return entries, _signature(entries)
     if adapter is not None:
-        return adapter(model, group=group, rank_offset=rank_offset)
-    first = next(iter(model.parameters() if isinstance(model, nn.Module) else model[0].parameters()), None)
+        entries = adapter(model, group=group, rank_offset=rank_offset)
+        return entries, _signature(entries)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    first = next(iter(chunks[0].parameters()), None)
     if isinstance(first, dtensor_adapter.DTensor):
-        return dtensor_adapter.entries(model, group=group, rank_offset=rank_offset)
-    return megatron_adapter.entries(model, group=group, rank_offset=rank_offset, tie_output_to_embedding=side == "src")
+        entries = dtensor_adapter.entries(model, group=group, rank_offset=rank_offset)
+        return entries, _signature(entries)
+    memo_key = (side, _group_key(group), rank_offset)
+    ids = tuple(id(c) for c in chunks)
+    fp = _fingerprint(chunks)
+    memo = _DESCRIBED.get(memo_key)
+    if memo is not None and memo[0] == ids and memo[1] == fp:
+        STATS["describe_reused"] += 1
+        return memo[2], memo[3]
+    entries = megatron_adapter.entries(model, group=group, rank_offset=rank_offset,
+                                       tie_output_to_embedding=side == "src")
+    sig = _signature(entries)
+    _DESCRIBED[memo_key] = (ids, fp, entries, sig)
+    return entries, sig
 
 
 def _group_key(group: Any) -> tuple:
@@ -93,8 +141,9 @@ def _agree(group: Any, failed: bool, generation: int) -> tuple[int, bool]:
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
     t = torch.tensor([-(rank + 1) if failed else -(2**62), generation, -generation], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-    first_failed = 0 if t[0].item() == -(2**62) else -int(t[0].item())
-    return first_failed, generation >= 0 and int(t[1].item()) == generation == -int(t[2].item())
+    worst, gen_max, neg_gen_min = t.tolist()  # one device sync, not three
+    first_failed = 0 if worst == -(2**62) else -worst
+    return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min
 
 
 def _get_plan(
@@ -116,12 +165,15 @@ def _get_plan(
     dst: Entries = {}
     key: tuple = ()
     try:
-        src = apply_name_map(_describe(src_model, "src", group, src_rank_offset, adapter), name_map)
-        dst = _describe(dst_model, "dst", group, dst_rank_offset, adapter)
+        src, src_sig = _describe(src_model, "src", group, src_rank_offset, adapter)
+        if name_map is not None:
+            src = apply_name_map(src, name_map)
+            src_sig = _signature(src)
+        dst, dst_sig = _describe(dst_model, "dst", group, dst_rank_offset, adapter)
         key = (
             _group_key(group), backend, max_batch_bytes,
             transform.cache_key() if transform is not None else None,
-            _signature(src), _signature(dst),
+            src_sig, dst_sig,
         )
     except Exception as e:  # reported to every rank below, so no rank is left waiting
         error = e

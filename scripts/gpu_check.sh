@@ -43,7 +43,8 @@ fi
 if has sanitize; then
   step "compute-sanitizer memcheck: kernel tests"
   (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
-      python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py -k "not big" 2>&1 | tee "$OUT/sanitizer.log" | tail -8)
+      python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py test_mxfp8_boxes.py -k "not big and not cpu and not emulated" \
+      2>&1 | tee "$OUT/sanitizer.log" | tail -8)
 fi
 
 if has bench; then
@@ -98,8 +99,7 @@ if has megatron && [ "$ngpu" -ge 2 ]; then
   export PYTHONPATH="$PWD:/tmp/site"
   python3 -c "import megatron.core as m; print('megatron-core', m.__version__)"
   (cd tests && timeout 300 python3 -m pytest -q -p no:warnings -rs test_megatron_real.py 2>&1 | tee "$OUT/megatron_tests.log" | tail -12)
-  for args in "--case tp2-tp1" "--case tp1-tp2" \
-              "--case ep2-ep1 --layers 16 --hidden 2048 --heads 16 --query-groups 4 --experts 64 --moe-ffn 1024"; do
+  for args in "--case tp2-tp1" "--case tp1-tp2"; do
     step "megatron_compare $args"
     timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/megatron_compare.py $args 2>&1 \
       | grep -v "^W\|^\[W\|Warning\|warn" | tee -a "$OUT/megatron_compare.log" | tail -8

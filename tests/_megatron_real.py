@@ -3,7 +3,7 @@ is installed). Models are built one after another in the same processes; each ke
 process groups of its own pg_collection, so differently-parallel models coexist."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -12,7 +12,7 @@ VOCAB, SEQ = 128, 16
 
 def build(tp: int = 1, ep: int = 1, experts: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32,
           hidden: int = 64, layers: int = 2, heads: int = 4, query_groups: int = 2, ffn: int = 0,
-          moe_ffn: int = 0, vocab: int = VOCAB) -> Any:
+          moe_ffn: int = 0, vocab: int = VOCAB, cuda: Optional[bool] = None) -> Any:
     """A GPTModel (local spec, SwiGLU, untied head) with TP `tp` and, for experts > 0,
     MoE layers with EP `ep`; the benchmark builds large ones with the same code."""
     from megatron.core import parallel_state
@@ -23,7 +23,7 @@ def build(tp: int = 1, ep: int = 1, experts: int = 0, seed: int = 0, dtype: torc
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=moe_ffn or hidden, moe_router_topk=2,
                moe_token_dispatcher_type="alltoall" if cuda else "allgather", moe_grouped_gemm=False,
                add_bias_linear=False) if experts else {}

@@ -1,26 +1,24 @@
 """ExecTables pieces the transports rely on, checked without a process group."""
-import struct
-
+import numpy as np
 import torch
 
 import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate, _C
-from reshard_ext._dtypes import code_of
+from reshard_ext._dtypes import code_of, dtype_of
 
-_BOX = struct.Struct("<QQ6q6q6qiiii")  # rx_box (csrc/kernels/api.h)
-
-
-def _boxes(blob: bytes) -> list[tuple]:
-    assert len(blob) % _BOX.size == 0
-    return [_BOX.unpack_from(blob, i) for i in range(0, len(blob), _BOX.size)]
+from _boxes import BOX
 
 
-def _nbytes(box: tuple) -> int:
-    ndim, dtype = box[20], box[22]
-    n = torch.empty((), dtype=rx._dtypes.dtype_of(dtype)).element_size()
-    for d in range(ndim):
-        n *= box[2 + d]
-    return n
+def _boxes(blob: bytes) -> list[bytes]:
+    """One bytes record per rx_box (comparable for equality)."""
+    assert len(blob) % BOX.itemsize == 0
+    return [blob[i : i + BOX.itemsize] for i in range(0, len(blob), BOX.itemsize)]
+
+
+def _nbytes(record: bytes) -> int:
+    box = np.frombuffer(record, dtype=BOX)[0]
+    n = torch.empty((), dtype=dtype_of(int(box["dst_dtype"]))).element_size()
+    return n * int(np.prod(box["shape"][: int(box["ndim"])]))
 
 
 def test_copies_split_keeps_order_and_balances_bytes():

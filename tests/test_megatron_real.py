@@ -1,7 +1,10 @@
 """Refits between real Megatron-Core GPTModels (skipped where megatron-core is not
 installed): the destination computes the source's logits, a refit back restores every
 source tensor bit for bit, and on GPUs the result equals Megatron-Core's own
-swap_model_weights(refit_method="nccl") byte for byte."""
+swap_model_weights(refit_method="nccl") byte for byte wherever Megatron-Core's result is
+itself right (its logits match the source's); for MoE layouts it gets wrong or refuses,
+its outcome is printed instead (seen with 0.19.2: EP2->EP1 raises, TP2->TP1+EP2 gives
+other expert weights)."""
 from __future__ import annotations
 
 import pytest
@@ -19,21 +22,21 @@ CASES = {  # name -> (src kwargs, dst kwargs)
 }
 
 
-def _refit(rank: int, world: int, case: str, compare_mcore: bool) -> dict:
+def _refit(rank: int, world: int, case: str, on_gpu: bool) -> dict:
     import _megatron_real as mr
 
     import reshard_ext as rx
 
     src_kw, dst_kw = CASES[case]
     # Megatron's MoE router only runs on CUDA: on CPU, MoE cases check bits only.
-    forward = torch.cuda.is_available() or not src_kw.get("experts")
-    src = mr.build(seed=1, **src_kw)
+    forward = on_gpu or not src_kw.get("experts")
+    src = mr.build(seed=1, cuda=on_gpu, **src_kw)
     want = mr.logits(src) if forward else torch.zeros(())
     before = mr.tensors(src)
-    dst = mr.build(seed=2, **dst_kw)
+    dst = mr.build(seed=2, cuda=on_gpu, **dst_kw)
     rx.swap_model_weights(src, dst)
     got = mr.logits(dst) if forward else torch.zeros(())
-    back = mr.build(seed=3, **src_kw)
+    back = mr.build(seed=3, cuda=on_gpu, **src_kw)
     rx.swap_model_weights(dst, back)
     after = mr.tensors(back)
     out = {
@@ -41,13 +44,21 @@ def _refit(rank: int, world: int, case: str, compare_mcore: bool) -> dict:
         "logits_max_diff": float((got - want).abs().max()),
         "round_trip_differs": sorted(n for n in before if not torch.equal(before[n], after[n])),
     }
-    if compare_mcore:
+    if on_gpu:  # Megatron-Core's own NCCL refit of the same models
         from megatron.core.resharding.refit import swap_model_weights as mcore_swap
 
-        ref = mr.build(seed=4, **dst_kw)
-        mcore_swap(src, ref, "nccl")
-        theirs, ours = mr.tensors(ref), mr.tensors(dst)
-        out["differs_from_mcore"] = sorted(n for n in ours if not torch.equal(ours[n], theirs[n]))
+        ref = mr.build(seed=4, cuda=True, **dst_kw)
+        try:
+            mcore_swap(src, ref, "nccl")
+        except Exception as e:  # noqa: BLE001 - recorded: Megatron-Core fails some layouts
+            out["mcore"] = f"raised {type(e).__name__}: {e}"
+        else:
+            mcore_logits = mr.logits(ref)
+            out["mcore_correct"] = bool(torch.allclose(mcore_logits, want, rtol=1e-4, atol=1e-4))
+            theirs, ours = mr.tensors(ref), mr.tensors(dst)
+            out["differs_from_mcore"] = sorted(n for n in ours if not torch.equal(ours[n], theirs[n]))
+            out["mcore"] = "correct" if out["mcore_correct"] else \
+                f"wrong logits (max diff {float((mcore_logits - want).abs().max()):.3g})"
     rx.clear_caches()
     return out
 
@@ -56,15 +67,21 @@ def _check(results: list[dict]) -> None:
     for r, res in enumerate(results):
         assert res["logits_close"], (r, res["logits_max_diff"])
         assert res["round_trip_differs"] == [], (r, res["round_trip_differs"][:5])
-        assert res.get("differs_from_mcore", []) == [], (r, res["differs_from_mcore"][:5])
+        if res.get("mcore_correct"):  # where Megatron-Core itself is right, we match it bit for bit
+            assert res["differs_from_mcore"] == [], (r, res["differs_from_mcore"][:5])
+        if "mcore" in res:
+            print(f"rank {r}: Megatron-Core's swap_model_weights: {res['mcore']}")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_real_gpt_cpu(case):
-    _check(run_ranks(2, _refit, case, False, timeout=600))
+    _check(run_ranks(2, _refit, case, False, timeout=600))  # gloo, CPU models, even on a GPU machine
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_real_gpt_gpu_vs_megatron(case):
-    _check(run_ranks(2, _refit, case, True, backend="nccl", timeout=600))
+    results = run_ranks(2, _refit, case, True, backend="nccl", timeout=600)
+    _check(results)
+    if not CASES[case][0].get("experts"):  # dense: Megatron-Core must be right, and we equal it
+        assert all(r.get("mcore_correct") for r in results), [r["mcore"] for r in results]

@@ -155,13 +155,44 @@ def _warm(rank: int, world: int) -> Any:
     return stats, warm_stats, dict(planning.STATS), calls, check_filled(dst, 2), check_filled(dst2, 2)
 
 
+def _moved(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in ("exchanges", "plans", "describe_reused")}
+
+
 def test_warm_swap_does_no_exchange_and_no_planning() -> None:
     for stats, warm, after_rebind, calls, bad, bad2 in run_ranks(2, _warm):
-        assert warm == stats, "a warm call exchanged metadata or planned"
-        assert after_rebind == stats, "a re-created model with the same layouts replanned"
+        # warm: both descriptions reused, nothing exchanged, nothing planned
+        assert _moved(stats, warm) == {"exchanges": 0, "plans": 0, "describe_reused": 2}
+        moved = _moved(warm, after_rebind)  # a re-created destination is described again ...
+        assert moved["exchanges"] == 0 and moved["plans"] == 0, "... but same layouts must not replan"
         assert calls["plan"] == 0
         assert calls["all_reduce"] == 1  # the 3-integer agreement
         assert bad == [] and bad2 == []
+
+
+def _storage_swapped(rank: int, world: int) -> Any:
+    from reshard_ext import planning
+    from reshard_ext.swap import clear_caches, swap_model_weights
+
+    clear_caches()
+    src = _build(world, S(tp=2), DENSE, seed=1)
+    dst = _build(world, S(dp=2), DENSE, seed=None)
+    swap_model_weights(src, dst)
+    swap_model_weights(src, dst)  # warm
+    before = dict(planning.STATS)
+    # Same model objects, new storage under every destination parameter (as offloading
+    # does): the reused description would point at the old storage; it must not be reused.
+    for p in dst.parameters():
+        p.data = torch.full_like(p.data, -1)
+    fill(src, 2)
+    swap_model_weights(src, dst)
+    return _moved(before, planning.STATS), check_filled(dst, 2)
+
+
+def test_swapped_storage_is_noticed() -> None:
+    for moved, bad in run_ranks(2, _storage_swapped):
+        assert moved["plans"] == 0 and moved["describe_reused"] == 1  # src reused, dst described again
+        assert bad == []
 
 
 def _changed_model(rank: int, world: int) -> Any:
