@@ -9,13 +9,15 @@ import torch.distributed as dist
 
 
 def cuda_time(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
-    """Median seconds of fn over iters (CUDA events, ranks lined up by a barrier)."""
+    """Median seconds of fn over iters (CUDA events; ranks lined up by a barrier when a
+    process group exists)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(iters):
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

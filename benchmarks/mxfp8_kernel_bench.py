@@ -8,26 +8,12 @@ D2D copy moves the same number of bytes (read + write counted alike).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from reshard_ext import mxfp8
 
-
-def time_cuda(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+from _common import cuda_time
 
 
 def main() -> None:
@@ -41,12 +27,12 @@ def main() -> None:
     moved = m * k * (2 + 1) + m * mxfp8.scale_cols(k)
     half = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
     other = torch.empty_like(half)
-    t_copy = time_cuda(lambda: other.copy_(half))
+    t_copy = cuda_time(lambda: other.copy_(half), 20, warmup=3)
     print(f"MXFP8 quantize [{m}, {k}] on {torch.cuda.get_device_name()}; D2D copy of the same bytes: "
           f"{t_copy * 1e3:.3f} ms, {moved / t_copy / 1e9:.0f} GB/s")
     for layout in ("2d", "swizzled"):
         scale = torch.empty(mxfp8.scale_numel((m, k), layout), dtype=torch.uint8, device="cuda")
-        t = time_cuda(lambda: mxfp8.quantize(src, data, scale, layout, "ceil"))
+        t = cuda_time(lambda: mxfp8.quantize(src, data, scale, layout, "ceil"), 20, warmup=3)
         print(f"  {layout:>8}: {t * 1e3:.3f} ms, {moved / t / 1e9:.0f} GB/s, {t_copy / t:.2f} of the copy rate")
 
 
