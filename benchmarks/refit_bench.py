@@ -100,6 +100,9 @@ def main() -> None:
     ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
+    ap.add_argument("--transfers-only", action="store_true",
+                    help="also time the plan's batched NCCL transfers alone (no pack/unpack/copy): "
+                         "the per-batch cost of the link without the kernels competing for HBM")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -125,6 +128,18 @@ def main() -> None:
         cuda_transport.TRACE = False
         timeline = plan.transport.last_timeline
 
+    if args.transfers_only and getattr(plan.transport, "comm", None) is not None:
+        tr = plan.transport
+        batches = [tr.transfers(b) for b in range(plan.num_batches)]
+
+        def transfers() -> None:
+            stream = torch.cuda.current_stream().cuda_stream
+            for sends, recvs in batches:
+                tr.comm.exchange(sends, recvs, stream, 0)
+
+        t_xfer = _time(transfers, args.iters)
+        line = f"rank {rank}: {plan.num_batches} batched transfers alone {t_xfer * 1e3:.2f} ms (refit {t_refit * 1e3:.2f} ms)"
+        print(line, flush=True)
     # ceilings, same run: NCCL send/recv of the same per-peer bytes; D2D copy of the local bytes
     t_nccl = nccl_ceiling(plan, args.iters)
     local_bytes = sum(t.numel() * t.element_size() for t, _ in dst.values()) - plan.bytes_received

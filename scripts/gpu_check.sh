@@ -84,7 +84,7 @@ if has trace && [ "$ngpu" -ge 2 ]; then
   for split in 1 0; do
     step "refit_bench tp2-tp1, timeline, RESHARD_EXT_CUDA_SPLIT_COPIES=$split"
     RESHARD_EXT_CUDA_SPLIT_COPIES=$split timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
-      --case tp2-tp1 --no-baseline --trace 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/trace.log" | tail -45
+      --case tp2-tp1 --no-baseline --trace --transfers-only 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/trace.log" | tail -45
   done
   for m in "receiver --scale-layout swizzled" "receiver --scale-layout 2d" "sender --scale-layout swizzled"; do
     step "refit_bench tp2-tp1 --mxfp8 $m"
