@@ -61,7 +61,6 @@ def clear_caches() -> None:
 # fingerprint, entries, signature). A warm swap re-reads only what the description
 # depends on (one walk over the modules) instead of describing the model again.
 _DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, tuple]] = {}
-_TENSOR_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_sizes", "allreduce")
 
 
 def _fingerprint(chunks: list[nn.Module]) -> tuple:
@@ -81,8 +80,10 @@ def _fingerprint(chunks: list[nn.Module]) -> tuple:
             for table in (mod._parameters, mod._buffers):
                 for key, t in table.items():
                     if t is not None:
-                        out.append((key, id(t), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
-                                    tuple(getattr(t, a, None) for a in _TENSOR_ATTRS)))
+                        out.append((key, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype,
+                                    getattr(t, "tensor_model_parallel", None), getattr(t, "partition_dim", None),
+                                    getattr(t, "partition_stride", None), getattr(t, "partition_sizes", None),
+                                    getattr(t, "allreduce", None)))
     return tuple(out)
 
 
