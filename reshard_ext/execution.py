@@ -12,7 +12,7 @@ from . import _C
 from ._dtypes import code_of
 from .errors import ReshardError
 from .layout import Layout
-from .planning import Entries, _check_local, _raise, plan_collective
+from .planning import Entries, _check_local, _raise, first_failed_rank, plan_collective
 from .transforms import Piece, Transform
 
 BACKENDS = ("auto", "cpu", "torch", "nccl", "nvshmem")
@@ -197,7 +197,20 @@ def plan(
         src_w, dst_w, src_steps, dst_steps = {}, {}, ([], []), ([], [])
     t0 = time.perf_counter()
     agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors)
-    p = Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform)
+    # Binding allocates staging and builds descriptor tables on each rank alone: a
+    # failure there (e.g. out of memory on one GPU) is agreed on, so every rank raises
+    # now rather than the others hanging in the first execute.
+    failure: Optional[BaseException] = None
+    try:
+        p = Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+        failure = e
+    failed = first_failed_rank(group, failure is not None)
+    if failure is not None:
+        raise failure
+    if failed >= 0:
+        raise ReshardError(f"rx.plan: rank {failed} failed to set up its part of the plan (staging buffers, "
+                           f"descriptor tables or transport); see that rank's error")
     if log.isEnabledFor(logging.INFO):
         sends, recvs, copies = p.num_ops
         log.info("rank %d: planned %d src / %d dst tensors in %.1f ms: %d sends (%.3f GB), %d receives (%.3f GB), "

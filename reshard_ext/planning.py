@@ -252,6 +252,20 @@ def plan_collective(
     return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None)
 
 
+def first_failed_rank(group: Any, failed: bool) -> int:
+    """One all-reduce: the lowest group rank that passed failed=True, or -1. Lets a
+    failure on one rank (an allocation, a local check) raise on every rank at once
+    instead of leaving the others waiting in their next collective."""
+    g = group if group is not None else dist.group.WORLD
+    nccl = dist.get_backend(g) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    world = dist.get_world_size(g)
+    t = torch.tensor([world - dist.get_rank(g) if failed else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    top = int(t.item())
+    return world - top if top else -1
+
+
 def _digest_mismatch(rank_plan: Any, group: Any, world: int) -> list[str]:
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, rank_plan.digests(), group=group)

@@ -154,3 +154,42 @@ def test_backends_not_available_raise_on_every_rank():
     for nvshmem, bogus in run_ranks(2, _unknown_backends):
         assert "nvshmem" in nvshmem and "not implemented" in nvshmem
         assert "unknown backend" in bogus
+
+
+def _bind_fails_on_one_rank(rank: int, world: int):
+    """Rank 1 cannot allocate its staging buffers (as on a GPU out of memory)."""
+    from reshard_ext.transports.cpu import CpuTransport
+
+    layout = Layout((8, 4), F32, Mesh(list(range(world))), [Shard(0)])
+    other = Layout((8, 4), F32, Mesh(list(range(world))), [Shard(1)])
+    src = {"w": (torch.randn(layout.local_shape(rank)), layout)}
+    dst = {"w": (torch.zeros(other.local_shape(rank)), other)}
+    real = CpuTransport.bind
+
+    def failing_bind(self, tables):
+        raise MemoryError("staging: out of memory (simulated)")
+
+    if rank == 1:
+        CpuTransport.bind = failing_bind
+    try:
+        rx.plan(src, dst)
+        outcome = "planned"
+    except MemoryError as e:
+        outcome = f"MemoryError: {e}"
+    except rx.ReshardError as e:
+        outcome = f"ReshardError: {e}"
+    finally:
+        CpuTransport.bind = real
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group is still usable
+    return outcome, float(t)
+
+
+def test_setup_failure_on_one_rank_raises_everywhere():
+    results = run_ranks(4, _bind_fails_on_one_rank, timeout=120)  # not 3: that pool is left broken above
+    for rank, (outcome, total) in enumerate(results):
+        assert total == 4.0
+        if rank == 1:
+            assert outcome.startswith("MemoryError"), outcome
+        else:
+            assert outcome.startswith("ReshardError") and "rank 1" in outcome, outcome
