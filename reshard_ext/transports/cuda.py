@@ -36,29 +36,29 @@ class _Timeline:
     when each step started and ended on its stream, relative to the first."""
 
     def __init__(self) -> None:
-        self.marks: list[tuple[str, Any, Any]] = []
+        self.marks: list[tuple[str, int, Any, Any]] = []
 
-    def step(self, label: str, stream: torch.cuda.Stream, fn: Any) -> None:
+    def step(self, kind: str, batch: int, stream: torch.cuda.Stream, fn: Any) -> None:
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         begin.record(stream)
         fn()
         end.record(stream)
-        self.marks.append((label, begin, end))
+        self.marks.append((kind, batch, begin, end))
 
     def report(self) -> str:
         if not self.marks:
             return ""
-        self.marks[-1][2].synchronize()
-        t0 = self.marks[0][1]
-        lines = [f"{label:>12}: {t0.elapsed_time(b):8.3f} -> {t0.elapsed_time(e):8.3f} ms"
-                 for label, b, e in self.marks]
+        self.marks[-1][3].synchronize()
+        t0 = self.marks[0][2]
+        lines = [f"{kind + ' ' + str(batch):>12}: {t0.elapsed_time(b):8.3f} -> {t0.elapsed_time(e):8.3f} ms"
+                 for kind, batch, b, e in self.marks]
         text = "execute timeline (CUDA events):\n" + "\n".join(lines)
         _log.info(text)
         return text
 
 
-def _untraced(label: str, stream: Any, fn: Any) -> None:
+def _untraced(kind: str, batch: int, stream: Any, fn: Any) -> None:
     fn()
 
 
@@ -139,22 +139,22 @@ class CudaTransport:
         timeline = _Timeline() if TRACE else None
         step = timeline.step if timeline else _untraced
         if k == 0 or self.comm is None:
-            for c in self._copy:
-                step("copy", main, lambda c=c: c.launch(s))
+            for i, c in enumerate(self._copy):
+                step("copy", i, main, lambda c=c: c.launch(s))
             for b in range(k):  # torch.distributed p2p: no overlap, for comparison
-                step(f"pack {b}", main, lambda b=b: self._pack[b].launch(s))
+                step("pack", b, main, lambda b=b: self._pack[b].launch(s))
                 self.p2p.run(self._p2p_ops[b])
-                step(f"unpack {b}", main, lambda b=b: self._unpack[b].launch(s))
+                step("unpack", b, main, lambda b=b: self._unpack[b].launch(s))
             self._finish(timeline)
             return
         side = self.side
         done: list[torch.cuda.Event] = []
 
         def post(b: int) -> None:
-            step(f"pack {b}", main, lambda: self._pack[b].launch(s))
+            step("pack", b, main, lambda: self._pack[b].launch(s))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
             sends, recvs = self._messages[b]
-            step(f"transfer {b}", side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
+            step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
             done.append(side.record_event())
 
         post(0)
@@ -162,11 +162,11 @@ class CudaTransport:
             # This batch's slice of the same-rank copies runs under transfer b; one big
             # copy up front would hold back the pack of b + 1 and leave the link idle.
             if b < len(self._copy):
-                step(f"copy {b}", main, lambda b=b: self._copy[b].launch(s))
+                step("copy", b, main, lambda b=b: self._copy[b].launch(s))
             if b + 1 < k:
                 post(b + 1)  # overlaps the transfer of b
             main.wait_event(done[b])
-            step(f"unpack {b}", main, lambda b=b: self._unpack[b].launch(s))
+            step("unpack", b, main, lambda b=b: self._unpack[b].launch(s))
         # A dead peer or a lost message raises here (bounded by the communicator's
         # timeout, RESHARD_EXT_NCCL_TIMEOUT) instead of hanging the next sync.
         self.comm.wait(self.comm.timeout)

@@ -1,0 +1,110 @@
+"""The GPU transport's launch order, checked on any machine: fake streams, events, tables
+and communicator record what CudaTransport.run asks of them, so the pipelining (pack k+1
+and the copy slice of k under transfer k, unpack k only after transfer k) and the trace
+timeline are tested without a GPU."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from reshard_ext.transports import cuda as cuda_transport
+
+LOG: list[str] = []
+
+
+class FakeEvent:
+    count = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        FakeEvent.count += 1
+        self.name = f"e{FakeEvent.count}"
+        self.time = 0.0
+
+    def record(self, stream: "FakeStream") -> None:
+        self.time = float(len(LOG))
+        LOG.append(f"{stream.name}: record {self.name}")
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return other.time - self.time
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cuda_stream = name
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        LOG.append(f"{self.name}: wait {other.name}")
+
+    def record_event(self) -> FakeEvent:
+        e = FakeEvent()
+        e.record(self)
+        return e
+
+    def wait_event(self, e: FakeEvent) -> None:
+        LOG.append(f"{self.name}: wait {e.name}")
+
+
+class FakeTable:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def launch(self, stream: str) -> None:
+        LOG.append(f"{stream}: {self.name}")
+
+
+class FakeComm:
+    timeout = 1.0
+
+    def exchange(self, sends: Any, recvs: Any, stream: str, flags: int) -> None:
+        LOG.append(f"{stream}: exchange {sends}")
+
+    def wait(self, timeout: float) -> None:
+        LOG.append("host: comm.wait")
+
+
+def _transport(monkeypatch: pytest.MonkeyPatch, batches: int, copies: int) -> cuda_transport.CudaTransport:
+    main = FakeStream("main")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: main)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    t = object.__new__(cuda_transport.CudaTransport)
+    t.comm, t.p2p, t.side, t.last_timeline = FakeComm(), None, FakeStream("side"), ""
+    t._pack = [FakeTable(f"pack {b}") for b in range(batches)]
+    t._unpack = [FakeTable(f"unpack {b}") for b in range(batches)]
+    t._copy = [FakeTable(f"copy {c}") for c in range(copies)]
+    t._messages = [(f"s{b}", f"r{b}") for b in range(batches)]
+    LOG.clear()
+    FakeEvent.count = 0
+    return t
+
+
+def test_pipeline_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    _transport(monkeypatch, batches=3, copies=3).run(None)
+    assert LOG == [
+        "main: pack 0", "side: wait main", "side: exchange s0", "side: record e1",
+        "main: copy 0",  # under transfer 0
+        "main: pack 1", "side: wait main", "side: exchange s1", "side: record e2",  # posted before waiting for 0
+        "main: wait e1", "main: unpack 0",
+        "main: copy 1", "main: pack 2", "side: wait main", "side: exchange s2", "side: record e3",
+        "main: wait e2", "main: unpack 1",
+        "main: copy 2", "main: wait e3", "main: unpack 2",
+        "host: comm.wait",
+    ]
+
+
+def test_one_copy_table_runs_under_the_first_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    _transport(monkeypatch, batches=2, copies=1).run(None)
+    assert LOG.index("main: copy 0") < LOG.index("main: pack 1") < LOG.index("main: wait e1")
+
+
+def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_transport, "TRACE", True)
+    t = _transport(monkeypatch, batches=2, copies=2)
+    t.run(None)
+    steps = [line.split(":")[0].strip() for line in t.last_timeline.splitlines()[1:]]
+    assert steps == ["pack 0", "transfer 0", "copy 0", "pack 1", "transfer 1", "unpack 0", "copy 1", "unpack 1"]
