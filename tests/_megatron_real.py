@@ -10,11 +10,12 @@ import torch
 VOCAB, SEQ = 128, 16
 
 
-def build(tp: int = 1, ep: int = 1, experts: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32,
+def build(tp: int = 1, ep: int = 1, pp: int = 1, experts: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32,
           hidden: int = 64, layers: int = 2, heads: int = 4, query_groups: int = 2, ffn: int = 0,
-          moe_ffn: int = 0, vocab: int = VOCAB, cuda: Optional[bool] = None) -> Any:
-    """A GPTModel (local spec, SwiGLU, untied head) with TP `tp` and, for experts > 0,
-    MoE layers with EP `ep`; the benchmark builds large ones with the same code."""
+          moe_ffn: int = 0, vocab: int = VOCAB, cuda: Optional[bool] = None, tied: bool = False) -> Any:
+    """A GPTModel (local spec, SwiGLU) with TP `tp`, PP `pp` (this rank's stage: embedding
+    on the first, head on the last) and, for experts > 0, MoE layers with EP `ep`; `tied`
+    shares the embedding with the head. The benchmark builds large ones with the same code."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -22,7 +23,8 @@ def build(tp: int = 1, ep: int = 1, experts: int = 0, seed: int = 0, dtype: torc
     from megatron.core.transformer import TransformerConfig
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=moe_ffn or hidden, moe_router_topk=2,
                moe_token_dispatcher_type="alltoall" if cuda else "allgather", moe_grouped_gemm=False,
@@ -30,7 +32,8 @@ def build(tp: int = 1, ep: int = 1, experts: int = 0, seed: int = 0, dtype: torc
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             num_query_groups=query_groups, ffn_hidden_size=ffn or 2 * hidden, gated_linear_unit=True, params_dtype=dtype,
                             bf16=dtype == torch.bfloat16, use_cpu_initialization=not cuda,
-                            tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
+                            expert_model_parallel_size=ep,
                             hidden_dropout=0.0, attention_dropout=0.0, **moe)
     torch.manual_seed(seed)
     if cuda:
@@ -38,9 +41,11 @@ def build(tp: int = 1, ep: int = 1, experts: int = 0, seed: int = 0, dtype: torc
 
         model_parallel_cuda_manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    stage, stages = pgc.pp.rank(), pgc.pp.size()
     model = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=SEQ, parallel_output=True,
-                     share_embeddings_and_output_weights=False,
-                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                     share_embeddings_and_output_weights=tied, pre_process=stage == 0,
+                     post_process=stage == stages - 1, pg_collection=pgc)
     return model.cuda() if cuda else model
 
 
