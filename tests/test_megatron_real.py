@@ -22,6 +22,11 @@ CASES = {  # name -> (src kwargs, dst kwargs)
     "tp2ep1-tp1ep2": (dict(tp=2, ep=1, experts=4), dict(tp=1, ep=2, experts=4)),
     "tied-tp2-tp1": (dict(tp=2, tied=True), dict(tp=1)),  # the head comes from the word embeddings
 }
+CASES_4 = {  # on 4 ranks (CPU only)
+    "tp2-tp4": (dict(tp=2, query_groups=4), dict(tp=4, query_groups=4)),
+    "ep2-ep4": (dict(ep=2, experts=4), dict(ep=4, experts=4)),
+    "ep4-ep1": (dict(ep=4, experts=4), dict(ep=1, experts=4)),
+}
 
 
 def _refit(rank: int, world: int, case: str, on_gpu: bool) -> dict:
@@ -29,7 +34,7 @@ def _refit(rank: int, world: int, case: str, on_gpu: bool) -> dict:
 
     import reshard_ext as rx
 
-    src_kw, dst_kw = CASES[case]
+    src_kw, dst_kw = {**CASES, **CASES_4}[case]
     # Megatron's MoE router only runs on CUDA: on CPU, MoE cases check bits only.
     forward = on_gpu or not src_kw.get("experts")
     src = mr.build(seed=1, cuda=on_gpu, **src_kw)
@@ -78,6 +83,11 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_real_gpt_cpu(case):
     _check(run_ranks(2, _refit, case, False, timeout=600))  # gloo, CPU models, even on a GPU machine
+
+
+@pytest.mark.parametrize("case", sorted(CASES_4))
+def test_real_gpt_cpu_4_ranks(case):
+    _check(run_ranks(4, _refit, case, False, timeout=600))
 
 
 def _pp_round_trip(rank: int, world: int) -> dict:
