@@ -56,6 +56,11 @@ if has bench; then
       timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" 2>&1 \
         | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench.log" | tail -8
     done
+    if [ "$ngpu" -ge 4 ]; then
+      step "refit_bench noncolo-tp2-tp2dp (4 GPUs)"
+      timeout 240 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case noncolo-tp2-tp2dp 2>&1 \
+        | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench.log" | tail -10
+    fi
     step "host overhead, 10,000 tensors"
     timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep host_overhead | tee -a "$OUT/refit_bench.log"
   fi
