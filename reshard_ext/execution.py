@@ -5,7 +5,6 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Optional
 
-import torch
 import torch.distributed as dist
 
 from . import _C
