@@ -191,8 +191,9 @@ def scale_layout(name: str, layout: Layout) -> Layout:
 PATHS: dict[tuple[str, str], str] = {}
 
 
-def _mode(kind: int, rounding: str) -> int:
-    return kind | _ROUNDINGS[rounding] << 8
+def _mode(kind: int, rounding: str, layout: str = "2d") -> int:
+    """rx_box.mode (csrc/kernels/api.h): kind | rounding << 8 | scale layout << 16."""
+    return kind | _ROUNDINGS[rounding] << 8 | _SCALE_LAYOUTS[layout] << 16
 
 
 class _ReceivedData(Piece):
@@ -211,7 +212,7 @@ class _ReceivedData(Piece):
         if whole:
             self.staging = None
             return (self.data.data_ptr(), list(self.data.stride()), code_of(self.data.dtype),
-                    _mode(int(_C.BOX_MX_DATA), self.rounding), self.scale.data_ptr())
+                    _mode(int(_C.BOX_MX_DATA), self.rounding), self.scale.data_ptr(), self.shape[-1])
         if self.staging is None:
             self.staging = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
         return (self.staging.data_ptr(), list(self.staging.stride()), code_of(torch.bfloat16))
@@ -331,7 +332,7 @@ class MXFP8(Transform):
         data_b = data.view(torch.uint8)
         scale_b = scale.view(torch.uint8)
 
-        if self.where == "receiver" and self.scale_layout == "2d" and local[-1] % BLOCK == 0:
+        if self.where == "receiver" and self.scale_layout == "2d" and local[-1] > 0 and local[-1] % BLOCK == 0:
             piece = _ReceivedData(name, data_b, scale_b, local, self.rounding)
             return Rewrite(entries={name: (piece, layout.with_dtype(torch.bfloat16))}, after=piece.after)
         if self.where == "receiver":
