@@ -45,9 +45,9 @@ def expected_path(name: str, where: str, layout_kind: str) -> str:
         return "staged"  # K = 80: a partial final block
     if where == "sender":
         return "staged" if name.startswith("fp32") else "fused"
-    if layout_kind == "swizzled" or name in ("ragged_src", "fp32_local"):
-        return "staged"  # swizzled scales; boxes that split blocks; a copy that reads fp32
-    return "fused"
+    if name in ("ragged_src", "fp32_local"):
+        return "staged"  # boxes that split blocks; a copy that reads fp32
+    return "fused"  # 2-D and swizzled scales alike
 
 
 def cases_four() -> dict[str, tuple[Layout, Layout]]:
@@ -88,6 +88,11 @@ def cases_two() -> dict[str, tuple[Layout, Layout]]:
     return c
 
 
+def _poison(n: int, seed: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+    return torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g)
+
+
 def _global(name: str, shape, step: int) -> torch.Tensor:
     kind = ("wide", "boundary", "normal", "zeros")[(len(name) + step) % 4]
     cols = shape[-1]
@@ -113,11 +118,13 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
             src[n] = (sl.local_part(globals_[n], rank).to(dev, sl.dtype), sl)
         if rank in dl.mesh:
             local = dl.local_shape(rank)
-            data = torch.empty(local, dtype=torch.float8_e4m3fn, device=dev)
+            # poisoned (never 0): every byte the refit leaves alone or zeroes is visible
+            data = _poison(math.prod(local), n + "data").view(torch.float8_e4m3fn).view(local).to(dev)
             if layout_kind == "2d":
-                scale = torch.empty(local[:-1] + (-(-local[-1] // 32),), dtype=torch.uint8, device=dev)
+                scale = _poison(math.prod(local[:-1]) * -(-local[-1] // 32), n).view(
+                    local[:-1] + (-(-local[-1] // 32),)).to(dev)
             else:
-                scale = torch.empty(scale_numel(local, "swizzled"), dtype=torch.uint8, device=dev)
+                scale = _poison(scale_numel(local, "swizzled"), n).to(dev)
             dst[n] = ((data, scale), dl)
     # an unconverted tensor passes through untouched
     bl_src, bl_dst = _L((12,), [0], [Replicate()], F32), _L((12,), list(range(world)), [Shard(0)], F32)
@@ -136,6 +143,13 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     for n in names:
         if rank in specs[n][side == "dst"].mesh:
             assert mxfp8.PATHS[(side, n)] == expected_path(n, where, layout_kind), (n, mxfp8.PATHS)
+        if side == "dst" and n in dst and layout_kind == "swizzled" and mxfp8.PATHS[(side, n)] == "fused":
+            # binding zeroes the padding of a fused swizzled buffer (the boxes never write
+            # it) and leaves its scales alone (an engine may read them until the refit)
+            local = dst[n][1].local_shape(rank)
+            real = ref_swizzle(torch.ones(math.prod(local[:-1]), -(-local[-1] // 32), dtype=torch.uint8)) == 1
+            scale, poisoned = dst[n][0][1].cpu(), _poison(scale_numel(local, "swizzled"), n)
+            assert_bytes_equal(scale, torch.where(real, poisoned, 0), f"{n} scale after bind")
     converted = {n: e for n, e in dst.items() if n != "bias"}
     ptrs = {n: (d.data_ptr(), s.data_ptr()) for n, ((d, s), _) in converted.items()}
     for step in range(2):
