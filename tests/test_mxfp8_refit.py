@@ -26,8 +26,10 @@ def _L(shape, mesh, placements, dtype=BF16) -> Layout:
 
 
 def cases(world: int = 4, where: str = "sender") -> dict[str, tuple[Layout, Layout]]:
-    """name -> (src layout, dst layout), for a world of 4 (or 2). BF16 unless named fp32;
-    where="receiver" adds a source sharded off the 32-grid (the sender rejects it)."""
+    """name -> (src layout, dst layout), for a world of 4 (or 2, or 1). BF16 unless named
+    fp32; where="receiver" adds a source sharded off the 32-grid (the sender rejects it)."""
+    if world == 1:
+        return cases_one()
     c = cases_two() if world == 2 else cases_four()
     last = world - 1
     # fp32 sources: the sender casts to BF16 on the wire; a same-rank copy reads fp32
@@ -86,6 +88,18 @@ def cases_two() -> dict[str, tuple[Layout, Layout]]:
     for e in range(4):
         c[f"experts.weight{e}"] = (_L((64, 96), [e % 2], [Replicate()]), _L((64, 96), [(e + 1) % 2], [Replicate()]))
     return c
+
+
+def cases_one() -> dict[str, tuple[Layout, Layout]]:
+    """One rank (a 1-GPU machine): every box is a same-rank copy, folded to one run
+    over whole rows where source and destination are both contiguous."""
+    one = [0]
+    return {
+        "rows": (_L((130, 256), one, [Replicate()]), _L((130, 256), one, [Replicate()])),
+        "dp": (_L((4, 40, 64), one, [Replicate()]), _L((4, 40, 64), one, [Replicate()])),
+        "partial": (_L((33, 80), one, [Replicate()]), _L((33, 80), one, [Replicate()])),
+        "fp32_local": (_L((64, 128), one, [Replicate()], F32), _L((64, 128), one, [Replicate()])),
+    }
 
 
 def _poison(n: int, seed: str) -> torch.Tensor:
@@ -245,6 +259,23 @@ def test_refit_matrix_two_ranks(where):
     """The 2-rank cases (what a 2-GPU machine runs) on CPU first."""
     for layout_kind in ("2d", "swizzled"):
         run_ranks(2, refit_worker, where, layout_kind, "ceil")
+
+
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_one_rank(where):
+    """Same-rank copies only, on CPU first (what test_refit_one_gpu runs)."""
+    for layout_kind in ("2d", "swizzled"):
+        run_ranks(1, refit_worker, where, layout_kind, "ceil")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (GPUS >= 1 and rx.build_info()["cuda"]), reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_one_gpu(where, layout_kind):
+    """The fused copy boxes on one GPU, with the swizzled padding zeroed on the device."""
+    for rounding in ("ceil", "floor"):
+        run_ranks(1, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
 
 
 @pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
