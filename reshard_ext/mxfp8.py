@@ -9,12 +9,17 @@ rows and 4 scale columns, padding 0). Every refit rewrites the same buffers, so 
 graphs that captured them stay valid.
 
 - ``where="receiver"``: BF16 on the wire. Fused (no extra memory, no extra pass): with
-  ``scale_layout="2d"``, a local last dim K % 32 == 0 and every incoming box (receive or
-  same-rank copy) reading BF16 in whole 32-element blocks, the unpack and copy boxes
-  quantize on the way, writing data and scales directly. Otherwise (swizzled scales, a
-  partial final block, sources sharded off the 32-grid, a same-rank copy from a
-  non-BF16 source) the wire lands in a persistent BF16 staging tensor and ``after``
-  quantizes the whole piece once. Each rank decides on its own when the plan binds.
+  a local last dim K % 32 == 0 and every incoming box (receive or same-rank copy)
+  reading BF16 in whole 32-element blocks, the unpack and copy boxes quantize on the
+  way, writing data and scales directly: each block's scale byte goes where its (row,
+  block column) in the local [M, K] data puts it, row-major for ``"2d"``, the 128x4
+  tiles for ``"swizzled"`` (csrc/kernels/api.h, RX_BOX_MX_DATA). The boxes never write
+  the swizzled padding: binding the plan zeroes it once (and leaves the scales alone,
+  so an engine can keep reading them until the refit); it stays 0 as long as nothing
+  else writes there. Otherwise (a partial final block, sources sharded off the
+  32-grid, a same-rank copy from a non-BF16 source) the wire lands in a persistent
+  BF16 staging tensor and ``after`` quantizes the whole piece once. Each rank decides
+  on its own when the plan binds.
 - ``where="sender"``: the wire carries ``name::mx.data`` (E4M3) and ``name::mx.scale``
   (uint8), 1 + 1/32 bytes per element (51.6% of BF16), landing directly in the
   destination buffers (swizzled scales land in a 2-D staging and are swizzled after).
@@ -191,34 +196,51 @@ def scale_layout(name: str, layout: Layout) -> Layout:
 PATHS: dict[tuple[str, str], str] = {}
 
 
-def _mode(kind: int, rounding: str) -> int:
-    return kind | _ROUNDINGS[rounding] << 8
+def _mode(kind: int, rounding: str, layout: str = "2d") -> int:
+    """rx_box.mode (csrc/kernels/api.h): kind | rounding << 8 | scale layout << 16."""
+    return kind | _ROUNDINGS[rounding] << 8 | _SCALE_LAYOUTS[layout] << 16
+
+
+def _zero_swizzled_padding(scale: torch.Tensor, rows: int, scols: int) -> None:
+    """Zeroes the padding bytes of a swizzled scale buffer and leaves its scales alone:
+    binding a plan must not disturb scales an engine may still read before the refit.
+    The fused boxes write only the scales of real blocks, so this, once per bind, is
+    what keeps the padding 0."""
+    real = torch.ones((rows, scols), dtype=torch.uint8, device=scale.device)
+    where = torch.empty_like(scale)
+    swizzle(real, where)  # 1 at every real scale, 0 in the padding
+    scale.masked_fill_(where == 0, 0)
 
 
 class _ReceivedData(Piece):
-    """The BF16 destination piece the wire lands in, bound as the (data, 2-D scale) pair
+    """The BF16 destination piece the wire lands in, bound as the (data, scale) pair
     itself when every incoming box holds whole BF16 blocks (unpack and same-rank copy
-    quantize on the way: no staging), else as a BF16 staging tensor that `after`
-    quantizes once the whole piece arrived."""
+    quantize on the way and place each block's scale, 2-D or swizzled: no staging),
+    else as a BF16 staging tensor that `after` quantizes once the whole piece arrived."""
 
-    def __init__(self, name: str, data: torch.Tensor, scale: torch.Tensor, local: tuple[int, ...], rounding: str):
+    def __init__(self, name: str, data: torch.Tensor, scale: torch.Tensor, local: tuple[int, ...],
+                 scale_layout: str, rounding: str):
         super().__init__(local, torch.bfloat16, data.device, group=BLOCK)
-        self.name, self.data, self.scale, self.rounding = name, data.view(local), scale, rounding
+        self.name, self.data, self.scale = name, data.view(local), scale
+        self.scale_layout, self.rounding = scale_layout, rounding
         self.staging: Optional[torch.Tensor] = None
 
     def ref(self, whole: bool) -> tuple:
         PATHS[("dst", self.name)] = "fused" if whole else "staged"
         if whole:
             self.staging = None
+            cols = self.shape[-1]
+            if self.scale_layout == "swizzled":
+                _zero_swizzled_padding(self.scale, math.prod(self.shape[:-1]), scale_cols(cols))
             return (self.data.data_ptr(), list(self.data.stride()), code_of(self.data.dtype),
-                    _mode(int(_C.BOX_MX_DATA), self.rounding), self.scale.data_ptr())
+                    _mode(int(_C.BOX_MX_DATA), self.rounding, self.scale_layout), self.scale.data_ptr(), cols)
         if self.staging is None:
             self.staging = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
         return (self.staging.data_ptr(), list(self.staging.stride()), code_of(torch.bfloat16))
 
     def after(self) -> None:
         if self.staging is not None:
-            quantize(self.staging, self.data.view(-1), self.scale, "2d", self.rounding)
+            quantize(self.staging, self.data.view(-1), self.scale, self.scale_layout, self.rounding)
 
 
 class _SentFromSource(Piece):
@@ -331,8 +353,8 @@ class MXFP8(Transform):
         data_b = data.view(torch.uint8)
         scale_b = scale.view(torch.uint8)
 
-        if self.where == "receiver" and self.scale_layout == "2d" and local[-1] % BLOCK == 0:
-            piece = _ReceivedData(name, data_b, scale_b, local, self.rounding)
+        if self.where == "receiver" and local[-1] > 0 and local[-1] % BLOCK == 0:
+            piece = _ReceivedData(name, data_b, scale_b, local, self.scale_layout, self.rounding)
             return Rewrite(entries={name: (piece, layout.with_dtype(torch.bfloat16))}, after=piece.after)
         if self.where == "receiver":
             PATHS[("dst", name)] = "staged"

@@ -35,7 +35,8 @@ class Piece:
 
     The planner checks `shape`, `dtype` and `device` against the layout as it does a
     tensor's. When the plan binds, it calls `ref(whole)` for the kernels' TensorRef:
-    a tuple (ptr, strides, rx dtype code[, box mode, aux pointer]) (csrc/core/exec_tables.h).
+    a tuple (ptr, strides, rx dtype code[, box mode, scale pointer, row length])
+    (TensorRef in csrc/core/exec_tables.h).
     `group` > 0 (destinations only) asks whether every box into the piece reads
     bfloat16 and keeps `group`-element blocks of the last dim whole; `whole` is the
     answer (always False for group 0).

@@ -21,6 +21,7 @@ BOX = np.dtype([
     ("src", "<u8"), ("dst", "<u8"),
     ("shape", "<i8", (MAX_DIMS,)), ("src_stride", "<i8", (MAX_DIMS,)), ("dst_stride", "<i8", (MAX_DIMS,)),
     ("ndim", "<i4"), ("src_dtype", "<i4"), ("dst_dtype", "<i4"), ("mode", "<i4"), ("aux", "<u8"),
+    ("mx_first", "<i8"), ("mx_cols", "<i8"),
 ])
 assert BOX.itemsize == _C.BOX_BYTES, (BOX.itemsize, _C.BOX_BYTES)
 
@@ -35,15 +36,15 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def table(rows: Sequence[tuple]) -> bytes:
-    """rows: (src, dst, shape, src_stride, dst_stride, src_code, dst_code[, mode, aux])."""
+    """rows: (src, dst, shape, src_stride, dst_stride, src_code, dst_code[, mode, aux[, mx_first, mx_cols]])."""
     a = np.zeros(len(rows), dtype=BOX)
     for i, (src, dst, shape, ss, ds, sc, dc, *mx) in enumerate(rows):
         n = len(shape)
         a[i]["src"], a[i]["dst"], a[i]["ndim"] = src, dst, n
         a[i]["shape"][:n], a[i]["src_stride"][:n], a[i]["dst_stride"][:n] = shape, ss, ds
         a[i]["src_dtype"], a[i]["dst_dtype"] = sc, dc
-        if mx:
-            a[i]["mode"], a[i]["aux"] = mx
+        for field, value in zip(("mode", "aux", "mx_first", "mx_cols"), mx):
+            a[i][field] = value
     return a.tobytes()
 
 

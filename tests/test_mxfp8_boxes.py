@@ -17,7 +17,8 @@ import torch
 from reshard_ext import _C
 from reshard_ext._dtypes import code_of
 from _boxes import table
-from test_mxfp8_kernels import CASES, ROUNDINGS, assert_bytes_equal, make_case, ref_mxfp8
+from reshard_ext.mxfp8 import swizzled_size
+from test_mxfp8_kernels import CASES, ROUNDINGS, assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
 
 HAVE_KERNEL = hasattr(_C, "DeviceBoxTable")
 HAVE_GPU = HAVE_KERNEL and torch.cuda.is_available()
@@ -28,10 +29,11 @@ BACKENDS = [
 ]
 BF16, U8, E4M3 = code_of(torch.bfloat16), code_of(torch.uint8), code_of(torch.float8_e4m3fn)
 ROUND = {"ceil": int(_C.MX_ROUND_CEIL), "floor": int(_C.MX_ROUND_FLOOR)}
+SCALES = {"2d": int(_C.MX_SCALE_2D), "swizzled": int(_C.MX_SCALE_SWIZZLED)}
 
 
-def mode(kind: int, rounding: str) -> int:
-    return kind | ROUND[rounding] << 8
+def mode(kind: int, rounding: str, layout: str = "2d") -> int:
+    return kind | ROUND[rounding] << 8 | SCALES[layout] << 16
 
 
 def run(backend: str, build: Callable[[dict], list], bufs: dict[str, torch.Tensor], tile_bytes: int = 0) -> dict:
@@ -62,51 +64,81 @@ def addr(t: torch.Tensor, offset_elems: int) -> int:
     return t.data_ptr() + offset_elems * t.element_size()
 
 
+def scale_positions(rows: int, scols: int, layout: str) -> torch.Tensor:
+    """[rows, scols]: the byte of each scale in a 2-D or swizzled buffer (the swizzled
+    one from the reference ref_swizzle, not from the code under test)."""
+    flat = torch.arange(rows * scols, dtype=torch.int64)
+    if layout == "2d":
+        return flat.view(rows, scols)
+    at = ref_swizzle(flat.view(rows, scols) + 1)    # 2-D index + 1 at each byte, 0 in the padding
+    pos = torch.empty(rows * scols, dtype=torch.int64)
+    where = at.nonzero().view(-1)
+    pos[at[where] - 1] = where
+    return pos.view(rows, scols)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
-def test_mx_data_boxes(backend, rounding, case, aligned):
-    """Receiver-style boxes (BF16 window -> window of a contiguous E4M3 buffer and its
-    [M, K/32] scales through aux) and a sender-style pack box (data only, aux 0) in one
-    table; misaligned: rows and buffers off the 16-byte grid, so the 2-byte loads and
-    byte stores run too."""
-    seed = zlib.crc32(f"{case}{rounding}{aligned}".encode()) % 10007
+@pytest.mark.parametrize("layout", ["2d", "swizzled"])
+def test_mx_data_boxes(backend, rounding, case, aligned, layout):
+    """Receiver-style boxes (BF16 window -> window of a contiguous [md, kd] E4M3 buffer,
+    each block's scale placed in its 2-D [md, kd/32] or swizzled scale buffer) and a
+    sender-style pack box (data only, aux 0) in one table. The swizzled buffer has two
+    row tiles and two column tiles; boxes cross both tile boundaries, and one 1-D box
+    runs over whole data rows (its blocks' rows come from dividing by K). Every byte
+    outside the boxes, the swizzled padding included, keeps its poison. misaligned: rows
+    and buffers off the 16-byte grid, so the 2-byte loads and byte stores run too."""
+    seed = zlib.crc32(f"{case}{rounding}{aligned}{layout}".encode()) % 10007
     src = make_case(case, rows=40, cols=352, seed=seed)       # the parent BF16 tensor
     pad = 0 if aligned else 1                                 # misaligned: odd element offsets
     src_buf = torch.cat([torch.zeros(pad, dtype=torch.bfloat16), src.reshape(-1)])
-    kd, md = 256, 24                                          # dst [md, kd] data, [md, kd/32] scales
+    kd, md = 256, 140                                         # dst [md, kd] data, [md, kd/32] scales
+    scols = kd // 32
+    nscale = md * scols if layout == "2d" else swizzled_size(md, scols)
     off = 0 if aligned else 3                                 # dst buffers off the 16-byte grid
-    bufs = {"src": src_buf, "data": poison(off + md * kd, seed), "scale": poison(off + md * kd // 32, seed + 1),
+    bufs = {"src": src_buf, "data": poison(off + md * kd, seed), "scale": poison(off + nscale, seed + 1),
             "pack": poison(16 + 5 * 64 + 7 * 96, seed + 2)}
     # Blocks are the box's: its src columns need not sit on the src's 32-grid.
     c2, c3 = (8, 0) if aligned else (7, 3)
+    m = mode(_C.BOX_MX_DATA, rounding, layout)
 
     def build(b):
         s, d, sc, pk = b["src"], b["data"], b["scale"], b["pack"]
-        rows = []
-        # src rows 9..18, cols c2..c2+127 -> data[3:13, 64:192], scale[3:13, 2:6]
-        first = 3 * kd + 64
-        rows.append((addr(s, pad + 9 * 352 + c2), addr(d, off + first), (10, 128), (352, 1), (kd, 1), BF16, E4M3,
-                     mode(_C.BOX_MX_DATA, rounding), addr(sc, off + first // 32)))
-        # 3-D: src rows 2..6 and 13..17, cols c3..c3+63 -> data[13:23, 160:224], scale[13:23, 5:7]
-        first = 13 * kd + 160
-        rows.append((addr(s, pad + 2 * 352 + c3), addr(d, off + first), (2, 5, 64), (11 * 352, 352, 1),
-                     (5 * kd, kd, 1), BF16, E4M3, mode(_C.BOX_MX_DATA, rounding), addr(sc, off + first // 32)))
-        # pack: rows 30..36, cols 96..191 into contiguous staging, no scale output
-        rows.append((addr(s, pad + 30 * 352 + 96), addr(pk, 16 + (0 if aligned else 5)), (7, 96), (352, 1), (96, 1),
-                     BF16, U8, mode(_C.BOX_MX_DATA, rounding), 0))
-        return rows
+
+        def data_box(src_at, first, shape, ss, ds):  # dst: data elements from `first` on
+            return (addr(s, pad + src_at), addr(d, off + first), shape, ss, ds, BF16, E4M3, m, addr(sc, off), first, kd)
+
+        return [
+            # src rows 9..18, cols c2..c2+127 -> data[3:13, 64:192] (scale cols 2..5)
+            data_box(9 * 352 + c2, 3 * kd + 64, (10, 128), (352, 1), (kd, 1)),
+            # 3-D: src rows 2..6 and 13..17, cols c3..c3+63 -> data[13:23, 160:224]
+            data_box(2 * 352 + c3, 13 * kd + 160, (2, 5, 64), (11 * 352, 352, 1), (5 * kd, kd, 1)),
+            # 1-D over whole rows: 10 * 256 src elements from row 20 -> data[122:132, :]
+            data_box(20 * 352, 122 * kd, (10 * kd,), (1,), (1,)),
+            # rows 24..31, cols 96..159 -> data[132:140, 96:160] (scale cols 3, 4: two column tiles)
+            data_box(24 * 352 + 96, 132 * kd + 96, (8, 64), (352, 1), (kd, 1)),
+            # pack: rows 30..36, cols 96..191 into contiguous staging, no scale output
+            (addr(s, pad + 30 * 352 + 96), addr(pk, 16 + (0 if aligned else 5)), (7, 96), (352, 1), (96, 1),
+             BF16, U8, mode(_C.BOX_MX_DATA, rounding), 0),
+        ]
 
     got = run(backend, build, bufs, tile_bytes=512)
     want = {k: v.clone() for k, v in bufs.items()}
     data = want["data"][off:].view(md, kd)
-    scale = want["scale"][off:].view(md, kd // 32)
+    scale = torch.full((md, scols), -1, dtype=torch.int16)  # -1: not written
     d, s = ref_mxfp8(src[9:19, c2:c2 + 128].contiguous(), rounding)
     data[3:13, 64:192], scale[3:13, 2:6] = d, s
     for g in range(2):
         d, s = ref_mxfp8(src[2 + 11 * g:7 + 11 * g, c3:c3 + 64].contiguous(), rounding)
         data[13 + 5 * g:18 + 5 * g, 160:224], scale[13 + 5 * g:18 + 5 * g, 5:7] = d, s
+    d, s = ref_mxfp8(src.reshape(-1)[20 * 352:20 * 352 + 10 * kd].view(10, kd), rounding)
+    data[122:132], scale[122:132] = d, s
+    d, s = ref_mxfp8(src[24:32, 96:160].contiguous(), rounding)
+    data[132:140, 96:160], scale[132:140, 3:5] = d, s
+    written = scale >= 0
+    want["scale"][off + scale_positions(md, scols, layout)[written]] = scale[written].to(torch.uint8)
     d, _ = ref_mxfp8(src[30:37, 96:192].contiguous(), rounding)
     p0 = 16 + (0 if aligned else 5)
     want["pack"][p0:p0 + 7 * 96] = d.reshape(-1)
@@ -144,10 +176,21 @@ def test_mx_scale_boxes(backend, rounding, case):
     assert_bytes_equal(got["t"], want_t, f"{backend} transposed")
 
 
-def _box(shape, ss, ds, sd, dd, kind, rounding=0, aux=0):
-    return (4096, 8192, shape, ss, ds, sd, dd, kind | rounding << 8, aux)
+def _box(shape, ss, ds, sd, dd, kind, rounding=0, aux=0, scales=0, first=0, cols=None):
+    """A box at fake addresses (never run); with aux, a row length of 64 by default."""
+    cols = (64 if aux else 0) if cols is None else cols
+    return (4096, 8192, shape, ss, ds, sd, dd, kind | rounding << 8 | scales << 16, aux, first, cols)
 
 
+SWZ = int(_C.MX_SCALE_SWIZZLED)
+# Boxes that differ from a bad one only in the named field: each must be accepted.
+GOOD = {
+    "data": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1),
+    "data with 2-D scales": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, aux=1 << 20, first=128),
+    "data with swizzled scales": _box((4, 64), (64, 1), (128, 1), BF16, E4M3, 1, aux=1 << 20, scales=SWZ,
+                                      first=96, cols=128),
+    "scales": _box((4, 2), (64, 32), (2, 1), BF16, U8, 2),
+}
 BAD = {
     "inner extent not whole blocks": _box((4, 48), (64, 1), (64, 1), BF16, E4M3, 1),
     "strided innermost": _box((4, 64), (128, 2), (64, 1), BF16, E4M3, 1),
@@ -158,7 +201,27 @@ BAD = {
     "unknown kind": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 3),
     "aux on a scale box": _box((4, 2), (64, 32), (2, 1), BF16, U8, 2, aux=1 << 20),
     "aux on a copy": _box((4, 64), (64, 1), (64, 1), BF16, BF16, 0, aux=1 << 20),
+    "unknown scale layout": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, aux=1 << 20, scales=2),
+    "scale layout without scales": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, scales=SWZ),
+    "scale layout on a scale box": _box((4, 2), (64, 32), (2, 1), BF16, U8, 2, scales=SWZ),
+    "scale layout on a copy": _box((4, 64), (64, 1), (64, 1), BF16, BF16, 0, scales=SWZ),
+    "row length not whole blocks": _box((4, 64), (64, 1), (128, 1), BF16, E4M3, 1, aux=1 << 20, scales=SWZ,
+                                        cols=80),
+    "no row length": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, aux=1 << 20, scales=SWZ, cols=0),
+    "first element off the block grid": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, aux=1 << 20, first=16),
+    "negative first element": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, aux=1 << 20, first=-32),
+    "row length without scales": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, cols=64),
+    "first element without scales": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1, first=32),
+    "row length on a copy": _box((4, 64), (64, 1), (64, 1), BF16, BF16, 0, cols=64),
+    "high mode bits": _box((4, 64), (64, 1), (64, 1), BF16, E4M3, 1 | 1 << 24),
 }
+
+
+@pytest.mark.parametrize("which", sorted(GOOD))
+def test_good_mx_boxes_are_accepted(which):
+    """The well-formed neighbours of the BAD boxes plan (tiles are planned on the host
+    and touch no pointer), so each BAD box fails for its named reason."""
+    assert len(_C.plan_tiles(table([GOOD[which]]), 0)) > 0
 
 
 @pytest.mark.parametrize("why", sorted(BAD))

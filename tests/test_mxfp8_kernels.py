@@ -79,10 +79,11 @@ def ref_mxfp8(x: torch.Tensor, rounding: str = "ceil", scale_layout: str = "2d")
 
 
 def ref_swizzle(scale2d: torch.Tensor) -> torch.Tensor:
-    """128x4 tiles in row-major tile order; inside a tile (r, c) -> (r%32)*16 + (r//32)*4 + c."""
+    """128x4 tiles in row-major tile order; inside a tile (r, c) -> (r%32)*16 + (r//32)*4 + c.
+    Padding 0; any dtype (positions too: see test_mxfp8_boxes)."""
     rows, cols = scale2d.shape
     rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
-    padded = torch.zeros(rp, cp, dtype=torch.uint8)
+    padded = torch.zeros(rp, cp, dtype=scale2d.dtype)
     padded[:rows, :cols] = scale2d
     t = padded.view(rp // 128, 128, cp // 4, 4).permute(0, 2, 1, 3)        # tiles [R, C, 128, 4]
     t = t.reshape(rp // 128, cp // 4, 4, 32, 4).permute(0, 1, 3, 2, 4)     # r = 32*i + j -> [j, i, c]

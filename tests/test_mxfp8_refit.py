@@ -26,8 +26,10 @@ def _L(shape, mesh, placements, dtype=BF16) -> Layout:
 
 
 def cases(world: int = 4, where: str = "sender") -> dict[str, tuple[Layout, Layout]]:
-    """name -> (src layout, dst layout), for a world of 4 (or 2). BF16 unless named fp32;
-    where="receiver" adds a source sharded off the 32-grid (the sender rejects it)."""
+    """name -> (src layout, dst layout), for a world of 4 (or 2, or 1). BF16 unless named
+    fp32; where="receiver" adds a source sharded off the 32-grid (the sender rejects it)."""
+    if world == 1:
+        return cases_one()
     c = cases_two() if world == 2 else cases_four()
     last = world - 1
     # fp32 sources: the sender casts to BF16 on the wire; a same-rank copy reads fp32
@@ -45,9 +47,9 @@ def expected_path(name: str, where: str, layout_kind: str) -> str:
         return "staged"  # K = 80: a partial final block
     if where == "sender":
         return "staged" if name.startswith("fp32") else "fused"
-    if layout_kind == "swizzled" or name in ("ragged_src", "fp32_local"):
-        return "staged"  # swizzled scales; boxes that split blocks; a copy that reads fp32
-    return "fused"
+    if name in ("ragged_src", "fp32_local"):
+        return "staged"  # boxes that split blocks; a copy that reads fp32
+    return "fused"  # 2-D and swizzled scales alike
 
 
 def cases_four() -> dict[str, tuple[Layout, Layout]]:
@@ -88,6 +90,23 @@ def cases_two() -> dict[str, tuple[Layout, Layout]]:
     return c
 
 
+def cases_one() -> dict[str, tuple[Layout, Layout]]:
+    """One rank (a 1-GPU machine): every box is a same-rank copy, folded to one run
+    over whole rows where source and destination are both contiguous."""
+    one = [0]
+    return {
+        "rows": (_L((130, 256), one, [Replicate()]), _L((130, 256), one, [Replicate()])),
+        "dp": (_L((4, 40, 64), one, [Replicate()]), _L((4, 40, 64), one, [Replicate()])),
+        "partial": (_L((33, 80), one, [Replicate()]), _L((33, 80), one, [Replicate()])),
+        "fp32_local": (_L((64, 128), one, [Replicate()], F32), _L((64, 128), one, [Replicate()])),
+    }
+
+
+def _poison(n: int, seed: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+    return torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g)
+
+
 def _global(name: str, shape, step: int) -> torch.Tensor:
     kind = ("wide", "boundary", "normal", "zeros")[(len(name) + step) % 4]
     cols = shape[-1]
@@ -113,11 +132,13 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
             src[n] = (sl.local_part(globals_[n], rank).to(dev, sl.dtype), sl)
         if rank in dl.mesh:
             local = dl.local_shape(rank)
-            data = torch.empty(local, dtype=torch.float8_e4m3fn, device=dev)
+            # poisoned (never 0): every byte the refit leaves alone or zeroes is visible
+            data = _poison(math.prod(local), n + "data").view(torch.float8_e4m3fn).view(local).to(dev)
             if layout_kind == "2d":
-                scale = torch.empty(local[:-1] + (-(-local[-1] // 32),), dtype=torch.uint8, device=dev)
+                scale = _poison(math.prod(local[:-1]) * -(-local[-1] // 32), n).view(
+                    local[:-1] + (-(-local[-1] // 32),)).to(dev)
             else:
-                scale = torch.empty(scale_numel(local, "swizzled"), dtype=torch.uint8, device=dev)
+                scale = _poison(scale_numel(local, "swizzled"), n).to(dev)
             dst[n] = ((data, scale), dl)
     # an unconverted tensor passes through untouched
     bl_src, bl_dst = _L((12,), [0], [Replicate()], F32), _L((12,), list(range(world)), [Shard(0)], F32)
@@ -136,6 +157,13 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     for n in names:
         if rank in specs[n][side == "dst"].mesh:
             assert mxfp8.PATHS[(side, n)] == expected_path(n, where, layout_kind), (n, mxfp8.PATHS)
+        if side == "dst" and n in dst and layout_kind == "swizzled" and mxfp8.PATHS[(side, n)] == "fused":
+            # binding zeroes the padding of a fused swizzled buffer (the boxes never write
+            # it) and leaves its scales alone (an engine may read them until the refit)
+            local = dst[n][1].local_shape(rank)
+            real = ref_swizzle(torch.ones(math.prod(local[:-1]), -(-local[-1] // 32), dtype=torch.uint8)) == 1
+            scale, poisoned = dst[n][0][1].cpu(), _poison(scale_numel(local, "swizzled"), n)
+            assert_bytes_equal(scale, torch.where(real, poisoned, 0), f"{n} scale after bind")
     converted = {n: e for n, e in dst.items() if n != "bias"}
     ptrs = {n: (d.data_ptr(), s.data_ptr()) for n, ((d, s), _) in converted.items()}
     for step in range(2):
@@ -231,6 +259,23 @@ def test_refit_matrix_two_ranks(where):
     """The 2-rank cases (what a 2-GPU machine runs) on CPU first."""
     for layout_kind in ("2d", "swizzled"):
         run_ranks(2, refit_worker, where, layout_kind, "ceil")
+
+
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_one_rank(where):
+    """Same-rank copies only, on CPU first (what test_refit_one_gpu runs)."""
+    for layout_kind in ("2d", "swizzled"):
+        run_ranks(1, refit_worker, where, layout_kind, "ceil")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (GPUS >= 1 and rx.build_info()["cuda"]), reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_one_gpu(where, layout_kind):
+    """The fused copy boxes on one GPU, with the swizzled padding zeroed on the device."""
+    for rounding in ("ceil", "floor"):
+        run_ranks(1, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
 
 
 @pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")

@@ -8,7 +8,7 @@
 namespace rx {
 
 rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
-                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode, uint64_t aux) {
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode, BoxScales scales) {
   const int nd = static_cast<int>(size.size());
   std::vector<int64_t> contig(nd, 1);
   for (int d = nd - 2; d >= 0; --d) contig[d] = contig[d + 1] * size[d + 1];
@@ -41,7 +41,9 @@ rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* s
     b.dst_stride[i] = dm.d;
   }
   b.mode = mode;
-  b.aux = aux;
+  b.aux = scales.ptr;
+  b.mx_first = scales.first;
+  b.mx_cols = scales.cols;
   // Merging only multiplies the innermost extent, so whole blocks stay whole; a box
   // that is not valid here means a caller bound MX to a piece it should not have.
   RX_HOST_ASSERT(rx_box_valid(&b), "bad box for mode ", mode, ": innermost extent ", b.shape[b.ndim - 1],
@@ -162,15 +164,18 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
   };
   // A box's mode from the refs it joins (at most one side is MX), and for a scale-writing
-  // data dst the scale byte of the box's first element: data bytes / 32 past mx_scale.
+  // data dst where its scales go: the box's first element is byte `at - ptr` of the data.
   auto mode_of = [](const TensorRef* s, const TensorRef* d) {
     RX_HOST_ASSERT(!(s && s->mx_mode && d && d->mx_mode), "bind: MX on both ends of a box");
     return (s && s->mx_mode) ? s->mx_mode : (d ? d->mx_mode : 0);
   };
-  auto aux_of = [](const TensorRef& d, uint64_t at) -> uint64_t {
-    if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return 0;
-    RX_HOST_ASSERT((at - d.ptr) % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
-    return d.mx_scale + (at - d.ptr) / RX_BOX_MX_GROUP;
+  auto scales_of = [](const TensorRef& d, uint64_t at) -> BoxScales {
+    if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
+    const int64_t first = static_cast<int64_t>(at - d.ptr);
+    RX_HOST_ASSERT(first % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
+    RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % RX_BOX_MX_GROUP == 0, "bind: MX data rows of ", d.mx_cols,
+                   " elements are not whole blocks");
+    return {d.mx_scale, first, d.mx_cols};
   };
   // Offsets of each peer's region in each batch.
   const int32_t nb = num_batches();
@@ -197,7 +202,7 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const uint64_t buf = recv_bufs[op.batch % recv_bufs.size()] + recv_regions[op.batch].at(op.peer) + op.offset;
     const uint64_t at = addr(t, op.mine.start);
     unpack_[op.batch].push_back(make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
-                                         mode_of(nullptr, &t), aux_of(t, at)));
+                                         mode_of(nullptr, &t), scales_of(t, at)));
   }
   // Messages per batch, in the canonical op order both ends share.
   send_msgs_.assign(nb, {});
@@ -215,7 +220,7 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const TensorRef& d = *dst_of.at(op.dst_name);
     const uint64_t at = addr(d, op.mine.start);
     copies_.push_back(make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
-                               d.strides.data(), d.dtype, mode_of(&s, &d), aux_of(d, at)));
+                               d.strides.data(), d.dtype, mode_of(&s, &d), scales_of(d, at)));
   }
 }
 

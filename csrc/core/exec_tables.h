@@ -17,15 +17,24 @@ struct TensorRef {
   int32_t dtype = -1;
   // MXFP8 fused into the boxes of this piece (rx_box.mode; 0: plain). Every box that
   // touches the piece gets the mode:
-  //   RX_BOX_MX_DATA on a dst: ptr/strides/dtype are the E4M3 data buffer; mx_scale,
-  //     when not 0, the byte of element 0 in a row-major [M, K/32] scale buffer of
-  //     that contiguous [M, K] buffer.
+  //   RX_BOX_MX_DATA on a dst: ptr/strides/dtype are the E4M3 data buffer, a contiguous
+  //     [M, K] with K = mx_cols (a multiple of 32); mx_scale, when not 0, its scale
+  //     buffer (byte 0) in the layout RX_BOX_SCALES(mx_mode) names: row-major [M, K/32]
+  //     or swizzled (whose padding the boxes never write).
   //   RX_BOX_MX_DATA on a src: ptr/strides are a BF16 tensor read as its E4M3 data.
   //   RX_BOX_MX_SCALE on a src: ptr/strides are a BF16 tensor read as its scales: the
   //     piece's coordinates are scale coordinates (last dim in 32-element blocks).
   // MX boxes must keep 32-element blocks whole along the last dim (whole_group_dsts).
   int32_t mx_mode = 0;
   uint64_t mx_scale = 0;
+  int64_t mx_cols = 0;
+};
+
+// Where an MX_DATA box writes its scales (rx_box aux, mx_first, mx_cols); all 0: nowhere.
+struct BoxScales {
+  uint64_t ptr = 0;
+  int64_t first = 0;
+  int64_t cols = 0;
 };
 
 // Builds one box and folds its dims: size-1 dims drop out and dims contiguous on both
@@ -33,7 +42,7 @@ struct TensorRef {
 // mean row-major contiguous. Throws ReshardError past RX_MAX_DIMS dims; an MX box
 // (mode != 0) whose innermost run is not whole unit-stride blocks is an InternalError.
 rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
-                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode = 0, uint64_t aux = 0);
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode = 0, BoxScales scales = {});
 
 // One point-to-point message of a batch: `bytes` at `ptr` (staging, or the tensor
 // itself for a direct message) to or from `peer`. Both ends cut a peer's ops into the

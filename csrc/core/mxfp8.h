@@ -125,6 +125,23 @@ RX_MX_HD int64_t swizzled_offset(int64_t row, int64_t col, int64_t scols) {
   return tile * kTileBytes + (r % 32) * 16 + (r / 32) * 4 + c;
 }
 
+// Scale byte (offset into the scale buffer) of the block that starts at element `first`
+// (a multiple of 32) of a contiguous [M, cols] data buffer, cols a multiple of 32:
+// row-major [M, cols/32] (k2D) or swizzled. The fused box kernels (CUDA, its emulation
+// and the CPU twin) all place scales through this one function.
+RX_MX_HD int64_t scale_offset(int64_t first, int64_t cols, int32_t layout) {
+  if (layout != kSwizzled) return first / kBlock;
+  int64_t row, col;
+  if (((uint64_t)first | (uint64_t)cols) >> 32 == 0) {  // 64-bit division is a long emulated sequence on GPUs
+    row = (uint32_t)first / (uint32_t)cols;
+    col = (uint32_t)first % (uint32_t)cols;
+  } else {
+    row = first / cols;
+    col = first % cols;
+  }
+  return swizzled_offset(row, col / kBlock, cols / kBlock);
+}
+
 // ---- scale-slice geometry (host only) ----------------------------------------------
 
 // Maps a piece's runs along the last dim (global extent `extent`) to the runs of its

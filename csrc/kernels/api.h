@@ -37,25 +37,35 @@ typedef enum rx_dtype {
   RX_NUM_DTYPES = 16
 } rx_dtype;
 
-// What a box does with its elements (rx_box.mode = kind | rounding << 8).
-//   RX_BOX_COPY: copy, casting between floating types.
+// What a box does with its elements (rx_box.mode = kind | rounding << 8 | scales << 16).
+//   RX_BOX_COPY: copy, casting between floating types (mode 0, no MX fields).
 //   RX_BOX_MX_DATA: MXFP8 quantize fused into the copy (src BF16, dst E4M3 or uint8
 //     bytes). The innermost dim has unit stride on both sides and an extent that is a
 //     multiple of RX_BOX_MX_GROUP; each run of 32 innermost elements is one MX block
 //     (the host only builds such boxes where they lie on the logical tensor's 32-grid).
 //     Per block: e = shared E8M0 exponent of its amax, data = x / 2^(e-127) in E4M3
-//     (core/mxfp8.h). aux != 0: e is also written to the byte at
-//     aux + (dst element offset of the block within the box) / 32, i.e. a row-major
-//     [M, K/32] scale buffer of a contiguous [M, K] data buffer (outer dst strides are
-//     then multiples of 32).
+//     (core/mxfp8.h). aux != 0: e is also written into the scale buffer at aux, for a
+//     dst that is a window of a contiguous [M, K] data buffer: the block at dst element
+//     offset o within the box starts at element f = mx_first + o of that buffer, i.e.
+//     row f / K, block column (f % K) / 32 (K = mx_cols, a multiple of 32; mx_first
+//     and the outer dst strides multiples of 32), and its scale byte is
+//     aux + rx::mx::scale_offset(f, K, scales) (core/mxfp8.h):
+//       scales RX_MX_SCALE_2D: row-major [M, K/32], byte f / 32;
+//       scales RX_MX_SCALE_SWIZZLED: the cuBLAS 128x4-tile layout; the box writes only
+//         the scales of its blocks, never the padding (the host zeroes that once).
+//     aux == 0: no scales (a sender's pack of the data alone); scales, mx_first and
+//     mx_cols are 0.
 //   RX_BOX_MX_SCALE: the scales alone (src BF16, dst uint8 or E8M0): dst element j is
 //     the shared exponent of the 32 contiguous BF16 at src element j's address, so
-//     src strides step over whole blocks (innermost 32 for a row of blocks).
-// rounding: RX_MX_ROUND_CEIL (0) or RX_MX_ROUND_FLOOR (1) of kernels/mxfp8_api.h.
+//     src strides step over whole blocks (innermost 32 for a row of blocks); aux,
+//     scales, mx_first and mx_cols are 0.
+// rounding: RX_MX_ROUND_CEIL (0) or RX_MX_ROUND_FLOOR (1), scales: RX_MX_SCALE_2D (0) or
+// RX_MX_SCALE_SWIZZLED (1), both of kernels/mxfp8_api.h.
 typedef enum rx_box_kind { RX_BOX_COPY = 0, RX_BOX_MX_DATA = 1, RX_BOX_MX_SCALE = 2 } rx_box_kind;
 #define RX_BOX_MX_GROUP 32
 #define RX_BOX_KIND(mode) ((mode) & 0xff)
-#define RX_BOX_ROUNDING(mode) ((mode) >> 8)
+#define RX_BOX_ROUNDING(mode) (((mode) >> 8) & 0xff)
+#define RX_BOX_SCALES(mode) (((mode) >> 16) & 0xff)
 
 // One box: `shape` elements (outermost dim first), read at `src` with `src_stride`
 // (in elements of src_dtype) and written at `dst` with `dst_stride` (in elements of
@@ -70,8 +80,10 @@ typedef struct rx_box {
   int32_t ndim;
   int32_t src_dtype;
   int32_t dst_dtype;
-  int32_t mode;  // rx_box_kind | rounding << 8
-  uint64_t aux;  // RX_BOX_MX_DATA: scale byte of the box's first block, or 0
+  int32_t mode;       // rx_box_kind | rounding << 8 | scales << 16
+  uint64_t aux;       // RX_BOX_MX_DATA: the scale buffer (its byte 0), or 0
+  int64_t mx_first;   // ... with aux: element offset of dst in its contiguous data buffer
+  int64_t mx_cols;    // ... with aux: that buffer's row length K (elements)
 } rx_box;
 
 // Size in bytes of one element of `dtype`, 0 for an unknown code.

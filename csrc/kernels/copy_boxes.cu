@@ -233,7 +233,8 @@ RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
 // very code). A block is read twice, once for its amax and once to quantize it 16
 // elements at a time: the second read hits L2, and a lane never holds the whole block
 // (which would spill at this kernel's 64-register budget). MX_DATA writes the block's
-// E4M3 bytes (and its scale byte when aux is set), MX_SCALE the scale byte.
+// E4M3 bytes (and, when aux is set, its scale byte where mx::scale_offset puts it: 2-D
+// or swizzled), MX_SCALE the scale byte.
 template <typename W>
 RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
   const int32_t rounding = RX_BOX_ROUNDING(b.mode);
@@ -257,6 +258,12 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
       store_item<unsigned char>(to, e);
       continue;
     }
+    // dst elements are bytes: the block starts at data element mx_first + (to - dst).
+    // Stored before the data, so the offset math is not live across the quantize.
+    if (b.aux)
+      store_item<unsigned char>(reinterpret_cast<char*>(b.aux) +
+                                    mx::scale_offset(b.mx_first + (to - dst), b.mx_cols, RX_BOX_SCALES(b.mode)),
+                                e);
     const bool wide_out = (reinterpret_cast<uintptr_t>(to) & 15u) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -271,8 +278,6 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
 #pragma unroll
       for (int k = 0; k < 16; ++k) store_item<unsigned char>(to + 16 * h + k, static_cast<unsigned char>(qw[k / 4] >> (8 * (k % 4))));
     }
-    // dst elements are bytes: the block's scale is its dst offset / 32 past aux
-    if (b.aux) store_item<unsigned char>(reinterpret_cast<char*>(b.aux) + (to - dst) / mx::kBlock, e);
   }
 }
 

@@ -30,15 +30,24 @@ extern "C" int32_t rx_box_valid(const rx_box* b) {
   if (b->ndim < 1 || b->ndim > RX_MAX_DIMS) return 0;
   for (int d = 0; d < b->ndim; ++d)
     if (b->shape[d] < 0) return 0;
-  const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode);
-  if (kind == RX_BOX_COPY) return b->mode == 0 && b->aux == 0 && rx_dtype_castable(b->src_dtype, b->dst_dtype);
+  if (b->mode < 0 || (b->mode >> 24) != 0) return 0;
+  const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode), scales = RX_BOX_SCALES(b->mode);
+  // Scale placement (api.h): only an MX_DATA box with a scale buffer has one.
+  const bool places_scales = kind == RX_BOX_MX_DATA && b->aux != 0;
+  if (!places_scales && (scales != 0 || b->aux != 0 || b->mx_first != 0 || b->mx_cols != 0)) return 0;
+  if (kind == RX_BOX_COPY) return b->mode == 0 && rx_dtype_castable(b->src_dtype, b->dst_dtype);
   if (rounding != rx::mx::kCeil && rounding != rx::mx::kFloor) return 0;
   if (b->src_dtype != RX_BF16) return 0;
   const int inner = b->ndim - 1;
-  if (kind == RX_BOX_MX_SCALE) return b->aux == 0 && (b->dst_dtype == RX_U8 || b->dst_dtype == RX_F8E8M0);
+  if (kind == RX_BOX_MX_SCALE) return b->dst_dtype == RX_U8 || b->dst_dtype == RX_F8E8M0;
   if (kind != RX_BOX_MX_DATA || !(b->dst_dtype == RX_F8E4M3 || b->dst_dtype == RX_U8)) return 0;
   if (b->src_stride[inner] != 1 || b->dst_stride[inner] != 1 || b->shape[inner] % RX_BOX_MX_GROUP != 0) return 0;
-  for (int d = 0; b->aux && d < inner; ++d)
+  if (!places_scales) return 1;
+  // Every block starts on the data buffer's 32-grid, inside one row of K elements.
+  if (scales != rx::mx::k2D && scales != rx::mx::kSwizzled) return 0;
+  if (b->mx_cols <= 0 || b->mx_cols % RX_BOX_MX_GROUP != 0) return 0;
+  if (b->mx_first < 0 || b->mx_first % RX_BOX_MX_GROUP != 0) return 0;
+  for (int d = 0; d < inner; ++d)
     if (b->dst_stride[d] % RX_BOX_MX_GROUP != 0) return 0;
   return 1;
 }
@@ -56,8 +65,9 @@ uint8_t block_scale(const uint32_t* w, int32_t rounding) {
 }
 
 // One innermost row of an MX box: `n` elements (MX_DATA) or scale bytes (MX_SCALE).
-// `scale`: the scale byte of the row's first block (MX_DATA with scales), else null.
-void mx_row(const rx_box& box, const char* src, char* dst, uint8_t* scale, int64_t n) {
+// `first`: for MX_DATA with scales (aux), the data-buffer element of the row's first
+// element (api.h); ignored otherwise.
+void mx_row(const rx_box& box, const char* src, char* dst, int64_t first, int64_t n) {
   namespace mx = rx::mx;
   const int32_t rounding = RX_BOX_ROUNDING(box.mode);
   uint32_t w[mx::kBlockWords];
@@ -69,13 +79,14 @@ void mx_row(const rx_box& box, const char* src, char* dst, uint8_t* scale, int64
     }
     return;
   }
+  uint8_t* scale = reinterpret_cast<uint8_t*>(box.aux);
   uint32_t q[mx::kBlock / 4];
   for (int64_t g = 0; g < n / mx::kBlock; ++g) {
     memcpy(w, src + g * mx::kBlock * 2, sizeof(w));
     const uint8_t e = block_scale(w, rounding);
     for (int i = 0; i < mx::kBlock / 4; ++i) q[i] = mx::quantize_words(w[2 * i], w[2 * i + 1], e);
     memcpy(dst + g * mx::kBlock, q, sizeof(q));
-    if (scale) scale[g] = e;
+    if (scale) scale[mx::scale_offset(first + g * mx::kBlock, box.mx_cols, RX_BOX_SCALES(box.mode))] = e;
   }
 }
 
@@ -119,9 +130,8 @@ extern "C" int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes) {
       if (box.mode == RX_BOX_COPY)
         copy_row(src, box.src_stride[inner], box.src_dtype, dst, box.dst_stride[inner], box.dst_dtype,
                  box.shape[inner]);
-      else  // dst elements are bytes: doff / 32 is the row's first block
-        mx_row(box, src, dst, box.aux ? reinterpret_cast<uint8_t*>(box.aux) + doff / rx::mx::kBlock : nullptr,
-               box.shape[inner]);
+      else  // dst elements are bytes: the row starts at data element mx_first + doff
+        mx_row(box, src, dst, box.mx_first + doff, box.shape[inner]);
       for (int d = inner - 1; d >= 0; --d) {  // odometer over the outer dims
         if (++idx[d] < box.shape[d]) break;
         idx[d] = 0;

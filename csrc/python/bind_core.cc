@@ -57,6 +57,7 @@ std::vector<TensorRef> refs_from_py(const py::list& l) {
     TensorRef r{t[0].cast<uint64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int32_t>()};
     if (t.size() > 3) r.mx_mode = t[3].cast<int32_t>();
     if (t.size() > 4) r.mx_scale = t[4].cast<uint64_t>();
+    if (t.size() > 5) r.mx_cols = t[5].cast<int64_t>();
     out.push_back(std::move(r));
   }
   return out;
@@ -186,7 +187,7 @@ void register_core(py::module_& m) {
              t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes);
            },
            py::arg("src"), py::arg("dst"), py::arg("send_bufs"), py::arg("recv_bufs"), py::arg("direct_bytes") = 0,
-           "src/dst: lists of (data_ptr, strides, dtype_code[, mx_mode, mx_scale_ptr]) aligned with "
+           "src/dst: lists of (data_ptr, strides, dtype_code[, mx_mode, mx_scale_ptr, mx_cols]) aligned with "
            "src_used/dst_used")
       .def("whole_group_dsts", &ExecTables::whole_group_dsts, py::arg("src_dtypes"), py::arg("group"),
            "Positions in dst_used of the pieces whose every incoming box reads bfloat16 and keeps "
