@@ -31,10 +31,14 @@ def test_cuda_objects_build_without_spills(tmp_path: Path) -> None:
     build = subprocess.run(["ninja", "-C", str(tmp_path), "rx_cuda"], capture_output=True, text=True, timeout=600)
     log = build.stdout + build.stderr
     assert build.returncode == 0, log
-    # ptxas: "Compiling entry function '<mangled copy_boxes_kernel>'" ... "N bytes spill stores"
-    m = re.search(r"copy_boxes_kernel[^\n]*\n(?:[^\n]*\n)*?[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads",
-                  log)
-    assert m, log
-    assert (m.group(1), m.group(2)) == ("0", "0"), log
-    regs = re.search(r"copy_boxes_kernel[^\n]*\n(?:[^\n]*\n)*?[^\n]*Used (\d+) registers", log)
-    assert regs and int(regs.group(1)) <= 64, log  # 32 warps per SM (__launch_bounds__ minimum blocks)
+    # ptxas, per entry: "Compiling entry function '<mangled name>'", then "N bytes spill
+    # stores, M bytes spill loads" and "Used R registers". copy_boxes_kernel<false> is the
+    # one-pass kernel (64 registers: 32 warps per SM), <true> the capped-grid one.
+    entries = re.findall(r"Compiling entry function '([^']*copy_boxes_kernel[^']*)'[^\n]*\n"
+                         r"(?:[^\n]*\n)*?[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads\n"
+                         r"[^\n]*Used (\d+) registers", log)
+    assert len(entries) >= 2, log
+    for name, stores, loads, regs in entries:
+        assert (stores, loads) == ("0", "0"), f"{name} spills\n{log}"
+        if "ILb0E" in name:
+            assert int(regs) <= 64, f"{name} uses {regs} registers\n{log}"

@@ -29,7 +29,7 @@ BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def run_kernel(backend: str, specs: list[Spec], src: torch.Tensor, dst: torch.Tensor, tile_bytes: int = 0,
-               stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+               stream: "torch.cuda.Stream | None" = None, max_blocks: int = 0) -> torch.Tensor:
     """Copies specs from src into a copy of dst (CPU uint8 buffers); returns it on the CPU."""
     if backend == "emulated":
         out = dst.clone()
@@ -41,7 +41,7 @@ def run_kernel(backend: str, specs: list[Spec], src: torch.Tensor, dst: torch.Te
     stream = stream or torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
     tbl.upload(blob.data_ptr(), stream.cuda_stream)
-    tbl.launch(stream.cuda_stream)
+    tbl.launch(stream.cuda_stream, max_blocks)
     stream.synchronize()
     return out.cpu()
 
@@ -94,6 +94,22 @@ def test_random_boxes_match_twin_and_torch(backend: str, count: int, casts: bool
     assert not torch.equal(want, poison) or all(0 in s.shape for s in specs)
     assert torch.equal(got, want)
     check_against_torch(specs, src, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("max_blocks", [1, 3, 100])
+@pytest.mark.parametrize("casts", [False, True])
+def test_capped_grid_strides_over_every_tile(max_blocks: int, casts: bool) -> None:
+    """With the grid capped below one warp per tile, warps loop over the tiles: every
+    tile (of differently shaped boxes, so the warp's shared geometry changes between
+    tiles) must still land exactly once."""
+    seed = 101 + max_blocks + casts
+    specs, sb, db = random_specs(seed, 1000, 4000, casts)
+    src, poison = buffers(sb, db, casts, seed)
+    want = run_twin(specs, src, poison)
+    got = run_kernel("cuda", specs, src, poison, tile_bytes=512, max_blocks=max_blocks)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -130,14 +130,16 @@ int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t tile_bytes
 #ifdef RX_WITH_CUDA
 // CUDA: copies every box of a device-resident table in one launch on `stream`
 // (a cudaStream_t). boxes_dev / tiles_dev: the table and its tiles (rx_plan_tiles) in
-// device memory, 16-byte aligned, uploaded once at plan time. Returns a cudaError_t
-// value (0 = cudaSuccess).
+// device memory, 16-byte aligned, uploaded once at plan time. max_blocks > 0 caps the
+// grid (warps then stride over the tiles): a copy that runs beside a transfer can leave
+// SMs and memory bandwidth to it. 0: one warp per tile. Returns a cudaError_t value
+// (0 = cudaSuccess).
 // Runs the kernel's per-lane code on the host over a host table (copy_boxes.cu): tests
 // the kernel's index math and casts on machines without a GPU. Returns 0.
 int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles);
 
 int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev,
-                           int64_t num_tiles, void* stream);
+                           int64_t num_tiles, int32_t max_blocks, void* stream);
 #endif
 
 #ifdef __cplusplus

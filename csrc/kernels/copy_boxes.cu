@@ -12,6 +12,8 @@
 // rx_copy_boxes_emulated runs the very same index math on the host (tests on machines
 // without a GPU).
 #include <cuda_runtime.h>
+
+#include <algorithm>
 #include <stdint.h>
 #include <string.h>
 
@@ -330,24 +332,40 @@ RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile 
   }
 }
 
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kMinBlocksPerSm)
+// kStride: warps loop over the tiles (a launch capped below one warp per tile). A
+// separate instance: the loop state does not fit the one-pass kernel's 64 registers,
+// and a capped grid (a few blocks per SM at most) does not need that occupancy.
+template <bool kStride>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 2 : kMinBlocksPerSm)
     copy_boxes_kernel(const rx_box* __restrict__ boxes, const rx_tile* __restrict__ tiles, int64_t num_tiles) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-  if (t >= num_tiles) return;
   __shared__ Geom<RX_MAX_DIMS> slots[kWarpsPerBlock];  // every lane writes the same values
-  const rx_tile tile = tiles[t];
-  run_lane(boxes, tile, static_cast<int>(threadIdx.x % kWarp), slots[threadIdx.x / kWarp]);
+  const int warp = static_cast<int>(threadIdx.x / kWarp);
+  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (!kStride) {
+    if (t < num_tiles) run_lane(boxes, tiles[t], lane, slots[warp]);
+    return;
+  }
+  for (; t < num_tiles; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    run_lane(boxes, tiles[t], lane, slots[warp]);
+    __syncwarp();  // the next tile rewrites the warp's slot: no lane may still read this one
+  }
 }
 
 }  // namespace
 }  // namespace rx
 
 extern "C" int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
-                                      void* stream) {
+                                      int32_t max_blocks, void* stream) {
   if (num_tiles <= 0) return cudaSuccess;
   const int64_t blocks = (num_tiles + rx::kWarpsPerBlock - 1) / rx::kWarpsPerBlock;
+  if (max_blocks > 0 && max_blocks < blocks) {
+    rx::copy_boxes_kernel<true><<<static_cast<unsigned>(max_blocks), rx::kWarpsPerBlock * rx::kWarp, 0,
+                                  static_cast<cudaStream_t>(stream)>>>(boxes_dev, tiles_dev, num_tiles);
+    return cudaGetLastError();
+  }
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  rx::copy_boxes_kernel<<<static_cast<unsigned>(blocks), rx::kWarpsPerBlock * rx::kWarp, 0,
+  rx::copy_boxes_kernel<false><<<static_cast<unsigned>(blocks), rx::kWarpsPerBlock * rx::kWarp, 0,
                           static_cast<cudaStream_t>(stream)>>>(boxes_dev, tiles_dev, num_tiles);
   return cudaGetLastError();
 }

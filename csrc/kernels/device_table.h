@@ -48,11 +48,13 @@ class DeviceBoxTable {
   }
 
   // Copies every box: one kernel launch on `stream`, stream-ordered after upload().
-  void launch(cudaStream_t stream) const {
+  // max_blocks > 0 caps the grid (rx_copy_boxes_cuda).
+  void launch(cudaStream_t stream, int32_t max_blocks = 0) const {
     RX_HOST_ASSERT(uploaded_, "launch before upload");
     if (num_tiles_ == 0) return;
     RX_CUDA_CHECK(rx_copy_boxes_cuda(reinterpret_cast<const rx_box*>(dev_),
-                                     reinterpret_cast<const rx_tile*>(dev_ + tiles_offset_), num_tiles_, stream));
+                                     reinterpret_cast<const rx_tile*>(dev_ + tiles_offset_), num_tiles_, max_blocks,
+                                     stream));
   }
 
   // The same copy on the host, through the kernel's own per-lane code (tests).

@@ -63,8 +63,11 @@ void register_cuda(py::module_& m) {
           py::arg("dev_ptr"), py::arg("stream"))
       .def(
           "launch",
-          [](const DeviceBoxTable& t, uint64_t stream) { t.launch(reinterpret_cast<cudaStream_t>(stream)); },
-          py::arg("stream"), "Copies every box: one kernel launch, no allocation, no sync.")
+          [](const DeviceBoxTable& t, uint64_t stream, int32_t max_blocks) {
+            t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks);
+          },
+          py::arg("stream"), py::arg("max_blocks") = 0,
+          "Copies every box: one kernel launch, no allocation, no sync. max_blocks > 0 caps the grid.")
       .def(
           "run_emulated",
           [](const DeviceBoxTable& t) {
