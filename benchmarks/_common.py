@@ -27,10 +27,12 @@ def cuda_time(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
     return statistics.median(out)
 
 
-def nccl_ceiling(plan: Any, iters: int) -> float:
+def nccl_ceiling(plan: Any, iters: int, register: bool = False) -> float:
     """Seconds for one NCCL send and one receive per peer of exactly the bytes `plan`
     moves between the same peers (no pack, no unpack, one group): the link's ceiling.
-    0 when the plan moves nothing or has no NCCL communicator."""
+    register: between buffers registered with ncclCommRegister (torch's memory needs
+    NCCL_LEGACY_CUDA_REGISTER=1). 0 when the plan moves nothing or has no NCCL
+    communicator."""
     tr = plan.transport
     comm = getattr(tr, "comm", None)
     if comm is None or not (plan.bytes_sent or plan.bytes_received):
@@ -43,7 +45,12 @@ def nccl_ceiling(plan: Any, iters: int) -> float:
     scratch = {k: torch.empty(n, dtype=torch.uint8, device="cuda") for k, n in per_peer.items()}
     sends = [(p, t.data_ptr(), t.numel()) for (k, p), t in scratch.items() if k == "send"]
     recvs = [(p, t.data_ptr(), t.numel()) for (k, p), t in scratch.items() if k == "recv"]
-    return cuda_time(lambda: comm.exchange(sends, recvs, torch.cuda.current_stream().cuda_stream, 0), iters)
+    handles = [comm.register_buffer(t.data_ptr(), t.numel()) for t in scratch.values()] if register else []
+    try:
+        return cuda_time(lambda: comm.exchange(sends, recvs, torch.cuda.current_stream().cuda_stream, 0), iters)
+    finally:
+        for h in handles:
+            comm.deregister_buffer(h)
 
 
 def d2d_time(nbytes: int, iters: int) -> float:

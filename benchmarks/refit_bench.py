@@ -18,7 +18,11 @@ import os
 import torch
 import torch.distributed as dist
 
-import reshard_ext as rx
+# Lets NCCL register torch's cudaMalloc'd memory (the registered ceiling below, and the
+# transport under RESHARD_EXT_NCCL_REGISTER=1); unregistered transfers ignore it.
+os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1")
+
+import reshard_ext as rx  # noqa: E402
 from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts
 
 from _common import cuda_time as _time, d2d_time, nccl_ceiling
@@ -26,14 +30,20 @@ from _common import cuda_time as _time, d2d_time, nccl_ceiling
 MOE_SMALL = ModelShape(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, vocab=151936,
                        experts=64, moe_ffn=384, first_dense_layers=0)
 
-# name -> (model, src parallel, dst parallel, min world)
-CASES = {
-    "tp2-tp1": (LLAMA3_8B, Parallel(tp=2), Parallel(tp=1, dp=2), 2),            # collocated
-    "tp1-tp2": (LLAMA3_8B, Parallel(tp=1, dp=2), Parallel(tp=2), 2),            # collocated
-    "noncolo-tp1-tp1": (LLAMA3_8B, Parallel(tp=1), Parallel(tp=1, offset=1), 2),
-    "noncolo-tp2-tp2dp": (LLAMA3_8B, Parallel(tp=2), Parallel(tp=2, dp=1, offset=2), 4),
-    "moe-ep2-ep1": (MOE_SMALL, Parallel(dp=2, ep=2), Parallel(dp=2, ep=1), 2),
-}
+# name -> (model, src parallel, dst parallel, min world), the collocated cases scaled to
+# the world (DP fills the GPUs: TP2->TP1 on 4 GPUs is TP2*DP2 -> TP1*DP4)
+def _cases(w: int) -> dict:
+    h = max(1, w // 2)
+    return {
+        "tp2-tp1": (LLAMA3_8B, Parallel(tp=2, dp=h), Parallel(tp=1, dp=2 * h), 2),       # collocated
+        "tp1-tp2": (LLAMA3_8B, Parallel(tp=1, dp=2 * h), Parallel(tp=2, dp=h), 2),       # collocated
+        "noncolo-tp1-tp1": (LLAMA3_8B, Parallel(tp=1), Parallel(tp=1, offset=1), 2),
+        "noncolo-tp2-tp2dp": (LLAMA3_8B, Parallel(tp=2), Parallel(tp=2, dp=1, offset=2), 4),
+        "moe-ep2-ep1": (MOE_SMALL, Parallel(dp=2 * h, ep=2), Parallel(dp=2 * h, ep=1), 2),
+    }
+
+
+CASES = _cases(2)
 
 
 def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
@@ -108,7 +118,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600),
                             device_id=torch.device("cuda", torch.cuda.current_device()))
-    model, sp, dp_, need = CASES[args.case]
+    model, sp, dp_, need = _cases(world)[args.case]
     if world < need:
         if rank == 0:
             print(f"{args.case}: needs {need} GPUs, have {world}: skipped")
@@ -142,6 +152,7 @@ def main() -> None:
         print(line, flush=True)
     # ceilings, same run: NCCL send/recv of the same per-peer bytes; D2D copy of the local bytes
     t_nccl = nccl_ceiling(plan, args.iters)
+    t_nccl_reg = nccl_ceiling(plan, args.iters, register=True)
     local_bytes = sum(t.numel() * t.element_size() for t, _ in dst.values()) - plan.bytes_received
     t_d2d = d2d_time(local_bytes, args.iters)
     t_base = 0.0
@@ -149,30 +160,33 @@ def main() -> None:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_nccl, t_d2d, t_base, plan.num_ops,
-           plan.num_batches, mx, timeline)
+           plan.num_batches, t_nccl_reg, mx, timeline)
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
         print(f"\n== {args.case}: {model.layers} layers, {len(src_l)} tensors, {torch.cuda.get_device_name()} x{world}, "
               f"batches {plan.num_batches}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
-              f"{'nccl ms':>8} {'vs nccl':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7}")
-        for r, sent, recv, loc, t, tn, td, tb, ops, nb, *_ in rows:
+              f"{'nccl ms':>8} {'vs ceil':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7} "
+              f"{'nccl reg ms':>11} {'vs reg':>6}")
+        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, *_ in rows:
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
             ceil = max(tn, td)  # link and copy engines run concurrently: the slower is the floor
             vs = f"{ceil / t:7.2f}" if ceil else "      -"
             sp_ = f"{tb / t:7.2f}" if tb else "      -"
+            vr = f"{max(tnr, td) / t:6.2f}" if tnr else "     -"
             print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * t:9.2f} {gbs:9.1f} "
-                  f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_}")
+                  f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_} {1e3 * tnr:11.2f} {vr}")
         print("vs ceil = max(NCCL send/recv of the same bytes, D2D copy of the local bytes) / refit time "
               "(1.00 = at the ceiling); "
-              "speedup = megatron-style time / refit time")
+              "speedup = megatron-style time / refit time; nccl reg = the same send/recv between buffers "
+              "registered with ncclCommRegister (NCCL's zero-copy intra-node path)")
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
                   f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}")
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t), _ in rows:
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t), _ in rows:  # noqa: B007
                 other = sent - conv_bf16  # bytes of tensors that travel unconverted
                 conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"

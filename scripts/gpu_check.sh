@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench-big] [mx] [trace] [megatron]
+#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench4] [bench-big] [mx] [trace] [exp] [megatron]
 #   (default: build tests sanitize bench mx). `megatron` needs megatron-core wheels carried
 #   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
 set -uo pipefail
@@ -64,6 +64,27 @@ if has bench; then
     step "host overhead, 10,000 tensors"
     timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep host_overhead | tee -a "$OUT/refit_bench.log"
   fi
+fi
+
+if has bench4 && [ "$ngpu" -ge 4 ]; then
+  for c in tp2-tp1 tp1-tp2 moe-ep2-ep1 noncolo-tp2-tp2dp; do
+    step "refit_bench $c on 4 GPUs"
+    timeout 240 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case "$c" 2>&1 \
+      | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench4.log" | tail -10
+  done
+fi
+
+if has exp && [ "$ngpu" -ge 2 ]; then
+  # A/B of the transport's knobs on the collocated cases, each with its ceilings of the same run
+  export RESHARD_EXT_NCCL_TIMEOUT=90
+  for c in tp2-tp1 moe-ep2-ep1; do
+    for knobs in "" "RESHARD_EXT_NCCL_REGISTER=1" "RESHARD_EXT_CUDA_MAX_BLOCKS=33" "RESHARD_EXT_CUDA_MAX_BLOCKS=66" \
+                 "RESHARD_EXT_NCCL_REGISTER=1 RESHARD_EXT_CUDA_MAX_BLOCKS=66"; do
+      step "exp $c [$knobs]"
+      env $knobs timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" \
+        --no-baseline --transfers-only 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/exp.log" | tail -5
+    done
+  done
 fi
 
 if has bench-big; then

@@ -54,7 +54,7 @@ class FakeTable:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def launch(self, stream: str) -> None:
+    def launch(self, stream: str, max_blocks: int = 0) -> None:
         LOG.append(f"{stream}: {self.name}")
 
 
@@ -74,6 +74,7 @@ def _transport(monkeypatch: pytest.MonkeyPatch, batches: int, copies: int) -> cu
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     t = object.__new__(cuda_transport.CudaTransport)
     t.comm, t.p2p, t.side, t.last_timeline = FakeComm(), None, FakeStream("side"), ""
+    t.max_blocks, t._registered = 0, []
     t._pack = [FakeTable(f"pack {b}") for b in range(batches)]
     t._unpack = [FakeTable(f"unpack {b}") for b in range(batches)]
     t._copy = [FakeTable(f"copy {c}") for c in range(copies)]

@@ -272,6 +272,36 @@ void NcclComm::exchange(const std::vector<NcclTransfer>& sends, const std::vecto
   pending_ = true;
 }
 
+uint64_t NcclComm::register_buffer(uint64_t ptr, int64_t bytes) {
+  RX_HOST_ASSERT(ptr != 0 && bytes > 0, "register_buffer: empty range (ptr ", ptr, ", ", bytes, " bytes)");
+  DeviceGuard guard(device_);
+  void* handle = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_usable_locked();
+    const ncclResult_t r = ncclCommRegister(comm_, reinterpret_cast<void*>(ptr), static_cast<size_t>(bytes), &handle);
+    if (r != ncclSuccess && r != ncclInProgress)
+      fail_locked(detail::format("ncclCommRegister of ", bytes, " bytes at address ", ptr, " on ",
+                                 where(), " failed: ", ncclGetErrorString(r), ". The communicator was aborted."));
+  }
+  wait_state(timeout_s_, "registering a buffer");
+  return reinterpret_cast<uintptr_t>(handle);
+}
+
+void NcclComm::deregister_buffer(uint64_t handle) {
+  if (handle == 0) return;
+  DeviceGuard guard(device_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (comm_ == nullptr) return;  // aborted or closed: NCCL dropped its registrations
+    const ncclResult_t r = ncclCommDeregister(comm_, reinterpret_cast<void*>(static_cast<uintptr_t>(handle)));
+    if (r != ncclSuccess && r != ncclInProgress)
+      fail_locked(detail::format("ncclCommDeregister on ", where(), " failed: ", ncclGetErrorString(r),
+                                 ". The communicator was aborted."));
+  }
+  wait_state(timeout_s_, "deregistering a buffer");
+}
+
 bool NcclComm::poll() {
   std::lock_guard<std::mutex> lock(mu_);
   poll_state_locked("running an exchange (" + peers_of_last() + ")");

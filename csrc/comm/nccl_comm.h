@@ -59,6 +59,16 @@ class NcclComm {
   void exchange(const std::vector<NcclTransfer>& sends, const std::vector<NcclTransfer>& recvs,
                 cudaStream_t stream, cudaStream_t side);
 
+  // ncclCommRegister of [ptr, ptr + bytes): NCCL (>= 2.23) then moves intra-node
+  // point-to-point data straight between registered buffers, without its own staging
+  // FIFOs (fewer HBM passes and SMs). Local, not collective; but a transfer must be
+  // registered on both ends or on neither, so every rank registers by the same rule.
+  // Returns the handle for deregister_buffer. torch's cudaMalloc'd memory registers
+  // only with NCCL_LEGACY_CUDA_REGISTER=1 in the environment (else NCCL quietly skips
+  // the zero-copy path on that buffer).
+  uint64_t register_buffer(uint64_t ptr, int64_t bytes);
+  void deregister_buffer(uint64_t handle);
+
   // True when the last exchange has finished on the GPU; throws on an asynchronous NCCL
   // error (peer died, network failure), after aborting the communicator.
   bool poll();

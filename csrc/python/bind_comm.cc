@@ -89,6 +89,12 @@ void register_comm(py::module_& m) {
           "sends/recvs: (peer, device_ptr, nbytes) tuples; one NCCL group, zero-byte entries skipped, entries for "
           "one peer matched in order. With side_stream (!= stream) the transfer runs there, after the work on "
           "`stream`, and `stream` waits for it.")
+      .def("register_buffer", &NcclComm::register_buffer, py::arg("ptr"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "ncclCommRegister of a device range; returns a handle for deregister_buffer. Register on every rank "
+           "by the same rule: a transfer must be registered at both ends or at neither.")
+      .def("deregister_buffer", &NcclComm::deregister_buffer, py::arg("handle"),
+           py::call_guard<py::gil_scoped_release>())
       .def("poll", &NcclComm::poll, py::call_guard<py::gil_scoped_release>(),
            "True when the last exchange finished; raises ReshardError on an asynchronous NCCL error.")
       .def("wait", &NcclComm::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),

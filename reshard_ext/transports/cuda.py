@@ -27,6 +27,14 @@ TRACE = os.environ.get("RESHARD_EXT_TRACE", "0") not in ("", "0")
 # Same-rank copies in one slice per batch (default) or all at once before the first
 # unpack (RESHARD_EXT_CUDA_SPLIT_COPIES=0; kept to measure the difference).
 SPLIT_COPIES = os.environ.get("RESHARD_EXT_CUDA_SPLIT_COPIES", "1") not in ("", "0")
+# Caps the grid of the pack/unpack/copy launches that run beside a transfer (0: one warp
+# per tile): experiments on how much those kernels slow the link by competing for HBM.
+MAX_BLOCKS = int(os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "0"))
+# RESHARD_EXT_NCCL_REGISTER=1: register the staging buffers and direct-message tensors
+# with NCCL (ncclCommRegister) so intra-node transfers skip NCCL's own FIFO copies. The
+# same on every rank (a transfer must be registered at both ends or neither); torch's
+# memory needs NCCL_LEGACY_CUDA_REGISTER=1 as well (see NcclComm.register_buffer).
+REGISTER = os.environ.get("RESHARD_EXT_NCCL_REGISTER", "0") not in ("", "0")
 
 _log = logging.getLogger("reshard_ext")
 
@@ -94,6 +102,8 @@ class CudaTransport:
         self.send: list[torch.Tensor] = []
         self.recv: list[torch.Tensor] = []
         self.last_timeline = ""
+        self.max_blocks = MAX_BLOCKS if comm is not None else 0
+        self._registered: list[int] = []  # NCCL registration handles of the bound buffers
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
         nbuf = 2 if (tables.num_batches > 1 and self.comm is not None) else 1
@@ -125,8 +135,35 @@ class CudaTransport:
         nc = len(copy_parts)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
+        if self.comm is not None and REGISTER:
+            self._register()
         if self.p2p is not None:
             self._p2p_ops = [self.p2p.views(m, self.send + self.recv) for m in self._messages]
+
+    def _register(self) -> None:
+        """Registers every buffer a message of this plan lives in: the staging buffers
+        whole, direct messages by their own range (they point into the bound tensors,
+        which the plan keeps alive). Drops the registrations of an earlier binding."""
+        self.deregister()
+        ranges = {(t.data_ptr(), t.numel()) for t in self.send + self.recv}
+        staging = sorted(ranges)
+        for sends, recvs in self._messages:
+            for _, ptr, n in sends + recvs:
+                if n > 0 and not any(a <= ptr and ptr + n <= a + m for a, m in staging):
+                    ranges.add((ptr, n))
+        self._registered = [self.comm.register_buffer(p, n) for p, n in sorted(ranges)]
+
+    def deregister(self) -> None:
+        handles, self._registered = self._registered, []
+        for h in handles:
+            self.comm.deregister_buffer(h)
+
+    def __del__(self) -> None:
+        try:
+            if self._registered and self.comm is not None and self.comm.usable:
+                self.deregister()
+        except Exception:  # noqa: BLE001 - interpreter shutdown or a failed communicator
+            pass
 
     def transfers(self, b: int) -> tuple[list, list]:
         """(sends, recvs) of batch b as (peer, device ptr, bytes)."""
@@ -148,10 +185,11 @@ class CudaTransport:
             self._finish(timeline)
             return
         side = self.side
+        cap = self.max_blocks
         done: list[torch.cuda.Event] = []
 
         def post(b: int) -> None:
-            step("pack", b, main, lambda: self._pack[b].launch(s))
+            step("pack", b, main, lambda: self._pack[b].launch(s, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
             sends, recvs = self._messages[b]
             step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
@@ -162,11 +200,11 @@ class CudaTransport:
             # This batch's slice of the same-rank copies runs under transfer b; one big
             # copy up front would hold back the pack of b + 1 and leave the link idle.
             if b < len(self._copy):
-                step("copy", b, main, lambda b=b: self._copy[b].launch(s))
+                step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
             if b + 1 < k:
                 post(b + 1)  # overlaps the transfer of b
             main.wait_event(done[b])
-            step("unpack", b, main, lambda b=b: self._unpack[b].launch(s))
+            step("unpack", b, main, lambda b=b: self._unpack[b].launch(s, cap))
         # A dead peer or a lost message raises here (bounded by the communicator's
         # timeout, RESHARD_EXT_NCCL_TIMEOUT) instead of hanging the next sync.
         self.comm.wait(self.comm.timeout)
