@@ -35,7 +35,7 @@ export PYTHONPATH="$PWD"
 
 if has tests; then
   step "GPU tests"
-  (cd tests && timeout 420 python3 -m pytest -q -p no:warnings -rs \
+  (cd tests && timeout 520 python3 -m pytest -q -p no:warnings -rs --durations=15 \
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py \
       2>&1 | tee "$OUT/tests.log" | tail -25)
 fi

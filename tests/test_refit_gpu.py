@@ -26,48 +26,88 @@ def test_matrix_4gpu(case, max_batch_bytes):
     run_ranks(4, run_case, case, "cuda", max_batch_bytes, "nccl", backend="nccl")
 
 
-def _with_knobs(rank, world, case, max_batch_bytes, **knobs):
-    """run_case with module-level transport knobs (DIRECT_BYTES, REGISTER, MAX_BLOCKS)
-    set for this call only."""
-    import os
-
+def _with_knobs_fn(rank, world, knobs, fn, *args):
+    """fn(rank, world, *args) with module-level transport knobs (DIRECT_BYTES, REGISTER,
+    MAX_BLOCKS) set for this call only (the worker processes outlive a test)."""
     import reshard_ext.transports.cuda as cuda_transport
 
-    if knobs.get("REGISTER"):
-        os.environ["NCCL_LEGACY_CUDA_REGISTER"] = "1"  # torch's cudaMalloc'd tensors and staging
     saved = {k: getattr(cuda_transport, k) for k in knobs}
     for k, v in knobs.items():
         setattr(cuda_transport, k, v)
     try:
-        return run_case(rank, world, case, "cuda", max_batch_bytes, "nccl")
+        return fn(rank, world, *args)
     finally:
         for k, v in saved.items():
             setattr(cuda_transport, k, v)
+
+
+def _with_knobs(rank, world, knobs, case, max_batch_bytes):
+    return _with_knobs_fn(rank, world, knobs, run_case, case, "cuda", max_batch_bytes, "nccl")
 
 
 @needs2
 @pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
 def test_direct_messages_2gpu(case):
     """Every op big enough to go straight from/into its tensor where contiguous."""
-    run_ranks(2, _with_knobs, case, None, DIRECT_BYTES=1, backend="nccl")
+    run_ranks(2, _with_knobs, {"DIRECT_BYTES": 1}, case, None, backend="nccl")
 
 
 @needs2
+@pytest.mark.parametrize("register", [True, False])
 @pytest.mark.parametrize("case", ["two", "tp", "casts"])
 @pytest.mark.parametrize("max_batch_bytes", [None, 512])
-def test_registered_buffers_2gpu(case, max_batch_bytes):
-    """Staging and direct messages registered with NCCL (zero-copy intra-node path)."""
-    run_ranks(2, _with_knobs, case, max_batch_bytes, DIRECT_BYTES=1, REGISTER=True, backend="nccl")
+def test_registration_on_and_off_2gpu(case, max_batch_bytes, register):
+    """Staging and direct messages registered with NCCL (the default: zero-copy
+    intra-node path) and not (NCCL's FIFOs)."""
+    run_ranks(2, _with_knobs, {"DIRECT_BYTES": 1, "REGISTER": register}, case, max_batch_bytes, backend="nccl")
 
 
 @needs4
 @pytest.mark.parametrize("case", ["meshes", "pp_experts"])
-def test_registered_buffers_4gpu(case):
-    run_ranks(4, _with_knobs, case, 512, DIRECT_BYTES=1, REGISTER=True, backend="nccl")
+def test_unregistered_4gpu(case):
+    run_ranks(4, _with_knobs, {"DIRECT_BYTES": 1, "REGISTER": False}, case, 512, backend="nccl")
 
 
 @needs2
 @pytest.mark.parametrize("max_blocks", [1, 7])
 def test_capped_kernel_grid_2gpu(max_blocks):
     """Pack/unpack/copy launches capped to a few blocks still move every element."""
-    run_ranks(2, _with_knobs, "tp", 512, MAX_BLOCKS=max_blocks, backend="nccl")
+    run_ranks(2, _with_knobs, {"MAX_BLOCKS": max_blocks}, "tp", 512, backend="nccl")
+
+
+def _rebind_registered(rank, world):
+    """Registered direct messages into a dst tensor that is then freed, its memory
+    reused by another tensor, and a new dst bound: the refit must land in the new
+    tensor only, and the old memory's new owner must stay untouched."""
+    import reshard_ext as rx
+    import reshard_ext.transports.cuda as cuda_transport
+    from _cases import bits_equal
+    from reshard_ext import Layout, Mesh, Replicate, Shard
+
+    shape = (256, 4096)  # row shards -> whole tensor: one contiguous 2 MiB message each way
+    sl = Layout(shape, torch.float32, Mesh([0, 1]), [Shard(0)])
+    dl = Layout(shape, torch.float32, Mesh([0, 1]), [Replicate()])
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    src = {"w": (sl.local_part(g, rank).cuda(), sl)}
+    old = torch.zeros(dl.local_shape(rank), device="cuda")
+    p = rx.plan(src, {"w": (old, dl)})
+    rx.execute(p)
+    torch.cuda.synchronize()
+    ok = [bits_equal(old.cpu(), dl.local_part(g, rank))]
+    new = torch.full(dl.local_shape(rank), float("nan"), device="cuda")
+    p.rebind(dst={"w": (new, dl)})
+    del old
+    reuse = torch.full(dl.local_shape(rank), 7.0, device="cuda")  # likely the freed block
+    src["w"][0].mul_(3)
+    rx.execute(p)
+    torch.cuda.synchronize()
+    ok.append(bits_equal(new.cpu(), dl.local_part(g * 3, rank)))
+    ok.append(bool((reuse == 7.0).all()))
+    ok.append(p.num_ops)
+    return ok
+
+
+@needs2
+def test_rebind_reregisters_2gpu():
+    for ok in run_ranks(2, _with_knobs_fn, {"DIRECT_BYTES": 1}, _rebind_registered, backend="nccl"):
+        assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok

@@ -272,17 +272,27 @@ void NcclComm::exchange(const std::vector<NcclTransfer>& sends, const std::vecto
   pending_ = true;
 }
 
+// ncclCommRegister came with NCCL 2.19: an older libnccl registers nothing (handle 0).
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 19, 0)
+#define RX_NCCL_HAS_REGISTER 1
+#else
+#define RX_NCCL_HAS_REGISTER 0
+#endif
+
 uint64_t NcclComm::register_buffer(uint64_t ptr, int64_t bytes) {
   RX_HOST_ASSERT(ptr != 0 && bytes > 0, "register_buffer: empty range (ptr ", ptr, ", ", bytes, " bytes)");
+  if (!RX_NCCL_HAS_REGISTER) return 0;
   DeviceGuard guard(device_);
   void* handle = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     check_usable_locked();
+#if RX_NCCL_HAS_REGISTER
     const ncclResult_t r = ncclCommRegister(comm_, reinterpret_cast<void*>(ptr), static_cast<size_t>(bytes), &handle);
     if (r != ncclSuccess && r != ncclInProgress)
       fail_locked(detail::format("ncclCommRegister of ", bytes, " bytes at address ", ptr, " on ",
                                  where(), " failed: ", ncclGetErrorString(r), ". The communicator was aborted."));
+#endif
   }
   wait_state(timeout_s_, "registering a buffer");
   return reinterpret_cast<uintptr_t>(handle);
@@ -294,10 +304,12 @@ void NcclComm::deregister_buffer(uint64_t handle) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (comm_ == nullptr) return;  // aborted or closed: NCCL dropped its registrations
+#if RX_NCCL_HAS_REGISTER
     const ncclResult_t r = ncclCommDeregister(comm_, reinterpret_cast<void*>(static_cast<uintptr_t>(handle)));
     if (r != ncclSuccess && r != ncclInProgress)
       fail_locked(detail::format("ncclCommDeregister on ", where(), " failed: ", ncclGetErrorString(r),
                                  ". The communicator was aborted."));
+#endif
   }
   wait_state(timeout_s_, "deregistering a buffer");
 }
