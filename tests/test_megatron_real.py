@@ -57,6 +57,7 @@ def _refit(rank: int, world: int, case: str, on_gpu: bool) -> dict:
         ref = mr.build(seed=4, cuda=True, **dst_kw)
         try:
             mcore_swap(src, ref, "nccl")
+            torch.cuda.synchronize()  # its copies may still be in flight on other streams
         except Exception as e:  # noqa: BLE001 - recorded: Megatron-Core fails some layouts
             out["mcore"] = f"raised {type(e).__name__}: {e}"
         else:
@@ -65,7 +66,8 @@ def _refit(rank: int, world: int, case: str, on_gpu: bool) -> dict:
             theirs, ours = mr.tensors(ref), mr.tensors(dst)
             out["differs_from_mcore"] = sorted(n for n in ours if not torch.equal(ours[n], theirs[n]))
             out["mcore"] = "correct" if out["mcore_correct"] else \
-                f"wrong logits (max diff {float((mcore_logits - want).abs().max()):.3g})"
+                (f"wrong logits (max diff {float((mcore_logits - want).abs().max()):.3g}); "
+                 f"{len(out['differs_from_mcore'])} tensors differ from ours, e.g. {out['differs_from_mcore'][:3]}")
     rx.clear_caches()
     return out
 
@@ -131,7 +133,12 @@ def test_real_gpt_pp_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_real_gpt_gpu_vs_megatron(case):
+    """Ours must reproduce the source's logits; where Megatron-Core's own refit does too,
+    ours must equal its destination bit for bit. Megatron-Core itself is not asserted:
+    0.19.2 on 2x H200 (2026-11-26) got this 4-layer GPT's untied TP2->TP1
+    output_layer.weight wrong (logits off by 1.43, with or without NCCL registration in
+    reshard_ext), while its tied and TP1->TP2 refits matched ours bit for bit."""
     results = run_ranks(2, _refit, case, True, backend="nccl", timeout=600)
     _check(results)
-    if not CASES[case][0].get("experts"):  # dense: Megatron-Core must be right, and we equal it
-        assert all(r.get("mcore_correct") for r in results), [r["mcore"] for r in results]
+    if not CASES[case][0].get("experts"):  # dense: Megatron-Core ran (no exception) and was compared
+        assert all("mcore_correct" in r for r in results), [r.get("mcore") for r in results]
