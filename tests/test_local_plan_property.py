@@ -116,3 +116,29 @@ def test_local_copy_preferred():
         p = rx.local_plan({"w": src}, {"w": dst}, r)
         # rank r's dst quarter lies inside the src half it holds: one local copy, no transfer
         assert [op.peer for op in p.recvs] == [r]
+
+
+def test_batches_of_a_pair_stay_near_their_share():
+    """A pair's ops are cut so no batch carries much more than total / k: one big op
+    (a vocab shard) used to land whole in one batch, and the slowest batch sets the
+    pace of every rank's pipeline."""
+    half = Layout((2048, 64), torch.float32, Mesh([[0, 1], [2, 3]]), [Replicate(), Shard(0)])
+    whole = Layout((2048, 64), torch.float32, Mesh([0, 1, 2, 3]), [Replicate()])
+    small_src = Layout((64, 64), torch.float32, Mesh([[0, 1], [2, 3]]), [Replicate(), Shard(0)])
+    small_dst = Layout((64, 64), torch.float32, Mesh([0, 1, 2, 3]), [Replicate()])
+    src = {"big": half, **{f"s{i:02d}": small_src for i in range(32)}}
+    dst = {"big": whole, **{f"s{i:02d}": small_dst for i in range(32)}}
+    for rank in range(4):
+        p = rx.local_plan(src, dst, rank, max_batch_bytes=64 << 10)
+        k = p.num_batches
+        assert k > 4
+        for ops in (p._c.sends(), p._c.recvs()):
+            per: dict = {}
+            totals: dict = {}
+            for op in ops:
+                peer, nbytes, batch = op[1], op[6], op[7]
+                per[(peer, batch)] = per.get((peer, batch), 0) + nbytes
+                totals[peer] = totals.get(peer, 0) + nbytes
+            for (peer, batch), n in per.items():
+                share = totals[peer] / k
+                assert n <= 1.5 * share + 256, (rank, peer, batch, n, share)  # 256 B: one row
