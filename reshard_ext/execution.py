@@ -62,7 +62,7 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
     return out
 
 
-def _make_transport(backend: str, device: Optional[str], group: Any) -> tuple[str, Any]:
+def _make_transport(backend: str, device: Optional[str], group: Any, register: bool = False) -> tuple[str, Any]:
     if backend not in BACKENDS:
         raise ReshardError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "nvshmem":
@@ -83,7 +83,7 @@ def _make_transport(backend: str, device: Optional[str], group: Any) -> tuple[st
         raise ReshardError(f"backend {backend!r} needs CUDA tensors, got {device} tensors")
     from .transports.cuda import make_cuda_transport
 
-    return backend, make_cuda_transport(backend, group)
+    return backend, make_cuda_transport(backend, group, register)
 
 
 class Plan:
@@ -97,7 +97,7 @@ class Plan:
         self.tables = _C.ExecTables(agreement.rank_plan)
         self.src_names = [agreement.src_table.name(i) for i in self.tables.src_used]
         self.dst_names = [agreement.dst_table.name(i) for i in self.tables.dst_used]
-        self.backend, self.transport = _make_transport(backend, agreement.device, group)
+        self.backend, self.transport = _make_transport(backend, agreement.device, group, agreement.register)
         self._layouts = {"src": {n: l for n, (_, l) in src.items()}, "dst": {n: l for n, (_, l) in dst.items()}}
         self._entries = {"src": dict(src), "dst": dict(dst)}  # keeps bound tensors alive
         self._steps = steps

@@ -188,6 +188,7 @@ class Agreement:
     dst_table: Any
     rank_plan: Any
     device: Optional[str]
+    register: bool = False  # every rank voted for NCCL buffer registration
 
 
 def plan_collective(
@@ -202,18 +203,19 @@ def plan_collective(
             for name, (_, layout) in entries.items():
                 if reporter_of(name, layout) == rank:
                     report.append((side, name, layout._c))
-    payload = (_C.encode_entries(report), errors, device)
+    payload = (_C.encode_entries(report), errors, device, _registration_vote(device))
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, payload, group=group)
     STATS["exchanges"] += 1
 
-    errors = [e for _, errs, _ in gathered for e in errs]
-    devices = {d for _, _, d in gathered if d is not None}
+    errors = [e for _, errs, _, _ in gathered for e in errs]
+    devices = {d for _, _, d, _ in gathered if d is not None}
+    register = all(v for *_, v in gathered)
     if len(devices) > 1:
         errors.append(f"ranks hold tensors on different devices: {sorted(devices)}")
     if errors:
         _raise(errors)
-    decoded = _C.decode_entries([blob for blob, _, _ in gathered])
+    decoded = _C.decode_entries([blob for blob, *_ in gathered])
     try:
         src_t = _C.LayoutTable([(n, l) for s, n, l in decoded if s == 0])
         dst_t = _C.LayoutTable([(n, l) for s, n, l in decoded if s == 1])
@@ -249,7 +251,17 @@ def plan_collective(
     if sum(s for _, _, s, _ in gathered) % 2**64 != sum(r for _, _, _, r in gathered) % 2**64:
         _raise(_digest_mismatch(rank_plan, group, world))
     rank_plan.assign_batches(max(k for _, k, _, _ in gathered))
-    return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None)
+    return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None, register)
+
+
+def _registration_vote(device: Optional[str]) -> bool:
+    """Votes on NCCL buffer registration (GPU transports only; a rank without tensors
+    moves nothing and does not object)."""
+    if device not in (None, "cuda") or not _C._build_info["nccl"]:
+        return False
+    from .transports.cuda import registration_vote
+
+    return registration_vote()
 
 
 def first_failed_rank(group: Any, failed: bool) -> int:

@@ -96,3 +96,27 @@ def _nan_payloads(rank, world):
 
 def test_casts_keep_nan_payloads_like_torch():
     assert all(run_ranks(2, _nan_payloads))
+
+
+def _agreed_registration(rank, world, votes):
+    import torch
+    import torch.distributed as dist
+
+    import reshard_ext.planning as planning
+    from reshard_ext import Layout, Mesh, Shard
+
+    saved = planning._registration_vote
+    planning._registration_vote = lambda device: votes[rank]
+    try:
+        sl = Layout((8, 4), torch.float32, Mesh(list(range(world))), [Shard(0)])
+        src = {"w": (torch.zeros(sl.local_shape(rank)), sl)}
+        return planning.plan_collective(src, {}, dist.group.WORLD, None).register
+    finally:
+        planning._registration_vote = saved
+
+
+@pytest.mark.parametrize("votes", [(True, True), (True, False), (False, True)])
+def test_registration_needs_every_rank(votes):
+    """NCCL registration is used only when every rank votes for it (a transfer
+    registered at one end only is undefined in NCCL)."""
+    assert run_ranks(2, _agreed_registration, votes) == [all(votes)] * 2

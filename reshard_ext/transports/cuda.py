@@ -35,7 +35,8 @@ MAX_BLOCKS = int(os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "0"))
 # through NCCL's FIFOs: two fewer HBM passes per byte, which the packs, unpacks and
 # copies running beside each transfer need (2x H200, TP2->TP1 collocated: 0.76 -> 0.90
 # of the NCCL ceiling). Every rank registers by the same rule (a transfer must be
-# registered at both ends or neither). RESHARD_EXT_NCCL_REGISTER=0 turns it off.
+# registered at both ends or neither: rx.plan agrees on it). RESHARD_EXT_NCCL_REGISTER=0
+# turns it off.
 REGISTER = os.environ.get("RESHARD_EXT_NCCL_REGISTER", "1") not in ("", "0")
 
 _log = logging.getLogger("reshard_ext")
@@ -72,7 +73,18 @@ def _untraced(kind: str, batch: int, stream: Any, fn: Any) -> None:
     fn()
 
 
-def make_cuda_transport(backend: str, group: Any) -> "CudaTransport":
+def registration_vote() -> bool:
+    """This rank's vote on NCCL buffer registration; `rx.plan` registers only when every
+    rank of the group votes yes, since a transfer registered at one end only is
+    undefined in NCCL. torch allocates with cudaMalloc, which NCCL registers (cudaIpc
+    handles) only with NCCL_LEGACY_CUDA_REGISTER=1: set here unless the user set it,
+    before NCCL first reads it (at its first registered transfer)."""
+    if not REGISTER:
+        return False
+    return os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
+
+
+def make_cuda_transport(backend: str, group: Any, register: bool = False) -> "CudaTransport":
     if not torch.cuda.is_available():
         raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
     if not _C._build_info["cuda"]:
@@ -80,13 +92,7 @@ def make_cuda_transport(backend: str, group: Any) -> "CudaTransport":
     if backend == "nccl":
         from .. import _nccl
 
-        if REGISTER:
-            # torch allocates with cudaMalloc, which NCCL registers (cudaIpc handles) only
-            # when told to; NCCL reads this at its first registered transfer. Set on every
-            # rank alike, as the registration itself must be.
-            os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1")
-
-        return CudaTransport(group, _nccl.communicator(group))
+        return CudaTransport(group, _nccl.communicator(group), register)
     return CudaTransport(group, None)
 
 
@@ -96,8 +102,10 @@ class CudaTransport:
     side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
     staging); the caller's stream waits for the last transfer before its unpack."""
 
-    def __init__(self, group: Any, comm: Optional[Any]):
+    def __init__(self, group: Any, comm: Optional[Any], register: bool = False):
         self.comm = comm
+        # NCCL buffer registration, as agreed by every rank at plan time (registration_vote)
+        self.register = register and comm is not None
         # With NCCL, an op of >= DIRECT_BYTES whose box is one contiguous run is sent from
         # / received into the tensor itself: no pack or unpack pass over its bytes (a
         # refit is link-bound and those passes are serial with the transfer). torch p2p
@@ -143,7 +151,7 @@ class CudaTransport:
         nc = len(copy_parts)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
-        if self.comm is not None and REGISTER:
+        if self.register:
             self._register()
         if self.p2p is not None:
             self._p2p_ops = [self.p2p.views(m, self.send + self.recv) for m in self._messages]
