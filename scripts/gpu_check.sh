@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [megatron]
+#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron]
 #   (default: build tests sanitize bench mx). `megatron` needs megatron-core wheels carried
 #   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
 set -uo pipefail
@@ -99,6 +99,26 @@ if has exp4 && [ "$ngpu" -ge 4 ]; then
   step "exp4 tp2-tp1 timeline"
   timeout 150 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case tp2-tp1 --no-baseline --trace \
     2>&1 | grep -v "^W\|^\[W" > "$OUT/trace4.log"; tail -3 "$OUT/trace4.log"
+fi
+
+if has next && [ "$ngpu" -ge 2 ]; then
+  # The next session's A/Bs (see the closing note of 2026-11-26, third session):
+  # direct-message threshold now that transfers are registered, and batch size on 4 GPUs.
+  export RESHARD_EXT_NCCL_TIMEOUT=90
+  for d in 67108864 16777216 4194304; do
+    for c in tp2-tp1 moe-ep2-ep1; do
+      step "next: $c, RESHARD_EXT_CUDA_DIRECT_BYTES=$d"
+      RESHARD_EXT_CUDA_DIRECT_BYTES=$d timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+        --case "$c" --no-baseline 2>&1 | grep -E "^ +[0-9] |^== " | tee -a "$OUT/next.log"
+    done
+  done
+  if [ "$ngpu" -ge 4 ]; then
+    for b in 536870912 1073741824 2147483648; do
+      step "next: tp2-tp1 on 4 GPUs, RESHARD_EXT_CUDA_BATCH_BYTES=$b"
+      RESHARD_EXT_CUDA_BATCH_BYTES=$b timeout 150 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py \
+        --case tp2-tp1 --no-baseline --transfers-only 2>&1 | grep -E "^ +[0-9] |^== |alone" | tee -a "$OUT/next.log"
+    done
+  fi
 fi
 
 if has bench-big; then
