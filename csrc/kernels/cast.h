@@ -16,45 +16,21 @@
 
 namespace rx {
 
-RX_HD uint32_t f32_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-#endif
+// The bits of a value as another type of the same size. memcpy of a local is folded
+// into a register move by nvcc and by host compilers alike (the SASS of both kernels
+// has no local-memory traffic), so one definition serves both sides.
+template <typename To, typename From>
+RX_HD To bit_cast(From v) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of different sizes");
+  To out;
+  memcpy(&out, &v, sizeof(To));
+  return out;
 }
 
-RX_HD float f32_from_bits(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-
-RX_HD uint64_t f64_bits(double d) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint64_t>(__double_as_longlong(d));
-#else
-  uint64_t u;
-  memcpy(&u, &d, 8);
-  return u;
-#endif
-}
-
-RX_HD double f64_from_bits(uint64_t u) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(static_cast<long long>(u));
-#else
-  double d;
-  memcpy(&d, &u, 8);
-  return d;
-#endif
-}
+RX_HD uint32_t f32_bits(float f) { return bit_cast<uint32_t>(f); }
+RX_HD float f32_from_bits(uint32_t u) { return bit_cast<float>(u); }
+RX_HD uint64_t f64_bits(double d) { return bit_cast<uint64_t>(d); }
+RX_HD double f64_from_bits(uint64_t u) { return bit_cast<double>(u); }
 
 RX_HD uint16_t bf16_from_f32(float f) {
   uint32_t u = f32_bits(f);

@@ -342,13 +342,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 2 : kMinBloc
   const int warp = static_cast<int>(threadIdx.x / kWarp);
   const int lane = static_cast<int>(threadIdx.x % kWarp);
   int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (!kStride) {
+  if constexpr (!kStride) {
     if (t < num_tiles) run_lane(boxes, tiles[t], lane, slots[warp]);
-    return;
-  }
-  for (; t < num_tiles; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    run_lane(boxes, tiles[t], lane, slots[warp]);
-    __syncwarp();  // the next tile rewrites the warp's slot: no lane may still read this one
+  } else {
+    for (; t < num_tiles; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+      run_lane(boxes, tiles[t], lane, slots[warp]);
+      __syncwarp();  // the next tile rewrites the warp's slot: no lane may still read this one
+    }
   }
 }
 
