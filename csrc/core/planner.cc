@@ -304,19 +304,28 @@ namespace {
 // lasts as long as its busiest pair, and one unsplit op of a few hundred MB (a vocab
 // shard) made one batch of a 4-GPU refit take 6 ms where the others took 1.6. Both ends
 // of a pair hold the same op list and cut it the same way.
-void resplit_pairs(std::vector<TransferOp>& ops, int32_t k) {
-  if (k <= 1) return;
-  std::vector<TransferOp> out;
-  out.reserve(ops.size());
+// Calls fn(begin, end, total bytes) for each run of ops with the same peer (ops are
+// sorted by peer: one run per pair).
+template <typename Fn>
+void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
   size_t i = 0;
   while (i < ops.size()) {
     size_t end = i;
     int64_t total = 0;
     while (end < ops.size() && ops[end].peer == ops[i].peer) total += ops[end++].nbytes;
-    const int64_t limit = std::max<int64_t>(1, (total + 2 * k - 1) / (2 * k));
-    for (size_t o = i; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
+    fn(i, end, total);
     i = end;
   }
+}
+
+void resplit_pairs(std::vector<TransferOp>& ops, int32_t k) {
+  if (k <= 1) return;
+  std::vector<TransferOp> out;
+  out.reserve(ops.size());
+  for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
+    const int64_t limit = std::max<int64_t>(1, (total + 2 * k - 1) / (2 * k));
+    for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
+  });
   ops.swap(out);
 }
 
@@ -331,11 +340,7 @@ void RankPlan::assign_batches(int32_t k) {
   resplit_pairs(recvs, k);
 
   auto side = [&](std::vector<TransferOp>& ops, bool is_send) {
-    size_t i = 0;
-    while (i < ops.size()) {
-      size_t end = i;
-      int64_t total = 0;
-      while (end < ops.size() && ops[end].peer == ops[i].peer) total += ops[end++].nbytes;
+    for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
       const int32_t peer = ops[i].peer;
       // Batch of an op: proportional to where it starts in the pair's byte stream, so
       // every batch of every pair carries about total/k bytes, and both ends agree.
@@ -370,8 +375,7 @@ void RankPlan::assign_batches(int32_t k) {
                                     mix64((static_cast<uint64_t>(d.from) << 32) | static_cast<uint32_t>(d.to)));
       (is_send ? send_digest : recv_digest) += folded;
       digests.push_back(d);
-      i = end;
-    }
+    });
   };
   side(sends, true);
   side(recvs, false);

@@ -161,8 +161,8 @@ class CudaTransport:
         whole, direct messages by their own range (they point into the bound tensors,
         which the plan keeps alive). Drops the registrations of an earlier binding."""
         self.deregister()
-        ranges = {(t.data_ptr(), t.numel()) for t in self.send + self.recv}
-        staging = sorted(ranges)
+        staging = [(t.data_ptr(), t.numel()) for t in self.send + self.recv]
+        ranges = set(staging)
         for sends, recvs in self._messages:
             for _, ptr, n in sends + recvs:
                 if n > 0 and not any(a <= ptr and ptr + n <= a + m for a, m in staging):
