@@ -102,21 +102,23 @@ if has exp4 && [ "$ngpu" -ge 4 ]; then
 fi
 
 if has next && [ "$ngpu" -ge 2 ]; then
-  # The next session's A/Bs (see the closing note of 2026-11-26, third session):
-  # direct-message threshold now that transfers are registered, and batch size on 4 GPUs.
+  # Direct-message threshold now that transfers are registered (staged bytes cost a pack
+  # and an unpack pass beside the link; direct ones none), on the 4-GPU collocated cases
+  # (with the planner's same-DP-group replica choice) and on 2 GPUs.
   export RESHARD_EXT_NCCL_TIMEOUT=90
-  for d in 67108864 16777216 4194304; do
-    for c in tp2-tp1 moe-ep2-ep1; do
-      step "next: $c, RESHARD_EXT_CUDA_DIRECT_BYTES=$d"
-      RESHARD_EXT_CUDA_DIRECT_BYTES=$d timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
-        --case "$c" --no-baseline 2>&1 | grep -E "^ +[0-9] |^== " | tee -a "$OUT/next.log"
+  n4=$(( ngpu >= 4 ? 4 : 2 ))
+  for c in tp2-tp1 moe-ep2-ep1; do
+    for d in 67108864 16777216 4194304; do
+      step "next: $c on $n4 GPUs, RESHARD_EXT_CUDA_DIRECT_BYTES=$d"
+      RESHARD_EXT_CUDA_DIRECT_BYTES=$d timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py \
+        --case "$c" --no-baseline --transfers-only 2>&1 | grep -E "^ +[0-9] |^== |alone" | tee -a "$OUT/next.log"
     done
   done
-  if [ "$ngpu" -ge 4 ]; then
-    for b in 536870912 1073741824 2147483648; do
-      step "next: tp2-tp1 on 4 GPUs, RESHARD_EXT_CUDA_BATCH_BYTES=$b"
-      RESHARD_EXT_CUDA_BATCH_BYTES=$b timeout 150 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py \
-        --case tp2-tp1 --no-baseline --transfers-only 2>&1 | grep -E "^ +[0-9] |^== |alone" | tee -a "$OUT/next.log"
+  if [ "$n4" -eq 4 ]; then
+    for c in tp2-tp1 moe-ep2-ep1; do
+      step "next: $c on 2 GPUs, RESHARD_EXT_CUDA_DIRECT_BYTES=16777216"
+      RESHARD_EXT_CUDA_DIRECT_BYTES=16777216 timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+        --case "$c" --no-baseline 2>&1 | grep -E "^ +[0-9] |^== " | tee -a "$OUT/next.log"
     done
   fi
 fi

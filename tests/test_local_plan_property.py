@@ -108,6 +108,34 @@ def test_replicas_spread_evenly():
     assert set(load.values()) == {2}, load
 
 
+def test_collocated_receivers_pull_from_their_own_replica():
+    # TP2·DP2 -> TP1·DP4 on the same 4 ranks: each rank takes the missing half from the
+    # holder in its own DP group, for every tensor, so the refit is two independent
+    # pairs (0<->1, 2<->3) and every src rank sends exactly one half.
+    src = Layout((64, 8), torch.float32, Mesh([[0, 1], [2, 3]]), [Replicate(), Shard(0)])
+    dst = Layout((64, 8), torch.float32, Mesh([0, 1, 2, 3]), [Replicate()])
+    names = [f"w{i}" for i in range(16)]
+    for r in range(4):
+        p = rx.local_plan({n: src for n in names}, {n: dst for n in names}, r)
+        assert {op.peer for op in p.recvs} == {r, r ^ 1}
+        assert {op.peer for op in p.sends} == {r, r ^ 1}  # same-rank copies are listed on both sides
+        assert sum(op.nbytes for op in p.sends if op.peer != r) == 16 * 32 * 8 * 4
+
+
+def test_receivers_outside_the_src_mesh_keep_one_peer():
+    # EP2 experts replicated over DP (expert e on ranks {e%2, e%2+2}) -> every rank holds
+    # every expert: the non-holders of an expert are outside its src mesh. Each takes all
+    # it lacks from one holder, and the holders share the receivers evenly.
+    names = [f"e{i}" for i in range(16)]
+    src = {n: Layout((32, 8), torch.float32, Mesh([i % 2, i % 2 + 2]), [Replicate()]) for i, n in enumerate(names)}
+    dst = {n: Layout((32, 8), torch.float32, Mesh([0, 1, 2, 3]), [Replicate()]) for n in names}
+    for r in range(4):
+        p = rx.local_plan(src, dst, r)
+        remote = [op for op in p.recvs if op.peer != r]
+        assert len(remote) == 8 and len({op.peer for op in remote}) == 1, [op.peer for op in remote]
+        assert len([op for op in p.sends if op.peer != r]) == 8
+
+
 def test_local_copy_preferred():
     src = Layout((16, 4), torch.float32, Mesh([[0, 1], [2, 3]]), [Replicate(), Shard(0)])
     # ranks 0 and 2 hold rows 0-8, ranks 1 and 3 rows 8-16; each wants a quarter of its own half
