@@ -13,6 +13,7 @@ data moves, so no rank is left waiting in a collective the others skipped.
 """
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -28,6 +29,10 @@ from .transforms import Piece
 # Counters for tests and diagnostics: collective metadata exchanges, planner runs and
 # warm swaps that reused a model description (swap.py).
 STATS: dict[str, int] = {"exchanges": 0, "plans": 0, "describe_reused": 0}
+
+# RESHARD_EXT_BATCH_TAPER=0: equal batches instead of half-size first and last ones
+# (RankPlan.taper; every rank must set it alike, or rx.plan reports a digest mismatch).
+BATCH_TAPER = os.environ.get("RESHARD_EXT_BATCH_TAPER", "1") not in ("", "0")
 
 Entries = Mapping[str, tuple[Any, Layout]]
 _MAX_LISTED_ERRORS = 20
@@ -93,6 +98,7 @@ def local_plan(
     if errors:
         _raise(errors)
     c = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
+    c.taper = BATCH_TAPER
     c.assign_batches(int(num_batches or c.wanted_batches()))
     copies = c.copies()
     return RankPlan(
@@ -234,6 +240,7 @@ def plan_collective(
     if not late:
         try:
             rank_plan = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
+            rank_plan.taper = BATCH_TAPER
             STATS["plans"] += 1
         except ReshardError as e:
             late.append(f"rank {rank}: {e}")

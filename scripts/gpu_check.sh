@@ -102,25 +102,20 @@ if has exp4 && [ "$ngpu" -ge 4 ]; then
 fi
 
 if has next && [ "$ngpu" -ge 2 ]; then
-  # Direct-message threshold now that transfers are registered (staged bytes cost a pack
-  # and an unpack pass beside the link; direct ones none), on the 4-GPU collocated cases
-  # (with the planner's same-DP-group replica choice) and on 2 GPUs.
+  # A/B of the default grid cap (half the SMs) against uncapped kernels, on every case that
+  # transfers, with 4 GPUs when there are 4; one timeline of TP2->TP1.
   export RESHARD_EXT_NCCL_TIMEOUT=90
   n4=$(( ngpu >= 4 ? 4 : 2 ))
-  for c in tp2-tp1 moe-ep2-ep1; do
-    for d in 67108864 16777216 4194304; do
-      step "next: $c on $n4 GPUs, RESHARD_EXT_CUDA_DIRECT_BYTES=$d"
-      RESHARD_EXT_CUDA_DIRECT_BYTES=$d timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py \
-        --case "$c" --no-baseline --transfers-only 2>&1 | grep -E "^ +[0-9] |^== |alone" | tee -a "$OUT/next.log"
+  for c in tp2-tp1 moe-ep2-ep1 noncolo-tp2-tp2dp noncolo-tp1-tp1; do
+    for knobs in "" "RESHARD_EXT_CUDA_MAX_BLOCKS=0"; do
+      step "next: $c on $n4 GPUs [$knobs]"
+      env $knobs timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py \
+        --case "$c" --no-baseline --transfers-only 2>&1 | grep -E "^ +[0-9] |^== |alone|skipped" | tee -a "$OUT/next.log"
     done
   done
-  if [ "$n4" -eq 4 ]; then
-    for c in tp2-tp1 moe-ep2-ep1; do
-      step "next: $c on 2 GPUs, RESHARD_EXT_CUDA_DIRECT_BYTES=16777216"
-      RESHARD_EXT_CUDA_DIRECT_BYTES=16777216 timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
-        --case "$c" --no-baseline 2>&1 | grep -E "^ +[0-9] |^== " | tee -a "$OUT/next.log"
-    done
-  fi
+  step "next: tp2-tp1 on $n4 GPUs, timeline"
+  timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py --case tp2-tp1 --no-baseline --trace \
+    2>&1 | grep -v "^W\|^\[W" > "$OUT/trace_next.log"; grep -E "^ +[0-9] " "$OUT/trace_next.log"
 fi
 
 if has bench-big; then

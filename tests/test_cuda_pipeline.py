@@ -1,6 +1,6 @@
 """The GPU transport's launch order, checked on any machine: fake streams, events, tables
 and communicator record what CudaTransport.run asks of them, so the pipelining (pack k+1
-and the copy slice of k under transfer k, unpack k only after transfer k) and the trace
+and then the copy slice of k under transfer k, unpack k only after transfer k) and the trace
 timeline are tested without a GPU."""
 from __future__ import annotations
 
@@ -88,11 +88,11 @@ def test_pipeline_order(monkeypatch: pytest.MonkeyPatch) -> None:
     _transport(monkeypatch, batches=3, copies=3).run(None)
     assert LOG == [
         "main: pack 0", "side: wait main", "side: exchange s0", "side: record e1",
-        "main: copy 0",  # under transfer 0
         "main: pack 1", "side: wait main", "side: exchange s1", "side: record e2",  # posted before waiting for 0
+        "main: copy 0",  # under transfer 0, after the pack of 1: it never delays transfer 1
         "main: wait e1", "main: unpack 0",
-        "main: copy 1", "main: pack 2", "side: wait main", "side: exchange s2", "side: record e3",
-        "main: wait e2", "main: unpack 1",
+        "main: pack 2", "side: wait main", "side: exchange s2", "side: record e3",
+        "main: copy 1", "main: wait e2", "main: unpack 1",
         "main: copy 2", "main: wait e3", "main: unpack 2",
         "host: comm.wait",
     ]
@@ -100,7 +100,7 @@ def test_pipeline_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_one_copy_table_runs_under_the_first_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     _transport(monkeypatch, batches=2, copies=1).run(None)
-    assert LOG.index("main: copy 0") < LOG.index("main: pack 1") < LOG.index("main: wait e1")
+    assert LOG.index("main: pack 1") < LOG.index("main: copy 0") < LOG.index("main: wait e1")
 
 
 def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,4 +108,4 @@ def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     t = _transport(monkeypatch, batches=2, copies=2)
     t.run(None)
     steps = [line.split(":")[0].strip() for line in t.last_timeline.splitlines()[1:]]
-    assert steps == ["pack 0", "transfer 0", "copy 0", "pack 1", "transfer 1", "unpack 0", "copy 1", "unpack 1"]
+    assert steps == ["pack 0", "transfer 0", "pack 1", "transfer 1", "copy 0", "unpack 0", "copy 1", "unpack 1"]

@@ -130,10 +130,9 @@ std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
   std::vector<std::vector<rx_box>> out(parts);
   int64_t done = 0;
   for (const rx_box& b : copies_) {
-    // The part whose byte range holds this box's midpoint.
-    const int64_t mid = done + bytes_of(b) / 2;
-    const int64_t part = total > 0 ? std::min<int64_t>(parts - 1, mid * parts / total) : 0;
-    out[part].push_back(b);
+    // The part whose byte range holds this box's midpoint, shared like the batches'
+    // bytes (tapered ends included): each part runs beside one batch's transfer.
+    out[batch_at(done + bytes_of(b) / 2, total, parts, plan_->taper)].push_back(b);
     done += bytes_of(b);
   }
   return out;

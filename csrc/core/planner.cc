@@ -319,19 +319,23 @@ int64_t RankPlan::recv_total() const {
   return n;
 }
 
+int32_t batch_at(int64_t at, int64_t total, int32_t k, bool taper) {
+  if (total <= 0) return 0;
+  const __int128 b = taper && k >= 3 ? (static_cast<__int128>(at) * 2 * (k - 1) + total) / (2 * static_cast<__int128>(total))
+                                     : static_cast<__int128>(at) * k / total;
+  return static_cast<int32_t>(std::min<__int128>(k - 1, b));
+}
+
 int32_t RankPlan::wanted_batches() const {
   if (max_batch_bytes <= 0) return 1;
   const int64_t most = std::max(send_total(), recv_total());
-  return static_cast<int32_t>(std::max<int64_t>(1, (most + max_batch_bytes - 1) / max_batch_bytes));
+  const int64_t k = std::max<int64_t>(1, (most + max_batch_bytes - 1) / max_batch_bytes);
+  // Tapered, k + 1 batches hold k full ones: two half batches at the ends.
+  return static_cast<int32_t>(taper && k >= 2 ? k + 1 : k);
 }
 
 namespace {
 
-// Cuts a pair's ops bigger than half its per-batch share (total / k) along their outer
-// dims, so no batch of the pair carries much more than its share: a batch's transfer
-// lasts as long as its busiest pair, and one unsplit op of a few hundred MB (a vocab
-// shard) made one batch of a 4-GPU refit take 6 ms where the others took 1.6. Both ends
-// of a pair hold the same op list and cut it the same way.
 // Calls fn(begin, end, total bytes) for each run of ops with the same peer (ops are
 // sorted by peer: one run per pair).
 template <typename Fn>
@@ -346,12 +350,18 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
   }
 }
 
-void resplit_pairs(std::vector<TransferOp>& ops, int32_t k) {
+// Cuts a pair's ops bigger than half the share of its smallest batch along their outer
+// dims, so no batch of the pair carries much more than its share: a batch's transfer
+// lasts as long as its busiest pair, and one unsplit op of a few hundred MB (a vocab
+// shard) made one batch of a 4-GPU refit take 6 ms where the others took 1.6. Both ends
+// of a pair hold the same op list and cut it the same way.
+void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper) {
   if (k <= 1) return;
+  const int64_t parts = taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k);
   std::vector<TransferOp> out;
   out.reserve(ops.size());
   for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
-    const int64_t limit = std::max<int64_t>(1, (total + 2 * k - 1) / (2 * k));
+    const int64_t limit = std::max<int64_t>(1, (total + parts - 1) / parts);
     for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
   });
   ops.swap(out);
@@ -364,22 +374,18 @@ void RankPlan::assign_batches(int32_t k) {
   batches.assign(k, BatchLayout{});
   digests.clear();
   send_digest = recv_digest = 0;
-  resplit_pairs(sends, k);
-  resplit_pairs(recvs, k);
+  resplit_pairs(sends, k, taper);
+  resplit_pairs(recvs, k, taper);
 
   auto side = [&](std::vector<TransferOp>& ops, bool is_send) {
     for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
       const int32_t peer = ops[i].peer;
-      // Batch of an op: proportional to where it starts in the pair's byte stream, so
-      // every batch of every pair carries about total/k bytes, and both ends agree.
       std::vector<int64_t> fill(k, 0);
       int64_t running = 0;
       uint64_t h = 1469598103934665603ull;
       for (size_t o = i; o < end; ++o) {
         TransferOp& op = ops[o];
-        op.batch = total == 0 ? 0
-                              : static_cast<int32_t>(std::min<__int128>(
-                                    k - 1, static_cast<__int128>(running) * k / total));
+        op.batch = batch_at(running, total, k, taper);
         running += op.nbytes;
         op.offset = align_up(fill[op.batch], kOpAlign);
         fill[op.batch] = op.offset + op.nbytes;

@@ -78,6 +78,12 @@ struct PairDigest {
 // once, on the sender: fewer bytes, same bits), else the source type.
 int32_t wire_dtype_for(int32_t src_dtype, int32_t dst_dtype);
 
+// The batch (of k) holding byte `at` of a stream of `total` bytes: proportional to its
+// place in the stream, so every batch of every pair carries its share and both ends of
+// a pair agree. Tapered (k >= 3): k - 1 full shares, the first and the last batch half
+// of one each.
+int32_t batch_at(int64_t at, int64_t total, int32_t k, bool taper);
+
 class RankPlan {
  public:
   int32_t rank = 0;
@@ -86,6 +92,11 @@ class RankPlan {
   std::vector<PairDigest> digests;  // one per peer and direction, copies excluded
   uint64_t send_digest = 0, recv_digest = 0;
   int64_t max_batch_bytes = 0;
+  // With 3 or more batches, the first and the last carry half the bytes of the others:
+  // the pack of the first batch and the unpack of the last are the only kernels that
+  // cannot overlap a transfer. Every rank must use the same setting (the digests differ
+  // otherwise, and rx.plan reports it).
+  bool taper = true;
 
   // How many batches this rank would need under max_batch_bytes (1 when unbounded).
   int32_t wanted_batches() const;

@@ -130,6 +130,7 @@ void register_core(py::module_& m) {
       .def_readonly("rank", &RankPlan::rank)
       .def_readonly("send_digest", &RankPlan::send_digest)
       .def_readonly("recv_digest", &RankPlan::recv_digest)
+      .def_readwrite("taper", &RankPlan::taper)
       .def("wanted_batches", &RankPlan::wanted_batches)
       .def("assign_batches", &RankPlan::assign_batches)
       .def_property_readonly("num_batches", [](const RankPlan& p) { return p.batches.size(); })

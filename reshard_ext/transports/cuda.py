@@ -27,9 +27,12 @@ TRACE = os.environ.get("RESHARD_EXT_TRACE", "0") not in ("", "0")
 # Same-rank copies in one slice per batch (default) or all at once before the first
 # unpack (RESHARD_EXT_CUDA_SPLIT_COPIES=0; kept to measure the difference).
 SPLIT_COPIES = os.environ.get("RESHARD_EXT_CUDA_SPLIT_COPIES", "1") not in ("", "0")
-# Caps the grid of the pack/unpack/copy launches that run beside a transfer (0: one warp
-# per tile): experiments on how much those kernels slow the link by competing for HBM.
-MAX_BLOCKS = int(os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "0"))
+# Caps the grid of the pack/unpack/copy launches that run beside the transfers: at full
+# width they take HBM bandwidth and SM slots from NCCL's kernels in bursts. Default: half
+# as many blocks as the GPU has SMs (2x H200, registered, A/B in one run: TP2->TP1
+# 0.90-0.91 -> 0.93-0.94 of the NCCL ceiling, MoE 0.90-0.91 -> 0.91). 0: uncapped (one
+# warp per tile). A plan without transfers always runs uncapped.
+_MAX_BLOCKS_ENV = os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "")
 # The staging buffers and direct-message tensors are registered with NCCL
 # (ncclCommRegister), so intra-node transfers move straight between them instead of
 # through NCCL's FIFOs: two fewer HBM passes per byte, which the packs, unpacks and
@@ -84,6 +87,12 @@ def registration_vote() -> bool:
     return os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
 
 
+def _max_blocks() -> int:
+    if _MAX_BLOCKS_ENV:
+        return int(_MAX_BLOCKS_ENV)
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count // 2
+
+
 def make_cuda_transport(backend: str, group: Any, register: bool = False) -> "CudaTransport":
     if not torch.cuda.is_available():
         raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
@@ -118,7 +127,7 @@ class CudaTransport:
         self.send: list[torch.Tensor] = []
         self.recv: list[torch.Tensor] = []
         self.last_timeline = ""
-        self.max_blocks = MAX_BLOCKS if comm is not None else 0
+        self.max_blocks = _max_blocks() if comm is not None else 0
         self._registered: list[int] = []  # NCCL registration handles of the bound buffers
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
@@ -133,7 +142,8 @@ class CudaTransport:
         nb = tables.num_batches
         # With a side stream the local copies go in one slice per batch, between the pack
         # of the next batch and the unpack of this one (see run).
-        copy_parts = tables.copy_boxes_split(nb) if (SPLIT_COPIES and self.comm is not None and nb > 1) else [tables.copy_boxes()]
+        sliced = SPLIT_COPIES and self.comm is not None and nb > 1
+        copy_parts = tables.copy_boxes_split(nb) if sliced else [tables.copy_boxes()]
         host = [_C.DeviceBoxTable(part) for part in copy_parts]
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
         host += [_C.DeviceBoxTable(tables.unpack_boxes(b)) for b in range(tables.num_batches)]
@@ -213,12 +223,13 @@ class CudaTransport:
 
         post(0)
         for b in range(k):
-            # This batch's slice of the same-rank copies runs under transfer b; one big
-            # copy up front would hold back the pack of b + 1 and leave the link idle.
-            if b < len(self._copy):
-                step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
             if b + 1 < k:
                 post(b + 1)  # overlaps the transfer of b
+            # This batch's slice of the same-rank copies runs under transfer b, after the
+            # pack of b + 1 so that it never holds back the next transfer; one big copy up
+            # front would leave the link idle.
+            if b < len(self._copy):
+                step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
             main.wait_event(done[b])
             step("unpack", b, main, lambda b=b: self._unpack[b].launch(s, cap))
         # A dead peer or a lost message raises here (bounded by the communicator's
