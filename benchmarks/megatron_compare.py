@@ -55,6 +55,9 @@ def main() -> None:
     dst_mc = mr.build(seed=3, **dst_kw, **sizes)
     plan = rx.prepare_swap_model_weights(src, dst_rx)
     t_rx = cuda_time(lambda: rx.swap_model_weights(src, dst_rx), args.iters)
+    # the same plan without swap_model_weights' host work (finding the cached plan for the
+    # two modules): what the GPU side costs alone
+    t_exec = cuda_time(lambda: rx.execute(plan), args.iters)
     try:
         t_mc = cuda_time(lambda: mcore_swap(src, dst_mc, "nccl"), args.iters)
         mc_error = ""
@@ -64,20 +67,21 @@ def main() -> None:
     ours, theirs = mr.tensors(dst_rx), mr.tensors(dst_mc)
     differ = [f"mcore failed: {mc_error}"] if mc_error else sorted(n for n in ours if not torch.equal(ours[n], theirs[n]))
     local = sum(t.numel() * t.element_size() for t in ours.values()) - plan.bytes_received
-    row = (rank, plan.bytes_sent, plan.bytes_received, local, t_rx, t_mc, t_ceil, len(ours), differ[:3])
+    row = (rank, plan.bytes_sent, plan.bytes_received, local, t_rx, t_mc, t_ceil, len(ours), differ[:3], t_exec)
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
         print(f"\n== megatron_compare {args.case}: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, "
               f"experts {args.experts}, bf16, {torch.cuda.get_device_name()} x{dist.get_world_size()}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'nccl ms':>8} {'rx ms':>8} {'rx/ceil':>7} "
-              f"{'mcore ms':>9} {'mcore/ceil':>10} {'speedup':>7} {'tensors':>7}  bit-identical")
-        for r, sent, recv, loc, trx, tmc, tc, n, bad in rows:
+              f"{'mcore ms':>9} {'mcore/ceil':>10} {'speedup':>7} {'tensors':>7} {'execute ms':>10}  bit-identical")
+        for r, sent, recv, loc, trx, tmc, tc, n, bad, tex in rows:
             print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * tc:8.2f} {1e3 * trx:8.2f} "
-                  f"{tc / trx:7.2f} {1e3 * tmc:9.2f} {tc / tmc:10.2f} {tmc / trx:7.2f} {n:7d}  "
+                  f"{tc / trx:7.2f} {1e3 * tmc:9.2f} {tc / tmc:10.2f} {tmc / trx:7.2f} {n:7d} {1e3 * tex:10.2f}  "
                   f"{'yes' if not bad else 'NO: ' + ', '.join(bad)}")
         print("x/ceil = NCCL send/recv of the same bytes / refit time (1.00 = at the link's ceiling); "
-              "speedup = mcore time / rx time")
+              "speedup = mcore time / rx time; execute = rx.execute of the same plan, without "
+              "swap_model_weights' host work")
     dist.destroy_process_group()
 
 
