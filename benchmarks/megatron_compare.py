@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +60,12 @@ def main() -> None:
     # the same plan without swap_model_weights' host work (finding the cached plan for the
     # two modules): what the GPU side costs alone
     t_exec = cuda_time(lambda: rx.execute(plan), args.iters)
+    host = []  # host wall time of the warm plan lookup (describe both models, agree, find)
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        rx.prepare_swap_model_weights(src, dst_rx)
+        host.append(time.perf_counter() - t0)
+    t_host = statistics.median(host)
     try:
         t_mc = cuda_time(lambda: mcore_swap(src, dst_mc, "nccl"), args.iters)
         mc_error = ""
@@ -67,21 +75,22 @@ def main() -> None:
     ours, theirs = mr.tensors(dst_rx), mr.tensors(dst_mc)
     differ = [f"mcore failed: {mc_error}"] if mc_error else sorted(n for n in ours if not torch.equal(ours[n], theirs[n]))
     local = sum(t.numel() * t.element_size() for t in ours.values()) - plan.bytes_received
-    row = (rank, plan.bytes_sent, plan.bytes_received, local, t_rx, t_mc, t_ceil, len(ours), differ[:3], t_exec)
+    row = (rank, plan.bytes_sent, plan.bytes_received, local, t_rx, t_mc, t_ceil, len(ours), differ[:3], t_exec, t_host)
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
         print(f"\n== megatron_compare {args.case}: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, "
               f"experts {args.experts}, bf16, {torch.cuda.get_device_name()} x{dist.get_world_size()}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'nccl ms':>8} {'rx ms':>8} {'rx/ceil':>7} "
-              f"{'mcore ms':>9} {'mcore/ceil':>10} {'speedup':>7} {'tensors':>7} {'execute ms':>10}  bit-identical")
-        for r, sent, recv, loc, trx, tmc, tc, n, bad, tex in rows:
+              f"{'mcore ms':>9} {'mcore/ceil':>10} {'speedup':>7} {'tensors':>7} {'execute ms':>10} {'lookup ms':>9}  bit-identical")
+        for r, sent, recv, loc, trx, tmc, tc, n, bad, tex, th in rows:
             print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * tc:8.2f} {1e3 * trx:8.2f} "
-                  f"{tc / trx:7.2f} {1e3 * tmc:9.2f} {tc / tmc:10.2f} {tmc / trx:7.2f} {n:7d} {1e3 * tex:10.2f}  "
+                  f"{tc / trx:7.2f} {1e3 * tmc:9.2f} {tc / tmc:10.2f} {tmc / trx:7.2f} {n:7d} {1e3 * tex:10.2f} {1e3 * th:9.2f}  "
                   f"{'yes' if not bad else 'NO: ' + ', '.join(bad)}")
         print("x/ceil = NCCL send/recv of the same bytes / refit time (1.00 = at the link's ceiling); "
               "speedup = mcore time / rx time; execute = rx.execute of the same plan, without "
-              "swap_model_weights' host work")
+              "swap_model_weights' host work; lookup = host time of that work (warm "
+              "prepare_swap_model_weights: describe both models, agree over the group, find the plan)")
     dist.destroy_process_group()
 
 

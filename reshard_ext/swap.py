@@ -66,9 +66,6 @@ def clear_caches() -> None:
 _DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, tuple]] = {}
 
 
-_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_sizes", "allreduce")
-
-
 def _fingerprint(chunks: list[nn.Module]) -> tuple:
     """Everything the Megatron adapter reads, cheaply: the module tree (names, layer
     numbers, process groups, expert count, tying) and every parameter and buffer (object,
@@ -76,9 +73,11 @@ def _fingerprint(chunks: list[nn.Module]) -> tuple:
     descriptions, so a changed model is described (and planned) again.
 
     Hot on every warm swap (hundreds of modules and tensors): an explicit stack instead
-    of Module.modules() (no prefix strings), and instance __dict__ lookups instead of
-    getattr, whose misses raise inside Module.__getattr__ / Tensor attribute lookup."""
+    of Module.modules() (no prefix strings), instance __dict__ lookups instead of
+    getattr (whose misses raise inside Module.__getattr__ / Tensor attribute lookup), one
+    tuple per module and per tensor, the parallel attributes read by name."""
     out: list = []
+    add = out.append
     for chunk in chunks:
         core = megatron_adapter.unwrap(chunk)
         out += [id(core), id(getattr(core, "pg_collection", None)),
@@ -88,17 +87,20 @@ def _fingerprint(chunks: list[nn.Module]) -> tuple:
         seen: set = set()
         while stack:
             mod = stack.pop()
-            if id(mod) in seen:  # a shared submodule: once, as Module.modules() does
+            key = id(mod)
+            if key in seen:  # a shared submodule: once, as Module.modules() does
                 continue
-            seen.add(id(mod))
-            children = mod._modules
-            out += [id(mod), tuple(children), mod.__dict__.get("layer_number"), tuple(mod._non_persistent_buffers_set)]
-            for table in (mod._parameters, mod._buffers):
-                for key, t in table.items():
+            seen.add(key)
+            d = mod.__dict__
+            children = d["_modules"]
+            add((key, tuple(children), d.get("layer_number"), tuple(d["_non_persistent_buffers_set"])))
+            for table in (d["_parameters"], d["_buffers"]):
+                for name, t in table.items():
                     if t is not None:
-                        d = t.__dict__
-                        out.append((key, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype,
-                                    *[d.get(a) for a in _PARAM_ATTRS]))
+                        a = t.__dict__
+                        add((name, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, a.get("tensor_model_parallel"),
+                             a.get("partition_dim"), a.get("partition_stride"), a.get("partition_sizes"),
+                             a.get("allreduce")))
             stack.extend(c for c in reversed(children.values()) if c is not None)
     return tuple(out)
 

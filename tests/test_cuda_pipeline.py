@@ -109,3 +109,17 @@ def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     t.run(None)
     steps = [line.split(":")[0].strip() for line in t.last_timeline.splitlines()[1:]]
     assert steps == ["pack 0", "transfer 0", "pack 1", "transfer 1", "copy 0", "unpack 0", "copy 1", "unpack 1"]
+
+
+def test_grid_cap_only_for_ranks_that_send_and_receive(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props())
+    monkeypatch.setattr(cuda_transport, "_MAX_BLOCKS_ENV", "")
+    assert cuda_transport._max_blocks(True, True) == 66
+    assert cuda_transport._max_blocks(True, False) == 0
+    assert cuda_transport._max_blocks(False, True) == 0
+    monkeypatch.setattr(cuda_transport, "_MAX_BLOCKS_ENV", "40")
+    assert cuda_transport._max_blocks(False, True) == 40

@@ -27,11 +27,13 @@ TRACE = os.environ.get("RESHARD_EXT_TRACE", "0") not in ("", "0")
 # Same-rank copies in one slice per batch (default) or all at once before the first
 # unpack (RESHARD_EXT_CUDA_SPLIT_COPIES=0; kept to measure the difference).
 SPLIT_COPIES = os.environ.get("RESHARD_EXT_CUDA_SPLIT_COPIES", "1") not in ("", "0")
-# Caps the grid of the pack/unpack/copy launches that run beside the transfers: at full
-# width they take HBM bandwidth and SM slots from NCCL's kernels in bursts. Default: half
-# as many blocks as the GPU has SMs (2x H200, registered, A/B in one run: TP2->TP1
-# 0.90-0.91 -> 0.93-0.94 of the NCCL ceiling, MoE 0.90-0.91 -> 0.91). 0: uncapped (one
-# warp per tile). A plan without transfers always runs uncapped.
+# Caps the grid of the pack/unpack/copy launches of a rank that both sends and receives:
+# at full width they take HBM bandwidth and SM slots in bursts from NCCL's send and
+# receive kernels. Default: half as many blocks as the GPU has SMs. 2x H200, registered,
+# A/B in one run: TP2->TP1 0.92 -> 0.96 of the NCCL ceiling, MoE EP2->EP1 0.91 either
+# way; a one-way (non-collocated) rank lost with it (0.94 -> 0.92), so it is left
+# uncapped, as is a plan without transfers. RESHARD_EXT_CUDA_MAX_BLOCKS=N: N blocks for
+# every plan with transfers (0: uncapped, one warp per tile).
 _MAX_BLOCKS_ENV = os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "")
 # The staging buffers and direct-message tensors are registered with NCCL
 # (ncclCommRegister), so intra-node transfers move straight between them instead of
@@ -87,9 +89,11 @@ def registration_vote() -> bool:
     return os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
 
 
-def _max_blocks() -> int:
+def _max_blocks(sends: bool, receives: bool) -> int:
     if _MAX_BLOCKS_ENV:
         return int(_MAX_BLOCKS_ENV)
+    if not (sends and receives):
+        return 0
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count // 2
 
 
@@ -127,7 +131,7 @@ class CudaTransport:
         self.send: list[torch.Tensor] = []
         self.recv: list[torch.Tensor] = []
         self.last_timeline = ""
-        self.max_blocks = _max_blocks() if comm is not None else 0
+        self.max_blocks = 0  # set per plan in prepare
         self._registered: list[int] = []  # NCCL registration handles of the bound buffers
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
@@ -159,6 +163,8 @@ class CudaTransport:
         # plan time, rather than order every later launch after them.
         torch.cuda.current_stream().synchronize()
         nc = len(copy_parts)
+        if self.comm is not None:
+            self.max_blocks = _max_blocks(tables.send_total > 0, tables.recv_total > 0)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
         if self.register:
