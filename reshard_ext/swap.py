@@ -63,7 +63,7 @@ def clear_caches() -> None:
 # Megatron descriptions of the last models seen: (side, group, offset) -> (model ids,
 # fingerprint, entries, signature). A warm swap re-reads only what the description
 # depends on (one walk over the modules) instead of describing the model again.
-_DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, tuple]] = {}
+_DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, "_Signature"]] = {}
 
 
 def _fingerprint(chunks: list[nn.Module]) -> tuple:
@@ -106,10 +106,10 @@ def _fingerprint(chunks: list[nn.Module]) -> tuple:
 
 
 def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
-              adapter: Optional[Adapter]) -> tuple[Entries, tuple]:
+              adapter: Optional[Adapter]) -> tuple[Entries, _Signature]:
     """(entries, layout signature) of one side."""
     if model is None:
-        return {}, ()
+        return {}, _signature({})
     if isinstance(model, Mapping):
         entries = dict(model)
         return entries, _signature(entries)
@@ -140,8 +140,27 @@ def _group_key(group: Any) -> tuple:
     return (dist.get_backend(g), tuple(dist.get_process_group_ranks(g)))
 
 
-def _signature(entries: Entries) -> tuple:
-    return tuple(sorted((name, layout) for name, (_, layout) in entries.items()))
+class _Signature:
+    """The sorted (name, layout) pairs of one side, as part of a plan-cache key. Python
+    does not cache a tuple's hash: hashing the raw pairs on every warm lookup cost
+    ~3 ms for a 389-tensor GPT (two sides, a Python-level Layout.__hash__ each). Hashed
+    once here; equal when identical (the memoized description) or equal pairs."""
+
+    __slots__ = ("pairs", "_hash")
+
+    def __init__(self, pairs: tuple) -> None:
+        self.pairs = pairs
+        self._hash = hash(pairs)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Signature) and self._hash == other._hash and self.pairs == other.pairs)
+
+
+def _signature(entries: Entries) -> _Signature:
+    return _Signature(tuple(sorted((name, layout) for name, (_, layout) in entries.items())))
 
 
 def _bindings(src: Entries, dst: Entries) -> dict[str, tuple[int, tuple[int, ...]]]:
