@@ -171,15 +171,34 @@ def _bindings(src: Entries, dst: Entries) -> dict[str, tuple[int, tuple[int, ...
     }
 
 
+_AGREE_STREAMS: dict[int, Any] = {}
+
+
+def _agree_stream(device: int) -> Any:
+    if device not in _AGREE_STREAMS:
+        _AGREE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _AGREE_STREAMS[device]
+
+
 def _agree(group: Any, failed: bool, generation: int) -> tuple[int, bool]:
     """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`)."""
     g = group if group is not None else dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(g) == "nccl" else torch.device("cpu")
     rank = dist.get_rank(g)
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
-    t = torch.tensor([-(rank + 1) if failed else -(2**62), generation, -generation], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-    worst, gen_max, neg_gen_min = t.tolist()  # one device sync, not three
+    values = [-(rank + 1) if failed else -(2**62), generation, -generation]
+    if device.type == "cuda":
+        # On a stream of its own: the host waits for the other ranks, not for the work
+        # the caller queued before the swap (an optimizer step), so the refit's launches
+        # are queued while that work still runs.
+        with torch.cuda.stream(_agree_stream(device.index)):
+            t = torch.tensor(values, dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+            worst, gen_max, neg_gen_min = t.tolist()  # one device sync, not three
+    else:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        worst, gen_max, neg_gen_min = t.tolist()
     first_failed = 0 if worst == -(2**62) else -worst
     return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min
 
