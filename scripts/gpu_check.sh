@@ -113,9 +113,11 @@ if has next && [ "$ngpu" -ge 2 ]; then
         --case "$c" --no-baseline --transfers-only 2>&1 | grep -E "^ +[0-9] |^== |alone|skipped" | tee -a "$OUT/next.log"
     done
   done
-  step "next: tp2-tp1 on $n4 GPUs, timeline"
-  timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py --case tp2-tp1 --no-baseline --trace \
-    2>&1 | grep -v "^W\|^\[W" > "$OUT/trace_next.log"; grep -E "^ +[0-9] " "$OUT/trace_next.log"
+  for c in tp2-tp1 moe-ep2-ep1; do
+    step "next: $c on $n4 GPUs, timeline"
+    timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py --case $c --no-baseline --trace \
+      2>&1 | grep -v "^W\|^\[W" > "$OUT/trace_next_$c.log"; grep -E "^ +[0-9] " "$OUT/trace_next_$c.log"
+  done
 fi
 
 if has bench-big; then
