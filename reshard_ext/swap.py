@@ -88,20 +88,22 @@ def _fingerprint(chunks: list[nn.Module]) -> tuple:
         while stack:
             mod = stack.pop()
             key = id(mod)
-            if key in seen:  # a shared submodule: once, as Module.modules() does
+            if mod is None or key in seen:  # a shared submodule: once, as Module.modules() does
                 continue
             seen.add(key)
             d = mod.__dict__
             children = d["_modules"]
             add((key, tuple(children), d.get("layer_number"), tuple(d["_non_persistent_buffers_set"])))
             for table in (d["_parameters"], d["_buffers"]):
+                if not table:
+                    continue
                 for name, t in table.items():
                     if t is not None:
                         a = t.__dict__
                         add((name, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, a.get("tensor_model_parallel"),
                              a.get("partition_dim"), a.get("partition_stride"), a.get("partition_sizes"),
                              a.get("allreduce")))
-            stack.extend(c for c in reversed(children.values()) if c is not None)
+            stack.extend(children.values())
     return tuple(out)
 
 
