@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [sanitize] [bench] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron]
+#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron]
 #   (default: build tests sanitize bench mx). `megatron` needs megatron-core wheels carried
 #   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
 set -uo pipefail
@@ -38,6 +38,11 @@ if has tests; then
   (cd tests && timeout 520 python3 -m pytest -q -p no:warnings -rs --durations=15 \
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py \
       2>&1 | tee "$OUT/tests.log" | tail -25)
+fi
+
+if has tests4 && [ "$ngpu" -ge 4 ]; then
+  step "GPU refit tests (the 4-GPU matrix)"
+  (cd tests && timeout 300 python3 -m pytest -q -p no:warnings test_refit_gpu.py 2>&1 | tee "$OUT/tests4.log" | tail -3)
 fi
 
 if has sanitize; then
@@ -106,7 +111,7 @@ if has next && [ "$ngpu" -ge 2 ]; then
   # transfers, with 4 GPUs when there are 4; one timeline of TP2->TP1.
   export RESHARD_EXT_NCCL_TIMEOUT=90
   n4=$(( ngpu >= 4 ? 4 : 2 ))
-  for c in tp2-tp1 moe-ep2-ep1 noncolo-tp2-tp2dp noncolo-tp1-tp1; do
+  for c in ${NEXT_CASES:-tp2-tp1 moe-ep2-ep1 noncolo-tp2-tp2dp noncolo-tp1-tp1}; do
     for knobs in "" "RESHARD_EXT_CUDA_MAX_BLOCKS=0"; do
       step "next: $c on $n4 GPUs [$knobs]"
       env $knobs timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py \
