@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <functional>
+#include <tuple>
+#include <utility>
 
 #include "core/check.h"
 #include "kernels/api.h"
@@ -70,11 +72,16 @@ int64_t choose_replica(const Layout& src, int64_t cls, int64_t receiver_src_pos,
   return static_cast<int64_t>((salt + static_cast<uint64_t>(dst_class + outside_index)) % nrep);
 }
 
-// How many of dst class `dcls`'s first `limit` replicas are outside the src mesh.
-int64_t replicas_outside(const Layout& src, const Layout& dst, int64_t dcls, int64_t limit) {
-  int64_t n = 0;
-  for (int64_t j = 0; j < limit; ++j) n += src.mesh().position(dst.class_replica(dcls, j)) < 0;
-  return n;
+// How many of dst class `dcls`'s replicas are outside the src mesh: before replica
+// `before` (first) and in all (second).
+std::pair<int64_t, int64_t> replicas_outside(const Layout& src, const Layout& dst, int64_t dcls, int64_t before) {
+  int64_t below = 0, all = 0;
+  for (int64_t j = 0; j < dst.replicas_per_class(); ++j) {
+    const bool outside = src.mesh().position(dst.class_replica(dcls, j)) < 0;
+    all += outside;
+    below += outside && j < before;
+  }
+  return {below, all};
 }
 
 // Splits an op into pieces of at most `limit` wire bytes along its outermost dims.
@@ -237,8 +244,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
     const int64_t my_src_pos = sl.mesh().position(rank);
     int64_t outside_index = 0, outside_count = 0;
     if (my_src_pos < 0) {
-      outside_index = replicas_outside(sl, dl, my_dcls, dl.replica_of_position(my_pos));
-      outside_count = replicas_outside(sl, dl, my_dcls, dl.replicas_per_class());
+      std::tie(outside_index, outside_count) = replicas_outside(sl, dl, my_dcls, dl.replica_of_position(my_pos));
     }
     mine = dl.class_piece(my_dcls);
     const int32_t wire = wire_dtype_for(sl.dtype(), dl.dtype());
@@ -284,7 +290,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
         const int32_t receiver = dl.class_replica(dcls, j);
         if (receiver == rank) continue;  // a same-rank copy, planned on the receive side
         const int64_t src_pos = sl.mesh().position(receiver);
-        if (src_pos < 0 && outside_count < 0) outside_count = replicas_outside(sl, dl, dcls, dl.replicas_per_class());
+        if (src_pos < 0 && outside_count < 0) outside_count = replicas_outside(sl, dl, dcls, 0).second;
         const int64_t pick = choose_replica(sl, my_cls, src_pos, dcls, outside_index, outside_count, dst.name_hash(di));
         if (src_pos < 0) ++outside_index;
         if (pick < 0 || sl.class_replica(my_cls, pick) != rank) continue;
