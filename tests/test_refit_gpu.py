@@ -28,7 +28,7 @@ def test_matrix_4gpu(case, max_batch_bytes):
 
 def _with_knobs_fn(rank, world, knobs, fn, *args):
     """fn(rank, world, *args) with module-level transport knobs (DIRECT_BYTES, REGISTER,
-    MAX_BLOCKS) set for this call only (the worker processes outlive a test)."""
+    _MAX_BLOCKS_ENV) set for this call only (the worker processes outlive a test)."""
     import reshard_ext.transports.cuda as cuda_transport
 
     saved = {k: getattr(cuda_transport, k) for k in knobs}
@@ -72,7 +72,7 @@ def test_unregistered_4gpu(case):
 @pytest.mark.parametrize("max_blocks", [1, 7])
 def test_capped_kernel_grid_2gpu(max_blocks):
     """Pack/unpack/copy launches capped to a few blocks still move every element."""
-    run_ranks(2, _with_knobs, {"MAX_BLOCKS": max_blocks}, "tp", 512, backend="nccl")
+    run_ranks(2, _with_knobs, {"_MAX_BLOCKS_ENV": str(max_blocks)}, "tp", 512, backend="nccl")
 
 
 def _rebind_registered(rank, world):
