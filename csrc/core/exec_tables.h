@@ -84,9 +84,10 @@ class ExecTables {
   const std::vector<rx_box>& pack(int32_t b) const { return pack_[b]; }
   const std::vector<rx_box>& unpack(int32_t b) const { return unpack_[b]; }
   const std::vector<rx_box>& copies() const { return copies_; }
-  // The same-rank copies cut into `parts` runs of consecutive boxes carrying the bytes
-  // of a batch's share each (boxes are never split; tapered like the batches): the GPU transport interleaves them with the
-  // batches so a large local copy does not hold back the pack of the next batch.
+  // The same-rank copies cut into `parts` runs of consecutive boxes, each carrying about
+  // a batch's share of the bytes (tapered like the batches; boxes are never split): the
+  // GPU transport interleaves them with the batches so a large local copy does not hold
+  // back the pack of the next batch.
   std::vector<std::vector<rx_box>> copies_split(int32_t parts) const;
   const std::vector<Message>& send_messages(int32_t b) const { return send_msgs_[b]; }
   const std::vector<Message>& recv_messages(int32_t b) const { return recv_msgs_[b]; }
