@@ -74,7 +74,7 @@ def _transport(monkeypatch: pytest.MonkeyPatch, batches: int, copies: int) -> cu
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     t = object.__new__(cuda_transport.CudaTransport)
     t.comm, t.p2p, t.side, t.last_timeline = FakeComm(), None, FakeStream("side"), ""
-    t.max_blocks, t._registered = 0, []
+    t.max_blocks, t._registered, t._moves = 0, [], True
     t._pack = [FakeTable(f"pack {b}") for b in range(batches)]
     t._unpack = [FakeTable(f"unpack {b}") for b in range(batches)]
     t._copy = [FakeTable(f"copy {c}") for c in range(copies)]
@@ -101,6 +101,14 @@ def test_pipeline_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_one_copy_table_runs_under_the_first_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     _transport(monkeypatch, batches=2, copies=1).run(None)
     assert LOG.index("main: pack 1") < LOG.index("main: copy 0") < LOG.index("main: wait e1")
+
+
+def test_plan_without_transfers_only_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # All-local plans (TP1 -> TP2 collocated): the copies, no pack, no NCCL call, no wait.
+    t = _transport(monkeypatch, batches=1, copies=1)
+    t._moves = False
+    t.run(None)
+    assert LOG == ["main: copy 0"]
 
 
 def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:

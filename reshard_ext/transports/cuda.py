@@ -163,7 +163,10 @@ class CudaTransport:
         # plan time, rather than order every later launch after them.
         torch.cuda.current_stream().synchronize()
         nc = len(copy_parts)
-        if self.comm is not None:
+        # A plan that moves nothing between ranks runs its copies alone, uncapped, with no
+        # NCCL call or host wait (decided here, once, not per execute).
+        self._moves = tables.send_total > 0 or tables.recv_total > 0
+        if self.comm is not None and self._moves:
             self.max_blocks = _max_blocks(tables.send_total > 0, tables.recv_total > 0)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
@@ -207,10 +210,10 @@ class CudaTransport:
         k = len(self._pack)
         timeline = _Timeline() if TRACE else None
         step = timeline.step if timeline else _untraced
-        if k == 0 or self.comm is None:
+        if self.comm is None or not self._moves:  # torch p2p, or only same-rank copies
             for i, c in enumerate(self._copy):
                 step("copy", i, main, lambda c=c: c.launch(s))
-            for b in range(k):  # torch.distributed p2p: no overlap, for comparison
+            for b in range(k if self.p2p is not None else 0):  # torch.distributed p2p: no overlap
                 step("pack", b, main, lambda b=b: self._pack[b].launch(s))
                 self.p2p.run(self._p2p_ops[b])
                 step("unpack", b, main, lambda b=b: self._unpack[b].launch(s))
