@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron]
+#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron]
 #   (default: build tests sanitize bench mx). `megatron` needs megatron-core wheels carried
 #   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
 set -uo pipefail
@@ -69,6 +69,18 @@ if has bench; then
     step "host overhead, 10,000 tensors"
     timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep host_overhead | tee -a "$OUT/refit_bench.log"
   fi
+fi
+
+if has pack; then
+  # The kernels against D2D with the L2 cold (the default) and warm, and the tile size at 16 MiB
+  step "pack_bench, cold L2 (buffer sets rotated past the L2), checked against torch slicing"
+  timeout 240 python3 benchmarks/pack_bench.py --check 2>&1 | tee "$OUT/pack_cold.log" | tail -16
+  step "pack_bench, warm L2 (one buffer set, the old method)"
+  timeout 120 python3 benchmarks/pack_bench.py --cache warm --sizes 16M,256M 2>&1 | tee "$OUT/pack_warm.log" | tail -10
+  for tb in 2048 8192 16384; do
+    step "pack_bench 16 MiB, cold, tile $tb bytes"
+    timeout 60 python3 benchmarks/pack_bench.py --sizes 16M --tile-bytes $tb 2>&1 | tee -a "$OUT/pack_tiles.log" | tail -5
+  done
 fi
 
 if has bench4 && [ "$ngpu" -ge 4 ]; then
