@@ -17,7 +17,7 @@ for the reference and the kernels alike, as a refit of gigabytes is. --cache war
 one buffer set (the old method).
 
     python benchmarks/pack_bench.py [--check] [--sizes 16M,256M,1G] [--boxes 1,64,1000,10000]
-                                    [--cache cold|warm] [--tile-bytes N]
+                                    [--cache cold|warm] [--tile-bytes N] [--no-flat]
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def buffer_sets(traffic: int, cache: str) -> int:
 class BoxSet:
     """One weight, its staging buffer and its unpack target, with pack and unpack tables."""
 
-    def __init__(self, count: int, rows: int, width: int, region: int, tile_bytes: int) -> None:
+    def __init__(self, count: int, rows: int, width: int, region: int, tile_bytes: int, flat: bool) -> None:
         cols = TP * width
         self.weight = torch.randn(count * rows, cols, device="cuda").to(torch.bfloat16)
         self.out = torch.empty_like(self.weight).fill_(7)
@@ -110,7 +110,7 @@ class BoxSet:
         self.stream = torch.cuda.current_stream().cuda_stream
 
         def table(blob: bytes) -> tuple[object, torch.Tensor]:
-            t = _C.DeviceBoxTable(blob, tile_bytes)
+            t = _C.DeviceBoxTable(blob, tile_bytes, flat)
             dev = torch.empty(t.nbytes, dtype=torch.uint8, device="cuda")
             t.upload(dev.data_ptr(), self.stream)
             return t, dev
@@ -126,11 +126,11 @@ class BoxSet:
         self.unpack.launch(self.stream)
 
 
-def bench(total: int, count: int, check: bool, cache: str, tile_bytes: int) -> dict:
+def bench(total: int, count: int, check: bool, cache: str, tile_bytes: int, flat: bool) -> dict:
     rows, width, region = geometry(total, count)
     nbytes = count * rows * width * 2
     nsets = buffer_sets(2 * nbytes, cache)
-    sets = [BoxSet(count, rows, width, region, tile_bytes) for _ in range(nsets)]
+    sets = [BoxSet(count, rows, width, region, tile_bytes, flat) for _ in range(nsets)]
     s0 = sets[0]
     views = [(s0.stage[i * region:i * region + rows * width * 2].view(torch.bfloat16).view(rows, width),
               slice(i * rows, (i + 1) * rows), slice((i % TP) * width, (i % TP + 1) * width)) for i in range(count)]
@@ -185,18 +185,21 @@ def main() -> None:
     p.add_argument("--cache", choices=("cold", "warm"), default="cold",
                    help="cold: rotate buffer sets past the L2 (HBM-bound); warm: reuse one set")
     p.add_argument("--tile-bytes", type=int, default=0, help="kernel tile size (0: the planner's choice)")
+    p.add_argument("--no-flat", action="store_true",
+                   help="clear RX_TILE_FLAT: every warp reads its box record too (the kernel's general path)")
     args = p.parse_args()
     if not torch.cuda.is_available() or not hasattr(_C, "DeviceBoxTable"):
         sys.exit("needs a GPU and a CUDA build of reshard_ext")
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     print(f"# {torch.cuda.get_device_name()}  bf16 column slices, TP={TP}; GB/s = (read + written) / time; "
-          f"L2 {l2 >> 20} MiB, cache {args.cache}, tile bytes {args.tile_bytes or 'auto'}")
+          f"L2 {l2 >> 20} MiB, cache {args.cache}, tile bytes {args.tile_bytes or 'auto'}, "
+          f"{'general tiles' if args.no_flat else 'flat tiles'}")
     hdr = (f"{'total':>6} {'boxes':>6} {'box [r,c]':>13} {'tiles':>6} {'d2d':>7} {'pack':>7} {'/d2d':>5} "
            f"{'unpack':>7} {'/d2d':>5} {'loop pk':>8} {'loop up':>8} {'pk/loop':>8} {'host us':>7} {'sets':>4}")
     print(hdr)
     for size in args.sizes.split(","):
         for count in (int(c) for c in args.boxes.split(",")):
-            r = bench(parse_size(size), count, args.check, args.cache, args.tile_bytes)
+            r = bench(parse_size(size), count, args.check, args.cache, args.tile_bytes, not args.no_flat)
             gbs = {k: 2 * r["bytes"] / r[k] / 1e9 for k in ("d2d", "pack", "unpack", "loop_pack", "loop_unpack")}
             print(f"{size:>6} {count:>6} {str(list(r['shape'])):>13} {r['tiles']:>6} {gbs['d2d']:7.0f} "
                   f"{gbs['pack']:7.0f} {gbs['pack'] / gbs['d2d']:5.2f} {gbs['unpack']:7.0f} "

@@ -77,9 +77,9 @@ if has pack; then
   timeout 240 python3 benchmarks/pack_bench.py --check 2>&1 | tee "$OUT/pack_cold.log" | tail -16
   step "pack_bench, warm L2 (one buffer set, the old method)"
   timeout 120 python3 benchmarks/pack_bench.py --cache warm --sizes 16M,256M 2>&1 | tee "$OUT/pack_warm.log" | tail -10
-  for tb in 2048 8192 16384; do
-    step "pack_bench 16 MiB, cold, tile $tb bytes"
-    timeout 60 python3 benchmarks/pack_bench.py --sizes 16M --tile-bytes $tb 2>&1 | tee -a "$OUT/pack_tiles.log" | tail -5
+  for args in "--no-flat" "" "--no-flat" ""; do
+    step "pack_bench 16 MiB, cold, A/B flat tiles [$args]"
+    timeout 60 python3 benchmarks/pack_bench.py --sizes 16M,64M $args 2>&1 | tee -a "$OUT/pack_ab.log" | tail -9
   done
 fi
 

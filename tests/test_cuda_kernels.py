@@ -29,14 +29,15 @@ BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def run_kernel(backend: str, specs: list[Spec], src: torch.Tensor, dst: torch.Tensor, tile_bytes: int = 0,
-               stream: "torch.cuda.Stream | None" = None, max_blocks: int = 0) -> torch.Tensor:
-    """Copies specs from src into a copy of dst (CPU uint8 buffers); returns it on the CPU."""
+               stream: "torch.cuda.Stream | None" = None, max_blocks: int = 0, flat: bool = True) -> torch.Tensor:
+    """Copies specs from src into a copy of dst (CPU uint8 buffers); returns it on the CPU.
+    flat=False: every tile takes the kernel's general path (reads its box record)."""
     if backend == "emulated":
         out = dst.clone()
-        _C.DeviceBoxTable(specs_table(specs, src, out), tile_bytes).run_emulated()
+        _C.DeviceBoxTable(specs_table(specs, src, out), tile_bytes, flat).run_emulated()
         return out
     s_dev, out = src.cuda(), dst.cuda()
-    tbl = _C.DeviceBoxTable(specs_table(specs, s_dev, out), tile_bytes)
+    tbl = _C.DeviceBoxTable(specs_table(specs, s_dev, out), tile_bytes, flat)
     blob = torch.empty(max(tbl.nbytes, 1), dtype=torch.uint8, device="cuda")
     stream = stream or torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -94,6 +95,18 @@ def test_random_boxes_match_twin_and_torch(backend: str, count: int, casts: bool
     assert not torch.equal(want, poison) or all(0 in s.shape for s in specs)
     assert torch.equal(got, want)
     check_against_torch(specs, src, got)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("count", [7, 1000])
+def test_general_path_alone_matches_twin(backend: str, count: int) -> None:
+    """Flat tiles cleared (DeviceBoxTable(flat=False)): the boxes a flat tile would take
+    go through the general walk, which must give the same bytes."""
+    specs, sb, db = random_specs(count, count, max(16, 4_000_000 // count), False, big=None)
+    src, poison = buffers(sb, db, False, count)
+    want = run_twin(specs, src, poison)
+    assert torch.equal(run_kernel(backend, specs, src, poison, 512, flat=False), want)
+    assert torch.equal(run_kernel(backend, specs, src, poison, 512), want)
 
 
 @pytest.mark.gpu

@@ -81,6 +81,45 @@ def check_tiles(rows, tiles, tile_bytes: int) -> None:
         assert pos == count, (i, row, ranges)
 
 
+def item_address(row, unit: int, k: int, side: int) -> int:
+    """Byte address of item k of a same-dtype box on side 0 (src) or 1 (dst), as the
+    kernel's general walk computes it (api.h, rx_tile)."""
+    ptr, shape, strides, es = row[side], row[2], row[3 + side], itemsize_of(row[5])
+    if len(shape) == 1:
+        return ptr - ptr % unit + k * unit
+    dims = list(shape[:-1]) + [shape[-1] * es // unit]
+    addr = ptr
+    for d in range(len(dims) - 1, -1, -1):
+        k, digit = divmod(k, dims[d])
+        addr += digit * (unit if d == len(dims) - 1 else strides[d] * es)
+    return addr
+
+
+def itemsize_of(code: int) -> int:
+    return _C.dtype_size(code)
+
+
+def check_flat_geometry(rows, tiles) -> int:
+    """Flat tiles (RX_TILE_FLAT) exactly where the box allows one, and their geometry
+    addresses the same bytes as the box for the first, a middle and the last item.
+    Returns how many tiles are flat."""
+    flat = 0
+    for t in tiles:
+        box, unit, _, _, begin, end, flags, src, dst, row_items, src_pitch, dst_pitch = t
+        row = rows[box]
+        shape, ss, ds, sc, dc = row[2:]
+        eligible = sc == dc and unit > 0 and ss[-1] == 1 and ds[-1] == 1 and len(shape) <= 2
+        assert bool(flags & 1) == eligible, (t, row)
+        if not eligible:
+            continue
+        flat += 1
+        for k in {begin, (begin + end) // 2, end - 1}:
+            q, r = divmod(k, row_items)
+            assert src + q * src_pitch + r * unit == item_address(row, unit, k, 0), (t, row, k)
+            assert dst + q * dst_pitch + r * unit == item_address(row, unit, k, 1), (t, row, k)
+    return flat
+
+
 def random_row(rng: random.Random, huge: bool):
     if rng.random() < 0.3:
         sd, dd = rng.choice(FLOATS), rng.choice(FLOATS)
@@ -117,6 +156,7 @@ def test_random_tables_are_covered_exactly_once(seed: int, tile_bytes: int) -> N
     rows = [random_row(rng, huge=False) for _ in range(300)]
     tiles = _C.plan_tiles(table(rows), tile_bytes)
     check_tiles(rows, tiles, tile_bytes if tile_bytes > 0 else 64 << 10)
+    assert check_flat_geometry(rows, _C.plan_tiles(table(rows), tile_bytes, geometry=True)) > 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -126,6 +166,21 @@ def test_huge_boxes_are_covered_exactly_once(seed: int) -> None:
     tile_bytes = 1 << 26  # keeps the tile list short for boxes of up to 2^40 elements
     tiles = _C.plan_tiles(table(rows), tile_bytes)
     check_tiles(rows, tiles, tile_bytes)
+    check_flat_geometry(rows, _C.plan_tiles(table(rows), tile_bytes, geometry=True))
+
+
+def test_refit_boxes_get_flat_tiles_and_others_do_not() -> None:
+    """Column slices, staging regions and unaligned 1-D runs carry their own geometry
+    (one descriptor fetch per warp); 3-D boxes, transposes and casts read their box."""
+    bf16, f32 = code_of(torch.bfloat16), code_of(torch.float32)
+    flat_rows = [((1 << 40) + 1024, 1 << 41, (4096, 512), (4096, 1), (512, 1), bf16, bf16),
+                 ((1 << 40) + 6, (1 << 41) + 6, (100_003,), (1,), (1,), bf16, bf16)]
+    other_rows = [(1 << 40, 1 << 41, (4, 64, 64), (8192, 128, 1), (4096, 64, 1), bf16, bf16),
+                  (1 << 40, 1 << 41, (64, 64), (1, 64), (64, 1), f32, f32),
+                  (1 << 40, 1 << 41, (1000, 33), (33, 1), (33, 1), f32, bf16)]
+    tiles = _C.plan_tiles(table(flat_rows + other_rows), 4096, geometry=True)
+    assert check_flat_geometry(flat_rows + other_rows, tiles) > 0
+    assert {t[6] for t in tiles if t[0] < 2} == {1} and {t[6] for t in tiles if t[0] >= 2} == {0}
 
 
 def test_one_huge_box_fills_the_gpu() -> None:

@@ -1,6 +1,8 @@
 // The CUDA box copy: one launch copies every box of a device-resident table.
 //
-// One warp per tile (tiles.cc). Lane l of a tile handles items begin+l, begin+l+32, ...
+// One warp per tile (tiles.cc). A warp loads its 64-byte tile record in one go; a flat
+// tile (RX_TILE_FLAT, api.h) carries its geometry, any other one reads its box next.
+// Lane l of a tile handles items begin+l, begin+l+32, ...
 // Each lane keeps its position as mixed-radix digits over the box's extents and steps
 // by 32 items with carries (no division in the loop), issuing kUnroll independent
 // loads before their stores so several accesses per lane are in flight. Items are
@@ -283,6 +285,48 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
   }
 }
 
+// The same-dtype copy of this lane's items, `unit` bytes per access.
+template <int U, typename W>
+RX_LANE void copy_units(int unit, const char* src, char* dst, W& w, int64_t first, int64_t end) {
+  switch (unit) {
+    case 16: copy_items<U, uint4>(src, dst, w, first, end); break;
+    case 8: copy_items<U, unsigned long long>(src, dst, w, first, end); break;
+    case 4: copy_items<U, unsigned int>(src, dst, w, first, end); break;
+    case 2: copy_items<U, unsigned short>(src, dst, w, first, end); break;
+    default: copy_items<U, unsigned char>(src, dst, w, first, end); break;
+  }
+}
+
+// (i / n, i % n) without a 64-bit division where 32 bits hold both (nearly always).
+RX_LANE void split_row(int64_t n, int64_t i, int64_t* q_r) {
+  if (i < n) {
+    q_r[0] = 0;
+    q_r[1] = i;
+    return;
+  }
+  const int64_t q = static_cast<uint64_t>(i | n) <= UINT32_MAX
+                        ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(n))
+                        : i / n;
+  q_r[0] = q;
+  q_r[1] = i - q * n;
+}
+
+// A flat tile: rows of row_items contiguous items, geometry from the tile alone.
+RX_LANE void run_flat(const rx_tile& t, int lane) {
+  const int64_t first = t.begin + lane;
+  if (first >= t.end) return;
+  Geom<2> g;
+  g.n[0] = 0;  // the outer digit only ever counts up
+  g.n[1] = t.row_items;
+  g.ss[0] = t.src_pitch;
+  g.ds[0] = t.dst_pitch;
+  g.ss[1] = g.ds[1] = t.unit;
+  split_row(g.n[1], kWarp, g.step);
+  Walk<2, Geom<2>> w{g, {}};
+  split_row(g.n[1], first, w.dig);
+  copy_units<kUnroll>(t.unit, reinterpret_cast<const char*>(t.src), reinterpret_cast<char*>(t.dst), w, first, t.end);
+}
+
 // Copies this lane's items of tile t. g: where the tile's geometry lives (see Walk).
 template <int ND, typename G>
 RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
@@ -302,20 +346,17 @@ RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
     return;
   }
   const uint64_t align = ~static_cast<uint64_t>(t.unit - 1);
-  const char* src = reinterpret_cast<const char*>(b.src & align);
-  char* dst = reinterpret_cast<char*>(b.dst & align);
-  switch (t.unit) {
-    case 16: copy_items<U, uint4>(src, dst, w, first, t.end); break;
-    case 8: copy_items<U, unsigned long long>(src, dst, w, first, t.end); break;
-    case 4: copy_items<U, unsigned int>(src, dst, w, first, t.end); break;
-    case 2: copy_items<U, unsigned short>(src, dst, w, first, t.end); break;
-    default: copy_items<U, unsigned char>(src, dst, w, first, t.end); break;
-  }
+  copy_units<U>(t.unit, reinterpret_cast<const char*>(b.src & align), reinterpret_cast<char*>(b.dst & align), w, first,
+                t.end);
 }
 
 // Most boxes fold to 1 or 2 dims (make_box merges contiguous dims); those keep their
 // geometry in registers, the rest share the padded general walk in `slot`.
 RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
+  if (t.flags & RX_TILE_FLAT) {
+    run_flat(t, lane);
+    return;
+  }
   const rx_box& b = boxes[t.box];
   switch (b.ndim) {
     case 1: {
@@ -332,6 +373,17 @@ RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile 
   }
 }
 
+// A tile record as four independent 16-byte loads (one round trip, not one per field).
+__device__ __forceinline__ rx_tile load_tile(const rx_tile* p) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+  uint4 v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = __ldg(q + k);
+  rx_tile t;
+  memcpy(&t, v, sizeof t);
+  return t;
+}
+
 // kStride: warps loop over the tiles (a launch capped below one warp per tile). A
 // separate instance: the loop state does not fit the one-pass kernel's 64 registers,
 // and a capped grid (a few blocks per SM at most) does not need that occupancy.
@@ -343,10 +395,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 2 : kMinBloc
   const int lane = static_cast<int>(threadIdx.x % kWarp);
   int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if constexpr (!kStride) {
-    if (t < num_tiles) run_lane(boxes, tiles[t], lane, slots[warp]);
+    if (t < num_tiles) run_lane(boxes, load_tile(tiles + t), lane, slots[warp]);
   } else {
     for (; t < num_tiles; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-      run_lane(boxes, tiles[t], lane, slots[warp]);
+      run_lane(boxes, load_tile(tiles + t), lane, slots[warp]);
       __syncwarp();  // the next tile rewrites the warp's slot: no lane may still read this one
     }
   }

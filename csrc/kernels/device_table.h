@@ -18,8 +18,9 @@ namespace rx {
 
 class DeviceBoxTable {
  public:
-  // tile_bytes <= 0: chosen from the table's total (rx_plan_tiles).
-  explicit DeviceBoxTable(const std::vector<rx_box>& boxes, int64_t tile_bytes = 0)
+  // tile_bytes <= 0: chosen from the table's total (rx_plan_tiles). flat = false clears
+  // RX_TILE_FLAT, so every tile reads its box (the kernel's general path, for A/B runs).
+  explicit DeviceBoxTable(const std::vector<rx_box>& boxes, int64_t tile_bytes = 0, bool flat = true)
       : num_boxes_(static_cast<int64_t>(boxes.size())) {
     const int64_t n = rx_plan_tiles(boxes.data(), num_boxes_, tile_bytes, nullptr, 0);
     RX_HOST_ASSERT(n >= 0, "box table has a bad box (ndim, extent, dtype pair or alignment)");
@@ -28,6 +29,8 @@ class DeviceBoxTable {
     blob_.resize(static_cast<size_t>(tiles_offset_ + num_tiles_ * static_cast<int64_t>(sizeof(rx_tile))));
     if (!boxes.empty()) std::memcpy(blob_.data(), boxes.data(), boxes.size() * sizeof(rx_box));
     rx_plan_tiles(boxes.data(), num_boxes_, tile_bytes, tiles_host(), num_tiles_);
+    if (!flat)
+      for (int64_t i = 0; i < num_tiles_; ++i) tiles_host()[i].flags = static_cast<uint8_t>(tiles_host()[i].flags & ~RX_TILE_FLAT);
   }
 
   int64_t num_boxes() const { return num_boxes_; }

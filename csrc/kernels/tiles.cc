@@ -2,6 +2,7 @@
 // tested everywhere). Per box it picks the widest access the pointers, strides and row
 // lengths allow, then cuts the box's items into tiles of about tile_bytes, one per warp.
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/api.h"
 
@@ -12,6 +13,7 @@ constexpr int64_t kWarp = 32;         // items per tile are rounded to whole war
 constexpr int64_t kAutoTiles = 16384; // ~4 waves of warps on 132 SMs at 32 warps/SM
 constexpr int64_t kAutoMinTile = 4 << 10;
 constexpr int64_t kAutoMaxTile = 64 << 10;
+constexpr int64_t kOneRow = INT64_MAX;  // row_items of a 1-D box's flat tiles
 
 int64_t box_elems(const rx_box& b) {
   int64_t n = 1;
@@ -27,13 +29,20 @@ int64_t mx_items(const rx_box& b) {
   return RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA ? box_elems(b) / RX_BOX_MX_GROUP : box_elems(b);
 }
 
+// The geometry an RX_TILE_FLAT tile carries (api.h).
+struct Flat {
+  uint64_t src, dst;
+  int64_t row_items, src_pitch, dst_pitch;
+};
+
 class TileWriter {
  public:
   TileWriter(rx_tile* out, int64_t cap, int64_t tile_bytes) : out_(out), cap_(cap), tile_bytes_(tile_bytes) {}
 
   // Items [begin, end) of `unit` bytes (0: cast elements, or MX items, of item_bytes;
-  // by default the larger element) of box `box`.
-  void emit(int32_t box, int unit, int src_size, int dst_size, int64_t begin, int64_t end, int64_t item_bytes = 0) {
+  // by default the larger element) of box `box`; flat: the tiles carry this geometry.
+  void emit(int32_t box, int unit, int src_size, int dst_size, int64_t begin, int64_t end, int64_t item_bytes = 0,
+            const Flat* flat = nullptr) {
     const int64_t n = end - begin;
     if (n <= 0) return;
     if (item_bytes <= 0) item_bytes = unit ? unit : std::max(src_size, dst_size);
@@ -49,9 +58,15 @@ class TileWriter {
         t.unit = static_cast<uint8_t>(unit);
         t.src_size = static_cast<uint8_t>(src_size);
         t.dst_size = static_cast<uint8_t>(dst_size);
-        t.reserved = 0;
+        t.flags = flat ? RX_TILE_FLAT : 0;
         t.begin = b;
         t.end = std::min(end, b + chunk);
+        const Flat f = flat ? *flat : Flat{};
+        t.src = f.src;
+        t.dst = f.dst;
+        t.row_items = f.row_items;
+        t.src_pitch = f.src_pitch;
+        t.dst_pitch = f.dst_pitch;
       }
       ++count_;
     }
@@ -79,6 +94,13 @@ int rows_unit(const rx_box& b, int es) {
   return es;
 }
 
+// Flat geometry of `unit`-byte items over a box of 1 or 2 dims, contiguous innermost.
+Flat flat_of(const rx_box& b, int es, int64_t unit) {
+  const uint64_t u = static_cast<uint64_t>(unit);
+  if (b.ndim == 1) return Flat{b.src / u * u, b.dst / u * u, kOneRow, 0, 0};
+  return Flat{b.src / u * u, b.dst / u * u, b.shape[1] * es / unit, b.src_stride[0] * es, b.dst_stride[0] * es};
+}
+
 // Appends the tiles of one valid, non-empty same-dtype box.
 void plan_copy(const rx_box& b, int32_t index, int64_t count, int es, TileWriter& w) {
   const int inner = b.ndim - 1;
@@ -88,9 +110,11 @@ void plan_copy(const rx_box& b, int32_t index, int64_t count, int es, TileWriter
   }
   if (b.ndim > 1) {
     const int u = rows_unit(b, es);
-    w.emit(index, u, es, es, 0, count * es / u);
+    const Flat flat = flat_of(b, es, u);
+    w.emit(index, u, es, es, 0, count * es / u, 0, b.ndim == 2 ? &flat : nullptr);
     return;
   }
+  const Flat elems = flat_of(b, es, es);
   // 1-D contiguous: head elements up to the first aligned address, a body of wide
   // items, tail elements. Needs src and dst equally misaligned modulo the unit.
   int64_t u = kMaxUnit;
@@ -98,14 +122,15 @@ void plan_copy(const rx_box& b, int32_t index, int64_t count, int es, TileWriter
   const uint64_t bytes = static_cast<uint64_t>(count) * es;
   const uint64_t lo = (b.src + u - 1) / u * u, hi = (b.src + bytes) / u * u;
   if (u == es || lo >= hi) {
-    w.emit(index, es, es, es, 0, count);
+    w.emit(index, es, es, es, 0, count, 0, &elems);
     return;
   }
   const uint64_t base = b.src / u * u;
-  w.emit(index, es, es, es, 0, static_cast<int64_t>((lo - b.src) / es));
+  const Flat body = flat_of(b, es, u);
+  w.emit(index, es, es, es, 0, static_cast<int64_t>((lo - b.src) / es), 0, &elems);
   w.emit(index, static_cast<int>(u), es, es, static_cast<int64_t>((lo - base) / u),
-         static_cast<int64_t>((hi - base) / u));
-  w.emit(index, es, es, es, static_cast<int64_t>((hi - b.src) / es), count);
+         static_cast<int64_t>((hi - base) / u), 0, &body);
+  w.emit(index, es, es, es, static_cast<int64_t>((hi - b.src) / es), count, 0, &elems);
 }
 
 int64_t auto_tile_bytes(const rx_box* boxes, int64_t n) {

@@ -35,23 +35,32 @@ void register_cuda(py::module_& m) {
   m.attr("TILE_RECORD_BYTES") = sizeof(rx_tile);
   m.def(
       "plan_tiles",
-      [](const py::buffer& table, int64_t tile_bytes) {
+      [](const py::buffer& table, int64_t tile_bytes, bool geometry) {
         const std::vector<rx_box> boxes = boxes_from(table);
         const int64_t n = rx_plan_tiles(boxes.data(), static_cast<int64_t>(boxes.size()), tile_bytes, nullptr, 0);
         RX_HOST_ASSERT(n >= 0, "box table has a bad box (ndim, extent, dtype pair or alignment)");
         std::vector<rx_tile> tiles(static_cast<size_t>(n));
         rx_plan_tiles(boxes.data(), static_cast<int64_t>(boxes.size()), tile_bytes, tiles.data(), n);
         py::list out;
-        for (const rx_tile& t : tiles) out.append(py::make_tuple(t.box, t.unit, t.src_size, t.dst_size, t.begin, t.end));
+        for (const rx_tile& t : tiles) {
+          py::tuple base = py::make_tuple(t.box, t.unit, t.src_size, t.dst_size, t.begin, t.end);
+          out.append(geometry ? py::tuple(base + py::make_tuple(t.flags, t.src, t.dst, t.row_items, t.src_pitch,
+                                                                 t.dst_pitch))
+                              : base);
+        }
         return out;
       },
-      py::arg("boxes"), py::arg("tile_bytes") = 0,
-      "Tiles of a box table as (box, unit, src_size, dst_size, begin, end); tile_bytes <= 0 picks a size.");
+      py::arg("boxes"), py::arg("tile_bytes") = 0, py::arg("geometry") = false,
+      "Tiles of a box table as (box, unit, src_size, dst_size, begin, end); tile_bytes <= 0 picks a size. "
+      "geometry: append (flags, src, dst, row_items, src_pitch, dst_pitch), the flat tile fields of api.h.");
 
 #ifdef RX_WITH_CUDA
   py::class_<DeviceBoxTable>(m, "DeviceBoxTable")
-      .def(py::init([](const py::buffer& table, int64_t tile_bytes) { return DeviceBoxTable(boxes_from(table), tile_bytes); }),
-           py::arg("boxes"), py::arg("tile_bytes") = 0)
+      .def(py::init([](const py::buffer& table, int64_t tile_bytes, bool flat) {
+             return DeviceBoxTable(boxes_from(table), tile_bytes, flat);
+           }),
+           py::arg("boxes"), py::arg("tile_bytes") = 0, py::arg("flat") = true,
+           "flat=False: every tile reads its box record (the kernel's general path; for comparisons).")
       .def_property_readonly("nbytes", &DeviceBoxTable::bytes_needed, "Device bytes upload() fills (16-byte aligned).")
       .def_property_readonly("num_boxes", &DeviceBoxTable::num_boxes)
       .def_property_readonly("num_tiles", &DeviceBoxTable::num_tiles)
