@@ -352,11 +352,7 @@ RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
 
 // Most boxes fold to 1 or 2 dims (make_box merges contiguous dims); those keep their
 // geometry in registers, the rest share the padded general walk in `slot`.
-RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
-  if (t.flags & RX_TILE_FLAT) {
-    run_flat(t, lane);
-    return;
-  }
+RX_LANE void run_general(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
   const rx_box& b = boxes[t.box];
   switch (b.ndim) {
     case 1: {
@@ -373,32 +369,48 @@ RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile 
   }
 }
 
-// A tile record as four independent 16-byte loads (one round trip, not one per field).
-__device__ __forceinline__ rx_tile load_tile(const rx_tile* p) {
-  const uint4* q = reinterpret_cast<const uint4*>(p);
+RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
+  if (t.flags & RX_TILE_FLAT)
+    run_flat(t, lane);
+  else
+    run_general(boxes, t, lane, slot);
+}
+
+// One tile: the record as four independent 16-byte loads (one round trip, not one per
+// field); a general tile then reads its fields from memory again (L1 hits), so the
+// register copy is dead in the general walk, which has no registers to spare.
+__device__ __forceinline__ void run_warp(const rx_box* boxes, const rx_tile* tile, int lane,
+                                         volatile Geom<RX_MAX_DIMS>& slot) {
+  const uint4* q = reinterpret_cast<const uint4*>(tile);
   uint4 v[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) v[k] = __ldg(q + k);
   rx_tile t;
   memcpy(&t, v, sizeof t);
-  return t;
+  if (t.flags & RX_TILE_FLAT)
+    run_flat(t, lane);
+  else
+    run_general(boxes, *tile, lane, slot);
 }
 
 // kStride: warps loop over the tiles (a launch capped below one warp per tile). A
 // separate instance: the loop state does not fit the one-pass kernel's 64 registers,
-// and a capped grid (a few blocks per SM at most) does not need that occupancy.
+// and a capped grid does not need that occupancy: the transport caps at half or three
+// quarters of the SMs, one block per SM, so this instance may use up to 255 registers
+// (it needs ~150 with the flat-tile branch; at 128 it spilled). A cap above the SM count
+// (RESHARD_EXT_CUDA_MAX_BLOCKS) runs the blocks past one per SM in later waves.
 template <bool kStride>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 2 : kMinBlocksPerSm)
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 1 : kMinBlocksPerSm)
     copy_boxes_kernel(const rx_box* __restrict__ boxes, const rx_tile* __restrict__ tiles, int64_t num_tiles) {
   __shared__ Geom<RX_MAX_DIMS> slots[kWarpsPerBlock];  // every lane writes the same values
   const int warp = static_cast<int>(threadIdx.x / kWarp);
   const int lane = static_cast<int>(threadIdx.x % kWarp);
   int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if constexpr (!kStride) {
-    if (t < num_tiles) run_lane(boxes, load_tile(tiles + t), lane, slots[warp]);
+    if (t < num_tiles) run_warp(boxes, tiles + t, lane, slots[warp]);
   } else {
     for (; t < num_tiles; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-      run_lane(boxes, load_tile(tiles + t), lane, slots[warp]);
+      run_warp(boxes, tiles + t, lane, slots[warp]);
       __syncwarp();  // the next tile rewrites the warp's slot: no lane may still read this one
     }
   }
