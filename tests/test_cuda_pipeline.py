@@ -126,8 +126,11 @@ def test_grid_cap_only_for_ranks_that_send_and_receive(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props())
     monkeypatch.setattr(cuda_transport, "_MAX_BLOCKS_ENV", "")
-    assert cuda_transport._max_blocks(True, True) == 66
-    assert cuda_transport._max_blocks(True, False) == 0
-    assert cuda_transport._max_blocks(False, True) == 0
+    gb = 1 << 30
+    assert cuda_transport._max_blocks(8 * gb, 8 * gb, 8 * gb) == 66  # TP2->TP1: equal bytes
+    assert cuda_transport._max_blocks(8 * gb, 7 * gb, 0) == 66
+    assert cuda_transport._max_blocks(7 * gb, 7 * gb, 9 * gb) == 99  # MoE EP2->EP1: copies 1.3x
+    assert cuda_transport._max_blocks(8 * gb, 0, 9 * gb) == 0  # one-way ranks stay uncapped
+    assert cuda_transport._max_blocks(0, 8 * gb, 0) == 0
     monkeypatch.setattr(cuda_transport, "_MAX_BLOCKS_ENV", "40")
-    assert cuda_transport._max_blocks(False, True) == 40
+    assert cuda_transport._max_blocks(0, 8 * gb, 0) == 40

@@ -313,17 +313,17 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
   return plan;
 }
 
-int64_t RankPlan::send_total() const {
+namespace {
+int64_t total_bytes(const std::vector<TransferOp>& ops) {
   int64_t n = 0;
-  for (const auto& op : sends) n += op.nbytes;
+  for (const auto& op : ops) n += op.nbytes;
   return n;
 }
+}  // namespace
 
-int64_t RankPlan::recv_total() const {
-  int64_t n = 0;
-  for (const auto& op : recvs) n += op.nbytes;
-  return n;
-}
+int64_t RankPlan::send_total() const { return total_bytes(sends); }
+int64_t RankPlan::recv_total() const { return total_bytes(recvs); }
+int64_t RankPlan::copy_total() const { return total_bytes(copies); }
 
 int32_t batch_at(int64_t at, int64_t total, int32_t k, bool taper) {
   if (total <= 0) return 0;

@@ -105,6 +105,7 @@ class RankPlan {
   void assign_batches(int32_t k);
   int64_t send_total() const;
   int64_t recv_total() const;
+  int64_t copy_total() const;  // bytes of same-rank copies
 };
 
 RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes);

@@ -136,6 +136,7 @@ void register_core(py::module_& m) {
       .def_property_readonly("num_batches", [](const RankPlan& p) { return p.batches.size(); })
       .def("send_total", &RankPlan::send_total)
       .def("recv_total", &RankPlan::recv_total)
+      .def("copy_total", &RankPlan::copy_total)
       .def_property_readonly("num_ops", [](const RankPlan& p) {
         return py::make_tuple(p.sends.size(), p.recvs.size(), p.copies.size());
       })
@@ -201,6 +202,7 @@ void register_core(py::module_& m) {
       }, "([(peer, ptr, bytes)] sends, [...] recvs) of batch b, in the order both ends post them")
       .def_property_readonly("send_total", [](const ExecTables& t) { return t.plan().send_total(); })
       .def_property_readonly("recv_total", [](const ExecTables& t) { return t.plan().recv_total(); })
+      .def_property_readonly("copy_total", [](const ExecTables& t) { return t.plan().copy_total(); })
       .def_property_readonly("num_ops", [](const ExecTables& t) {
         return py::make_tuple(t.plan().sends.size(), t.plan().recvs.size(), t.plan().copies.size());
       })

@@ -32,8 +32,12 @@ SPLIT_COPIES = os.environ.get("RESHARD_EXT_CUDA_SPLIT_COPIES", "1") not in ("", 
 # receive kernels. Default: half as many blocks as the GPU has SMs. 2x H200, registered,
 # A/B in one run: TP2->TP1 0.92 -> 0.96 of the NCCL ceiling, MoE EP2->EP1 0.91 either
 # way; a one-way (non-collocated) rank lost with it (0.94 -> 0.92), so it is left
-# uncapped, as is a plan without transfers. RESHARD_EXT_CUDA_MAX_BLOCKS=N: N blocks for
-# every plan with transfers (0: uncapped, one warp per tile).
+# uncapped, as is a plan without transfers. A rank whose same-rank copies outweigh its
+# transfers by more than 10% gets three quarters of the SMs: its kernels, not the link,
+# set the pace at half (4x H200, one run: MoE EP2->EP1, copies 1.3x the transfers, 0.88
+# at 66 blocks, 0.92-0.93 at 99, 0.82 at 132; TP2->TP1, equal bytes, 0.94-0.95 at 66,
+# 0.91-0.92 at 99). RESHARD_EXT_CUDA_MAX_BLOCKS=N: N blocks for every plan with transfers
+# (0: uncapped, one warp per tile).
 _MAX_BLOCKS_ENV = os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "")
 # The staging buffers and direct-message tensors are registered with NCCL
 # (ncclCommRegister), so intra-node transfers move straight between them instead of
@@ -89,12 +93,13 @@ def registration_vote() -> bool:
     return os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
 
 
-def _max_blocks(sends: bool, receives: bool) -> int:
+def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int) -> int:
     if _MAX_BLOCKS_ENV:
         return int(_MAX_BLOCKS_ENV)
-    if not (sends and receives):
+    if not (send_bytes and recv_bytes):
         return 0
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count // 2
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return sms * 3 // 4 if copy_bytes * 10 > max(send_bytes, recv_bytes) * 11 else sms // 2
 
 
 def make_cuda_transport(backend: str, group: Any, register: bool = False) -> "CudaTransport":
@@ -167,7 +172,7 @@ class CudaTransport:
         # NCCL call or host wait (decided here, once, not per execute).
         self._moves = tables.send_total > 0 or tables.recv_total > 0
         if self.comm is not None and self._moves:
-            self.max_blocks = _max_blocks(tables.send_total > 0, tables.recv_total > 0)
+            self.max_blocks = _max_blocks(tables.send_total, tables.recv_total, tables.copy_total)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
         if self.register:
