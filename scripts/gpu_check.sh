@@ -72,7 +72,7 @@ if has bench; then
 fi
 
 if has pack; then
-  # The kernels against D2D with the L2 cold (the default) and warm, and the tile size at 16 MiB
+  # The kernels against D2D with the L2 cold (the default) and warm; flat tiles A/B at 16 and 64 MiB
   step "pack_bench, cold L2 (buffer sets rotated past the L2), checked against torch slicing"
   timeout 240 python3 benchmarks/pack_bench.py --check 2>&1 | tee "$OUT/pack_cold.log" | tail -16
   step "pack_bench, warm L2 (one buffer set, the old method)"

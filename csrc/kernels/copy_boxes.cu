@@ -369,6 +369,7 @@ RX_LANE void run_general(const rx_box* boxes, const rx_tile& t, int lane, volati
   }
 }
 
+// The host loop's dispatch (rx_copy_boxes_emulated); the kernel's is run_warp.
 RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
   if (t.flags & RX_TILE_FLAT)
     run_flat(t, lane);

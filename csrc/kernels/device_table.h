@@ -30,7 +30,10 @@ class DeviceBoxTable {
     if (!boxes.empty()) std::memcpy(blob_.data(), boxes.data(), boxes.size() * sizeof(rx_box));
     rx_plan_tiles(boxes.data(), num_boxes_, tile_bytes, tiles_host(), num_tiles_);
     if (!flat)
-      for (int64_t i = 0; i < num_tiles_; ++i) tiles_host()[i].flags = static_cast<uint8_t>(tiles_host()[i].flags & ~RX_TILE_FLAT);
+      for (int64_t i = 0; i < num_tiles_; ++i) {
+        rx_tile& t = tiles_host()[i];
+        t.flags = static_cast<uint8_t>(t.flags & ~RX_TILE_FLAT);
+      }
   }
 
   int64_t num_boxes() const { return num_boxes_; }
