@@ -8,9 +8,9 @@ into a second weight. Each row of the table prints, for one total size and box c
   loop    a Python loop of torch slice copies, buf[a:b].view(shape).copy_(w[rows, cols])
 GB/s counts bytes read + written; times are medians of CUDA-event timings after warm-up.
 
-L2: back-to-back launches over the same 16 MiB buffers run partly from the 50 MB L2 of
-an H100/H200, so the D2D reference then measured 3.3 to 4.9 TB/s from host to host and
-a fixed ~1 us per launch decided the ratio. By default (--cache cold) each timed
+L2: back-to-back launches over the same 16 MiB buffers run partly from the L2 (50 MB on
+an H100, 60 MiB on an H200), so the D2D reference then measured 3.3 to 4.9 TB/s from
+host to host, and with it the 16 MiB ratio swung by 0.3. By default (--cache cold) each timed
 function rotates over enough copies of its buffers (and, for the kernels, of its box
 tables) that consecutive launches touch at least 3x the L2: every row is then HBM-bound
 for the reference and the kernels alike, as a refit of gigabytes is. --cache warm keeps

@@ -84,7 +84,7 @@ def check_tiles(rows, tiles, tile_bytes: int) -> None:
 def item_address(row, unit: int, k: int, side: int) -> int:
     """Byte address of item k of a same-dtype box on side 0 (src) or 1 (dst), as the
     kernel's general walk computes it (api.h, rx_tile)."""
-    ptr, shape, strides, es = row[side], row[2], row[3 + side], itemsize_of(row[5])
+    ptr, shape, strides, es = row[side], row[2], row[3 + side], _C.dtype_size(row[5])
     if len(shape) == 1:
         return ptr - ptr % unit + k * unit
     dims = list(shape[:-1]) + [shape[-1] * es // unit]
@@ -93,10 +93,6 @@ def item_address(row, unit: int, k: int, side: int) -> int:
         k, digit = divmod(k, dims[d])
         addr += digit * (unit if d == len(dims) - 1 else strides[d] * es)
     return addr
-
-
-def itemsize_of(code: int) -> int:
-    return _C.dtype_size(code)
 
 
 def check_flat_geometry(rows, tiles) -> int:

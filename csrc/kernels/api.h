@@ -110,7 +110,8 @@ int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
 // Every element of every box lies in exactly one tile; empty boxes get none.
 //
 // RX_TILE_FLAT (flags): a copy tile of a box of at most 2 dims whose innermost dim is
-// contiguous on both sides (nearly every refit box: make_box merges contiguous dims)
+// contiguous on both sides (a TP/EP slice of a weight folds to that: make_box merges
+// contiguous dims)
 // carries its own geometry, so its warp reads one 64-byte record before it moves data
 // instead of the tile and then its 200-byte box, one dependent memory round trip less
 // (the whole fixed cost of a launch that moves 16 MiB from cold HBM is a few of them).
