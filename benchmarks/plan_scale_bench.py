@@ -111,7 +111,7 @@ def main() -> None:
             times.append(time.perf_counter() - t)
             ops.append((len(p.sends), len(p.recvs)))
         print(f"{kind:12} {len(sample):6d} {statistics.median(times):16.3f} {max(times):7.3f} "
-              f"{str(max(ops, key=sum)):>20}")
+              f"{max(ops, key=sum)!s:>20}")
     del src, dst
 
     world = args.exchange_world

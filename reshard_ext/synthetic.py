@@ -82,13 +82,13 @@ class Parallel:
 
 # Cached: a 2,048-rank model has 30,000 expert tensors sharing a few hundred meshes, and
 # building each Mesh from a nested list costs more than planning a rank.
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stage_mesh(par: Parallel, stage: int) -> Mesh:
     base = par.offset + par.tp * par.dp * stage
     return Mesh.arange(par.dp, par.tp, start=base)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _expert_mesh(par: Parallel, stage: int, ep_rank: int) -> Mesh:
     ranks = par.stage_mesh(stage).ranks
     return Mesh(list(ranks[ep_rank::par.ep]))
@@ -114,7 +114,7 @@ def model_layouts(
     def add(name: str, shape, stage: int, placement: Optional[Placement], dt: torch.dtype = dtype) -> None:
         out[name] = _tensor_layout(shape, dt, par.stage_mesh(stage), placement)
 
-    def fc1(prefix: str, ffn: int, stage: int, expert: str = "", mesh: Optional[Mesh] = None) -> None:
+    def fc1(prefix: str, ffn: int, stage: int, expert: str = "", mesh: Mesh | None = None) -> None:
         """A gated fc1 [gate; up] (Megatron's stride-2 TP shard), or its two halves."""
         halves = (("linear_fc1_gate", ffn), ("linear_fc1_up", ffn)) if split_gate_up else (("linear_fc1", 2 * ffn),)
         for part, rows in halves:

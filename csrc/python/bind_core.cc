@@ -144,6 +144,16 @@ void register_core(py::module_& m) {
            "(dst_name, peer, my_start, size, peer_start, global, nbytes, batch, offset, wire_dtype) tuples")
       .def("recvs", [](const RankPlan& p) { return ops_to_py(p.recvs); })
       .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
+      .def("batch_bytes", [](const RankPlan& p, int32_t k) {
+        py::list l;
+        for (const auto& b : p.batch_layouts(k)) l.append(py::make_tuple(b.send_bytes, b.recv_bytes));
+        return l;
+      }, py::arg("k"), "(send, recv) staging bytes of each batch that assign_batches(k) would give, without cutting ops")
+      .def("fanout", [](const RankPlan& p) {
+        py::list l;
+        for (const auto& f : send_fanout(p)) l.append(py::make_tuple(f.receivers, f.bytes));
+        return l;
+      }, "[(receivers, bytes)]: sends grouped by the boxes they carry (rx::send_fanout)")
       .def("digests", [](const RankPlan& p) {
         py::list l;
         for (const auto& d : p.digests) l.append(py::make_tuple(d.from, d.to, d.count, d.bytes, d.hash));
