@@ -179,16 +179,15 @@ def plan_all_ranks(
         out.ops[r] = sum(p.num_ops)
         send_digest += p.send_digest
         recv_digest += p.recv_digest
-        for frm, to, _, nbytes, _ in p.digests():
-            if frm == r:
-                out.flow_src.append(frm)
-                out.flow_dst.append(to)
-                out.flow_bytes.append(nbytes)
-        for receivers, nbytes in p.fanout():
-            out.fan_sender.append(r)
-            out.fan_bytes.append(nbytes)
-            out.fan_size.append(len(receivers))
-            out.fan_receivers.extend(receivers)
+        peers, nbytes = p.send_pairs()
+        out.flow_src.extend([r] * len(peers))
+        out.flow_dst.extend(peers)
+        out.flow_bytes.extend(nbytes)
+        sizes, nbytes, receivers = p.fanout()
+        out.fan_sender.extend([r] * len(sizes))
+        out.fan_size.extend(sizes)
+        out.fan_bytes.extend(nbytes)
+        out.fan_receivers.extend(receivers)
         out.staging[r], staged_at[r] = _staging(p.batch_bytes(k)), k
         if progress:
             progress(r + 1)

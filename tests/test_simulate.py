@@ -149,9 +149,15 @@ def test_fanout_groups_identical_boxes():
     want = {0: {(2, 3, 4): sharded[0], (2, 4): replicated}, 1: {(2, 3, 4): sharded[1], (3,): replicated}}
     for rank in (0, 1):
         p = _C.plan_rank(st, dt, rank, 0)
-        fan = p.fanout()
-        assert {tuple(r): b for r, b in fan} == want[rank]
-        assert sum(len(r) * b for r, b in fan) == p.send_total()
+        sizes, nbytes, flat = p.fanout()
+        groups, at = {}, 0
+        for n, b in zip(sizes, nbytes):
+            groups[tuple(flat[at:at + n])] = b
+            at += n
+        assert at == len(flat) and groups == want[rank]
+        assert sum(len(r) * b for r, b in groups.items()) == p.send_total()
+        peers, sent = p.send_pairs()
+        assert dict(zip(peers, sent)) == {r: sum(b for g, b in groups.items() if r in g) for r in (2, 3, 4)}
 
 
 def test_json_output_parses(capsys):

@@ -1,7 +1,6 @@
 #include "core/planner.h"
 
 #include <algorithm>
-#include <functional>
 #include <map>
 #include <tuple>
 #include <unordered_map>
@@ -29,14 +28,19 @@ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
 
 bool is_float(int32_t d) { return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64; }
 
-// Every combination of one segment per dim is one box.
-void for_each_box(const std::vector<std::vector<Segment>>& segs,
-                  const std::function<void(const std::vector<const Segment*>&)>& fn) {
+// Every combination of one segment per dim is one box. `pick` is scratch.
+template <typename Fn>
+void for_each_box(const std::vector<std::vector<Segment>>& segs, std::vector<const Segment*>& pick, Fn&& fn) {
   const size_t nd = segs.size();
   for (const auto& s : segs)
     if (s.empty()) return;
+  pick.resize(nd);
+  if (std::all_of(segs.begin(), segs.end(), [](const auto& s) { return s.size() == 1; })) {
+    for (size_t d = 0; d < nd; ++d) pick[d] = &segs[d][0];
+    fn(pick);  // the common case: one box
+    return;
+  }
   std::vector<size_t> idx(nd, 0);
-  std::vector<const Segment*> pick(nd);
   while (true) {
     for (size_t d = 0; d < nd; ++d) pick[d] = &segs[d][idx[d]];
     fn(pick);
@@ -349,6 +353,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
     return it->second;
   };
 
+  std::vector<const Segment*> pick_scratch;
   auto for_held = [rank](const LayoutTable& t, auto&& fn) {
     for (const auto& [mesh, indices] : t.by_mesh())
       if (mesh->position(rank) >= 0)
@@ -378,7 +383,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       const int64_t j = choose_replica(sl, cls, rt.my_src_pos, rt.my_dcls, rt.outside_index, rt.outside_count,
                                        dst.name_hash(di));
       const int32_t peer = j < 0 ? rank : sl.class_replica(cls, j);
-      for_each_box(segs, [&](const std::vector<const Segment*>& pick) {
+      for_each_box(segs, pick_scratch, [&](const std::vector<const Segment*>& pick) {
         (peer == rank ? plan.copies : raw_recvs).push_back(make_op(di, si, peer, pick, false, wire));
       });
     }
@@ -406,7 +411,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       }
       if (empty) continue;
       auto send_to = [&](int32_t receiver) {
-        for_each_box(segs, [&](const std::vector<const Segment*>& p) {
+        for_each_box(segs, pick_scratch, [&](const std::vector<const Segment*>& p) {
           raw_sends.push_back(make_op(di, si, receiver, p, true, wire));
         });
       };
