@@ -347,6 +347,8 @@ def simulate(
         "ranks": {"sent": planned.sent, "received": planned.received, "copied": planned.copied,
                   "staging": planned.staging},
     }
+    relayed = report["prediction"]["with_relays"]
+    relayed["faster"] = relayed["seconds"] < report["prediction"]["without_relays"]["seconds"]
     for ref in REFERENCES:
         if (ref.model == model_name and ref.src == src and ref.dst == dst
                 and ref.gpus_per_node == link.gpus_per_node):
@@ -397,6 +399,8 @@ def format_report(rep: dict[str, Any]) -> str:
                           (f" (rank {ph['busiest']['rank']} {ph['busiest']['port']})" if ph["seconds"] else "")
                           for ph in p["phases"])
         lines.append(f"  {label:48} {p['seconds']:8.3f} s   [{parts}]")
+        if key == "with_relays" and not p["faster"]:
+            lines.append(f"  {'':48} (no faster here: a planner would not relay)")
     if "reference" in rep:
         ref = rep["reference"]
         lines.append(f"  {'published: ' + ref['label']:48}\n  {'':48} {ref['seconds'][0]:.2f}-{ref['seconds'][1]:.2f} s")
