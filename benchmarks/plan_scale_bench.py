@@ -37,6 +37,9 @@ from reshard_ext.planning import reporter_of
 from reshard_ext.synthetic import DEEPSEEK_V3, Parallel, model_layouts
 
 
+GPU_BATCH = 512 << 20  # rx.plan's max_batch_bytes on GPUs by default
+
+
 def layouts(world: int) -> tuple[dict, dict]:
     """PP16·EP64 on the first half of `world`, TP32 (EP32) on the second half."""
     half = world // 2
@@ -68,16 +71,16 @@ def plan_from_payloads(path: str, rank: int, world: int) -> None:
     with open(path, "rb") as f:
         gathered = pickle.load(f)
     base, base_peak = _rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     blobs = [pickle.loads(p)[0] for p in gathered]
     decoded = _C.decode_entries(blobs)
     src_t = _C.LayoutTable([(n, lay) for s, n, lay in decoded if s == 0])
     dst_t = _C.LayoutTable([(n, lay) for s, n, lay in decoded if s == 1])
     del decoded, blobs
     assert not _C.check_tables(src_t, dst_t, world)
-    plan = _C.plan_rank(src_t, dst_t, rank, 512 << 20)
+    plan = _C.plan_rank(src_t, dst_t, rank, GPU_BATCH)
     plan.assign_batches(plan.wanted_batches())
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(dt, _rss() - base, max(0, peak - max(base, base_peak)), sum(plan.num_ops))
 
@@ -87,7 +90,6 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8, help="ranks sampled per kind (source, destination)")
     ap.add_argument("--world", type=int, default=2048, help="ranks of the local_plan timing")
     ap.add_argument("--exchange-world", type=int, default=8192, help="ranks of the metadata/memory measurement")
-    ap.add_argument("--max-batch-bytes", type=int, default=None, help="passed to local_plan (default: unbounded)")
     ap.add_argument("--child", nargs=3, metavar=("PAYLOADS", "RANK", "WORLD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -101,17 +103,24 @@ def main() -> None:
     src, dst = layouts(world)
     print(f"{len(src)} src / {len(dst)} dst tensors, {world} ranks, layouts built in {time.perf_counter() - t0:.1f} s")
     step = max(1, half // args.ranks)
-    print(f"{'kind':12} {'ranks':>6} {'local_plan s med':>16} {'max':>7} {'ops (busiest rank)':>20}")
-    for kind, first in (("source", 0), ("destination", half)):
-        sample = [first + i * step + (i * 7) % step for i in range(args.ranks)]
-        times, ops = [], []
-        for r in sample:
-            t = time.perf_counter()
-            p = rx.local_plan(src, dst, r, max_batch_bytes=args.max_batch_bytes)
-            times.append(time.perf_counter() - t)
-            ops.append((len(p.sends), len(p.recvs)))
-        print(f"{kind:12} {len(sample):6d} {statistics.median(times):16.3f} {max(times):7.3f} "
-              f"{max(ops, key=sum)!s:>20}")
+    samples = {kind: [first + i * step + (i * 7) % step for i in range(args.ranks)]
+               for kind, first in (("source", 0), ("destination", half))}
+    # rx.plan agrees on the largest batch count any rank wants: the busiest sampled rank's
+    src_t = _C.LayoutTable([(n, lay._c) for n, lay in src.items()])
+    dst_t = _C.LayoutTable([(n, lay._c) for n, lay in dst.items()])
+    k = max(_C.plan_rank(src_t, dst_t, r, GPU_BATCH).wanted_batches() for rs in samples.values() for r in rs)
+    del src_t, dst_t
+    print(f"{'kind':12} {'ranks':>6} {'batches':>8} {'local_plan s med':>16} {'max':>7} {'ops (busiest rank)':>20}")
+    for mbb, nb in ((None, None), (GPU_BATCH, k)):
+        for kind, sample in samples.items():
+            times, ops = [], []
+            for r in sample:
+                t = time.process_time()
+                p = rx.local_plan(src, dst, r, max_batch_bytes=mbb, num_batches=nb)
+                times.append(time.process_time() - t)
+                ops.append(len(p.sends) + len(p.recvs))
+            print(f"{kind:12} {len(sample):6d} {p.num_batches:8d} {statistics.median(times):16.3f} {max(times):7.3f} "
+                  f"{max(ops):20d}")
     del src, dst
 
     world = args.exchange_world

@@ -43,7 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measured", help="JSON {case@gpus: [low_ms, high_ms]} to compare with instead")
     args = ap.parse_args()
-    measured = {k: (lo, hi, "") for k, (lo, hi) in json.load(open(args.measured)).items()} if args.measured else MEASURED
+    measured = MEASURED
+    if args.measured:
+        with open(args.measured) as f:
+            measured = {k: (lo, hi, "") for k, (lo, hi) in json.load(f).items()}
     print(f"{'case':22} {'GPUs':>4} {'predicted ms':>12} {'relays ms':>9} {'measured ms':>13} {'measured/predicted':>18}"
           f"  bound by")
     rows = []

@@ -36,7 +36,6 @@ import torch
 from . import _C
 from .errors import ReshardError
 from .model_config import PRESETS, describe_parallel, load_model, make_parallel, parse_spec
-from .planning import BATCH_TAPER
 from .synthetic import ModelShape, Parallel, model_layouts
 
 GB = 1e9
@@ -164,10 +163,8 @@ def plan_all_ranks(
     staged_at = [0] * world
     send_digest = recv_digest = 0
 
-    def plan(rank: int) -> Any:
-        p = _C.plan_rank(src_table, dst_table, rank, max_batch_bytes)
-        p.taper = BATCH_TAPER
-        return p
+    def plan(rank: int) -> Any:  # tapered batches: rx.plan's default
+        return _C.plan_rank(src_table, dst_table, rank, max_batch_bytes)
 
     k = 1
     for r in sorted({(i * world) // 16 for i in range(16)}):  # seed the batch count
