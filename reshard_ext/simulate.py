@@ -150,13 +150,14 @@ def plan_all_ranks(
     world: int,
     max_batch_bytes: int,
     progress: Callable[[int], None] | None = None,
+    seed_ranks: int = 16,
 ) -> PlannedRanks:
     """Plans every rank with the C++ planner and gathers its numbers.
 
     The batch count is the maximum any rank wants (as rx.plan agrees on it); a rank's
     staging depends on it, so each rank's staging is computed for the largest count seen
-    so far (a sample of ranks is planned first to find it) and the few ranks planned
-    under a smaller count are planned again at the end.
+    so far (`seed_ranks` ranks, spread evenly, are planned first to find it) and the few
+    ranks planned under a smaller count are planned again at the end.
     """
     t0 = time.perf_counter()
     out = PlannedRanks(world, 1, *([0] * world for _ in range(5)))
@@ -167,7 +168,7 @@ def plan_all_ranks(
         return _C.plan_rank(src_table, dst_table, rank, max_batch_bytes)
 
     k = 1
-    for r in sorted({(i * world) // 16 for i in range(16)}):  # seed the batch count
+    for r in sorted({(i * world) // seed_ranks for i in range(seed_ranks)}):  # seed the batch count
         k = max(k, plan(r).wanted_batches())
     for r in range(world):
         p = plan(r)
