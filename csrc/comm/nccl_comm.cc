@@ -108,13 +108,6 @@ std::tuple<int, int, int> nccl_version() {
   return {code / 1000, (code % 1000) / 100, code % 100};
 }
 
-std::string nccl_library_path() {
-  Dl_info info;
-  std::memset(&info, 0, sizeof(info));
-  if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) == 0 || info.dli_fname == nullptr) return "";
-  return info.dli_fname;
-}
-
 NcclComm::NcclComm(int rank, int world, const std::string& unique_id, int device, double timeout_s)
     : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s) {
   RX_USER_CHECK(world >= 1 && rank >= 0 && rank < world, "NcclComm: rank ", rank, " is not in a group of ", world);

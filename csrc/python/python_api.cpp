@@ -5,6 +5,10 @@
 #include "core/check.h"
 #include "python/register.h"
 
+#ifdef RX_WITH_NCCL
+#include <nccl.h>
+#endif
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
@@ -27,10 +31,18 @@ PYBIND11_MODULE(_C, m) {
   info["cuda"] = false;
   info["cuda_arch"] = "";
 #endif
+#ifdef RX_WITH_CUDA
+  info["cudart"] = RX_CUDART_INFO;
+#else
+  info["cudart"] = "";
+#endif
 #ifdef RX_WITH_NCCL
   info["nccl"] = true;
+  info["nccl_headers"] = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
+                         std::to_string(NCCL_PATCH);
 #else
   info["nccl"] = false;
+  info["nccl_headers"] = "";
 #endif
   m.attr("_build_info") = info;
 }
