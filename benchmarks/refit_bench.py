@@ -131,11 +131,9 @@ def main() -> None:
     t_refit = _time(lambda: rx.execute(plan), args.iters)
     timeline = ""
     if args.trace and hasattr(plan.transport, "last_timeline"):
-        import reshard_ext.transports.cuda as cuda_transport
-
-        cuda_transport.TRACE = True
+        plan.transport.trace = True
         rx.execute(plan)
-        cuda_transport.TRACE = False
+        plan.transport.trace = False
         timeline = plan.transport.last_timeline
 
     if args.transfers_only and getattr(plan.transport, "comm", None) is not None:

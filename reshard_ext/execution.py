@@ -11,6 +11,7 @@ from . import _C
 from ._dtypes import code_of
 from .errors import ReshardError
 from .layout import Layout
+from .options import Options
 from .planning import Entries, _check_local, _raise, first_failed_rank, plan_collective
 from .transforms import Piece, Transform
 
@@ -62,7 +63,8 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
     return out
 
 
-def _make_transport(backend: str, device: Optional[str], group: Any, register: bool = False) -> tuple[str, Any]:
+def _make_transport(backend: str, device: Optional[str], group: Any, options: Options,
+                    register: bool = False) -> tuple[str, Any]:
     if backend not in BACKENDS:
         raise ReshardError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "nvshmem":
@@ -70,7 +72,10 @@ def _make_transport(backend: str, device: Optional[str], group: Any, register: b
         raise ReshardError("backend 'nvshmem' is not implemented yet; use 'nccl' (or 'auto')")
     if backend == "auto":
         if device == "cuda":
-            backend = "nccl" if _C._build_info["nccl"] else "torch"
+            from ._nccl import runtime_status
+
+            # torch's CUDA builds bring libnccl; without one, torch's point-to-point still works
+            backend = "nccl" if _C._build_info["nccl"] and not runtime_status().startswith("not") else "torch"
         else:
             backend = "cpu"
     if backend == "cpu":
@@ -78,26 +83,27 @@ def _make_transport(backend: str, device: Optional[str], group: Any, register: b
             raise ReshardError(f"backend 'cpu' cannot move tensors on {device}")
         from .transports.cpu import CpuTransport
 
-        return backend, CpuTransport(group)
+        return backend, CpuTransport(group, options)
     if device not in (None, "cuda"):
         raise ReshardError(f"backend {backend!r} needs CUDA tensors, got {device} tensors")
     from .transports.cuda import make_cuda_transport
 
-    return backend, make_cuda_transport(backend, group, register)
+    return backend, make_cuda_transport(backend, group, options, register)
 
 
 class Plan:
     """A planned refit bound to tensors. Built by `rx.plan`; run by `rx.execute`."""
 
     def __init__(self, agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any,
-                 backend: str, transform: Optional[Transform]):
+                 backend: str, transform: Optional[Transform], options: Options):
         self.group = group
         self.rank = dist.get_rank(group)
         self.transform = transform
         self.tables = _C.ExecTables(agreement.rank_plan)
         self.src_names = [agreement.src_table.name(i) for i in self.tables.src_used]
         self.dst_names = [agreement.dst_table.name(i) for i in self.tables.dst_used]
-        self.backend, self.transport = _make_transport(backend, agreement.device, group, agreement.register)
+        self.options = options
+        self.backend, self.transport = _make_transport(backend, agreement.device, group, options, agreement.register)
         self._layouts = {"src": {n: l for n, (_, l) in src.items()}, "dst": {n: l for n, (_, l) in dst.items()}}
         self._entries = {"src": dict(src), "dst": dict(dst)}  # keeps bound tensors alive
         self._steps = steps
@@ -175,6 +181,7 @@ def plan(
     backend: str = "auto",
     max_batch_bytes: Optional[int] = None,
     transform: Optional[Transform] = None,
+    options: Optional[Options] = None,
 ) -> Plan:
     """Plans moving every dst tensor's piece from the src pieces. Collective over `group`.
 
@@ -185,6 +192,9 @@ def plan(
     if not dist.is_initialized():
         raise ReshardError("rx.plan needs torch.distributed to be initialised (any launcher, any backend)")
     group = group if group is not None else dist.group.WORLD
+    if options is not None and not isinstance(options, Options):
+        raise ReshardError(f"options must be an rx.Options, got {type(options).__name__}")
+    options = options or Options()
     # A transform may reject a tensor on some ranks only: its error joins the first
     # exchange, so every rank raises together instead of some waiting in a collective.
     errors: list[str] = []
@@ -195,13 +205,13 @@ def plan(
         errors.append(f"rank {dist.get_rank(group)}: {e}")
         src_w, dst_w, src_steps, dst_steps = {}, {}, ([], []), ([], [])
     t0 = time.perf_counter()
-    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors)
+    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options)
     # Binding allocates staging and builds descriptor tables on each rank alone: a
     # failure there (e.g. out of memory on one GPU) is agreed on, so every rank raises
     # now rather than the others hanging in the first execute.
     failure: Optional[BaseException] = None
     try:
-        p = Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform)
+        p = Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform, options)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         failure = e
     failed = first_failed_rank(group, failure is not None)

@@ -13,7 +13,6 @@ data moves, so no rank is left waiting in a collective the others skipped.
 """
 from __future__ import annotations
 
-import os
 import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -24,15 +23,12 @@ import torch.distributed as dist
 from . import _C
 from .errors import ReshardError
 from .layout import Layout
+from .options import Options
 from .transforms import Piece
 
 # Counters for tests and diagnostics: collective metadata exchanges, planner runs and
 # warm swaps that reused a model description (swap.py).
 STATS: dict[str, int] = {"exchanges": 0, "plans": 0, "describe_reused": 0}
-
-# RESHARD_EXT_BATCH_TAPER=0: equal batches instead of half-size first and last ones
-# (RankPlan.taper; every rank must set it alike, or rx.plan reports a digest mismatch).
-BATCH_TAPER = os.environ.get("RESHARD_EXT_BATCH_TAPER", "1") not in ("", "0")
 
 Entries = Mapping[str, tuple[Any, Layout]]
 _MAX_LISTED_ERRORS = 20
@@ -87,6 +83,7 @@ def local_plan(
     rank: int,
     max_batch_bytes: Optional[int] = None,
     num_batches: Optional[int] = None,
+    options: Optional[Options] = None,
 ) -> RankPlan:
     """This rank's ops, from the layouts alone: no process group, no tensors.
 
@@ -98,7 +95,7 @@ def local_plan(
     if errors:
         _raise(errors)
     c = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
-    c.taper = BATCH_TAPER
+    c.taper = (options or Options()).resolved_batch_taper()
     c.assign_batches(int(num_batches or c.wanted_batches()))
     copies = c.copies()
     return RankPlan(
@@ -120,8 +117,9 @@ def _device_kind(entries: list[Entries]) -> Optional[str]:
     return kinds.pop() if kinds else None
 
 
-def _check_local(side: str, entries: Entries, rank: int) -> list[str]:
-    """Checks of this rank's own pieces against their layouts."""
+def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = None) -> list[str]:
+    """Checks of this rank's own pieces against their layouts (and, given the group size,
+    of their meshes against the group)."""
     errors = []
     for name, item in entries.items():
         if not (isinstance(item, tuple) and len(item) == 2):
@@ -133,6 +131,11 @@ def _check_local(side: str, entries: Entries, rank: int) -> list[str]:
             continue
         if not isinstance(tensor, (torch.Tensor, Piece)):
             errors.append(f"{side} tensor '{name}' on rank {rank}: got {type(tensor).__name__}, not a torch.Tensor")
+            continue
+        outside = sorted({r for r in layout.mesh.ranks if r < 0 or r >= world}) if world is not None else []
+        if outside:
+            errors.append(f"{side} tensor '{name}': its mesh names ranks {outside[:8]} outside the process group "
+                          f"(group ranks are 0..{world - 1}; meshes hold ranks of the group passed to rx.plan)")
             continue
         if rank not in layout.mesh:
             errors.append(f"{side} tensor '{name}': rank {rank} passed a piece but is not in its mesh {layout.mesh}")
@@ -198,10 +201,12 @@ class Agreement:
 
 
 def plan_collective(
-    src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int], errors: Optional[list[str]] = None
+    src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int], errors: Optional[list[str]] = None,
+    options: Optional[Options] = None,
 ) -> Agreement:
+    options = options or Options()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    errors = list(errors or []) + _check_local("src", src, rank) + _check_local("dst", dst, rank)
+    errors = list(errors or []) + _check_local("src", src, rank, world) + _check_local("dst", dst, rank, world)
     device = _device_kind([src, dst])
     report = []
     if not errors:
@@ -209,7 +214,7 @@ def plan_collective(
             for name, (_, layout) in entries.items():
                 if reporter_of(name, layout) == rank:
                     report.append((side, name, layout._c))
-    payload = (_C.encode_entries(report), errors, device, _registration_vote(device))
+    payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options))
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, payload, group=group)
     STATS["exchanges"] += 1
@@ -232,15 +237,14 @@ def plan_collective(
         _raise(errors)
 
     if max_batch_bytes is None and "cuda" in devices:
-        from .transports.cuda import DEFAULT_BATCH_BYTES
-
-        max_batch_bytes = DEFAULT_BATCH_BYTES  # pipelined batches by default on GPUs
+        max_batch_bytes = options.resolved_batch_bytes()  # pipelined batches by default on GPUs
     late = _check_against_global(0, src, src_t, rank) + _check_against_global(1, dst, dst_t, rank)
     rank_plan = None
     if not late:
         try:
             rank_plan = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
-            rank_plan.taper = BATCH_TAPER
+            # every rank must taper alike, or the digests below disagree
+            rank_plan.taper = options.resolved_batch_taper()
             STATS["plans"] += 1
         except ReshardError as e:
             late.append(f"rank {rank}: {e}")
@@ -261,14 +265,14 @@ def plan_collective(
     return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None, register)
 
 
-def _registration_vote(device: Optional[str]) -> bool:
+def _registration_vote(device: Optional[str], options: Options) -> bool:
     """Votes on NCCL buffer registration (GPU transports only; a rank without tensors
     moves nothing and does not object)."""
     if device not in (None, "cuda") or not _C._build_info["nccl"]:
         return False
     from .transports.cuda import registration_vote
 
-    return registration_vote()
+    return registration_vote(options)
 
 
 def first_failed_rank(group: Any, failed: bool) -> int:

@@ -29,6 +29,7 @@ from .adapters import dtensor as dtensor_adapter
 from .adapters import megatron as megatron_adapter
 from .errors import ReshardError
 from .layout import Layout
+from .options import Options
 from .planning import STATS
 from .transforms import Transform
 
@@ -216,6 +217,7 @@ def _get_plan(
     max_batch_bytes: Optional[int],
     transform: Optional[Transform],
     adapter: Optional[Adapter],
+    options: Optional[Options] = None,
 ) -> Any:
     from . import plan as rx_plan  # the core API; imported late (package init order)
 
@@ -232,7 +234,7 @@ def _get_plan(
         key = (
             _group_key(group), backend, max_batch_bytes,
             transform.cache_key() if transform is not None else None,
-            src_sig, dst_sig,
+            options, src_sig, dst_sig,
         )
     except Exception as e:  # reported to every rank below, so no rank is left waiting
         error = e
@@ -251,7 +253,8 @@ def _get_plan(
             cached.bound = bound
         cached.entries = (src, dst)
         return cached.plan
-    plan = rx_plan(src=src, dst=dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, transform=transform)
+    plan = rx_plan(src=src, dst=dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, transform=transform,
+                   options=options)
     gen = next(_GENERATIONS.setdefault(key[0], count()))
     _PLANS[key] = _Cached(plan, gen, _bindings(src, dst), (src, dst))
     return plan
@@ -269,10 +272,11 @@ def prepare_swap_model_weights(
     max_batch_bytes: Optional[int] = None,
     transform: Optional[Transform] = None,
     adapter: Optional[Adapter] = None,
+    options: Optional[Options] = None,
 ) -> Any:
     """Builds (collectively) and caches the plan that `swap_model_weights` will use."""
     return _get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
-                     name_map, max_batch_bytes, transform, adapter)
+                     name_map, max_batch_bytes, transform, adapter, options)
 
 
 def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str = "auto", group: Any = None,
@@ -280,7 +284,7 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
     """Copies every destination tensor from the source model, in place. Collective over `group`.
 
     `options` are those of `prepare_swap_model_weights` (rank offsets, name_map renaming
-    source names to the destination's, max_batch_bytes, transform, adapter overriding the
+    source names to the destination's, max_batch_bytes, transform, options (rx.Options), adapter overriding the
     model description: default DTensor parameters -> rx.adapters.dtensor, otherwise
     rx.adapters.megatron). A warm call reuses the cached plan: no metadata exchange.
     """

@@ -173,7 +173,8 @@ def poison(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, -7, dtype=dtype, device=device)
 
 
-def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_bytes=None, backend: str = "auto"):
+def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_bytes=None, backend: str = "auto",
+             options=None):
     """Refits the case twice (sources changed in place between) and checks every dst
     piece bit for bit against Layout.local_part of the logical tensor."""
     specs = CASES[case](world)
@@ -186,7 +187,7 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
         if rank in dl.mesh:
             dst[name] = (poison(dl.local_shape(rank), ddt, device), dl)
             expect[name] = g
-    p = rx.plan(src, dst, backend=backend, max_batch_bytes=max_batch_bytes)
+    p = rx.plan(src, dst, backend=backend, max_batch_bytes=max_batch_bytes, options=options)
     for step in range(2):
         rx.execute(p)
         if device == "cuda":

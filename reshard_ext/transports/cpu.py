@@ -1,24 +1,21 @@
 """CPU transport: C++ box kernels over host memory, gloo point-to-point."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from ..options import Options
 from .p2p import P2PExchange
-
-# Ops of at least this many bytes travel as their own message, straight from / into the
-# tensor when their box is contiguous: on the CPU every copy avoided is memory
-# bandwidth won, while a message costs little.
-DIRECT_BYTES = int(os.environ.get("RESHARD_EXT_CPU_DIRECT_BYTES", 1 << 20))
 
 
 class CpuTransport:
-    direct_bytes = DIRECT_BYTES
-
-    def __init__(self, group: Any):
-        self.p2p = P2PExchange(group)
+    def __init__(self, group: Any, options: Options):
+        # Ops of at least this many bytes travel as their own message, straight from / into
+        # the tensor when their box is contiguous: on the CPU every copy avoided is memory
+        # bandwidth won, while a message costs little.
+        self.direct_bytes = options.resolved_direct_bytes("cpu")
+        self.p2p = P2PExchange(group, options.resolved_timeout("gloo"))
         self.send_buf = torch.empty(0, dtype=torch.uint8)
         self.recv_buf = torch.empty(0, dtype=torch.uint8)
         self._ops: list[list[Any]] = []

@@ -4,49 +4,16 @@ comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 import torch
 
 from .. import _C
 from ..errors import ReshardError
+from ..options import Options, set_process_env_default
 from .p2p import P2PExchange
 
 _ALIGN = 256
-# Only really large ops go direct: NCCL runs the p2p ops of a group one after another
-# per peer, so thousands of mid-size messages cost more than packing them (measured on
-# 2x H200: 6,435 expert tensors of 3 MB took 65 ms as messages, 20 ms as one).
-DIRECT_BYTES = int(os.environ.get("RESHARD_EXT_CUDA_DIRECT_BYTES", 64 << 20))
-# Default batch size on GPUs when rx.plan gets max_batch_bytes=None: several batches
-# let pack k+1 and unpack k-1 hide behind the transfer of k.
-DEFAULT_BATCH_BYTES = int(os.environ.get("RESHARD_EXT_CUDA_BATCH_BYTES", 512 << 20))
-# RESHARD_EXT_TRACE=1: every execute records CUDA events around each pack, transfer,
-# copy and unpack and logs the timeline (synchronising at the end: diagnostics only).
-TRACE = os.environ.get("RESHARD_EXT_TRACE", "0") not in ("", "0")
-# Same-rank copies in one slice per batch (default) or all at once before the first
-# unpack (RESHARD_EXT_CUDA_SPLIT_COPIES=0; kept to measure the difference).
-SPLIT_COPIES = os.environ.get("RESHARD_EXT_CUDA_SPLIT_COPIES", "1") not in ("", "0")
-# Caps the grid of the pack/unpack/copy launches of a rank that both sends and receives:
-# at full width they take HBM bandwidth and SM slots in bursts from NCCL's send and
-# receive kernels. Default: half as many blocks as the GPU has SMs. 2x H200, registered,
-# A/B in one run: TP2->TP1 0.92 -> 0.96 of the NCCL ceiling, MoE EP2->EP1 0.91 either
-# way; a one-way (non-collocated) rank lost with it (0.94 -> 0.92), so it is left
-# uncapped, as is a plan without transfers. A rank whose same-rank copies outweigh its
-# transfers by more than 10% gets three quarters of the SMs: its kernels, not the link,
-# set the pace at half (4x H200, one run: MoE EP2->EP1, copies 1.3x the transfers, 0.88
-# at 66 blocks, 0.92-0.93 at 99, 0.82 at 132; TP2->TP1, equal bytes, 0.94-0.95 at 66,
-# 0.91-0.92 at 99). RESHARD_EXT_CUDA_MAX_BLOCKS=N: N blocks for every plan with transfers
-# (0: uncapped, one warp per tile).
-_MAX_BLOCKS_ENV = os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "")
-# The staging buffers and direct-message tensors are registered with NCCL
-# (ncclCommRegister), so intra-node transfers move straight between them instead of
-# through NCCL's FIFOs: two fewer HBM passes per byte, which the packs, unpacks and
-# copies running beside each transfer need (2x H200, TP2->TP1 collocated: 0.76 -> 0.90
-# of the NCCL ceiling). Every rank registers by the same rule (a transfer must be
-# registered at both ends or neither: rx.plan agrees on it). RESHARD_EXT_NCCL_REGISTER=0
-# turns it off.
-REGISTER = os.environ.get("RESHARD_EXT_NCCL_REGISTER", "1") not in ("", "0")
 
 _log = logging.getLogger("reshard_ext")
 
@@ -82,27 +49,33 @@ def _untraced(kind: str, batch: int, stream: Any, fn: Any) -> None:
     fn()
 
 
-def registration_vote() -> bool:
-    """This rank's vote on NCCL buffer registration; `rx.plan` registers only when every
-    rank of the group votes yes, since a transfer registered at one end only is
-    undefined in NCCL. torch allocates with cudaMalloc, which NCCL registers (cudaIpc
-    handles) only with NCCL_LEGACY_CUDA_REGISTER=1: set here unless the user set it,
-    before NCCL first reads it (at its first registered transfer)."""
-    if not REGISTER:
+def registration_vote(options: Options) -> bool:
+    """This rank's vote on NCCL buffer registration (staging buffers and direct-message
+    tensors registered, so intra-node transfers move straight between them instead of
+    through NCCL's FIFOs, leaving HBM to the kernels beside them). `rx.plan` registers
+    only when every rank of the group votes yes, since a transfer registered at one end
+    only is undefined in NCCL. torch allocates with cudaMalloc, which NCCL registers
+    (cudaIpc handles) only with NCCL_LEGACY_CUDA_REGISTER=1: set here unless the user set
+    it, before NCCL first reads it (at its first registered transfer)."""
+    if not options.resolved_nccl_register():
         return False
-    return os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
+    return set_process_env_default("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
 
 
-def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int) -> int:
-    if _MAX_BLOCKS_ENV:
-        return int(_MAX_BLOCKS_ENV)
+def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: Optional[int] = None) -> int:
+    """Grid cap of the kernels beside transfers: at full width they take HBM bandwidth and
+    SM slots in bursts from NCCL's kernels. Half the SMs on ranks that send and receive,
+    three quarters where same-rank copies outweigh the transfers by >10% (the kernels then
+    set the pace); one-way ranks and plans without transfers stay uncapped (RESULTS.md)."""
+    if override is not None:
+        return override
     if not (send_bytes and recv_bytes):
         return 0
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return sms * 3 // 4 if copy_bytes * 10 > max(send_bytes, recv_bytes) * 11 else sms // 2
 
 
-def make_cuda_transport(backend: str, group: Any, register: bool = False) -> "CudaTransport":
+def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> "CudaTransport":
     if not torch.cuda.is_available():
         raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
     if not _C._build_info["cuda"]:
@@ -110,8 +83,9 @@ def make_cuda_transport(backend: str, group: Any, register: bool = False) -> "Cu
     if backend == "nccl":
         from .. import _nccl
 
-        return CudaTransport(group, _nccl.communicator(group), register)
-    return CudaTransport(group, None)
+        comm = _nccl.communicator(group, options.resolved_timeout("nccl"))
+        return CudaTransport(group, comm, options, register)
+    return CudaTransport(group, None, options)
 
 
 class CudaTransport:
@@ -120,16 +94,21 @@ class CudaTransport:
     side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
     staging); the caller's stream waits for the last transfer before its unpack."""
 
-    def __init__(self, group: Any, comm: Optional[Any], register: bool = False):
+    def __init__(self, group: Any, comm: Optional[Any], options: Options, register: bool = False):
         self.comm = comm
+        self.trace = options.resolved_trace()
+        self.split_copies = options.resolved_split_copies()
+        self.max_blocks_override = options.resolved_max_blocks()
         # NCCL buffer registration, as agreed by every rank at plan time (registration_vote)
         self.register = register and comm is not None
-        # With NCCL, an op of >= DIRECT_BYTES whose box is one contiguous run is sent from
+        # With NCCL, an op of >= direct_bytes whose box is one contiguous run is sent from
         # / received into the tensor itself: no pack or unpack pass over its bytes (a
         # refit is link-bound and those passes are serial with the transfer). torch p2p
         # needs tensors for its messages, so it stages everything.
-        self.direct_bytes = DIRECT_BYTES if comm is not None else 0
-        self.p2p = None if comm is not None else P2PExchange(group)
+        # (Ops below it are packed: NCCL runs a group's p2p ops one after another per peer,
+        # so thousands of mid-size messages cost more than packing them.)
+        self.direct_bytes = options.resolved_direct_bytes("cuda") if comm is not None else 0
+        self.p2p = None if comm is not None else P2PExchange(group, options.resolved_timeout("torch"))
         # High priority: the transfer is the critical path; packs and unpacks on the
         # caller's stream fill the SMs NCCL leaves idle instead of delaying its kernels.
         self.side = torch.cuda.Stream(priority=-1) if comm is not None else None
@@ -151,7 +130,7 @@ class CudaTransport:
         nb = tables.num_batches
         # With a side stream the local copies go in one slice per batch, between the pack
         # of the next batch and the unpack of this one (see run).
-        sliced = SPLIT_COPIES and self.comm is not None and nb > 1
+        sliced = self.split_copies and self.comm is not None and nb > 1
         copy_parts = tables.copy_boxes_split(nb) if sliced else [tables.copy_boxes()]
         host = [_C.DeviceBoxTable(part) for part in copy_parts]
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
@@ -172,7 +151,8 @@ class CudaTransport:
         # NCCL call or host wait (decided here, once, not per execute).
         self._moves = tables.send_total > 0 or tables.recv_total > 0
         if self.comm is not None and self._moves:
-            self.max_blocks = _max_blocks(tables.send_total, tables.recv_total, tables.copy_total)
+            self.max_blocks = _max_blocks(tables.send_total, tables.recv_total, tables.copy_total,
+                                          self.max_blocks_override)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
         if self.register:
@@ -213,7 +193,7 @@ class CudaTransport:
         main = torch.cuda.current_stream()
         s = main.cuda_stream
         k = len(self._pack)
-        timeline = _Timeline() if TRACE else None
+        timeline = _Timeline() if self.trace else None
         step = timeline.step if timeline else _untraced
         if self.comm is None or not self._moves:  # torch p2p, or only same-rank copies
             for i, c in enumerate(self._copy):
@@ -247,7 +227,7 @@ class CudaTransport:
             main.wait_event(done[b])
             step("unpack", b, main, lambda b=b: self._unpack[b].launch(s, cap))
         # A dead peer or a lost message raises here (bounded by the communicator's
-        # timeout, RESHARD_EXT_NCCL_TIMEOUT) instead of hanging the next sync.
+        # timeout, rx.Options.timeout) instead of hanging the next sync.
         self.comm.wait(self.comm.timeout)
         self._finish(timeline)
 
