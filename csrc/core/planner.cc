@@ -197,8 +197,11 @@ std::vector<std::string> check_tables(const LayoutTable& src, const LayoutTable&
       errors.push_back(detail::format("tensor '", dst.name(i), "': global shape differs between src ",
                                       s.describe(), " and dst ", d.describe()));
     if (!rx_dtype_castable(s.dtype(), d.dtype()))
-      errors.push_back(detail::format("tensor '", dst.name(i), "': cannot convert ", dtype_name(s.dtype()),
-                                      " to ", dtype_name(d.dtype()), " exactly in kind (only floating types convert)"));
+      errors.push_back(detail::format(
+          "tensor '", dst.name(i), "': cannot convert ", dtype_name(s.dtype()), " to ", dtype_name(d.dtype()),
+          ": conversions exist only among float16, bfloat16, float32 and float64 (same bits as Tensor.to); "
+          "any other dtype, FP8 included, must be the same on both sides (for FP8 weights use a transform "
+          "such as rx.MXFP8)"));
   }
   return errors;
 }

@@ -81,7 +81,8 @@ void register_core(py::module_& m) {
            py::arg("shard_dim"), py::arg("stride") = 1, py::arg("blocks") = std::vector<int64_t>{})
       .def_readonly("shard_dim", &Placement::shard_dim)
       .def_readonly("stride", &Placement::stride)
-      .def_readonly("blocks", &Placement::blocks);
+      .def_readonly("blocks", &Placement::blocks)
+      .def_static("replicate", [] { return Placement{}; }, "The placement of a Replicate mesh dim.");
 
   py::class_<Layout, std::shared_ptr<Layout>>(m, "Layout")
       .def(py::init([](std::vector<int64_t> shape, int32_t dtype, std::shared_ptr<Mesh> mesh,
