@@ -12,7 +12,6 @@ import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate, Shard
 from reshard_ext import mxfp8
 from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout, scale_numel
-from reshard_ext.transports.cpu import CpuTransport
 
 from _dist import run_ranks
 from test_mxfp8_kernels import assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
@@ -147,12 +146,8 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32, device=dev)
     dst["bias"] = (bias_out, bl_dst)
 
-    saved = CpuTransport.direct_bytes
-    CpuTransport.direct_bytes = direct_bytes or saved  # small: ops travel straight from/into tensors
-    try:
-        plan = rx.plan(src, dst, transform=transform)
-    finally:
-        CpuTransport.direct_bytes = saved
+    # small direct_bytes: ops travel straight from/into tensors
+    plan = rx.plan(src, dst, transform=transform, options=rx.Options(direct_bytes=direct_bytes or None))
     side = "src" if where == "sender" else "dst"
     for n in names:
         if rank in specs[n][side == "dst"].mesh:
