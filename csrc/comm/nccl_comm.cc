@@ -323,10 +323,8 @@ bool NcclComm::poll() {
 
 void NcclComm::wait(double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
-  // The caller's next launches wait for this return, so a completion seen late idles
-  // the GPU for that long. Sleeps of up to 1 ms here cost ~0.5 ms per execute (2x H200,
-  // uncapped TP2->TP1: 24.4-24.9 -> 24.0 ms). 50 us bounds it, at the cost of ~20k
-  // wakeups a second while a refit runs.
+  // A completion seen late idles the GPU until the caller's next launch: poll at most
+  // 50 us apart (the A/B is in benchmarks/RESULTS.md's history, commit 177dbb1).
   Backoff backoff(50);
   while (!poll()) {
     if (Clock::now() > deadline) {
