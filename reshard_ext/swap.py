@@ -16,6 +16,8 @@ together. A warm call does no metadata exchange and no planning.
 """
 from __future__ import annotations
 
+import atexit
+
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable, Mapping, Optional, Union
@@ -49,6 +51,15 @@ class _Cached:
 
 _PLANS: dict[tuple, _Cached] = {}
 _GENERATIONS: dict[tuple, Any] = {}  # group key -> counter; ranks of a group plan together
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Cached plans hold process groups and tensors: drop them while the interpreter is
+    whole. Left to its finalization, torch's gloo teardown could abort the process
+    ("terminate called without an active exception") after destroy_process_group."""
+    _PLANS.clear()
+    _DESCRIBED.clear()
 
 
 def clear_caches() -> None:
