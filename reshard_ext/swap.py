@@ -17,6 +17,7 @@ together. A warm call does no metadata exchange and no planning.
 from __future__ import annotations
 
 import atexit
+import time
 
 from dataclasses import dataclass, field
 from itertools import count
@@ -55,11 +56,16 @@ _GENERATIONS: dict[tuple, Any] = {}  # group key -> counter; ranks of a group pl
 
 @atexit.register
 def _release_at_exit() -> None:
-    """Cached plans hold process groups and tensors: drop them while the interpreter is
-    whole. Left to its finalization, torch's gloo teardown could abort the process
-    ("terminate called without an active exception") after destroy_process_group."""
+    """Drops cached plans (they hold process groups and tensors) while the interpreter is
+    whole, and yields the GIL once: a torch gloo worker thread releases its last work's
+    tensors on its own, and one that does so during interpreter finalization cannot take
+    the GIL, so Python ends the thread inside a noexcept frame and the process aborts
+    ("terminate called without an active exception"; backtrace in the closing note of
+    this fix). A short sleep lets such a release finish first."""
     _PLANS.clear()
     _DESCRIBED.clear()
+    if STATS["exchanges"]:
+        time.sleep(0.05)
 
 
 def clear_caches() -> None:
