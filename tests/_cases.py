@@ -161,7 +161,7 @@ def case_relay(world: int) -> Spec:
         "relay.1to3.scalar": ((), F32, one(()), F32, three(())),
         "relay.colo.1to4": ((16, 4), F32, one((16, 4)), F32, L((16, 4), F32, [0, 1, 2, 3], [Replicate()])),
         "relay.colo.2repl_dims": ((8, 6), F32, one((8, 6), r=(3,)), F32, L((8, 6), F32, m2, [Replicate(), Replicate()])),
-        "relay.colo.tp2_dp2": ((16, 6), F32, L((16, 6), F32, [0, 1], [Shard(0)]), F32, L((16, 6), F32, m2, [Replicate(), Shard(0)])),
+        "relay.colo.tp2_dp2": ((16, 6), F32, L((16, 6), F32, [1, 2], [Shard(0)]), F32, L((16, 6), F32, m2, [Replicate(), Shard(0)])),
         "relay.colo.strided": ((16, 4), F32, one((16, 4), r=(2,)), F32, L((16, 4), F32, m2, [Shard(0, stride=2), Replicate()])),
         "relay.colo.blocks": ((24, 4), BF16, one((24, 4), BF16, r=(1,)), BF16,
                               L((24, 4), BF16, m2, [Shard(0, blocks=(16, 4, 4)), Replicate()])),

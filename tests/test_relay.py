@@ -31,6 +31,12 @@ def test_which_tensors_relay():
     # as many src holders as replicas: TP2*DP2 -> DP4 (each replica has a holder of each half)
     tp2dp2 = L((24, 8), [[0, 1], [2, 3]], [Replicate(), Shard(0)])
     assert _dims(tp2dp2, L((24, 8), [0, 1, 2, 3], [Replicate()])) == {}
+    # collocated: a replica holding its whole class copies it locally, so TP2 -> DP2*TP2 on the
+    # same ranks gains nothing (each holder sends its half once either way), 1 -> 4 does
+    tp2_dp2 = L((16, 6), [[0, 1], [2, 3]], [Replicate(), Shard(0)])
+    assert _dims(L((16, 6), [0, 1], [Shard(0)]), tp2_dp2) == {}
+    assert _dims(L((16, 6), [1, 2], [Shard(0)]), tp2_dp2) == {"w": 0}
+    assert _dims(one, L((24, 8), [0, 1, 2, 3], [Replicate()])) == {"w": 0}
     # 2 replicas of 1 holder: 1 + 1/2 < 2 copies' time; not when the gather moves f32 for bf16 wire bytes
     assert _dims(one, L((24, 8), [1, 2], [Replicate()])) == {"w": 0}
     assert _dims(L((24, 8), [0], [Replicate()], BF16), L((24, 8), [1, 2], [Replicate()])) == {}
@@ -48,7 +54,7 @@ def test_which_tensors_relay():
 SCATTER_CASES = {
     "1to3": (L((10, 7), [0], [Replicate()]), L((10, 7), [1, 2, 3], [Replicate()])),
     "2repl_dims": (L((8, 6), [3], [Replicate()]), L((8, 6), [[0, 1], [2, 3]], [Replicate(), Replicate()])),
-    "repl_first": (L((16, 6), [0, 1], [Shard(0)]), L((16, 6), [[0, 1], [2, 3]], [Replicate(), Shard(0)])),
+    "repl_first": (L((16, 6), [1, 2], [Shard(0)]), L((16, 6), [[0, 1], [2, 3]], [Replicate(), Shard(0)])),
     "strided": (L((16, 4), [2], [Replicate()]), L((16, 4), [[0, 1], [2, 3]], [Shard(0, stride=2), Replicate()])),
     "blocks": (L((24, 4), [1], [Replicate()]), L((24, 4), [[0, 1], [2, 3]], [Shard(0, blocks=(16, 4, 4)), Replicate()])),
     "3d_mesh": (L((12, 5), [0], [Replicate()]),

@@ -1,18 +1,10 @@
 #include "core/relay.h"
 
-#include <algorithm>
-
 #include "kernels/api.h"
 
 namespace rx {
 
 namespace {
-
-bool overlaps(const Piece& a, const Piece& b) {
-  for (size_t d = 0; d < a.size(); ++d)
-    if (intersect(a[d], b[d]).empty()) return false;
-  return true;
-}
 
 int64_t volume(const Piece& p) {
   int64_t n = 1;
@@ -31,21 +23,33 @@ RelaySplit relay_split(const Layout& src, const Layout& dst) {
 
   std::vector<Piece> held(src.num_classes());
   for (int64_t s = 0; s < src.num_classes(); ++s) held[s] = src.class_piece(s);
-  std::vector<Piece> classes;  // the non-empty dst class pieces
-  int64_t h = 0;
+  struct Class {
+    Piece piece;
+    int64_t holders = 0, local = 0;  // h and j of the model above
+  };
+  std::vector<Class> classes;  // the non-empty dst classes
   for (int64_t c = 0; c < dst.num_classes(); ++c) {
-    Piece p = dst.class_piece(c);
-    if (volume(p) == 0) continue;
-    int64_t m = 0;
-    for (const Piece& q : held) {
-      if (!overlaps(p, q)) continue;
-      m += src.replicas_per_class();
-      if (m >= k) return out;  // as many holders as receivers: nothing to gain
+    Class cl{dst.class_piece(c)};
+    if (volume(cl.piece) == 0) continue;
+    const int64_t want = volume(cl.piece);
+    for (int64_t s = 0; s < src.num_classes(); ++s) {
+      int64_t common = 1;  // elements of the class piece that src class s holds
+      for (size_t d = 0; d < held[s].size() && common > 0; ++d) {
+        int64_t len = 0;
+        for (const Segment& g : intersect(held[s][d], cl.piece[d])) len += g.len;
+        common *= len;
+      }
+      if (common == 0) continue;
+      cl.holders += src.replicas_per_class();
+      if (cl.holders >= k) return out;  // as many holders as receivers: nothing to gain
+      for (int64_t r = 0; common == want && r < src.replicas_per_class(); ++r) {
+        const int64_t pos = dst.mesh().position(src.class_replica(s, r));
+        cl.local += pos >= 0 && dst.class_of_position(pos) == c;
+      }
     }
-    h = std::max(h, m);
-    classes.push_back(std::move(p));
+    classes.push_back(std::move(cl));
   }
-  if (h == 0) return out;
+  if (classes.empty()) return out;
 
   // The split dim and its largest share (share / n: the worst over the classes).
   int32_t dim = -1, best = -1;
@@ -53,8 +57,8 @@ RelaySplit relay_split(const Layout& src, const Layout& dst) {
   for (int32_t d = 0; d < dst.ndim(); ++d) {
     bool near_even = true;
     int64_t ws = 0, wn = 1;
-    for (const Piece& p : classes) {
-      const int64_t len = total_len(p[d]);
+    for (const Class& cl : classes) {
+      const int64_t len = total_len(cl.piece[d]);
       const int64_t sh = (len + k - 1) / k;  // torch.chunk, as a Shard splits
       near_even = near_even && 8 * sh * k <= 9 * len;
       if (sh * wn > ws * len) ws = sh, wn = len;
@@ -68,9 +72,14 @@ RelaySplit relay_split(const Layout& src, const Layout& dst) {
   if (dim < 0) dim = best, share = best_share, n = best_n;
   const int64_t dsz = rx_dtype_size(dst.dtype());
   const int64_t wsz = rx_dtype_size(wire_dtype_for(src.dtype(), dst.dtype()));
-  // 1/h + (k-1) * (share/n) * (dsz/wsz) < k/h, times h * n * wsz
-  if (n * wsz + (k - 1) * share * dsz * h < k * n * wsz) out.dim = dim;
-  out.holders = h;
+  // Relay when sum_c (k - j_c) / (k h_c) > C s rho (relay.h), in integers: each term
+  // scaled by k * kScale (rounded down: a deterministic, rank-independent comparison).
+  constexpr int64_t kScale = int64_t{1} << 20;
+  __int128 gain = 0;
+  for (const Class& cl : classes) gain += (k - cl.local) * kScale / cl.holders;
+  const __int128 cost = static_cast<__int128>(classes.size()) * k * kScale * share * dsz;
+  if (!(gain * n * wsz > cost)) return out;
+  out.dim = dim;
   return out;
 }
 

@@ -23,14 +23,16 @@ namespace rx {
 struct RelaySplit {
   int32_t dim = -1;      // the tensor dim the replicas split their class piece along; -1: no relay
   int64_t replicas = 1;  // k: dst replicas per class
-  int64_t holders = 0;   // the most src ranks holding data of one dst class (counted up to k)
 };
 
-// Whether relaying helps, from the layouts alone. Model (time in units of one class
-// piece on one link): direct, the h holders of a class send k copies: k / h. Relayed:
-// the scatter takes 1 / h, the all-gather (k - 1) * s * rho, where s is the largest
-// share of a class piece and rho the dst element size over the wire's (the all-gather
-// moves dst elements: a bf16 -> f32 refit doubles its bytes). Relay when strictly faster.
+// Whether relaying helps, from the layouts alone. Model (time in units of one class piece
+// on one link): h_c src ranks hold data of dst class c, and j_c of its k replicas hold
+// all of it themselves (a local copy). Direct, the holders send k - j_c copies:
+// (k - j_c) / h_c. Relayed: the scatter takes (1 - j_c / k) / h_c, the all-gather
+// (k - 1) s rho, where s is the largest share of a class piece and rho the dst element
+// size over the wire's (the all-gather moves dst elements: a bf16 -> f32 refit doubles
+// its bytes). The gain, summed over the C classes (holders often serve several), is
+// (k - 1) (sum_c (k - j_c) / (k h_c) - C s rho): relay when it is positive.
 // The split dim: the outermost whose shares are within 1/8 of even in every class (whole
 // rows keep views contiguous), else the one with the smallest largest share.
 RelaySplit relay_split(const Layout& src, const Layout& dst);
