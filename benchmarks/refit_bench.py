@@ -7,6 +7,7 @@ and the same refit done the way Megatron-Core does it (one batch_isend_irecv op 
 slice, slices made contiguous in Python) as a baseline.
 
     torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1
+    torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3   (relay on vs off)
 Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1")
 
 import reshard_ext as rx  # noqa: E402
-from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts
+from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts, total_bytes
 
 from _common import cuda_time as _time, d2d_time, nccl_ceiling
 
@@ -101,9 +102,60 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict, 
     return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters)
 
 
+def _pieces(layouts: dict, rank: int, random: bool = False) -> dict:
+    """{name: (this rank's piece on the GPU, layout)}: random values, or uninitialised."""
+    out = {}
+    for name, layout in layouts.items():
+        if rank in layout.mesh:
+            shape = layout.local_shape(rank)
+            t = torch.randn(shape, device="cuda").to(layout.dtype) if random else torch.empty(
+                shape, device="cuda", dtype=layout.dtype)
+            out[name] = (t, layout)
+    return out
+
+
+RELAY_CASE = "relay-1to3"
+
+
+def _relay_bench(args: argparse.Namespace, rank: int, world: int) -> None:
+    """Rank 0 holds the model (TP1), ranks 1-3 are three TP1 replicas: the same refit with
+    the relay on and off in one run (other ranks idle). Source egress should be about 1x
+    vs 3x the model bytes, and the time about (1 + 2/3) / 3 = 0.56x."""
+    src_l = model_layouts(LLAMA3_8B, Parallel(tp=1))
+    dst_l = model_layouts(LLAMA3_8B, Parallel(tp=1, dp=3, offset=1))
+    src = _pieces(src_l, rank, random=True)
+    dst = {key: _pieces(dst_l, rank) for key in ("on", "off")}
+    batch = (args.max_batch_mb << 20) or None
+    plans = {key: rx.plan(src, dst[key], max_batch_bytes=batch, options=rx.Options(relay=key == "on"))
+             for key in ("on", "off")}
+    times = {key: _time(lambda p=p: rx.execute(p), args.iters) for key, p in plans.items()}
+    phases = getattr(plans["on"], "phases", ())
+    t_phases = [_time(p.execute, args.iters) for p in phases]
+    same = all(torch.equal(a.view(torch.uint8), dst["off"][n][0].view(torch.uint8)) for n, (a, _) in dst["on"].items())
+    row = (rank, plans["on"].bytes_sent, plans["off"].bytes_sent, plans["on"].bytes_received,
+           plans["off"].bytes_received, times["on"], times["off"], t_phases, same, plans["on"].relayed_tensors)
+    rows: list = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank != 0:
+        return
+    model_bytes = total_bytes(src_l)
+    print(f"\n== {RELAY_CASE}: {LLAMA3_8B.layers} layers, {len(src_l)} tensors ({model_bytes / 1e9:.2f} GB), "
+          f"{torch.cuda.get_device_name()} x{world}; {rows[0][-1]} tensors relayed")
+    print(f"{'rank':>4} {'sent GB on':>10} {'sent GB off':>11} {'recv GB on':>10} {'recv GB off':>11} "
+          f"{'relay ms':>9} {'direct ms':>9} {'ratio':>6} {'scatter ms':>10} {'gather ms':>9} {'on == off':>9}")
+    for r, s_on, s_off, r_on, r_off, t_on, t_off, tp, eq, _ in rows:
+        ph = f"{1e3 * tp[0]:10.2f} {1e3 * tp[1]:9.2f}" if tp else f"{'-':>10} {'-':>9}"
+        print(f"{r:4d} {s_on / 1e9:10.2f} {s_off / 1e9:11.2f} {r_on / 1e9:10.2f} {r_off / 1e9:11.2f} "
+              f"{1e3 * t_on:9.2f} {1e3 * t_off:9.2f} {t_on / t_off:6.3f} {ph} {str(eq):>9}")
+    src_on, src_off = rows[0][1], rows[0][2]
+    print(f"source egress: relay {src_on / model_bytes:.3f}x, direct {src_off / model_bytes:.3f}x the model bytes; "
+          f"refit time relay/direct = {rows[0][5] / rows[0][6]:.3f} (ideal (1 + 2/3) / 3 = 0.556); "
+          f"bit for bit on == off on every rank: {all(r[8] for r in rows)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=sorted(CASES), required=True)
+    ap.add_argument("--case", choices=sorted(CASES) + [RELAY_CASE], required=True)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-batch-mb", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true")
@@ -118,6 +170,13 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600),
                             device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.case == RELAY_CASE:
+        if world >= 4:
+            _relay_bench(args, rank, world)
+        elif rank == 0:
+            print(f"{RELAY_CASE}: needs 4 GPUs, have {world}: skipped")
+        dist.destroy_process_group()
+        return
     model, sp, dp_, need = _cases(world)[args.case]
     if world < need:
         if rank == 0:
@@ -125,8 +184,7 @@ def main() -> None:
         return
     src_l = model_layouts(model, sp)
     dst_l = model_layouts(model, dp_)
-    src = {n: (torch.randn(l.local_shape(rank), device="cuda").to(l.dtype), l) for n, l in src_l.items() if rank in l.mesh}
-    dst = {n: (torch.empty(l.local_shape(rank), device="cuda", dtype=l.dtype), l) for n, l in dst_l.items() if rank in l.mesh}
+    src, dst = _pieces(src_l, rank, random=True), _pieces(dst_l, rank)
     plan = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None)
     t_refit = _time(lambda: rx.execute(plan), args.iters)
     timeline = ""

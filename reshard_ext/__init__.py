@@ -11,7 +11,7 @@ from .execution import Plan, execute, plan
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
 from .options import Options
-from . import adapters, merged
+from . import adapters, merged, relay
 from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
 from .planning import RankPlan, TransferOp, local_plan
 from .transforms import Rewrite, Transform
@@ -28,5 +28,5 @@ def build_info() -> dict[str, Any]:
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "Plan", "local_plan", "RankPlan", "TransferOp", "MXFP8",
-    "adapters", "merged", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
+    "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
 ]

@@ -94,6 +94,8 @@ def _make_transport(backend: str, device: Optional[str], group: Any, options: Op
 class Plan:
     """A planned refit bound to tensors. Built by `rx.plan`; run by `rx.execute`."""
 
+    relayed_tensors = 0  # tensors that reach their replicas through a relay (reshard_ext/relay.py)
+
     def __init__(self, agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any,
                  backend: str, transform: Optional[Transform], options: Options):
         self.group = group
@@ -174,6 +176,25 @@ class Plan:
                 step()
 
 
+def _bind_agreed(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any, backend: str,
+                 transform: Optional[Transform], options: Options) -> Plan:
+    # Binding allocates staging and builds descriptor tables on each rank alone: a
+    # failure there (e.g. out of memory on one GPU) is agreed on, so every rank raises
+    # now rather than the others hanging in the first execute.
+    failure: Optional[BaseException] = None
+    try:
+        p = Plan(agreement, src, dst, steps, group, backend, transform, options)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+        failure = e
+    failed = first_failed_rank(group, failure is not None)
+    if failure is not None:
+        raise failure
+    if failed >= 0:
+        raise ReshardError(f"rx.plan: rank {failed} failed to set up its part of the plan (staging buffers, "
+                           f"descriptor tables or transport); see that rank's error")
+    return p
+
+
 def plan(
     src: Optional[Entries] = None,
     dst: Optional[Entries] = None,
@@ -206,26 +227,24 @@ def plan(
         src_w, dst_w, src_steps, dst_steps = {}, {}, ([], []), ([], [])
     t0 = time.perf_counter()
     agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options)
-    # Binding allocates staging and builds descriptor tables on each rank alone: a
-    # failure there (e.g. out of memory on one GPU) is agreed on, so every rank raises
-    # now rather than the others hanging in the first execute.
-    failure: Optional[BaseException] = None
-    try:
-        p = Plan(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps}, group, backend, transform, options)
-    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
-        failure = e
-    failed = first_failed_rank(group, failure is not None)
-    if failure is not None:
-        raise failure
-    if failed >= 0:
-        raise ReshardError(f"rx.plan: rank {failed} failed to set up its part of the plan (staging buffers, "
-                           f"descriptor tables or transport); see that rank's error")
+
+    from . import relay  # relay fan-out: two plans (scatter, gather) where replicas would hammer the sources
+
+    def bind(agreement: Any, src: Entries, dst: Entries, steps: Optional[dict[str, Steps]] = None) -> Plan:
+        return _bind_agreed(agreement, src, dst, steps or {"src": ([], []), "dst": ([], [])}, group, backend,
+                            transform, options)
+
+    dims = relay.relayed_dims(agreement) if transform is None else {}
+    if dims:
+        p = relay.plan_relayed(dims, src_w, dst_w, group, max_batch_bytes, options, bind)
+    else:
+        p = bind(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps})
     if log.isEnabledFor(logging.INFO):
         sends, recvs, copies = p.num_ops
         log.info("rank %d: planned %d src / %d dst tensors in %.1f ms: %d sends (%.3f GB), %d receives (%.3f GB), "
-                 "%d same-rank copies, %d batch(es), backend %s", p.rank, len(src_w), len(dst_w),
-                 1e3 * (time.perf_counter() - t0), sends, p.bytes_sent / 1e9, recvs, p.bytes_received / 1e9,
-                 copies, p.num_batches, p.backend)
+                 "%d same-rank copies, %d batch(es), backend %s, %d tensor(s) relayed", p.rank, len(src_w),
+                 len(dst_w), 1e3 * (time.perf_counter() - t0), sends, p.bytes_sent / 1e9, recvs,
+                 p.bytes_received / 1e9, copies, p.num_batches, p.backend, p.relayed_tensors)
     return p
 
 

@@ -92,6 +92,9 @@ KNOBS: dict[str, Knob] = {
              "grid cap of the kernels beside transfers (auto: by workload; 0: no cap; N: N blocks)"),
         Knob("RESHARD_EXT_BATCH_TAPER", True, _flag,
              "with 3+ batches the first and last carry half a share (every rank must set it alike)"),
+        Knob("RESHARD_EXT_RELAY", True, _flag,
+             "where more receivers need a piece than ranks hold it, receivers relay it to each other "
+             "(0: every receiver pulls from the sources; every rank must set it alike)"),
         Knob("RESHARD_EXT_TRACE", False, _flag,
              "1: every GPU execute logs a CUDA-event timeline of its steps (synchronises: diagnostics only)"),
     )
@@ -137,6 +140,7 @@ class Options:
     - split_copies: same-rank copies sliced under the transfers (RESHARD_EXT_CUDA_SPLIT_COPIES).
     - batch_taper: half-size first and last batches (RESHARD_EXT_BATCH_TAPER; alike on every rank).
     - trace: log a CUDA-event timeline of every GPU execute (RESHARD_EXT_TRACE).
+    - relay: relay fan-out to replicas (RESHARD_EXT_RELAY; alike on every rank, rx.plan checks).
     """
 
     batch_bytes: Optional[int] = None
@@ -147,6 +151,7 @@ class Options:
     split_copies: Optional[bool] = None
     batch_taper: Optional[bool] = None
     trace: Optional[bool] = None
+    relay: Optional[bool] = None
 
     def __post_init__(self) -> None:
         checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
@@ -158,6 +163,7 @@ class Options:
             "split_copies": (bool, lambda v: True, "a bool"),
             "batch_taper": (bool, lambda v: True, "a bool"),
             "trace": (bool, lambda v: True, "a bool"),
+            "relay": (bool, lambda v: True, "a bool"),
         }
         for name, (kind, ok, what) in checks.items():
             value = getattr(self, name)
@@ -200,6 +206,9 @@ class Options:
 
     def resolved_trace(self) -> bool:
         return self.trace if self.trace is not None else bool(env_default("RESHARD_EXT_TRACE"))
+
+    def resolved_relay(self) -> bool:
+        return self.relay if self.relay is not None else bool(env_default("RESHARD_EXT_RELAY"))
 
 
 def skip_nccl_check() -> bool:

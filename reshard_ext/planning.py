@@ -198,6 +198,7 @@ class Agreement:
     rank_plan: Any
     device: Optional[str]
     register: bool = False  # every rank voted for NCCL buffer registration
+    relay: bool = False  # every rank passed relay on (rx.Options.relay; a disagreement is an error)
 
 
 def plan_collective(
@@ -214,14 +215,18 @@ def plan_collective(
             for name, (_, layout) in entries.items():
                 if reporter_of(name, layout) == rank:
                     report.append((side, name, layout._c))
-    payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options))
+    payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options), options.resolved_relay())
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, payload, group=group)
     STATS["exchanges"] += 1
 
-    errors = [e for _, errs, _, _ in gathered for e in errs]
-    devices = {d for _, _, d, _ in gathered if d is not None}
-    register = all(v for *_, v in gathered)
+    errors = [e for _, errs, *_ in gathered for e in errs]
+    devices = {d for _, _, d, *_ in gathered if d is not None}
+    register = all(g[3] for g in gathered)
+    relay = [g[4] for g in gathered]
+    if len(set(relay)) > 1:
+        errors.append(f"rx.Options(relay=...) / RESHARD_EXT_RELAY must be alike on every rank: on for ranks "
+                      f"{[r for r, v in enumerate(relay) if v][:8]}, off for {[r for r, v in enumerate(relay) if not v][:8]}")
     if len(devices) > 1:
         errors.append(f"ranks hold tensors on different devices: {sorted(devices)}")
     if errors:
@@ -262,7 +267,7 @@ def plan_collective(
     if sum(s for _, _, s, _ in gathered) % 2**64 != sum(r for _, _, _, r in gathered) % 2**64:
         _raise(_digest_mismatch(rank_plan, group, world))
     rank_plan.assign_batches(max(k for _, k, _, _ in gathered))
-    return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None, register)
+    return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None, register, all(relay))
 
 
 def _registration_vote(device: Optional[str], options: Options) -> bool:

@@ -143,6 +143,31 @@ def case_two(world: int) -> Spec:
     }
 
 
+def case_relay(world: int) -> Spec:
+    """More dst replicas of a piece than src ranks holding it: relayed by default
+    (reshard_ext/relay.py), collocated and not; tensors that cannot split stay direct."""
+    assert world >= 4
+    one = lambda shape, dt=F32, r=(0,): L(shape, dt, list(r), [Replicate()])
+    three = lambda shape, dt=F32: L(shape, dt, [1, 2, 3], [Replicate()])
+    m2 = Mesh([[0, 1], [2, 3]])
+    return {
+        "relay.1to3": ((24, 8), F32, one((24, 8)), F32, three((24, 8))),
+        "relay.1to3.uneven": ((10, 7), F32, one((10, 7)), F32, three((10, 7))),
+        "relay.1to3.cast": ((12, 5), BF16, one((12, 5), BF16), F32, three((12, 5))),
+        "relay.1to3.f32_bf16": ((12, 5), F32, one((12, 5)), BF16, three((12, 5), BF16)),
+        "relay.1to3.int": ((9, 4), I64, one((9, 4), I64), I64, three((9, 4), I64)),
+        "relay.1to3.3d": ((2, 3, 6), F32, one((2, 3, 6)), F32, three((2, 3, 6))),
+        "relay.1to3.tiny": ((1, 1), F32, one((1, 1)), F32, three((1, 1))),
+        "relay.1to3.scalar": ((), F32, one(()), F32, three(())),
+        "relay.colo.1to4": ((16, 4), F32, one((16, 4)), F32, L((16, 4), F32, [0, 1, 2, 3], [Replicate()])),
+        "relay.colo.2repl_dims": ((8, 6), F32, one((8, 6), r=(3,)), F32, L((8, 6), F32, m2, [Replicate(), Replicate()])),
+        "relay.colo.tp2_dp2": ((16, 6), F32, L((16, 6), F32, [1, 2], [Shard(0)]), F32, L((16, 6), F32, m2, [Replicate(), Shard(0)])),
+        "relay.colo.strided": ((16, 4), F32, one((16, 4), r=(2,)), F32, L((16, 4), F32, m2, [Shard(0, stride=2), Replicate()])),
+        "relay.colo.blocks": ((24, 4), BF16, one((24, 4), BF16, r=(1,)), BF16,
+                              L((24, 4), BF16, m2, [Shard(0, blocks=(16, 4, 4)), Replicate()])),
+    }
+
+
 CASES: dict[str, Callable[[int], Spec]] = {
     "two": case_two,
     "tp": case_tp,
@@ -151,6 +176,7 @@ CASES: dict[str, Callable[[int], Spec]] = {
     "pp_experts": case_pp_experts,
     "placement": case_placement,
     "casts": case_casts,
+    "relay": case_relay,
 }
 
 

@@ -116,6 +116,13 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
   boxes.swap(kept);
 }
 
+bool same_memory(const rx_box& b) {
+  if (b.src != b.dst || b.src_dtype != b.dst_dtype || b.mode != RX_BOX_COPY) return false;
+  for (int i = 0; i < b.ndim; ++i)
+    if (b.src_stride[i] != b.dst_stride[i]) return false;
+  return true;
+}
+
 }  // namespace
 
 std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
@@ -218,8 +225,10 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const TensorRef& s = *src_of.at(op.src_name);
     const TensorRef& d = *dst_of.at(op.dst_name);
     const uint64_t at = addr(d, op.mine.start);
-    copies_.push_back(make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
-                               d.strides.data(), d.dtype, mode_of(&s, &d), scales_of(d, at)));
+    const rx_box box = make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
+                                d.strides.data(), d.dtype, mode_of(&s, &d), scales_of(d, at));
+    // A copy of memory onto itself (a relay replica's own share) is dropped.
+    if (!same_memory(box)) copies_.push_back(box);
   }
 }
 

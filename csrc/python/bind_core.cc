@@ -7,6 +7,7 @@
 #include "core/layout.h"
 #include "core/metadata.h"
 #include "core/planner.h"
+#include "core/relay.h"
 #include "python/register.h"
 
 namespace py = pybind11;
@@ -126,6 +127,8 @@ void register_core(py::module_& m) {
       .def("layout", [](const LayoutTable& t, int32_t i) { return std::const_pointer_cast<Layout>(t.layout_ptr(i)); });
 
   m.def("check_tables", &check_tables, py::arg("src"), py::arg("dst"), py::arg("world_size"));
+  m.def("relay_splits", &relay_splits, py::arg("src"), py::arg("dst"),
+        "(dst table index, split dim) of every dst tensor whose refit relays (core/relay.h).");
 
   py::class_<RankPlan, std::shared_ptr<RankPlan>>(m, "RankPlan")
       .def_readonly("rank", &RankPlan::rank)
