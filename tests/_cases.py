@@ -174,9 +174,10 @@ def poison(shape, dtype, device) -> torch.Tensor:
 
 
 def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_bytes=None, backend: str = "auto",
-             options=None):
+             options=None, inspect=None):
     """Refits the case twice (sources changed in place between) and checks every dst
-    piece bit for bit against Layout.local_part of the logical tensor."""
+    piece bit for bit against Layout.local_part of the logical tensor. Returns the plan's
+    num_ops, or inspect(plan) when given."""
     specs = CASES[case](world)
     src, dst, expect = {}, {}, {}
     for i, (name, (shape, sdt, sl, ddt, dl)) in enumerate(sorted(specs.items())):
@@ -202,4 +203,4 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
                 src[name][0].copy_(sl.local_part(g, rank).to(device))
             if name in expect:
                 expect[name] = g
-    return p.num_ops
+    return inspect(p) if inspect is not None else p.num_ops
