@@ -171,7 +171,7 @@ def main() -> None:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_link, t_d2d, t_base, plan.num_ops,
-           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_refits, [p.pairs for p in plans])
+           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_refits, [p.routes for p in plans])
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:

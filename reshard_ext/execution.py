@@ -172,7 +172,7 @@ class Plan:
         return sends + direct_sends, recvs + direct_recvs, copies
 
     @property
-    def pairs(self) -> str:
+    def routes(self) -> str:
         """What carries this rank's bytes to and from each peer (the plan summary's words)."""
         summary = getattr(self.transport, "summary", None)
         return summary() if summary is not None else self.backend
@@ -268,7 +268,7 @@ def plan(
         log.info("rank %d: planned %d src / %d dst tensors in %.1f ms: %d sends (%.3f GB), %d receives (%.3f GB), "
                  "%d same-rank copies, %d batch(es), backend %s (%s)", p.rank, len(src_w), len(dst_w),
                  1e3 * (time.perf_counter() - t0), sends, p.bytes_sent / 1e9, recvs, p.bytes_received / 1e9,
-                 copies, p.num_batches, p.backend, p.pairs)
+                 copies, p.num_batches, p.backend, p.routes)
     return p
 
 

@@ -94,7 +94,7 @@ KNOBS: dict[str, Knob] = {
              "with 3+ batches the first and last carry half a share (every rank must set it alike)"),
         Knob("RESHARD_EXT_DIRECT_TIMEOUT", 600.0, _seconds,
              "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
-        Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 1 << 20, _count(0),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 4 << 20, _count(0),
              "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
         Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
              "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),

@@ -4,7 +4,8 @@ CPU: the pair selection, and every table the transport builds, run in one proces
 _direct_sim (direct pairs, NCCL pairs and mixes of both, copy engines and kernel, casts
 and MXFP8) against the logical tensors, bit for bit.
 GPU (2 or 4 GPUs, skipped elsewhere): the refit matrix through backend="direct", pairs
-falling back to NCCL, a peer that never executes, rebinding, MXFP8.
+falling back to NCCL, a peer that never executes, rebinding (MXFP8 over direct pairs:
+test_mxfp8_refit.py::test_refit_matrix_cuda).
 """
 from __future__ import annotations
 
@@ -164,6 +165,97 @@ def _scale_numel(local: tuple) -> int:
     return scale_numel(local, "swizzled")
 
 
+# --- the transport over real process groups, with a CPU stand-in for the device ----------
+
+def _fake_refit(rank, world, case, max_batch_bytes, engine_bytes=1, optout=-1, unshared=-1, refuse=()):
+    """run_case over backend="direct" on FakeDevice: rank `optout` maps nothing, rank
+    `unshared`'s destinations cannot be exported, rank refuse[0] cannot attach refuse[1]."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device({refuse[1]} if refuse and rank == refuse[0] else set())
+    options = rx.Options(direct_ipc=rank != optout, direct_engine_bytes=engine_bytes)
+    try:
+        kw = {} if rank == unshared else {"alloc": shared_poison}
+        return run_case(rank, world, case, "cpu", max_batch_bytes, "direct", options, _pairs_of, **kw)
+    finally:
+        release_shared()
+
+
+@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+@pytest.mark.parametrize("case,world", [("two", 2), ("casts", 2), ("tp", 4), ("meshes", 4), ("pp_experts", 4),
+                                        ("placement", 4)])
+def test_transport_every_pair_direct(case, world, max_batch_bytes):
+    for rank, (direct, nccl, staging, _) in enumerate(run_ranks(world, _fake_refit, case, max_batch_bytes)):
+        assert direct == [r for r in range(world) if r != rank] and nccl == [] and staging == 0, (rank, direct, nccl)
+
+
+@pytest.mark.parametrize("case", ["tp", "meshes", "pp_experts"])
+def test_transport_rank_that_opts_out_uses_the_other_transport(case):
+    """Rank 3 maps nothing: its pairs move over the other transport, on both ends, in one plan."""
+    for rank, (direct, nccl, _, _) in enumerate(run_ranks(4, _fake_refit, case, 512, 1, 3)):
+        if rank == 3:
+            assert direct == [] and nccl, nccl
+        else:
+            assert direct == [r for r in range(3) if r != rank] and set(nccl) <= {3}, (rank, direct, nccl)
+
+
+def test_transport_unshareable_destinations_fall_back():
+    """Rank 1's destinations cannot be exported: the pairs that write into rank 1 fall back
+    (on both ends), the other pairs stay direct."""
+    spec = CASES["tp"](4)
+    into_1 = {op.peer for op in rx.local_plan({n: v[2] for n, v in spec.items()}, {n: v[4] for n, v in spec.items()},
+                                              1).recvs if op.peer != 1}
+    assert into_1 and into_1 != {0, 2, 3}  # some pairs of rank 1 fall back, some do not
+    got = run_ranks(4, _fake_refit, "tp", 512, 1, -1, 1)
+    assert got[1][0] == sorted({0, 2, 3} - into_1) and got[1][1] == sorted(into_1), got[1]
+    for rank in (0, 2, 3):
+        direct, nccl, _, _ = got[rank]
+        assert (1 in nccl) == (rank in into_1) and (1 in direct) == (rank not in into_1), (rank, got[rank])
+
+
+def test_transport_unattachable_signals_fall_back():
+    for rank, (direct, nccl, _, _) in enumerate(run_ranks(2, _fake_refit, "tp", None, 1, -1, -1, (0, 1))):
+        assert direct == [] and nccl == [1 - rank], (rank, direct, nccl)
+
+
+def _fake_rebind(rank, world, bad_rank):
+    """Collective rebind of the destinations onto new shared tensors; then a rebind that is
+    wrong on `bad_rank` raises on every rank (no rank left waiting)."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    try:
+        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
+        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(2))
+        src = {"w": (sl.local_part(g, rank).clone(), sl)}
+        old = shared_poison(dl.local_shape(rank), F32)
+        p = rx.plan(src, {"w": (old, dl)}, backend="direct")
+        rx.execute(p)
+        ok = [bits_equal(old, dl.local_part(g, rank))]
+        new = shared_poison(dl.local_shape(rank), F32)
+        keep = old.clone()
+        p.rebind(dst={"w": (new, dl)})
+        src["w"][0].mul_(2)
+        rx.execute(p)
+        ok += [bits_equal(new, dl.local_part(g * 2, rank)), bits_equal(old, keep), p.transport.direct_peers]
+        bad = torch.zeros(3, 3) if rank == bad_rank else new
+        try:
+            p.rebind(dst={"w": (bad, dl)})
+            ok.append("no error")
+        except rx.ReshardError as e:
+            ok.append(str(e))
+        return ok
+    finally:
+        release_shared()
+
+
+def test_transport_rebind_is_collective():
+    for rank, ok in enumerate(run_ranks(2, _fake_rebind, 1)):
+        assert ok[:4] == [True, True, True, [1 - rank]], ok
+        assert "rank 1" in ok[4] and "(3, 3)" in ok[4], ok[4]
+
+
 # --- GPUs -------------------------------------------------------------------------------
 
 def _pairs_of(plan) -> tuple:
@@ -171,13 +263,18 @@ def _pairs_of(plan) -> tuple:
     return (t.direct_peers, t.nccl_peers, t.staging_bytes, plan.num_ops)
 
 
+def _all_direct(world: int, case: str, max_batch_bytes) -> None:
+    """The refit matrix, every pair direct: no staging, nothing over NCCL."""
+    for rank, (direct, nccl, staging, _) in enumerate(
+            run_ranks(world, run_case, case, "cuda", max_batch_bytes, "direct", None, _pairs_of, backend="nccl")):
+        assert direct == [r for r in range(world) if r != rank] and nccl == [] and staging == 0, (rank, direct, nccl)
+
+
 @needs2
 @pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
 @pytest.mark.parametrize("max_batch_bytes", [None, 512])
 def test_matrix_2gpu(case, max_batch_bytes):
-    for rank, (direct, nccl, staging, _) in enumerate(
-            run_ranks(2, run_case, case, "cuda", max_batch_bytes, "direct", None, _pairs_of, backend="nccl")):
-        assert direct == [1 - rank] and nccl == [] and staging == 0, (rank, direct, nccl, staging)
+    _all_direct(2, case, max_batch_bytes)
 
 
 @needs2
@@ -193,7 +290,7 @@ def test_engines_and_kernel_2gpu(case, engine_bytes):
 @pytest.mark.parametrize("case", ["tp", "uneven_blocks", "meshes", "pp_experts", "placement", "casts"])
 @pytest.mark.parametrize("max_batch_bytes", [None, 512])
 def test_matrix_4gpu(case, max_batch_bytes):
-    run_ranks(4, run_case, case, "cuda", max_batch_bytes, "direct", backend="nccl")
+    _all_direct(4, case, max_batch_bytes)
 
 
 def _opted_out(rank, world, out, case, backend):
@@ -280,46 +377,14 @@ def test_peer_that_never_executes_raises_2gpu(role):
     assert "rank 1" in msg and ("did not start" in msg if role == "sender" else "did not signal" in msg), msg
 
 
-def _rebind(rank, world):
-    """Rebinding the destinations (collective with direct pairs): the refit lands in the new
-    tensors only, and the memory of the old ones, reused by another tensor, is untouched."""
-    shape = (256, 4096)
-    sl = Layout(shape, F32, Mesh([0, 1]), [Shard(0)])
-    dl = Layout(shape, F32, Mesh([0, 1]), [Replicate()])
-    g = torch.randn(shape, generator=torch.Generator().manual_seed(11))
-    src = {"w": (sl.local_part(g, rank).cuda(), sl)}
-    old = torch.zeros(dl.local_shape(rank), device="cuda")
-    p = rx.plan(src, {"w": (old, dl)}, backend="direct")
-    rx.execute(p)
-    torch.cuda.synchronize()
-    ok = [bits_equal(old.cpu(), g)]
-    new = torch.full(dl.local_shape(rank), float("nan"), device="cuda")
-    p.rebind(dst={"w": (new, dl)})
-    del old
-    reuse = torch.full(dl.local_shape(rank), 7.0, device="cuda")  # likely the freed block
-    src["w"][0].mul_(3)
-    rx.execute(p)
-    torch.cuda.synchronize()
-    ok += [bits_equal(new.cpu(), g * 3), bool((reuse == 7.0).all()), p.transport.direct_peers]
-    return ok
-
-
 @needs2
 def test_rebind_remaps_2gpu():
-    for rank, ok in enumerate(run_ranks(2, _rebind, backend="nccl")):
-        assert ok == [True, True, True, [1 - rank]], ok
+    """Rebinding the destinations: the sender maps the new tensors; the old memory, reused
+    by another tensor, stays untouched."""
+    from test_refit_gpu import _rebind_registered
 
-
-@needs2
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
-@pytest.mark.parametrize("where", ["receiver", "sender"])
-def test_mxfp8_direct_gpu(where, layout_kind, world):
-    from test_mxfp8_refit import refit_worker
-
-    if GPUS < world:
-        pytest.skip(f"needs {world} GPUs")
-    run_ranks(world, refit_worker, where, layout_kind, "ceil", "cuda", 0, "direct", backend="nccl")
+    for ok in run_ranks(2, _rebind_registered, None, "direct", backend="nccl"):
+        assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok
 
 
 def _repeat(rank, world, n):

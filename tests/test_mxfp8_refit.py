@@ -275,11 +275,13 @@ def test_refit_one_gpu(where, layout_kind):
 
 
 @pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("backend", ["auto", "direct"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
-def test_refit_matrix_cuda(where, layout_kind, world):
+def test_refit_matrix_cuda(where, layout_kind, world, backend):
+    """backend "direct": the sender's boxes write (and quantize) straight into the receiver."""
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):
-        run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
+        run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", 0, backend, backend="nccl")

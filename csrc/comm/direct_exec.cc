@@ -14,12 +14,6 @@ namespace rx {
 
 namespace {
 
-std::string ranks_text(const std::vector<int32_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += detail::format(i ? ", " : "", v[i]);
-  return s + "]";
-}
-
 std::vector<rx_box> kernel_boxes(const std::vector<rx_box>& boxes, int64_t engine_bytes,
                                  std::vector<EngineCopy>* engine) {
   std::vector<rx_box> kernel;
@@ -124,25 +118,19 @@ void DirectExec::fail(const std::string& msg) {
   throw ReshardError(msg + ". The plan's direct transport is unusable now (plan again on every rank).");
 }
 
-void DirectExec::begin(cudaStream_t main) {
+void DirectExec::guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main) {
   RX_USER_CHECK(error_.empty(), "direct transport unusable after an earlier failure: ", error_);
   try {
-    begin_steps(main);
+    (this->*steps)(main);
   } catch (const std::exception& e) {
-    if (error_.empty()) error_ = e.what();
+    if (error_.empty()) error_ = e.what();  // the ranks' sequences may differ from here on
     throw;
   }
 }
 
-void DirectExec::end(cudaStream_t main) {
-  RX_USER_CHECK(error_.empty(), "direct transport unusable after an earlier failure: ", error_);
-  try {
-    end_steps(main);
-  } catch (const std::exception& e) {
-    if (error_.empty()) error_ = e.what();
-    throw;
-  }
-}
+void DirectExec::begin(cudaStream_t main) { guarded(&DirectExec::begin_steps, main); }
+
+void DirectExec::end(cudaStream_t main) { guarded(&DirectExec::end_steps, main); }
 
 void DirectExec::begin_steps(cudaStream_t main) {
   DeviceGuard guard(sig_->device());

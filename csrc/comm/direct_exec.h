@@ -115,6 +115,7 @@ class DirectExec {
 
  private:
   [[noreturn]] void fail(const std::string& msg);
+  void guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main);
   void begin_steps(cudaStream_t main);
   void end_steps(cudaStream_t main);
 

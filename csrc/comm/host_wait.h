@@ -1,11 +1,15 @@
-// Host-side helpers of the CUDA transports: bounded waits and the current device.
+// Host-side helpers of the CUDA transports: bounded waits, the current device, streams
+// passed as integers, rank lists in messages.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "comm/cuda_check.h"
 
@@ -51,5 +55,17 @@ class Backoff {
   int us_ = 10;
   int max_us_;
 };
+
+// A cudaStream_t handed over from Python as an integer (torch's Stream.cuda_stream).
+inline cudaStream_t as_stream(uint64_t handle) {
+  return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(handle));
+}
+
+// "[1, 2, 3]", for error messages that name ranks.
+inline std::string ranks_text(const std::vector<int32_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += detail::format(i ? ", " : "", v[i]);
+  return s + "]";
+}
 
 }  // namespace rx

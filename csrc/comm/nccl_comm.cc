@@ -36,12 +36,6 @@ namespace rx {
 
 namespace {
 
-std::string join(const std::vector<int32_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += detail::format(i ? ", " : "", v[i]);
-  return s + "]";
-}
-
 std::vector<int32_t> peers(const std::vector<NcclTransfer>& v) {
   std::vector<int32_t> out;
   for (const auto& t : v)
@@ -100,8 +94,8 @@ std::string NcclComm::where() const {
 }
 
 std::string NcclComm::peers_of_last() const {
-  return detail::format("sending to ranks ", join(last_send_peers_), ", receiving from ranks ",
-                        join(last_recv_peers_));
+  return detail::format("sending to ranks ", ranks_text(last_send_peers_), ", receiving from ranks ",
+                        ranks_text(last_recv_peers_));
 }
 
 bool NcclComm::usable() const {

@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comm/direct_exec.h"
+#include "comm/host_wait.h"
 #include "comm/peer_map.h"
 #endif
 
@@ -24,7 +25,6 @@ namespace rx::python {
 #ifdef RX_WITH_CUDA
 namespace {
 
-cudaStream_t as_stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(handle)); }
 
 py::tuple export_to_py(const IpcExport& e) { return py::make_tuple(py::bytes(e.handle), e.offset, e.size); }
 

@@ -99,13 +99,61 @@ def _gather(group: Any, obj: Any) -> list[Any]:
     return out
 
 
+class CudaDevice:
+    """What the transport asks of the machine, in one place (tests put a CPU stand-in here):
+    signal words, CUDA IPC, the per-execute steps, and the transport of the other pairs."""
+
+    def __init__(self) -> None:
+        self.index = torch.cuda.current_device()
+
+    def signals(self, rank: int, world: int) -> Any:
+        if not hasattr(_C, "DirectSignals"):
+            raise ReshardError("reshard_ext was built without CUDA")
+        return _C.DirectSignals(rank, world, self.index)
+
+    def pci_bus_id(self) -> str:
+        return str(_C.device_pci_bus_id(self.index))
+
+    def can_reach(self, pci_bus_id: str) -> bool:
+        return bool(pci_bus_id) and _C.peer_access(self.index, pci_bus_id) != 0
+
+    def export(self, ptr: int) -> Any:
+        return _C.ipc_export(ptr)
+
+    def open(self, handle: bytes) -> Any:
+        return _C.IpcMapping(handle)
+
+    def executor(self, signals: Any, boxes: bytes, engine_bytes: int, receivers: list[int], senders: list[int],
+                 timeout: float) -> tuple[Any, Any]:
+        """(the per-execute steps, the device memory of its kernel table)."""
+        ex = _C.DirectExec(signals, boxes, engine_bytes, receivers, senders, timeout)
+        table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
+        ex.upload(table.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.current_stream().synchronize()  # execute may run on another stream
+        return ex, table
+
+    def transport(self, group: Any, options: Options, register: bool, nccl: bool) -> Any:
+        """The transport of the pairs that are not direct (and of same-rank copies)."""
+        from .cuda import CudaTransport, make_cuda_transport
+
+        if nccl and _C._build_info["nccl"]:
+            from .._nccl import runtime_status
+
+            if not runtime_status().startswith("not"):
+                return make_cuda_transport("nccl", group, options, register)
+        return CudaTransport(group, None, options)
+
+    def stream(self) -> int:
+        return int(torch.cuda.current_stream().cuda_stream)
+
+
 class DirectTransport:
     """Direct pairs through DirectExec; NCCL pairs and same-rank copies through an inner
     CudaTransport. `Plan` calls `bind_plan` (collective) instead of bind/prepare."""
 
     collective_bind = True
 
-    def __init__(self, group: Any, options: Options, register: bool = False):
+    def __init__(self, group: Any, options: Options, register: bool = False, device: Any = None):
         self.group = group
         self.options = options
         self.register = register
@@ -113,16 +161,14 @@ class DirectTransport:
         self.world = dist.get_world_size(group)
         self.timeout = options.resolved_timeout("direct")
         self.engine_bytes = options.resolved_direct_engine_bytes()
-        self.device = torch.cuda.current_device()
+        self.device = device if device is not None else CudaDevice()
         self.signals: Any = None
         self._why_not = ""
-        if not hasattr(_C, "DirectSignals"):
-            self._why_not = "reshard_ext was built without CUDA"
-        elif not options.resolved_direct_ipc():
+        if not options.resolved_direct_ipc():
             self._why_not = "rx.Options.direct_ipc (RESHARD_EXT_DIRECT_IPC) is off"
         else:
             try:
-                self.signals = _C.DirectSignals(self.rank, self.world, self.device)
+                self.signals = self.device.signals(self.rank, self.world)
             except Exception as e:  # noqa: BLE001 - reported below: the pairs use NCCL
                 self._why_not = str(e)
         self.pairs: set[Pair] | None = None  # agreed direct pairs, once bound
@@ -136,7 +182,7 @@ class DirectTransport:
 
     # --- plan time ----------------------------------------------------------------------
     def _info(self) -> RankInfo:
-        pci = _C.device_pci_bus_id(self.device) if hasattr(_C, "device_pci_bus_id") else ""
+        pci = self.device.pci_bus_id() if self.signals is not None else ""
         if self.signals is None:
             return RankInfo(host_identity(), os.getpid(), pci, why=self._why_not)
         return RankInfo(host_identity(), os.getpid(), pci, tuple(self.signals.flags_export), self.signals.page_path)
@@ -147,8 +193,8 @@ class DirectTransport:
         for peer in peers_of(candidates, self.rank):
             info = infos[peer]
             why = ""
-            if info.pci and _C.peer_access(self.device, info.pci) == 0:
-                why = f"cuda:{self.device} has no peer access to the GPU at {info.pci}"
+            if info.pci and not self.device.can_reach(info.pci):
+                why = f"this GPU has no peer access to the GPU at {info.pci}"
             else:
                 why = self.signals.attach(peer, info.flags, info.page)
             if why:
@@ -164,7 +210,7 @@ class DirectTransport:
 
         def export(ptr: int) -> Any:
             if ptr not in by_ptr:
-                by_ptr[ptr] = _C.ipc_export(ptr)
+                by_ptr[ptr] = self.device.export(ptr)
             return by_ptr[ptr]
 
         out: dict[int, Any] = {}
@@ -198,7 +244,7 @@ class DirectTransport:
         maps: list[Any] = []
         for peer in peers_of(direct, self.rank):
             handles, peer_pieces = gathered_exports[peer].get(self.rank, ([], []))
-            opened = [_C.IpcMapping(h) for h in handles]
+            opened = [self.device.open(h) for h in handles]
             bad = [m.why for m in opened if not m.ok]
             if bad:
                 _log.info("rank %d: rank %d goes over NCCL: %s", self.rank, peer, bad[0])
@@ -278,16 +324,10 @@ class DirectTransport:
 
     def _finish(self, plan: Any, split: Any, refs: tuple[list, list], pieces: list, ranges: list, k: int,
                 nccl_anywhere: bool) -> None:
-        from .cuda import CudaTransport, make_cuda_transport
-
         src_refs, dst_refs = refs
-        if nccl_anywhere and (self.inner is None or self.inner.comm is None) and _C._build_info["nccl"]:
-            from .._nccl import runtime_status
-
-            if not runtime_status().startswith("not"):  # the same answer on every rank of a host
-                self.inner = make_cuda_transport("nccl", self.group, self.options, self.register)
-        if self.inner is None:
-            self.inner = CudaTransport(self.group, None, self.options)
+        # Every rank knows nccl_anywhere alike: creating the NCCL communicator is collective.
+        if self.inner is None or (nccl_anywhere and getattr(self.inner, "comm", None) is None):
+            self.inner = self.device.transport(self.group, self.options, self.register, nccl_anywhere)
         split.assign_batches(k)
         tables = _C.ExecTables(split)
         plan._set_tables(tables)
@@ -304,15 +344,11 @@ class DirectTransport:
         receivers = sorted({p for p, _, _ in pieces})
         senders = sorted({p for p, _ in tables.direct_recv_pieces()})
         self.nccl_peers = sorted({op[1] for op in split.sends()} | {op[1] for op in split.recvs()})
-        self.staging_bytes = len(self.inner.send) * (tables.send_buffer_bytes + tables.recv_buffer_bytes)
-        self.exec = None
-        self._table = None
+        self.staging_bytes = tables.send_buffer_bytes + tables.recv_buffer_bytes  # per staging buffer set
+        self.exec, self._table = None, None
         if receivers or senders:
-            ex = _C.DirectExec(self.signals, boxes, self.engine_bytes, receivers, senders, self.timeout)
-            self._table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.device)
-            ex.upload(self._table.data_ptr(), torch.cuda.current_stream().cuda_stream)
-            torch.cuda.current_stream().synchronize()
-            self.exec = ex
+            self.exec, self._table = self.device.executor(self.signals, boxes, self.engine_bytes, receivers, senders,
+                                                          self.timeout)
 
     # --- diagnostics --------------------------------------------------------------------
     @property
@@ -321,12 +357,12 @@ class DirectTransport:
 
     def summary(self) -> str:
         d, n = self.direct_peers, self.nccl_peers
-        via = "NCCL" if self.inner is not None and self.inner.comm is not None else "torch p2p"
+        via = "NCCL" if getattr(self.inner, "comm", None) is not None else "point-to-point"
         return f"direct with ranks {d or 'none'}; {via} with ranks {n or 'none'}"
 
     # --- every execute ------------------------------------------------------------------
     def run(self, tables: Any) -> None:
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = self.device.stream()
         if self.exec is not None:
             self.exec.begin(stream)
         self.inner.run(tables)
