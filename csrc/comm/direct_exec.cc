@@ -31,12 +31,17 @@ DirectSignals::DirectSignals(int rank, int world, int device) : rank_(rank), wor
   // may not allow (expandable segments), and it is a few bytes for the plan's lifetime.
   const size_t bytes = static_cast<size_t>(world) * sizeof(uint64_t);
   RX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), bytes));
-  RX_CUDA_CHECK(cudaMemset(flags_, 0, bytes));
-  RX_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroes land before any peer can look
-  std::string why;
-  RX_USER_CHECK(ipc_export(reinterpret_cast<uintptr_t>(flags_), &flags_export_, &why),
-                "direct transport: cannot share its signal words: ", why);
-  page_ = SharedPage::create();
+  try {
+    RX_CUDA_CHECK(cudaMemset(flags_, 0, bytes));
+    RX_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroes land before any peer can look
+    std::string why;
+    RX_USER_CHECK(ipc_export(reinterpret_cast<uintptr_t>(flags_), &flags_export_, &why),
+                  "direct transport: cannot share its signal words: ", why);
+    page_ = SharedPage::create();
+  } catch (...) {
+    cudaFree(flags_);  // the destructor does not run for a half-built object
+    throw;
+  }
 }
 
 DirectSignals::~DirectSignals() {
