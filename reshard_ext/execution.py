@@ -15,7 +15,7 @@ from .options import Options
 from .planning import Entries, _check_local, _raise, first_failed_rank, plan_collective
 from .transforms import Piece, Transform
 
-BACKENDS = ("auto", "cpu", "torch", "nccl", "nvshmem")
+BACKENDS = ("auto", "cpu", "torch", "nccl", "direct", "nvshmem")
 log = logging.getLogger("reshard_ext")
 
 
@@ -71,13 +71,21 @@ def _make_transport(backend: str, device: Optional[str], group: Any, options: Op
         # In the DESIGN contract, not built yet: every rank reaches this line alike.
         raise ReshardError("backend 'nvshmem' is not implemented yet; use 'nccl' (or 'auto')")
     if backend == "auto":
-        if device == "cuda":
+        if device == "cuda" and _auto_direct(group, options):
+            backend = "direct"
+        elif device == "cuda":
             from ._nccl import runtime_status
 
             # torch's CUDA builds bring libnccl; without one, torch's point-to-point still works
             backend = "nccl" if _C._build_info["nccl"] and not runtime_status().startswith("not") else "torch"
         else:
             backend = "cpu"
+    if backend == "direct":
+        if device not in (None, "cuda"):
+            raise ReshardError(f"backend 'direct' needs CUDA tensors, got {device} tensors")
+        from .transports.direct import DirectTransport
+
+        return backend, DirectTransport(group, options, register)
     if backend == "cpu":
         if device not in (None, "cpu"):
             raise ReshardError(f"backend 'cpu' cannot move tensors on {device}")
@@ -91,6 +99,17 @@ def _make_transport(backend: str, device: Optional[str], group: Any, options: Op
     return backend, make_cuda_transport(backend, group, options, register)
 
 
+def _auto_direct(group: Any, options: Options) -> bool:
+    """Whether backend "auto" uses the direct transport: only when every rank asks for it
+    (rx.Options.auto_direct), since the transports' setups are collectives of their own."""
+    votes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(votes, options.resolved_auto_direct(), group=group)
+    if any(votes) and not all(votes):
+        log.warning("backend 'auto': ranks %s ask for the direct transport, others do not: using NCCL",
+                    [r for r, v in enumerate(votes) if v])
+    return all(votes)
+
+
 class Plan:
     """A planned refit bound to tensors. Built by `rx.plan`; run by `rx.execute`."""
 
@@ -101,20 +120,36 @@ class Plan:
         self.group = group
         self.rank = dist.get_rank(group)
         self.transform = transform
-        self.tables = _C.ExecTables(agreement.rank_plan)
-        self.src_names = [agreement.src_table.name(i) for i in self.tables.src_used]
-        self.dst_names = [agreement.dst_table.name(i) for i in self.tables.dst_used]
+        self._agreement = agreement
         self.options = options
+        # First: choosing the transport may be collective, so every rank gets here before anything can fail.
         self.backend, self.transport = _make_transport(backend, agreement.device, group, options, agreement.register)
+        self._set_tables(_C.ExecTables(agreement.rank_plan))
         self._layouts = {"src": {n: l for n, (_, l) in src.items()}, "dst": {n: l for n, (_, l) in dst.items()}}
         self._entries = {"src": dict(src), "dst": dict(dst)}  # keeps bound tensors alive
         self._steps = steps
         self._bind()
 
-    def _bind(self) -> None:
-        send_bufs, recv_bufs = self.transport.bind(self.tables)
+    def _set_tables(self, tables: Any) -> None:
+        self.tables = tables
+        self.src_names = [self._agreement.src_table.name(i) for i in tables.src_used]
+        self.dst_names = [self._agreement.dst_table.name(i) for i in tables.dst_used]
+
+    def _bound_refs(self) -> tuple[list[tuple], list[tuple]]:
+        """The TensorRefs of the bound tensors, aligned with the tables' src_used / dst_used."""
         src = _refs(self.src_names, self._entries["src"])
-        dst = _refs(self.dst_names, self._entries["dst"], self.tables, [r[2] for r in src])
+        return src, _refs(self.dst_names, self._entries["dst"], self.tables, [r[2] for r in src])
+
+    def _bind(self, errors: Optional[list[str]] = None) -> None:
+        if getattr(self.transport, "collective_bind", False):
+            # The direct transport splits the plan between its pairs and maps the peers'
+            # tensors: collective, and this rank's errors are raised on every rank.
+            self.transport.bind_plan(self, errors or [])
+            return
+        if errors:
+            _raise(errors)
+        send_bufs, recv_bufs = self.transport.bind(self.tables)
+        src, dst = self._bound_refs()
         self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes)
         self.transport.prepare(self.tables)
 
@@ -125,22 +160,31 @@ class Plan:
 
     @property
     def bytes_sent(self) -> int:
-        return self.tables.send_total
+        return self.tables.send_total + self.tables.direct_send_total
 
     @property
     def bytes_received(self) -> int:
-        return self.tables.recv_total
+        return self.tables.recv_total + self.tables.direct_recv_total
 
     @property
     def num_ops(self) -> tuple[int, int, int]:
         """(sends, receives, same-rank copies) of this rank."""
-        return tuple(self.tables.num_ops)
+        sends, recvs, copies = self.tables.num_ops
+        direct_sends, direct_recvs = self.tables.num_direct_ops
+        return sends + direct_sends, recvs + direct_recvs, copies
+
+    @property
+    def routes(self) -> str:
+        """What carries this rank's bytes to and from each peer (the plan summary's words)."""
+        summary = getattr(self.transport, "summary", None)
+        return summary() if summary is not None else self.backend
 
     def rebind(self, src: Optional[Entries] = None, dst: Optional[Entries] = None) -> None:
         """Swaps in new tensors with the same layouts, without planning again.
 
         Local (no communication): each rank checks only its own tensors. A side left
-        as None keeps its current tensors.
+        as None keeps its current tensors. With the direct transport it is collective:
+        every rank calls it (senders map the receivers' new tensors).
         """
         errors: list[str] = []
         updates = {}
@@ -160,11 +204,10 @@ class Plan:
                     errors.append(f"rebind {side} tensor '{name}': layout {layout!r} differs from the planned {planned[name]!r}")
             errors += _check_local(side, entries, self.rank)
             updates[side] = (entries, steps)
-        if errors:
-            _raise(errors)
-        for side, (entries, steps) in updates.items():
-            self._entries[side], self._steps[side] = entries, steps
-        self._bind()
+        if not errors:
+            for side, (entries, steps) in updates.items():
+                self._entries[side], self._steps[side] = entries, steps
+        self._bind(errors)
 
     def execute(self) -> None:
         for side in ("src", "dst"):
@@ -242,9 +285,10 @@ def plan(
     if log.isEnabledFor(logging.INFO):
         sends, recvs, copies = p.num_ops
         log.info("rank %d: planned %d src / %d dst tensors in %.1f ms: %d sends (%.3f GB), %d receives (%.3f GB), "
-                 "%d same-rank copies, %d batch(es), backend %s, %d tensor(s) relayed", p.rank, len(src_w),
+                 "%d same-rank copies, %d batch(es), backend %s (%s), %d tensor(s) relayed", p.rank, len(src_w),
                  len(dst_w), 1e3 * (time.perf_counter() - t0), sends, p.bytes_sent / 1e9, recvs,
-                 p.bytes_received / 1e9, copies, p.num_batches, p.backend, p.relayed_tensors)
+                 p.bytes_received / 1e9, copies, p.num_batches, p.backend, p.routes,
+                 p.relayed_tensors)
     return p
 
 

@@ -95,6 +95,14 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_RELAY", True, _flag,
              "where more receivers need a piece than ranks hold it, receivers relay it to each other "
              "(0: every receiver pulls from the sources; every rank must set it alike)"),
+        Knob("RESHARD_EXT_DIRECT_TIMEOUT", 600.0, _seconds,
+             "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 4 << 20, _count(0),
+             "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
+        Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
+             "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
+        Knob("RESHARD_EXT_AUTO_DIRECT", False, _flag,
+             "1: backend 'auto' writes straight into peers' tensors where it can (the direct transport), NCCL elsewhere"),
         Knob("RESHARD_EXT_TRACE", False, _flag,
              "1: every GPU execute logs a CUDA-event timeline of its steps (synchronises: diagnostics only)"),
     )
@@ -141,6 +149,13 @@ class Options:
     - batch_taper: half-size first and last batches (RESHARD_EXT_BATCH_TAPER; alike on every rank).
     - trace: log a CUDA-event timeline of every GPU execute (RESHARD_EXT_TRACE).
     - relay: relay fan-out to replicas (RESHARD_EXT_RELAY; alike on every rank, rx.plan checks).
+    - direct_engine_bytes: direct boxes at least this big with contiguous rows of >= 512 B
+      go through the copy engines, the others through the box kernel; 0: kernel only
+      (RESHARD_EXT_DIRECT_ENGINE_BYTES).
+    - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
+      (RESHARD_EXT_DIRECT_IPC).
+    - auto_direct: backend "auto" uses the direct transport where it can (RESHARD_EXT_AUTO_DIRECT;
+      every rank must agree, rx.plan checks).
     """
 
     batch_bytes: Optional[int] = None
@@ -152,6 +167,9 @@ class Options:
     batch_taper: Optional[bool] = None
     trace: Optional[bool] = None
     relay: Optional[bool] = None
+    direct_engine_bytes: Optional[int] = None
+    direct_ipc: Optional[bool] = None
+    auto_direct: Optional[bool] = None
 
     def __post_init__(self) -> None:
         checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
@@ -164,6 +182,9 @@ class Options:
             "batch_taper": (bool, lambda v: True, "a bool"),
             "trace": (bool, lambda v: True, "a bool"),
             "relay": (bool, lambda v: True, "a bool"),
+            "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
+            "direct_ipc": (bool, lambda v: True, "a bool"),
+            "auto_direct": (bool, lambda v: True, "a bool"),
         }
         for name, (kind, ok, what) in checks.items():
             value = getattr(self, name)
@@ -190,7 +211,9 @@ class Options:
     def resolved_timeout(self, transport: str) -> float:
         if self.timeout is not None:
             return float(self.timeout)
-        return float(env_default("RESHARD_EXT_NCCL_TIMEOUT" if transport == "nccl" else "RESHARD_EXT_P2P_TIMEOUT"))
+        env = {"nccl": "RESHARD_EXT_NCCL_TIMEOUT", "direct": "RESHARD_EXT_DIRECT_TIMEOUT"}.get(transport,
+                                                                                            "RESHARD_EXT_P2P_TIMEOUT")
+        return float(env_default(env))
 
     def resolved_nccl_register(self) -> bool:
         return self.nccl_register if self.nccl_register is not None else bool(env_default("RESHARD_EXT_NCCL_REGISTER"))
@@ -209,6 +232,16 @@ class Options:
 
     def resolved_relay(self) -> bool:
         return self.relay if self.relay is not None else bool(env_default("RESHARD_EXT_RELAY"))
+    def resolved_direct_engine_bytes(self) -> int:
+        if self.direct_engine_bytes is not None:
+            return self.direct_engine_bytes
+        return int(env_default("RESHARD_EXT_DIRECT_ENGINE_BYTES"))
+
+    def resolved_direct_ipc(self) -> bool:
+        return self.direct_ipc if self.direct_ipc is not None else bool(env_default("RESHARD_EXT_DIRECT_IPC"))
+
+    def resolved_auto_direct(self) -> bool:
+        return self.auto_direct if self.auto_direct is not None else bool(env_default("RESHARD_EXT_AUTO_DIRECT"))
 
 
 def skip_nccl_check() -> bool:

@@ -176,6 +176,10 @@ class RelayPlan(Plan):
         return sum(p.bytes_received for p in self.phases)
 
     @property
+    def routes(self) -> str:
+        return f"scatter: {self.phases[0].routes}; gather: {self.phases[1].routes}"
+
+    @property
     def num_ops(self) -> tuple[int, int, int]:
         a, b = self.phases[0].num_ops, self.phases[1].num_ops
         return (a[0] + b[0], a[1] + b[1], a[2] + b[2])

@@ -200,13 +200,14 @@ def _agree_stream(device: int) -> Any:
     return _AGREE_STREAMS[device]
 
 
-def _agree(group: Any, failed: bool, generation: int) -> tuple[int, bool]:
-    """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`)."""
+def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False) -> tuple[int, bool, bool]:
+    """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`,
+    whether any rank rebinds)."""
     g = group if group is not None else dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(g) == "nccl" else torch.device("cpu")
     rank = dist.get_rank(g)
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
-    values = [-(rank + 1) if failed else -(2**62), generation, -generation]
+    values = [-(rank + 1) if failed else -(2**62), generation, -generation, int(rebinding)]
     if device.type == "cuda":
         # On a stream of its own: the host waits for the other ranks, not for the work
         # the caller queued before the swap (an optimizer step), so the refit's launches
@@ -214,13 +215,13 @@ def _agree(group: Any, failed: bool, generation: int) -> tuple[int, bool]:
         with torch.cuda.stream(_agree_stream(device.index)):
             t = torch.tensor(values, dtype=torch.int64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-            worst, gen_max, neg_gen_min = t.tolist()  # one device sync, not three
+            worst, gen_max, neg_gen_min, any_rebind = t.tolist()  # one device sync, not four
     else:
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-        worst, gen_max, neg_gen_min = t.tolist()
+        worst, gen_max, neg_gen_min, any_rebind = t.tolist()
     first_failed = 0 if worst == -(2**62) else -worst
-    return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min
+    return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min, bool(any_rebind)
 
 
 def _get_plan(
@@ -256,18 +257,23 @@ def _get_plan(
     except Exception as e:  # reported to every rank below, so no rank is left waiting
         error = e
     cached = _PLANS.get(key) if error is None else None
-    first_failed, all_hit = _agree(group, error is not None, cached.generation if cached else -1)
+    same = cached is not None and len(cached.entries) == 2 and cached.entries[0] is src and cached.entries[1] is dst
+    bound = _bindings(src, dst) if cached is not None and not same else None
+    rebinding = bound is not None and cached is not None and bound != cached.bound
+    first_failed, all_hit, any_rebind = _agree(group, error is not None, cached.generation if cached else -1,
+                                               rebinding)
     if error is not None:
         raise error
     if first_failed:
         raise ReshardError(f"swap_model_weights: rank {first_failed - 1} failed to describe its models (see its error)")
     if all_hit and cached is not None:
-        if len(cached.entries) == 2 and cached.entries[0] is src and cached.entries[1] is dst:
-            return cached.plan
-        bound = _bindings(src, dst)
-        if bound != cached.bound:  # same layouts, new storages (a re-created model)
+        # A plan with direct pairs rebinds on every rank together (senders map the receivers' new tensors).
+        collective = getattr(cached.plan.transport, "collective_bind", False)
+        if rebinding or (collective and any_rebind):  # same layouts, new storages (a re-created model)
             cached.plan.rebind(src=src, dst=dst)
-            cached.bound = bound
+            cached.bound = bound if bound is not None else cached.bound
+        if same:
+            return cached.plan
         cached.entries = (src, dst)
         return cached.plan
     plan = rx_plan(src=src, dst=dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, transform=transform,

@@ -200,9 +200,11 @@ def poison(shape, dtype, device) -> torch.Tensor:
 
 
 def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_bytes=None, backend: str = "auto",
-             options=None):
+             options=None, inspect=None, alloc=poison):
     """Refits the case twice (sources changed in place between) and checks every dst
-    piece bit for bit against Layout.local_part of the logical tensor."""
+    piece bit for bit against Layout.local_part of the logical tensor. Returns the plan's
+    num_ops, or inspect(plan) when given. alloc(shape, dtype, device) makes each
+    destination, filled with a value the refit must overwrite."""
     specs = CASES[case](world)
     src, dst, expect = {}, {}, {}
     for i, (name, (shape, sdt, sl, ddt, dl)) in enumerate(sorted(specs.items())):
@@ -211,7 +213,7 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
         if part is not None:
             src[name] = (part.to(device), sl)
         if rank in dl.mesh:
-            dst[name] = (poison(dl.local_shape(rank), ddt, device), dl)
+            dst[name] = (alloc(dl.local_shape(rank), ddt, device), dl)
             expect[name] = g
     p = rx.plan(src, dst, backend=backend, max_batch_bytes=max_batch_bytes, options=options)
     for step in range(2):
@@ -228,4 +230,4 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
                 src[name][0].copy_(sl.local_part(g, rank).to(device))
             if name in expect:
                 expect[name] = g
-    return p.num_ops
+    return inspect(p) if inspect is not None else p.num_ops

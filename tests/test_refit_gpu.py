@@ -62,10 +62,11 @@ def test_capped_kernel_grid_2gpu(max_blocks):
     run_ranks(2, _with_knobs, {"max_blocks": max_blocks}, "tp", 512, backend="nccl")
 
 
-def _rebind_registered(rank, world, options):
+def _rebind_registered(rank, world, options, backend="auto"):
     """Registered direct messages into a dst tensor that is then freed, its memory
     reused by another tensor, and a new dst bound: the refit must land in the new
-    tensor only, and the old memory's new owner must stay untouched."""
+    tensor only, and the old memory's new owner must stay untouched. (backend "direct":
+    the sender maps the new tensor; rebind is collective there.)"""
     import reshard_ext as rx
     from _cases import bits_equal
     from reshard_ext import Layout, Mesh, Replicate, Shard
@@ -76,7 +77,7 @@ def _rebind_registered(rank, world, options):
     g = torch.randn(shape, generator=torch.Generator().manual_seed(11))
     src = {"w": (sl.local_part(g, rank).cuda(), sl)}
     old = torch.zeros(dl.local_shape(rank), device="cuda")
-    p = rx.plan(src, {"w": (old, dl)}, options=options)
+    p = rx.plan(src, {"w": (old, dl)}, options=options, backend=backend)
     rx.execute(p)
     torch.cuda.synchronize()
     ok = [bits_equal(old.cpu(), dl.local_part(g, rank))]

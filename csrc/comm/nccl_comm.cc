@@ -28,60 +28,13 @@ void stream_wait(cudaStream_t waiter, cudaStream_t signaller) {
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
-#include <thread>
+
+#include "comm/host_wait.h"
 
 namespace rx {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-Clock::time_point deadline_after(double seconds) {
-  // Clamp: a huge timeout must not overflow the clock.
-  const double s = std::min(std::max(seconds, 0.0), 1e7);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-// Makes `device` current for the scope and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    RX_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) RX_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
-// Polls with a short backoff: fast when the answer is near, cheap when it is not.
-// `max_us` bounds how late a completion is seen.
-class Backoff {
- public:
-  explicit Backoff(int max_us = 1000) : max_us_(max_us) {}
-  void pause() {
-    std::this_thread::sleep_for(std::chrono::microseconds(us_));
-    us_ = std::min(us_ * 2, max_us_);
-  }
-
- private:
-  int us_ = 10;
-  int max_us_;
-};
-
-std::string join(const std::vector<int32_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += detail::format(i ? ", " : "", v[i]);
-  return s + "]";
-}
 
 std::vector<int32_t> peers(const std::vector<NcclTransfer>& v) {
   std::vector<int32_t> out;
@@ -141,8 +94,8 @@ std::string NcclComm::where() const {
 }
 
 std::string NcclComm::peers_of_last() const {
-  return detail::format("sending to ranks ", join(last_send_peers_), ", receiving from ranks ",
-                        join(last_recv_peers_));
+  return detail::format("sending to ranks ", ranks_text(last_send_peers_), ", receiving from ranks ",
+                        ranks_text(last_recv_peers_));
 }
 
 bool NcclComm::usable() const {

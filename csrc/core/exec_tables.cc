@@ -53,10 +53,10 @@ rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* s
 }
 
 ExecTables::ExecTables(std::shared_ptr<const RankPlan> plan) : plan_(std::move(plan)) {
-  for (const auto& op : plan_->sends) src_used_.push_back(op.src_name);
-  for (const auto& op : plan_->copies) src_used_.push_back(op.src_name);
-  for (const auto& op : plan_->recvs) dst_used_.push_back(op.dst_name);
-  for (const auto& op : plan_->copies) dst_used_.push_back(op.dst_name);
+  for (const auto* ops : {&plan_->sends, &plan_->copies, &plan_->direct_sends})
+    for (const auto& op : *ops) src_used_.push_back(op.src_name);
+  for (const auto* ops : {&plan_->recvs, &plan_->copies, &plan_->direct_recvs})
+    for (const auto& op : *ops) dst_used_.push_back(op.dst_name);
   for (auto* v : {&src_used_, &dst_used_}) {
     std::sort(v->begin(), v->end());
     v->erase(std::unique(v->begin(), v->end()), v->end());
@@ -76,6 +76,37 @@ int64_t ExecTables::recv_buffer_bytes() const {
 }
 
 namespace {
+
+// Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
+std::vector<int64_t> coord_strides(const TensorRef& t) {
+  std::vector<int64_t> s = t.strides;
+  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= RX_BOX_MX_GROUP;
+  return s;
+}
+
+uint64_t element_addr(const TensorRef& t, const std::vector<int64_t>& strides, const std::vector<int64_t>& start) {
+  RX_HOST_ASSERT(strides.size() == start.size(), "bind: tensor rank differs from its layout");
+  int64_t off = 0;
+  for (size_t d = 0; d < start.size(); ++d) off += start[d] * strides[d];
+  return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
+}
+
+// A box's mode from the refs it joins (at most one side is MX).
+int32_t box_mode(const TensorRef* s, const TensorRef* d) {
+  RX_HOST_ASSERT(!(s && s->mx_mode && d && d->mx_mode), "bind: MX on both ends of a box");
+  return (s && s->mx_mode) ? s->mx_mode : (d ? d->mx_mode : 0);
+}
+
+// For a scale-writing data dst, where its scales go: the box's first element is byte
+// `at - ptr` of the data.
+BoxScales box_scales(const TensorRef& d, uint64_t at) {
+  if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
+  const int64_t first = static_cast<int64_t>(at - d.ptr);
+  RX_HOST_ASSERT(first % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
+  RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % RX_BOX_MX_GROUP == 0, "bind: MX data rows of ", d.mx_cols,
+                 " elements are not whole blocks");
+  return {d.mx_scale, first, d.mx_cols};
+}
 
 // Cuts one batch's ops (in canonical order, `boxes` aligned with them) into messages and
 // drops the boxes of direct messages from the table. `staging_side_is_dst`: pack boxes
@@ -153,35 +184,11 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
   for (size_t i = 0; i < dst.size(); ++i) dst_of[dst_used_[i]] = &dst[i];
 
-  // Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
-  auto coord_strides = [](const TensorRef& t) {
-    std::vector<int64_t> s = t.strides;
-    if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= RX_BOX_MX_GROUP;
-    return s;
-  };
   std::unordered_map<const TensorRef*, std::vector<int64_t>> strides_of;
   for (const auto* side : {&src, &dst})
     for (const TensorRef& t : *side) strides_of[&t] = coord_strides(t);
   auto addr = [&](const TensorRef& t, const std::vector<int64_t>& start) {
-    const std::vector<int64_t>& st = strides_of.at(&t);
-    RX_HOST_ASSERT(st.size() == start.size(), "bind: tensor rank differs from its layout");
-    int64_t off = 0;
-    for (size_t d = 0; d < start.size(); ++d) off += start[d] * st[d];
-    return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
-  };
-  // A box's mode from the refs it joins (at most one side is MX), and for a scale-writing
-  // data dst where its scales go: the box's first element is byte `at - ptr` of the data.
-  auto mode_of = [](const TensorRef* s, const TensorRef* d) {
-    RX_HOST_ASSERT(!(s && s->mx_mode && d && d->mx_mode), "bind: MX on both ends of a box");
-    return (s && s->mx_mode) ? s->mx_mode : (d ? d->mx_mode : 0);
-  };
-  auto scales_of = [](const TensorRef& d, uint64_t at) -> BoxScales {
-    if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
-    const int64_t first = static_cast<int64_t>(at - d.ptr);
-    RX_HOST_ASSERT(first % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
-    RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % RX_BOX_MX_GROUP == 0, "bind: MX data rows of ", d.mx_cols,
-                   " elements are not whole blocks");
-    return {d.mx_scale, first, d.mx_cols};
+    return element_addr(t, strides_of.at(&t), start);
   };
   // Offsets of each peer's region in each batch.
   const int32_t nb = num_batches();
@@ -201,14 +208,14 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const TensorRef& t = *src_of.at(op.src_name);
     const uint64_t buf = send_bufs[op.batch % send_bufs.size()] + send_regions[op.batch].at(op.peer) + op.offset;
     pack_[op.batch].push_back(make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf,
-                                       nullptr, op.wire_dtype, mode_of(&t, nullptr)));
+                                       nullptr, op.wire_dtype, box_mode(&t, nullptr)));
   }
   for (const TransferOp& op : plan_->recvs) {
     const TensorRef& t = *dst_of.at(op.dst_name);
     const uint64_t buf = recv_bufs[op.batch % recv_bufs.size()] + recv_regions[op.batch].at(op.peer) + op.offset;
     const uint64_t at = addr(t, op.mine.start);
     unpack_[op.batch].push_back(make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
-                                         mode_of(nullptr, &t), scales_of(t, at)));
+                                         box_mode(nullptr, &t), box_scales(t, at)));
   }
   // Messages per batch, in the canonical op order both ends share.
   send_msgs_.assign(nb, {});
@@ -226,10 +233,40 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const TensorRef& d = *dst_of.at(op.dst_name);
     const uint64_t at = addr(d, op.mine.start);
     const rx_box box = make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
-                                d.strides.data(), d.dtype, mode_of(&s, &d), scales_of(d, at));
+                                d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at));
     // A copy of memory onto itself (a relay replica's own share) is dropped.
     if (!same_memory(box)) copies_.push_back(box);
   }
+}
+
+void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces) {
+  RX_HOST_ASSERT(src.size() == src_used_.size(), "bind_direct: wrong tensor count");
+  std::unordered_map<int32_t, const TensorRef*> src_of;
+  for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
+  auto key = [](int32_t peer, int32_t name) { return (static_cast<int64_t>(peer) << 32) | static_cast<uint32_t>(name); };
+  std::unordered_map<int64_t, const TensorRef*> dst_of;
+  for (const PeerPiece& p : pieces) dst_of[key(p.peer, p.dst_name)] = &p.ref;
+  direct_.clear();
+  for (const TransferOp& op : plan_->direct_sends) {
+    const TensorRef& s = *src_of.at(op.src_name);
+    auto it = dst_of.find(key(op.peer, op.dst_name));
+    RX_HOST_ASSERT(it != dst_of.end(), "bind_direct: no piece of dst tensor ", op.dst_name, " from rank ", op.peer);
+    const TensorRef& d = *it->second;
+    const std::vector<int64_t> ss = coord_strides(s);
+    const uint64_t at = element_addr(d, coord_strides(d), op.theirs.start);
+    direct_.push_back(make_box(op.mine.size, element_addr(s, ss, op.mine.start), ss.data(), s.dtype, at,
+                               d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at)));
+  }
+}
+
+std::vector<std::pair<int32_t, int32_t>> ExecTables::direct_recv_pieces() const {
+  std::unordered_map<int32_t, int32_t> pos;
+  for (size_t i = 0; i < dst_used_.size(); ++i) pos[dst_used_[i]] = static_cast<int32_t>(i);
+  std::vector<std::pair<int32_t, int32_t>> out;
+  for (const TransferOp& op : plan_->direct_recvs) out.emplace_back(op.peer, pos.at(op.dst_name));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 std::vector<int32_t> ExecTables::whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group) const {
@@ -243,7 +280,9 @@ std::vector<int32_t> ExecTables::whole_group_dsts(const std::vector<int32_t>& sr
     auto it = whole.emplace(op.dst_name, true).first;
     it->second = it->second && ok;
   };
-  for (const TransferOp& op : plan_->recvs) note(op, op.wire_dtype);
+  // A direct receive reads the source tensor itself: split_direct made its wire_dtype that.
+  for (const auto* ops : {&plan_->recvs, &plan_->direct_recvs})
+    for (const TransferOp& op : *ops) note(op, op.wire_dtype);
   for (const TransferOp& op : plan_->copies) note(op, src_dtype.at(op.src_name));
   std::vector<int32_t> out;
   for (size_t i = 0; i < dst_used_.size(); ++i) {

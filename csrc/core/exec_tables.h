@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "core/planner.h"
@@ -53,12 +54,22 @@ struct Message {
   int64_t bytes;
 };
 
+// A receiver's dst piece as a direct sender sees it (ExecTables::bind_direct): the
+// receiver's TensorRef of dst table entry `dst_name`, with ptr and mx_scale already
+// translated into the sender's mapping of the receiver's memory.
+struct PeerPiece {
+  int32_t peer = -1;
+  int32_t dst_name = -1;
+  TensorRef ref;
+};
+
 class ExecTables {
  public:
   explicit ExecTables(std::shared_ptr<const RankPlan> plan);
 
   const RankPlan& plan() const { return *plan_; }
-  // Table indices of the src / dst tensors this rank's plan reads or writes.
+  // Table indices of the src / dst tensors this rank's plan reads or writes (a direct
+  // receive counts: the receiver binds the piece its peer writes into).
   const std::vector<int32_t>& src_used() const { return src_used_; }
   const std::vector<int32_t>& dst_used() const { return dst_used_; }
   int32_t num_batches() const { return static_cast<int32_t>(plan_->batches.size()); }
@@ -89,6 +100,14 @@ class ExecTables {
   // GPU transport interleaves them with the batches so a large local copy does not hold
   // back the pack of the next batch.
   std::vector<std::vector<rx_box>> copies_split(int32_t parts) const;
+  // Direct sends (plan().direct_sends): one box per op from this rank's bound src piece
+  // (src, aligned with src_used() as in bind) straight into the receiver's piece. Every
+  // (peer, dst_name) of a direct send must be among `pieces`.
+  void bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces);
+  const std::vector<rx_box>& direct() const { return direct_; }
+  // (peer, position in dst_used()) of every dst piece a peer writes into directly, sorted.
+  std::vector<std::pair<int32_t, int32_t>> direct_recv_pieces() const;
+
   const std::vector<Message>& send_messages(int32_t b) const { return send_msgs_[b]; }
   const std::vector<Message>& recv_messages(int32_t b) const { return recv_msgs_[b]; }
 
@@ -96,7 +115,7 @@ class ExecTables {
   std::shared_ptr<const RankPlan> plan_;
   std::vector<int32_t> src_used_, dst_used_;
   std::vector<std::vector<rx_box>> pack_, unpack_;
-  std::vector<rx_box> copies_;
+  std::vector<rx_box> copies_, direct_;
   std::vector<std::vector<Message>> send_msgs_, recv_msgs_;
 };
 

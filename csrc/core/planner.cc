@@ -327,6 +327,8 @@ int64_t total_bytes(const std::vector<TransferOp>& ops) {
 int64_t RankPlan::send_total() const { return total_bytes(sends); }
 int64_t RankPlan::recv_total() const { return total_bytes(recvs); }
 int64_t RankPlan::copy_total() const { return total_bytes(copies); }
+int64_t RankPlan::direct_send_total() const { return total_bytes(direct_sends); }
+int64_t RankPlan::direct_recv_total() const { return total_bytes(direct_recvs); }
 
 int32_t batch_at(int64_t at, int64_t total, int32_t k, bool taper) {
   if (total <= 0) return 0;

@@ -88,6 +88,9 @@ class RankPlan {
  public:
   int32_t rank = 0;
   std::vector<TransferOp> sends, recvs, copies;  // sorted by (peer, name, global)
+  // Ops with the peers the direct transport serves (core/direct.h split_direct): the
+  // sender writes them straight into the receiver's tensor, outside batches and staging.
+  std::vector<TransferOp> direct_sends, direct_recvs;
   std::vector<BatchLayout> batches;
   std::vector<PairDigest> digests;  // one per peer and direction, copies excluded
   uint64_t send_digest = 0, recv_digest = 0;
@@ -106,6 +109,8 @@ class RankPlan {
   int64_t send_total() const;
   int64_t recv_total() const;
   int64_t copy_total() const;  // bytes of same-rank copies
+  int64_t direct_send_total() const;  // bytes of direct_sends / direct_recvs
+  int64_t direct_recv_total() const;
 };
 
 RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes);

@@ -7,6 +7,7 @@
 #include "python/register.h"
 
 #ifdef RX_WITH_CUDA
+#include "comm/host_wait.h"
 #include "comm/nccl_comm.h"
 #endif
 #ifdef RX_WITH_NCCL
@@ -16,12 +17,6 @@
 namespace py = pybind11;
 
 namespace rx::python {
-
-#ifdef RX_WITH_CUDA
-namespace {
-cudaStream_t as_stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(handle)); }
-}  // namespace
-#endif
 
 #ifdef RX_WITH_NCCL
 namespace {

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include "core/check.h"
+#include "core/direct.h"
 #include "core/exec_tables.h"
 #include "core/layout.h"
 #include "core/metadata.h"
@@ -148,6 +149,8 @@ void register_core(py::module_& m) {
            "(dst_name, peer, my_start, size, peer_start, global, nbytes, batch, offset, wire_dtype) tuples")
       .def("recvs", [](const RankPlan& p) { return ops_to_py(p.recvs); })
       .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
+      .def("direct_sends", [](const RankPlan& p) { return ops_to_py(p.direct_sends); })
+      .def("direct_recvs", [](const RankPlan& p) { return ops_to_py(p.direct_recvs); })
       .def("digests", [](const RankPlan& p) {
         py::list l;
         for (const auto& d : p.digests) l.append(py::make_tuple(d.from, d.to, d.count, d.bytes, d.hash));
@@ -161,6 +164,15 @@ void register_core(py::module_& m) {
         return std::make_shared<RankPlan>(plan_rank(src, dst, rank, max_batch_bytes));
       },
       py::arg("src"), py::arg("dst"), py::arg("rank"), py::arg("max_batch_bytes") = 0);
+
+  m.def(
+      "split_direct",
+      [](const RankPlan& plan, const LayoutTable& src, const std::vector<int32_t>& peers) {
+        return std::make_shared<RankPlan>(split_direct(plan, src, peers));
+      },
+      py::arg("plan"), py::arg("src"), py::arg("peers"),
+      "A copy of `plan` whose ops with `peers` are direct (written straight into the receiver's tensor); "
+      "call assign_batches on it with the agreed batch count.");
 
   m.def("encode_entries", [](const std::vector<std::tuple<int, std::string, std::shared_ptr<Layout>>>& entries) {
     std::vector<LayoutEntry> e;
@@ -218,6 +230,31 @@ void register_core(py::module_& m) {
         for (const auto& part : t.copies_split(parts)) l.append(boxes_bytes(part));
         return l;
       }, py::arg("parts"), "copy_boxes cut into `parts` tables of about equal bytes, in order")
+      .def(
+          "bind_direct",
+          [](ExecTables& t, const py::list& src, const py::list& pieces) {
+            std::vector<PeerPiece> v;
+            for (const auto& item : pieces) {
+              auto tup = item.cast<py::tuple>();
+              RX_HOST_ASSERT(tup.size() == 3, "bind_direct pieces are (peer, dst_name, ref) tuples");
+              py::list one;
+              one.append(tup[2]);
+              v.push_back(PeerPiece{tup[0].cast<int32_t>(), tup[1].cast<int32_t>(), refs_from_py(one)[0]});
+            }
+            t.bind_direct(refs_from_py(src), v);
+          },
+          py::arg("src"), py::arg("pieces"),
+          "src: as for bind; pieces: (peer, dst table index, ref) of every receiver piece this rank writes into "
+          "directly, ref = (ptr, strides, dtype[, mx_mode, mx_scale_ptr, mx_cols]) in this process's addresses")
+      .def("direct_boxes", [](const ExecTables& t) { return boxes_bytes(t.direct()); })
+      .def("direct_recv_pieces", &ExecTables::direct_recv_pieces,
+           "(peer, position in dst_used) of every dst piece a peer writes into directly")
+      .def_property_readonly("direct_send_total", [](const ExecTables& t) { return t.plan().direct_send_total(); })
+      .def_property_readonly("direct_recv_total", [](const ExecTables& t) { return t.plan().direct_recv_total(); })
+      .def_property_readonly("num_direct_ops", [](const ExecTables& t) {
+        return py::make_tuple(t.plan().direct_sends.size(), t.plan().direct_recvs.size());
+      })
+      .def("run_direct_cpu", [](const ExecTables& t) { run_cpu(t.direct()); })
       .def("run_copies_cpu", [](const ExecTables& t) { run_cpu(t.copies()); })
       .def("run_pack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.pack(b)); })
       .def("run_unpack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.unpack(b)); });

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/direct.h"
 #include "kernels/api.h"
 #include "python/register.h"
 #ifdef RX_WITH_CUDA
@@ -53,6 +54,33 @@ void register_cuda(py::module_& m) {
       py::arg("boxes"), py::arg("tile_bytes") = 0, py::arg("geometry") = false,
       "Tiles of a box table as (box, unit, src_size, dst_size, begin, end); tile_bytes <= 0 picks a size. "
       "geometry: append (flags, src, dst, row_items, src_pitch, dst_pitch), the flat tile fields of api.h.");
+
+  m.def(
+      "split_engines",
+      [](const py::buffer& table, int64_t min_bytes) {
+        std::vector<EngineCopy> engine;
+        std::vector<rx_box> kernel;
+        split_engines(boxes_from(table), min_bytes, &engine, &kernel);
+        py::list copies;
+        for (const EngineCopy& c : engine)
+          copies.append(py::make_tuple(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height));
+        return py::make_tuple(copies, py::bytes(reinterpret_cast<const char*>(kernel.data()),
+                                                kernel.size() * sizeof(rx_box)));
+      },
+      py::arg("boxes"), py::arg("min_bytes"),
+      "The direct transport's split of a box table: ([(dst, dpitch, src, spitch, width, height)] copy-engine "
+      "copies, the other boxes as a table).");
+  m.def(
+      "dst_spans",
+      [](const py::buffer& table) {
+        py::list out;
+        for (const rx_box& b : boxes_from(table)) {
+          const auto span = dst_span(b);
+          out.append(py::make_tuple(span.first, span.second));
+        }
+        return out;
+      },
+      py::arg("boxes"), "[lo, hi) of the dst bytes each box writes (MX scales aside).");
 
 #ifdef RX_WITH_CUDA
   py::class_<DeviceBoxTable>(m, "DeviceBoxTable")
