@@ -10,7 +10,7 @@ makes (and an all-gather of the reports only when something differs).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ def _exchange(ops: Ops, send: np.ndarray) -> np.ndarray:
 
 
 def check(ops: Ops, send: np.ndarray, recv: np.ndarray, what: str,
-          copies: Optional[tuple[np.ndarray, np.ndarray]] = None) -> None:
+          copies: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Compares every op's digests across its two ends (and, given `copies`, the source
     and destination digests of same-rank copies); raises ReshardError on every rank of
     the group when any differ. Collective."""

@@ -261,10 +261,13 @@ void register_core(py::module_& m) {
       .def("run_pack_cpu_verified",
            [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& send) {
              digest_cpu(t.pack(b), RX_PASS_COPY, t.pack_ops(b), send);
+           },
+           "run_pack_cpu, digesting each packed send op as it is written into send[op]")
+      .def("digest_direct_sends_cpu",
+           [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& send) {
              digest_cpu(pick(t.send_boxes(), t.direct_sends(b)), RX_PASS_SRC, t.direct_sends(b), send);
            },
-           "run_pack_cpu, digesting each send op (packed ones as they are written, direct ones by reading their "
-           "source) into send[op]")
+           "Digests the send ops of batch b that travel as direct messages (reading their source) into send[op]")
       .def("run_unpack_cpu_verified",
            [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& recv) {
              digest_cpu(t.unpack(b), RX_PASS_COPY, t.unpack_ops(b), recv);

@@ -48,6 +48,8 @@ class CpuTransport:
             else:
                 tables.run_pack_cpu(b)
             reqs = self.p2p.start(ops)
+            if verify:  # direct messages have no pack: read their sources while gloo's threads send them
+                tables.digest_direct_sends_cpu(b, send)
             if b == 0:
                 tables.run_copies_cpu()  # same-rank copies while gloo's threads move batch 0
             self.p2p.finish(reqs, ops)
