@@ -7,10 +7,13 @@ same bytes, every rank at once), the same-rank bytes and their ratio to a
 device-to-device copy, and the same refit done the way Megatron-Core does it (one
 batch_isend_irecv op per slice, slices made contiguous in Python) as a baseline.
 
-    torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --backend nccl,direct
+    torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --backend nccl,direct [--verify]
     torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3   (relay on vs off)
 Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
 --backend takes one backend or a comma list (an A/B in one run, same tensors).
+--verify adds a column: the same refit with rx.execute(plan, verify=True) (digests in
+the kernels, their exchange and the agreement included), timed in the same run, and its
+cost relative to the plain refit.
 """
 from __future__ import annotations
 
@@ -74,7 +77,8 @@ def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
     return run
 
 
-def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict, rank: int) -> tuple[int, int, float]:
+def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
+                 rank: int) -> tuple[int, int, float, float]:
     """The same refit with the 2-D linear weights landing as MXFP8 (data, scale) buffers."""
     from reshard_ext.mxfp8 import scale_numel
 
@@ -102,7 +106,8 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict, 
     chosen = set(converted)
     bf16_conv = sum(op.nbytes for op in rx.local_plan(src_l, dst_l, rank).sends
                     if op.peer != rank and op.name in chosen)
-    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters)
+    t_verify = _time(lambda: rx.execute(plan, verify=True), args.iters) if args.verify else 0.0
+    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters), t_verify
 
 
 def _pieces(layouts: dict, rank: int, random: bool = False) -> dict:
@@ -168,6 +173,7 @@ def main() -> None:
     ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
+    ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True) (a column)")
     ap.add_argument("--transfers-only", action="store_true",
                     help="also time the plan's batched NCCL transfers alone (no pack/unpack/copy): "
                          "the per-batch cost of the link without the kernels competing for HBM")
@@ -198,6 +204,7 @@ def main() -> None:
         plans.append(p)
         t_refits.append(_time(lambda p=p: rx.execute(p), args.iters))
     plan, t_refit = plans[0], t_refits[0]
+    t_verify = _time(lambda: rx.execute(plan, verify=True), args.iters) if args.verify else 0.0
     timeline = ""
     if args.trace and hasattr(plan.transport, "last_timeline"):
         plan.transport.trace = True
@@ -229,7 +236,7 @@ def main() -> None:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_link, t_d2d, t_base, plan.num_ops,
-           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_refits, [p.routes for p in plans])
+           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verify, t_refits, [p.routes for p in plans])
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -237,17 +244,19 @@ def main() -> None:
               f"batches {plan.num_batches}, backend {backends[0]}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
               f"{'link ms':>8} {'vs ceil':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7} "
-              f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7}")
-        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, _, _, t_n, t_c, *_ in rows:
+              f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7}" +
+              (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
+        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, _, _, t_n, t_c, tv, *_ in rows:
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
             ceil = max(tn, td)  # link and local copies run concurrently: the slower is the floor
             vs = f"{ceil / t:7.2f}" if ceil else "      -"
             sp_ = f"{tb / t:7.2f}" if tb else "      -"
             vr = f"{max(tnr, td) / t:6.2f}" if tnr else "     -"
+            cost = f" {1e3 * tv:9.2f} {100 * (tv / t - 1):+5.1f}%" if args.verify and t else ""
             print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * t:9.2f} {gbs:9.1f} "
                   f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_} {1e3 * tnr:11.2f} {vr} "
-                  f"{1e3 * t_n:8.2f} {1e3 * t_c:7.2f}")
+                  f"{1e3 * t_n:8.2f} {1e3 * t_c:7.2f}{cost}")
         print("link = the faster of NCCL send/recv of the same bytes (nccl) and copy-engine peer copies of them "
               "(ce), every rank at once; vs ceil = max(link, D2D copy of the local bytes) / refit time "
               "(1.00 = at the ceiling); "
@@ -264,15 +273,17 @@ def main() -> None:
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
-                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}")
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t), _, _, _, _, _ in rows:  # noqa: B007
+                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}" +
+                  (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv), _, _, _, _, _, _ in rows:  # noqa: B007
                 other = sent - conv_bf16  # bytes of tensors that travel unconverted
                 conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
                 cratio = f"{conv_wire / conv_bf16:6.3f}" if conv_bf16 else "     -"
+                cost = f" {1e3 * mx_tv:9.2f} {100 * (mx_tv / mx_t - 1):+5.1f}%" if args.verify and mx_t else ""
                 print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
-                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}")
-        for r, *_, timeline, _, _, _, _ in rows:
+                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}{cost}")
+        for r, *_, timeline, _, _, _, _, _ in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")
     dist.destroy_process_group()

@@ -7,7 +7,7 @@ import torch  # noqa: F401  (loads torch's CUDA/NCCL libraries before the extens
 
 from . import _C
 from .errors import InternalError, ReshardError
-from .execution import Plan, execute, plan
+from .execution import Plan, execute, plan, verify
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
 from .options import Options
@@ -27,6 +27,6 @@ def build_info() -> dict[str, Any]:
 
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
-    "Rewrite", "Transform", "build_info", "plan", "execute", "Plan", "local_plan", "RankPlan", "TransferOp", "MXFP8",
+    "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp", "MXFP8",
     "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
 ]

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
 
-from . import _C
+from . import _C, verification
 from ._dtypes import code_of
 from .errors import ReshardError
 from .layout import Layout
@@ -128,6 +128,13 @@ class Plan:
         self._layouts = {"src": {n: l for n, (_, l) in src.items()}, "dst": {n: l for n, (_, l) in dst.items()}}
         self._entries = {"src": dict(src), "dst": dict(dst)}  # keeps bound tensors alive
         self._steps = steps
+        self._agreement = agreement
+        self._verify_ops: Optional[verification.Ops] = None  # built by the first verify
+        # dst table index -> MXFP8 rounding of the tensors whose receiver quantizes them
+        # (verify digests cover the quantized bytes; both ends derive it from the transform)
+        self._mx_receivers = {} if transform is None else {
+            i: r for i, name in enumerate(agreement.dst_table.names())
+            if (r := transform.receiver_mx_rounding(name)) is not None}
         self._bind()
 
     def _set_tables(self, tables: Any) -> None:
@@ -150,7 +157,7 @@ class Plan:
             _raise(errors)
         send_bufs, recv_bufs = self.transport.bind(self.tables)
         src, dst = self._bound_refs()
-        self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes)
+        self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._mx_receivers)
         self.transport.prepare(self.tables)
 
     # --- public -------------------------------------------------------------------
@@ -209,14 +216,29 @@ class Plan:
                 self._entries[side], self._steps[side] = entries, steps
         self._bind(errors)
 
-    def execute(self) -> None:
+    def execute(self, verify: bool = False) -> None:
         for side in ("src", "dst"):
             for step in self._steps[side][0]:
                 step()
-        self.transport.run(self.tables)
+        digests = self.transport.run(self.tables, verify)
         for side in ("src", "dst"):
             for step in self._steps[side][1]:
                 step()
+        if verify:
+            verification.check(self._ops(), *digests, what="rx.execute(verify=True)")
+
+    def _ops(self) -> verification.Ops:
+        if self._verify_ops is None:
+            self._verify_ops = verification.Ops(self._agreement.rank_plan, self._agreement.dst_table, self.group)
+        return self._verify_ops
+
+    def verify(self) -> None:
+        """rx.verify: digests of what the bound sources would send and of what the bound
+        destinations hold, compared across ranks; moves no weights. Collective."""
+        for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
+            step()
+        send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
+        verification.check(self._ops(), send, recv, what="rx.verify", copies=(copy_src, copy_dst))
 
 
 def _bind_agreed(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any, backend: str,
@@ -292,6 +314,18 @@ def plan(
     return p
 
 
-def execute(plan: Plan) -> None:
-    """Runs a refit: every dst tensor of `plan` is updated in place. Collective."""
-    plan.execute()
+def execute(plan: Plan, *, verify: bool = False) -> None:
+    """Runs a refit: every dst tensor of `plan` is updated in place. Collective.
+
+    verify=True: the pack and unpack kernels digest every piece on the sender (what the
+    receiver must hold) and on the receiver (what it wrote); only the digests travel,
+    and a difference raises ReshardError on every rank naming tensors, boxes and ranks.
+    """
+    plan.execute(verify)
+
+
+def verify(plan: Plan) -> None:
+    """Re-reads the plan's bound sources and destinations and checks that every
+    destination piece holds what its source would send (bit for bit, digests only):
+    catches a destination changed after the refit. Collective; moves no weights."""
+    plan.verify()

@@ -193,8 +193,13 @@ class RelayPlan(Plan):
         scatter.rebind(src=src, dst=scatter_dst)  # checks every entry the user gave
         gather.rebind(src=gather_src, dst=gather_dst)
 
-    def execute(self) -> None:
+    def execute(self, verify: bool = False) -> None:
         # Collective, phase by phase on every rank; an error in the scatter propagates
         # before the gather starts.
         for p in self.phases:
-            p.execute()
+            p.execute(verify)
+
+    def verify(self) -> None:
+        # The scatter's check covers sources -> shares, the gather's shares -> whole pieces.
+        for p in self.phases:
+            p.verify()

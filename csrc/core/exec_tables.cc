@@ -108,17 +108,24 @@ BoxScales box_scales(const TensorRef& d, uint64_t at) {
   return {d.mx_scale, first, d.mx_cols};
 }
 
-// Cuts one batch's ops (in canonical order, `boxes` aligned with them) into messages and
-// drops the boxes of direct messages from the table. `staging_side_is_dst`: pack boxes
-// write staging (dst side), unpack boxes read it (src side).
-void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>& boxes, bool staging_is_dst,
-                  int64_t direct_bytes, std::vector<Message>& out) {
+// Cuts one batch's ops (in canonical order, `boxes` and `index` - their plan op - aligned
+// with them) into messages and drops the boxes of direct messages from the table, their
+// ops going to `direct`. `staging_side_is_dst`: pack boxes write staging (dst side),
+// unpack boxes read it (src side).
+void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>& boxes, std::vector<int32_t>& index,
+                  bool staging_is_dst, int64_t direct_bytes, std::vector<Message>& out, std::vector<int32_t>& direct) {
   std::vector<rx_box> kept;
+  std::vector<int32_t> kept_index;
   kept.reserve(boxes.size());
+  kept_index.reserve(boxes.size());
   Message cur{-1, 0, 0};
   auto flush = [&] {
     if (cur.peer >= 0 && cur.bytes > 0) out.push_back(cur);
     cur = Message{-1, 0, 0};
+  };
+  auto keep = [&](size_t i) {
+    kept.push_back(boxes[i]);
+    kept_index.push_back(index[i]);
   };
   for (size_t i = 0; i < ops.size(); ++i) {
     const TransferOp& op = *ops[i];
@@ -130,9 +137,10 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
       const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.mode == RX_BOX_COPY;
       if (flat) {
         out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes});
+        direct.push_back(index[i]);
       } else {
         out.push_back({op.peer, staging, op.nbytes});
-        kept.push_back(box);
+        keep(i);
       }
       continue;
     }
@@ -141,10 +149,31 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
       cur = Message{op.peer, staging, 0};
     }
     cur.bytes = static_cast<int64_t>(staging - cur.ptr) + op.nbytes;
-    kept.push_back(box);
+    keep(i);
   }
   flush();
   boxes.swap(kept);
+  index.swap(kept_index);
+}
+
+// rx_box.digest of an op's box (api.h), so that verify digests cover what the receiver
+// holds. A tensor the receiver quantizes to MXFP8 (mx_receivers) is digested as E4M3
+// bytes and block scales where the op's box is whole 32-element blocks of the logical
+// last dim arriving as BF16 - a test on the op alone, so both ends make it alike; a box
+// that quantizes on its own (MX_DATA) is digested so anyway, while a BF16 box into a
+// staging piece (quantized later, in one pass over the whole piece) or a pack box
+// computes the quantize in the digest. Elsewhere a pack of a wire dtype the receiver
+// casts hashes the cast value.
+int32_t digest_of(const TransferOp& op, const rx_box& box, int32_t reads,
+                  const std::unordered_map<int32_t, int32_t>& mx_receivers) {
+  const auto mx = mx_receivers.find(op.dst_name);
+  const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % RX_BOX_MX_GROUP == 0 &&
+                     op.global.back() % RX_BOX_MX_GROUP == 0;
+  if (mx != mx_receivers.end() && whole && reads == RX_BF16 && box.mode == RX_BOX_COPY && box.dst_dtype == RX_BF16)
+    return RX_DIGEST_MX | mx->second << 8;
+  if (box.mode == RX_BOX_COPY && box.dst_dtype != op.dst_dtype && rx_dtype_castable(box.dst_dtype, op.dst_dtype))
+    return RX_DIGEST_CAST | op.dst_dtype << 8;
+  return RX_DIGEST_AS_WRITTEN;
 }
 
 bool same_memory(const rx_box& b) {
@@ -178,7 +207,7 @@ std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
 
 void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
                       const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
-                      int64_t direct_bytes) {
+                      int64_t direct_bytes, const std::unordered_map<int32_t, int32_t>& mx_receivers) {
   RX_HOST_ASSERT(src.size() == src_used_.size() && dst.size() == dst_used_.size(), "bind: wrong tensor count");
   std::unordered_map<int32_t, const TensorRef*> src_of, dst_of;
   for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
@@ -202,20 +231,36 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
 
   pack_.assign(nb, {});
   unpack_.assign(nb, {});
+  pack_ops_.assign(nb, {});
+  unpack_ops_.assign(nb, {});
+  direct_sends_.assign(nb, {});
+  direct_recvs_.assign(nb, {});
+  send_boxes_.clear();
+  recv_boxes_.clear();
   copies_.clear();
   if (nb > 0) RX_HOST_ASSERT(!send_bufs.empty() && !recv_bufs.empty(), "bind: no staging buffers");
-  for (const TransferOp& op : plan_->sends) {
+  for (size_t i = 0; i < plan_->sends.size(); ++i) {
+    const TransferOp& op = plan_->sends[i];
     const TensorRef& t = *src_of.at(op.src_name);
     const uint64_t buf = send_bufs[op.batch % send_bufs.size()] + send_regions[op.batch].at(op.peer) + op.offset;
-    pack_[op.batch].push_back(make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf,
-                                       nullptr, op.wire_dtype, box_mode(&t, nullptr)));
+    rx_box box = make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf, nullptr,
+                          op.wire_dtype, box_mode(&t, nullptr));
+    box.digest = digest_of(op, box, op.wire_dtype, mx_receivers);
+    send_boxes_.push_back(box);
+    pack_[op.batch].push_back(box);
+    pack_ops_[op.batch].push_back(static_cast<int32_t>(i));
   }
-  for (const TransferOp& op : plan_->recvs) {
+  for (size_t i = 0; i < plan_->recvs.size(); ++i) {
+    const TransferOp& op = plan_->recvs[i];
     const TensorRef& t = *dst_of.at(op.dst_name);
     const uint64_t buf = recv_bufs[op.batch % recv_bufs.size()] + recv_regions[op.batch].at(op.peer) + op.offset;
     const uint64_t at = addr(t, op.mine.start);
-    unpack_[op.batch].push_back(make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
-                                         box_mode(nullptr, &t), box_scales(t, at)));
+    rx_box box = make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
+                          box_mode(nullptr, &t), box_scales(t, at));
+    box.digest = digest_of(op, box, op.wire_dtype, mx_receivers);
+    recv_boxes_.push_back(box);
+    unpack_[op.batch].push_back(box);
+    unpack_ops_[op.batch].push_back(static_cast<int32_t>(i));
   }
   // Messages per batch, in the canonical op order both ends share.
   send_msgs_.assign(nb, {});
@@ -224,16 +269,19 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (const TransferOp& op : plan_->sends) send_ops[op.batch].push_back(&op);
   for (const TransferOp& op : plan_->recvs) recv_ops[op.batch].push_back(&op);
   for (int32_t b = 0; b < nb; ++b) {
-    cut_messages(send_ops[b], pack_[b], /*staging_is_dst=*/true, direct_bytes, send_msgs_[b]);
-    cut_messages(recv_ops[b], unpack_[b], /*staging_is_dst=*/false, direct_bytes, recv_msgs_[b]);
+    cut_messages(send_ops[b], pack_[b], pack_ops_[b], /*staging_is_dst=*/true, direct_bytes, send_msgs_[b],
+                 direct_sends_[b]);
+    cut_messages(recv_ops[b], unpack_[b], unpack_ops_[b], /*staging_is_dst=*/false, direct_bytes, recv_msgs_[b],
+                 direct_recvs_[b]);
   }
 
   for (const TransferOp& op : plan_->copies) {
     const TensorRef& s = *src_of.at(op.src_name);
     const TensorRef& d = *dst_of.at(op.dst_name);
     const uint64_t at = addr(d, op.mine.start);
-    const rx_box box = make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
-                                d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at));
+    rx_box box = make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
+                          d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at));
+    box.digest = digest_of(op, box, box.dst_dtype, mx_receivers);
     // A copy of memory onto itself (a relay replica's own share) is dropped.
     if (!same_memory(box)) copies_.push_back(box);
   }

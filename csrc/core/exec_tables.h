@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <unordered_map>
 #include <vector>
 
 #include "core/planner.h"
@@ -82,9 +83,12 @@ class ExecTables {
   // message of its own, read from / written to the tensor in place when its box is one
   // contiguous run of the same dtype (no pack or unpack copy); smaller ops of a peer
   // share one message. 0: one message per peer (GPU: packing is cheap, messages are not).
+  // mx_receivers: dst table index -> rounding of the tensors the receiver quantizes to
+  // MXFP8 after they land (rx.MXFP8(where="receiver")): what verify digests of them
+  // cover (see digest_of_op in exec_tables.cc).
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
             const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
-            int64_t direct_bytes = 0);
+            int64_t direct_bytes = 0, const std::unordered_map<int32_t, int32_t>& mx_receivers = {});
 
   // Positions in dst_used() of the dst pieces whose every incoming box (receives and
   // same-rank copies) reads BF16 and keeps `group`-element blocks of the last dim
@@ -111,12 +115,26 @@ class ExecTables {
   const std::vector<Message>& send_messages(int32_t b) const { return send_msgs_[b]; }
   const std::vector<Message>& recv_messages(int32_t b) const { return recv_msgs_[b]; }
 
+  // Verify (rx.execute(verify=True), rx.verify): digests are per plan op. send_boxes()[i]
+  // is the pack box of plan().sends[i] (tensor -> staging), recv_boxes()[j] the unpack
+  // box of plan().recvs[j], copies()[c] moves plan().copies[c]; pack(b)[k] moves
+  // plan().sends[pack_ops(b)[k]] (likewise unpack); the ops of batch b that travel as
+  // direct messages have no box in pack(b) / unpack(b) and are listed apart.
+  const std::vector<rx_box>& send_boxes() const { return send_boxes_; }
+  const std::vector<rx_box>& recv_boxes() const { return recv_boxes_; }
+  const std::vector<int32_t>& pack_ops(int32_t b) const { return pack_ops_[b]; }
+  const std::vector<int32_t>& unpack_ops(int32_t b) const { return unpack_ops_[b]; }
+  const std::vector<int32_t>& direct_sends(int32_t b) const { return direct_sends_[b]; }
+  const std::vector<int32_t>& direct_recvs(int32_t b) const { return direct_recvs_[b]; }
+
  private:
   std::shared_ptr<const RankPlan> plan_;
   std::vector<int32_t> src_used_, dst_used_;
   std::vector<std::vector<rx_box>> pack_, unpack_;
   std::vector<rx_box> copies_, direct_;
   std::vector<std::vector<Message>> send_msgs_, recv_msgs_;
+  std::vector<rx_box> send_boxes_, recv_boxes_;
+  std::vector<std::vector<int32_t>> pack_ops_, unpack_ops_, direct_sends_, direct_recvs_;
 };
 
 }  // namespace rx

@@ -229,6 +229,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       op.numel *= s->len;
     }
     op.wire_dtype = wire;
+    op.dst_dtype = dst.layout(dst_name).dtype();
     op.nbytes = op.numel * rx_dtype_size(wire);
     return op;
   };

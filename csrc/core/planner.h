@@ -52,6 +52,7 @@ struct TransferOp {
   std::vector<int64_t> global;  // global coordinates of the box origin
   int64_t numel = 0;
   int32_t wire_dtype = 0;
+  int32_t dst_dtype = 0;  // the dst tensor's (what the receiver holds: verify digests)
   int64_t nbytes = 0;     // bytes on the wire
   int32_t batch = 0;
   int64_t offset = 0;     // byte offset inside the peer's region of the batch's staging buffer

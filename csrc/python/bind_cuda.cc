@@ -1,6 +1,7 @@
 // The CUDA box copy: DeviceBoxTable (plan time: build + upload; every execute: launch).
 // The tile planner is bound in every build so CPU CI tests it.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstring>
 #include <vector>
@@ -100,18 +101,35 @@ void register_cuda(py::module_& m) {
           py::arg("dev_ptr"), py::arg("stream"))
       .def(
           "launch",
-          [](const DeviceBoxTable& t, uint64_t stream, int32_t max_blocks) {
-            t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks);
+          [](const DeviceBoxTable& t, uint64_t stream, int32_t max_blocks, uint64_t digests, int32_t pass) {
+            if (pass == RX_PASS_NONE)
+              t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks);
+            else
+              t.launch_digest(reinterpret_cast<cudaStream_t>(stream), max_blocks, reinterpret_cast<uint64_t*>(digests),
+                              pass);
           },
-          py::arg("stream"), py::arg("max_blocks") = 0,
-          "Copies every box: one kernel launch, no allocation, no sync. max_blocks > 0 caps the grid.")
+          py::arg("stream"), py::arg("max_blocks") = 0, py::arg("digests") = 0, py::arg("pass_") = 0,
+          "Copies every box: one kernel launch, no allocation, no sync. max_blocks > 0 caps the grid. pass_ "
+          "(PASS_COPY/SRC/DST): a verify pass adding each box's digest into the uint64 at digests + 8 * box "
+          "(device memory, zeroed by the caller).")
       .def(
           "run_emulated",
-          [](const DeviceBoxTable& t) {
-            py::gil_scoped_release release;
-            t.run_emulated();
+          [](const DeviceBoxTable& t, int32_t pass) -> py::object {
+            if (pass == RX_PASS_NONE) {
+              py::gil_scoped_release release;
+              t.run_emulated();
+              return py::none();
+            }
+            std::vector<uint64_t> d;
+            {
+              py::gil_scoped_release release;
+              d = t.run_emulated_digest(pass);
+            }
+            return py::cast(d);
           },
-          "Runs the kernel's per-lane code on the host; the boxes must point at host memory (tests).");
+          py::arg("pass_") = 0,
+          "Runs the kernel's per-lane code on the host; the boxes must point at host memory (tests). pass_: a "
+          "verify pass, returning one digest per box.");
 #endif
 }
 

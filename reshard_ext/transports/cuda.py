@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .. import _C
@@ -75,6 +76,59 @@ def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: Opt
     return sms * 3 // 4 if copy_bytes * 10 > max(send_bytes, recv_bytes) * 11 else sms // 2
 
 
+def _upload(host: list) -> torch.Tensor:
+    """Uploads DeviceBoxTables into one device buffer (returned: it owns their memory)."""
+    offsets, total = [], 0
+    for t in host:
+        offsets.append(total)
+        total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    blob = torch.empty(max(total, 1), dtype=torch.uint8, device=torch.cuda.current_device())
+    stream = torch.cuda.current_stream().cuda_stream
+    for t, off in zip(host, offsets):
+        t.upload(blob.data_ptr() + off, stream)
+    # execute may run on another stream than this one: finish the uploads here, at plan
+    # time, rather than order every later launch after them.
+    torch.cuda.current_stream().synchronize()
+    return blob
+
+
+class _Digests:
+    """Verify digests of one binding on the GPU (reshard_ext/verification.py): one device
+    buffer with a uint64 per box of the tables that digest, zeroed per execute, and where
+    each box's digest goes: (send or recv op) of each slot."""
+
+    def __init__(self, parts: list[tuple[Any, str, Any]]):
+        # parts: (DeviceBoxTable, "send" | "recv" | "copy_src" | "copy_dst", the op of each box)
+        self.tables = [t for t, _, _ in parts]
+        self.offsets, total = [], 0
+        for t, _, _ in parts:
+            self.offsets.append(total)
+            total += t.num_boxes
+        self.buf = torch.zeros(max(total, 1), dtype=torch.int64, device=torch.cuda.current_device())
+        self.where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for (t, kind, ops), off in zip(parts, self.offsets):
+            ops = np.arange(t.num_boxes) if ops is None else np.asarray(ops, dtype=np.int64)
+            slots = np.arange(off, off + t.num_boxes)
+            old = self.where.get(kind, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            self.where[kind] = (np.concatenate((old[0], slots)), np.concatenate((old[1], ops)))
+
+    def args(self, i: int, pass_: int) -> tuple:
+        """launch() arguments of part i: its digest slots and the pass."""
+        return (self.buf.data_ptr() + 8 * self.offsets[i], pass_)
+
+    def collect(self, kinds: tuple[str, ...], sizes: dict[str, int]) -> tuple[np.ndarray, ...]:
+        """Waits for the digests (the current stream) and returns one uint64 array per kind,
+        indexed by op."""
+        host = self.buf.cpu().numpy().view(np.uint64)
+        out = []
+        for kind in kinds:
+            a = np.zeros(sizes[kind], dtype=np.uint64)
+            slots, ops = self.where.get(kind, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            a[ops] = host[slots]
+            out.append(a)
+        return tuple(out)
+
+
 def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> "CudaTransport":
     if not torch.cuda.is_available():
         raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
@@ -135,17 +189,9 @@ class CudaTransport:
         host = [_C.DeviceBoxTable(part) for part in copy_parts]
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
         host += [_C.DeviceBoxTable(tables.unpack_boxes(b)) for b in range(tables.num_batches)]
-        offsets, total = [], 0
-        for t in host:
-            offsets.append(total)
-            total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        self._blob = torch.empty(max(total, 1), dtype=torch.uint8, device=torch.cuda.current_device())
-        stream = torch.cuda.current_stream().cuda_stream
-        for t, off in zip(host, offsets):
-            t.upload(self._blob.data_ptr() + off, stream)
-        # execute may run on another stream than this one: finish the uploads here, at
-        # plan time, rather than order every later launch after them.
-        torch.cuda.current_stream().synchronize()
+        self._blob = _upload(host)
+        self._verify: Optional[_Digests] = None  # built by the first verified execute
+        self._read: Optional[_Digests] = None    # ... and by the first rx.verify
         nc = len(copy_parts)
         # A plan that moves nothing between ranks runs its copies alone, uncapped, with no
         # NCCL call or host wait (decided here, once, not per execute).
@@ -189,27 +235,60 @@ class CudaTransport:
         """(sends, recvs) of batch b as (peer, device ptr, bytes)."""
         return self._messages[b]
 
-    def run(self, tables: Any) -> None:
+    def _verified(self, tables: Any) -> _Digests:
+        """The digest state of verified executes: per batch the pack, the direct sends (no
+        pack box: their sources are read), the unpack and the direct receives (their
+        destinations are read once they landed)."""
+        if self._verify is None:
+            parts = []
+            for b in range(tables.num_batches):
+                direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)), _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
+                parts += [(self._pack[b], "send", tables.pack_ops(b)), (direct[0], "send", tables.direct_sends(b)),
+                          (self._unpack[b], "recv", tables.unpack_ops(b)), (direct[1], "recv", tables.direct_recvs(b))]
+            self._verify_blob = _upload([t for t, kind, _ in parts[1::2]])
+            self._verify = _Digests(parts)
+        return self._verify
+
+    def run(self, tables: Any, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """verify: the pack and unpack launches also digest every op (one more launch per
+        batch for the ops that travel as direct messages); returns (send, recv) digests."""
         main = torch.cuda.current_stream()
         s = main.cuda_stream
         k = len(self._pack)
         timeline = _Timeline() if self.trace else None
         step = timeline.step if timeline else _untraced
+        v = self._verified(tables) if verify else None
+        if v is not None:
+            v.buf.zero_()
+
+        def pack(b: int, cap: int = 0) -> None:
+            if v is None:
+                self._pack[b].launch(s, cap)
+                return
+            self._pack[b].launch(s, cap, *v.args(4 * b, _C.PASS_COPY))
+            v.tables[4 * b + 1].launch(s, cap, *v.args(4 * b + 1, _C.PASS_SRC))
+
+        def unpack(b: int, cap: int = 0) -> None:
+            if v is None:
+                self._unpack[b].launch(s, cap)
+                return
+            self._unpack[b].launch(s, cap, *v.args(4 * b + 2, _C.PASS_COPY))
+            v.tables[4 * b + 3].launch(s, cap, *v.args(4 * b + 3, _C.PASS_DST))
+
         if self.comm is None or not self._moves:  # torch p2p, or only same-rank copies
             for i, c in enumerate(self._copy):
                 step("copy", i, main, lambda c=c: c.launch(s))
             for b in range(k if self.p2p is not None else 0):  # torch.distributed p2p: no overlap
-                step("pack", b, main, lambda b=b: self._pack[b].launch(s))
+                step("pack", b, main, lambda b=b: pack(b))
                 self.p2p.run(self._p2p_ops[b])
-                step("unpack", b, main, lambda b=b: self._unpack[b].launch(s))
-            self._finish(timeline)
-            return
+                step("unpack", b, main, lambda b=b: unpack(b))
+            return self._finish(timeline, tables, v)
         side = self.side
         cap = self.max_blocks
         done: list[torch.cuda.Event] = []
 
         def post(b: int) -> None:
-            step("pack", b, main, lambda: self._pack[b].launch(s, cap))
+            step("pack", b, main, lambda: pack(b, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
             sends, recvs = self._messages[b]
             step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
@@ -225,12 +304,35 @@ class CudaTransport:
             if b < len(self._copy):
                 step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
             main.wait_event(done[b])
-            step("unpack", b, main, lambda b=b: self._unpack[b].launch(s, cap))
+            step("unpack", b, main, lambda b=b: unpack(b, cap))
         # A dead peer or a lost message raises here (bounded by the communicator's
         # timeout, rx.Options.timeout) instead of hanging the next sync.
         self.comm.wait(self.comm.timeout)
-        self._finish(timeline)
+        return self._finish(timeline, tables, v)
 
-    def _finish(self, timeline: Optional[_Timeline]) -> None:
+    def read_digests(self, tables: Any) -> tuple[np.ndarray, ...]:
+        """rx.verify: one launch per side reads every op's source (what it would send) and
+        destination (what it holds), moving nothing."""
+        if self._read is None:
+            copies = _C.DeviceBoxTable(tables.copy_boxes())
+            parts = [(_C.DeviceBoxTable(tables.send_boxes()), "send", None),
+                     (_C.DeviceBoxTable(tables.recv_boxes()), "recv", None), (copies, "copy_src", None),
+                     (copies, "copy_dst", None)]
+            self._read_blob = _upload([t for t, *_ in parts[:3]])
+            self._read = _Digests(parts)
+        r = self._read
+        r.buf.zero_()
+        s = torch.cuda.current_stream().cuda_stream
+        for i, pass_ in enumerate((_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)):
+            r.tables[i].launch(s, 0, *r.args(i, pass_))
+        sends, recvs, copies_n = tables.num_ops
+        return r.collect(("send", "recv", "copy_src", "copy_dst"),
+                         {"send": sends, "recv": recvs, "copy_src": copies_n, "copy_dst": copies_n})
+
+    def _finish(self, timeline: Optional[_Timeline], tables: Any, v: Optional[_Digests]) -> Any:
         if timeline is not None:
             self.last_timeline = timeline.report()
+        if v is None:
+            return None
+        sends, recvs, _ = tables.num_ops
+        return v.collect(("send", "recv"), {"send": sends, "recv": recvs})

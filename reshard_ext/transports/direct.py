@@ -332,7 +332,7 @@ class DirectTransport:
         tables = _C.ExecTables(split)
         plan._set_tables(tables)
         send_bufs, recv_bufs = self.inner.bind(tables)
-        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes)
+        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._mx_receivers)
         self.inner.prepare(tables)
         tables.bind_direct(src_refs, pieces)
         boxes = tables.direct_boxes()
