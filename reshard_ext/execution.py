@@ -229,7 +229,8 @@ class Plan:
 
     def _ops(self) -> verification.Ops:
         if self._verify_ops is None:
-            self._verify_ops = verification.Ops(self._agreement.rank_plan, self._agreement.dst_table, self.group)
+            self._verify_ops = verification.Ops(self._agreement.rank_plan, self._agreement.dst_table, self.group,
+                                                self.options.resolved_timeout("gloo"))
         return self._verify_ops
 
     def verify(self) -> None:

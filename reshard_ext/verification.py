@@ -30,7 +30,7 @@ def empty(n: int) -> np.ndarray:
 class Ops:
     """What the digest check needs of a bound plan's ops, read once from its RankPlan."""
 
-    def __init__(self, rank_plan: Any, dst_names: Any, group: Any):
+    def __init__(self, rank_plan: Any, dst_names: Any, group: Any, timeout_s: float):
         self.rank = dist.get_rank(group)
         self.names = dst_names
         self.sends = rank_plan.sends()
@@ -38,7 +38,7 @@ class Ops:
         self.copies = rank_plan.copies()
         self.send_peers = np.array([op[1] for op in self.sends], dtype=np.int64)
         self.recv_peers = np.array([op[1] for op in self.recvs], dtype=np.int64)
-        self.p2p = P2PExchange(group)
+        self.p2p = P2PExchange(group, timeout_s)
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 

@@ -204,14 +204,8 @@ def test_verified_matrix(case, max_batch_bytes):
 
 
 def _direct(rank, world, case):
-    from reshard_ext.transports.cpu import CpuTransport
-
-    saved = CpuTransport.direct_bytes
-    CpuTransport.direct_bytes = 1  # every contiguous op travels from / into its tensor
-    try:
-        return run_case(rank, world, case, "cpu", None)
-    finally:
-        CpuTransport.direct_bytes = saved
+    # every contiguous op travels from / into its tensor
+    return run_case(rank, world, case, "cpu", None, options=rx.Options(direct_bytes=1))
 
 
 @pytest.mark.parametrize("case", ["tp", "casts", "pp_experts"])
@@ -277,19 +271,13 @@ def test_verify_catches_a_changed_destination(target):
 def _corrupt_in_transit(rank, world, direct):
     """Rank 1 flips a bit of what arrives from rank 0 before it unpacks: the refit is
     silently wrong without verify, and raises with it."""
-    from reshard_ext.transports.cpu import CpuTransport
-
     g = torch.Generator().manual_seed(2)
     full = torch.randn(64, 32, generator=g)
     s = rx.Layout((64, 32), torch.float32, rx.Mesh([0]), [rx.Replicate()])
     d = rx.Layout((64, 32), torch.float32, rx.Mesh([1]), [rx.Replicate()])
-    saved = CpuTransport.direct_bytes
-    CpuTransport.direct_bytes = 1 if direct else 1 << 30
-    try:
-        plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {},
-                       {"x": (torch.zeros(64, 32), d)} if rank == 1 else {})
-    finally:
-        CpuTransport.direct_bytes = saved
+    plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {},
+                   {"x": (torch.zeros(64, 32), d)} if rank == 1 else {},
+                   options=rx.Options(direct_bytes=1 if direct else 1 << 30))
     if rank == 1:
         finish = plan.transport.p2p.finish
 
@@ -356,14 +344,8 @@ def test_verified_mxfp8_cuda(where):
 
 
 def _direct_cuda(rank, world):
-    import reshard_ext.transports.cuda as cuda_transport
-
-    saved = cuda_transport.DIRECT_BYTES
-    cuda_transport.DIRECT_BYTES = 1  # every contiguous op is its own NCCL message
-    try:
-        return run_case(rank, world, "two", "cuda", None)
-    finally:
-        cuda_transport.DIRECT_BYTES = saved
+    # every contiguous op is its own NCCL message
+    return run_case(rank, world, "two", "cuda", None, options=rx.Options(direct_bytes=1))
 
 
 @pytest.mark.gpu

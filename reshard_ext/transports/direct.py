@@ -361,10 +361,21 @@ class DirectTransport:
         return f"direct with ranks {d or 'none'}; {via} with ranks {n or 'none'}"
 
     # --- every execute ------------------------------------------------------------------
-    def run(self, tables: Any) -> None:
+    def run(self, tables: Any, verify: bool = False) -> Any:
+        if verify and self.exec is not None:
+            # every rank passes verify alike (it is an argument of the collective execute)
+            raise ReshardError("rx.execute(verify=True) is not supported yet where pairs write straight into "
+                               "their peers (backend 'direct'); use backend='nccl' to verify")
         stream = self.device.stream()
         if self.exec is not None:
             self.exec.begin(stream)
-        self.inner.run(tables)
+        digests = self.inner.run(tables, verify)
         if self.exec is not None:
             self.exec.end(stream)
+        return digests
+
+    def read_digests(self, tables: Any) -> tuple:
+        if self.exec is not None:
+            raise ReshardError("rx.verify is not supported yet where pairs write straight into their peers "
+                               "(backend 'direct'); use backend='nccl' to verify")
+        return tuple(self.inner.read_digests(tables))
