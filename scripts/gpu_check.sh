@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron] [direct]
+#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron] [direct] [relay] [verify] [direct]
 #   (default: build tests sanitize bench mx). `direct` builds nothing: the direct transport's
 #   tests (2 and 4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs megatron-core wheels carried
 #   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
@@ -38,6 +38,7 @@ if has tests; then
   step "GPU tests"
   (cd tests && timeout 520 python3 -m pytest -q -p no:warnings -rs --durations=15 \
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py \
+      test_verify.py test_relay.py test_direct.py test_package.py -k "not mypy" \
       2>&1 | tee "$OUT/tests.log" | tail -25)
 fi
 
@@ -206,5 +207,18 @@ if has direct && [ "$ngpu" -ge 2 ]; then
         --no-baseline 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/direct_bench.log" | tail -16
     done
   fi
+fi
+if has relay && [ "$ngpu" -ge 4 ]; then
+  step "relay: refit_bench relay-1to3 (one source, three replicas), relay on vs off"
+  timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 --iters 10 2>&1 \
+    | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -16
+fi
+
+if has verify && [ "$ngpu" -ge 2 ]; then
+  for c in tp2-tp1 moe-ep2-ep1; do
+    step "verify: refit_bench $c with a verify=True column"
+    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --verify --no-baseline 2>&1 \
+      | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
+  done
 fi
 step "done"
