@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron] [direct] [relay] [verify] [direct]
+#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron] [direct] [relay] [verify]
 #   (default: build tests sanitize bench mx). `direct` builds nothing: the direct transport's
 #   tests (2 and 4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs megatron-core wheels carried
 #   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
