@@ -6,6 +6,7 @@ Names follow Megatron-Core (`decoder.layers.{global index}...`, experts as
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +35,7 @@ class ModelShape:
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
+    router_bias: bool = True  # DeepSeek's aux-loss-free expert bias (Qwen3-MoE has none)
 
     @property
     def hd(self) -> int:
@@ -66,8 +68,7 @@ class Parallel:
 
     def stage_mesh(self, stage: int) -> Mesh:
         """[DP, TP] mesh of a pipeline stage."""
-        base = self.offset + self.tp * self.dp * stage
-        return Mesh([[base + t + self.tp * d for t in range(self.tp)] for d in range(self.dp)])
+        return _stage_mesh(self, stage)
 
     def stage_of(self, layer: int, layers: int) -> int:
         per = -(-layers // self.pp)
@@ -76,10 +77,21 @@ class Parallel:
     def expert_mesh(self, stage: int, expert: int, experts: int) -> Mesh:
         """Ranks holding one global expert: EP divides the stage's dp*tp ranks; the
         expert's EP rank is expert // (experts / ep), replicated over the rest."""
-        stage_ranks = [r for row in self.stage_mesh(stage).ranks for r in [row]]
-        n = len(stage_ranks)
-        ep_rank = expert // (experts // self.ep)
-        return Mesh([stage_ranks[i] for i in range(ep_rank, n, self.ep)])
+        return _expert_mesh(self, stage, expert // (experts // self.ep))
+
+
+# Cached: a 2,048-rank model has 30,000 expert tensors sharing a few hundred meshes, and
+# building each Mesh from a nested list costs more than planning a rank.
+@functools.cache
+def _stage_mesh(par: Parallel, stage: int) -> Mesh:
+    base = par.offset + par.tp * par.dp * stage
+    return Mesh.arange(par.dp, par.tp, start=base)
+
+
+@functools.cache
+def _expert_mesh(par: Parallel, stage: int, ep_rank: int) -> Mesh:
+    ranks = par.stage_mesh(stage).ranks
+    return Mesh(list(ranks[ep_rank::par.ep]))
 
 
 def _tensor_layout(shape, dtype, mesh: Mesh, tp_placement: Optional[Placement]) -> Layout:
@@ -88,13 +100,29 @@ def _tensor_layout(shape, dtype, mesh: Mesh, tp_placement: Optional[Placement]) 
     return Layout(shape, dtype, mesh, [Replicate(), placement])
 
 
-def model_layouts(m: ModelShape, par: Parallel, dtype: torch.dtype = torch.bfloat16) -> dict[str, Layout]:
-    """Every tensor of the model under `par`: {global name: Layout}."""
+def model_layouts(
+    m: ModelShape, par: Parallel, dtype: torch.dtype = torch.bfloat16, split_gate_up: bool = False
+) -> dict[str, Layout]:
+    """Every tensor of the model under `par`: {global name: Layout}.
+
+    split_gate_up: every gated fc1 (dense, shared and routed experts) as two tensors,
+    `linear_fc1_gate` and `linear_fc1_up`, as Hugging Face checkpoints store them.
+    """
     out: dict[str, Layout] = {}
     hd, h = m.hd, m.hidden
 
     def add(name: str, shape, stage: int, placement: Optional[Placement], dt: torch.dtype = dtype) -> None:
         out[name] = _tensor_layout(shape, dt, par.stage_mesh(stage), placement)
+
+    def fc1(prefix: str, ffn: int, stage: int, expert: str = "", mesh: Mesh | None = None) -> None:
+        """A gated fc1 [gate; up] (Megatron's stride-2 TP shard), or its two halves."""
+        halves = (("linear_fc1_gate", ffn), ("linear_fc1_up", ffn)) if split_gate_up else (("linear_fc1", 2 * ffn),)
+        for part, rows in halves:
+            name = f"{prefix}{part}.weight{expert}"
+            if mesh is not None:  # a routed expert: whole on every rank of its mesh
+                out[name] = Layout((rows, h), dtype, mesh, [Replicate()])
+            else:
+                add(name, (rows, h), stage, Shard(0) if split_gate_up else Shard(0, stride=2))
 
     add("embedding.word_embeddings.weight", (m.vocab, h), 0, Shard(0))
     last = par.pp - 1
@@ -119,7 +147,7 @@ def model_layouts(m: ModelShape, par: Parallel, dtype: torch.dtype = torch.bfloa
         moe = m.experts and i >= m.first_dense_layers
         if not moe:
             if m.gated_mlp:
-                add(p + "mlp.linear_fc1.weight", (2 * m.ffn, h), s, Shard(0, stride=2))
+                fc1(p + "mlp.", m.ffn, s)
             else:
                 add(p + "mlp.linear_fc1.weight", (m.ffn, h), s, Shard(0))
             add(p + "mlp.linear_fc1.layer_norm_weight", (h,), s, None)
@@ -127,13 +155,14 @@ def model_layouts(m: ModelShape, par: Parallel, dtype: torch.dtype = torch.bfloa
             continue
         add(p + "pre_mlp_layernorm.weight", (h,), s, None)
         add(p + "mlp.router.weight", (m.experts, h), s, None, torch.float32)
-        add(p + "mlp.router.expert_bias", (m.experts,), s, None, torch.float32)
+        if m.router_bias:
+            add(p + "mlp.router.expert_bias", (m.experts,), s, None, torch.float32)
         if m.shared_expert_ffn:
-            add(p + "mlp.shared_experts.linear_fc1.weight", (2 * m.shared_expert_ffn, h), s, Shard(0, stride=2))
+            fc1(p + "mlp.shared_experts.", m.shared_expert_ffn, s)
             add(p + "mlp.shared_experts.linear_fc2.weight", (h, m.shared_expert_ffn), s, Shard(1))
         for e in range(m.experts):
             mesh = par.expert_mesh(s, e, m.experts)
-            out[p + f"mlp.experts.linear_fc1.weight{e}"] = Layout((2 * m.moe_ffn, h), dtype, mesh, [Replicate()])
+            fc1(p + "mlp.experts.", m.moe_ffn, s, str(e), mesh)
             out[p + f"mlp.experts.linear_fc2.weight{e}"] = Layout((h, m.moe_ffn), dtype, mesh, [Replicate()])
     add("decoder.final_layernorm.weight", (h,), last, None)
     if not m.tied_embeddings:

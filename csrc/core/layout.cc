@@ -90,13 +90,8 @@ std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t len, int64_t parts
 Layout::Layout(std::vector<int64_t> shape, int32_t dtype, std::shared_ptr<const Mesh> mesh,
                std::vector<Placement> placements)
     : shape_(std::move(shape)), dtype_(dtype), mesh_(std::move(mesh)), placements_(std::move(placements)) {
+  for (int64_t s : shape_) numel_ *= s;
   validate();
-}
-
-int64_t Layout::numel() const {
-  int64_t n = 1;
-  for (int64_t s : shape_) n *= s;
-  return n;
 }
 
 void Layout::validate() {
@@ -119,6 +114,7 @@ void Layout::validate() {
         return;
       }
       shard_mesh_dims_.push_back(i);
+      shard_mask_ |= 1u << i;
       num_classes_ *= mesh_->shape()[i];
     } else {
       repl_mesh_dims_.push_back(i);

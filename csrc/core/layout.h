@@ -70,7 +70,7 @@ class Layout {
   const Mesh& mesh() const { return *mesh_; }
   const std::shared_ptr<const Mesh>& mesh_ptr() const { return mesh_; }
   const std::vector<Placement>& placements() const { return placements_; }
-  int64_t numel() const;
+  int64_t numel() const { return numel_; }
   // Empty when the layout is valid; checked once at construction.
   const std::string& error() const { return error_; }
   bool same_as(const Layout& o) const;
@@ -86,6 +86,9 @@ class Layout {
   // The j-th rank (in mesh order) holding class `cls`, 0 <= j < replicas_per_class().
   int32_t class_replica(int64_t cls, int64_t j) const;
   int64_t replicas_per_class() const { return mesh_->size() / num_classes_; }
+  // Bit i set: mesh dim i shards the tensor. With the mesh, it fixes which ranks share
+  // a class, whatever the tensor's shape.
+  uint32_t shard_mask() const { return shard_mask_; }
 
   // The piece of `rank`, or false when the rank is not in the mesh.
   bool piece_of(int32_t rank, Piece* out) const;
@@ -102,6 +105,8 @@ class Layout {
   std::vector<int> repl_mesh_dims_;
   std::vector<int> all_mesh_dims_;
   int64_t num_classes_ = 1;
+  int64_t numel_ = 1;
+  uint32_t shard_mask_ = 0;
   std::string error_;
 };
 

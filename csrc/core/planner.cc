@@ -1,8 +1,9 @@
 #include "core/planner.h"
 
 #include <algorithm>
-#include <functional>
+#include <map>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include "core/check.h"
@@ -27,14 +28,19 @@ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
 
 bool is_float(int32_t d) { return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64; }
 
-// Every combination of one segment per dim is one box.
-void for_each_box(const std::vector<std::vector<Segment>>& segs,
-                  const std::function<void(const std::vector<const Segment*>&)>& fn) {
+// Every combination of one segment per dim is one box. `pick` is scratch.
+template <typename Fn>
+void for_each_box(const std::vector<std::vector<Segment>>& segs, std::vector<const Segment*>& pick, Fn&& fn) {
   const size_t nd = segs.size();
   for (const auto& s : segs)
     if (s.empty()) return;
+  pick.resize(nd);
+  if (std::all_of(segs.begin(), segs.end(), [](const auto& s) { return s.size() == 1; })) {
+    for (size_t d = 0; d < nd; ++d) pick[d] = &segs[d][0];
+    fn(pick);  // the common case: one box
+    return;
+  }
   std::vector<size_t> idx(nd, 0);
-  std::vector<const Segment*> pick(nd);
   while (true) {
     for (size_t d = 0; d < nd; ++d) pick[d] = &segs[d][idx[d]];
     fn(pick);
@@ -84,39 +90,134 @@ std::pair<int64_t, int64_t> replicas_outside(const Layout& src, const Layout& ds
   return {below, all};
 }
 
+// Who serves whom between one src and one dst layout, as seen by one rank. It depends
+// only on the two meshes and on which of their dims shard, not on the tensor, so the
+// tensors of a model (tens of thousands over a few hundred meshes) share a few hundred
+// of these, and a sender stops scanning every receiver of every tensor it holds (that
+// scan was most of the planning time at 2,048 ranks).
+struct Routes {
+  // As receiver: my class and replica index in the dst layout, my position in the src
+  // mesh (-1: outside), and outside it, my index among my dst class's replicas outside
+  // the src mesh and their count (choose_replica).
+  int64_t my_dcls = 0, my_src_pos = -1, outside_index = 0, outside_count = 0;
+  // As sender (my class, my replica index in the src layout), per dst class: the
+  // receivers that take my class from me whatever the tensor, and, where the choice
+  // depends on the name (fewer receivers outside the src mesh than src replicas), the
+  // receivers outside the src mesh in replica order.
+  struct ToClass {
+    std::vector<int32_t> fixed;
+    std::vector<int32_t> by_name;
+  };
+  int64_t my_cls = 0, my_rep = 0;
+  std::vector<ToClass> to;
+};
+
+struct RouteKey {
+  const Mesh* src;
+  const Mesh* dst;
+  uint32_t src_mask, dst_mask;
+  bool sender;
+  bool operator==(const RouteKey& o) const {
+    return src == o.src && dst == o.dst && src_mask == o.src_mask && dst_mask == o.dst_mask && sender == o.sender;
+  }
+};
+
+struct RouteKeyHash {
+  size_t operator()(const RouteKey& k) const {
+    return static_cast<size_t>(mix64(reinterpret_cast<uintptr_t>(k.src) * 31 + reinterpret_cast<uintptr_t>(k.dst)) ^
+                               (static_cast<uint64_t>(k.src_mask) << 33 | static_cast<uint64_t>(k.dst_mask) << 1 |
+                                k.sender));
+  }
+};
+
+Routes receiver_routes(const Layout& src, const Layout& dst, int32_t rank) {
+  Routes r;
+  const int64_t my_pos = dst.mesh().position(rank);
+  r.my_dcls = dst.class_of_position(my_pos);
+  r.my_src_pos = src.mesh().position(rank);
+  if (r.my_src_pos < 0)
+    std::tie(r.outside_index, r.outside_count) =
+        replicas_outside(src, dst, r.my_dcls, dst.replica_of_position(my_pos));
+  return r;
+}
+
+Routes sender_routes(const Layout& src, const Layout& dst, int32_t rank) {
+  Routes r;
+  const int64_t my_pos = src.mesh().position(rank);
+  r.my_cls = src.class_of_position(my_pos);
+  r.my_rep = src.replica_of_position(my_pos);
+  r.to.resize(dst.num_classes());
+  for (int64_t dcls = 0; dcls < dst.num_classes(); ++dcls) {
+    Routes::ToClass& to = r.to[dcls];
+    const int64_t outside_count = replicas_outside(src, dst, dcls, 0).second;
+    // Below this count the name salts the choice (choose_replica): decided per tensor.
+    const bool by_name = outside_count < src.replicas_per_class();
+    int64_t outside_index = 0;
+    for (int64_t j = 0; j < dst.replicas_per_class(); ++j) {
+      const int32_t receiver = dst.class_replica(dcls, j);
+      if (receiver == rank) continue;  // a same-rank copy, planned on the receive side
+      const int64_t src_pos = src.mesh().position(receiver);
+      if (src_pos < 0 && by_name) {
+        to.by_name.push_back(receiver);
+        ++outside_index;
+        continue;
+      }
+      const int64_t pick = choose_replica(src, r.my_cls, src_pos, dcls, outside_index, outside_count, 0);
+      if (src_pos < 0) ++outside_index;
+      if (pick == r.my_rep) to.fixed.push_back(receiver);
+    }
+  }
+  return r;
+}
+
+// The pieces of at most `limit` wire bytes an op of `size` (numel elements of `elem`
+// bytes) is cut into along its outermost dims, in order: fn(offsets, sizes, numel) per
+// piece, offsets relative to the op's origin. `off` and `size` are scratch, restored on
+// return. Both split_op and the dry run of the batch layout (batch_layouts) cut by it.
+template <typename Fn>
+void for_each_split(std::vector<int64_t>& off, std::vector<int64_t>& size, int64_t numel, int64_t limit,
+                    int32_t elem, Fn&& fn) {
+  if (limit <= 0 || numel * elem <= limit) return fn(off, size, numel);
+  const size_t nd = size.size();
+  size_t d = 0;
+  while (d < nd && size[d] == 1) ++d;
+  if (d == nd) return fn(off, size, numel);
+  const int64_t per = numel * elem / size[d];
+  int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
+  // Cuts inside the last dim fall on multiples of 32 elements (soft limit), so MXFP8
+  // blocks stay whole in every box (a fused quantize needs a block in one box).
+  if (d + 1 == nd) step = std::max<int64_t>(kLastDimGrain, step / kLastDimGrain * kLastDimGrain);
+  if (step >= size[d]) return fn(off, size, numel);  // no finer cut allowed (whole MX blocks)
+  const int64_t full = size[d], base = off[d];
+  for (int64_t lo = 0; lo < full; lo += step) {
+    size[d] = std::min(step, full - lo);
+    off[d] = base + lo;
+    for_each_split(off, size, numel / full * size[d], limit, elem, fn);
+  }
+  size[d] = full;
+  off[d] = base;
+}
+
 // Splits an op into pieces of at most `limit` wire bytes along its outermost dims.
 void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<TransferOp>& out) {
   if (limit <= 0 || op.nbytes <= limit) {
     out.push_back(op);
     return;
   }
-  const size_t nd = op.mine.size.size();
-  size_t d = 0;
-  while (d < nd && op.mine.size[d] == 1) ++d;
-  if (d == nd) {
-    out.push_back(op);
-    return;
-  }
-  const int64_t per = op.nbytes / op.mine.size[d];
-  int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
-  // Cuts inside the last dim fall on multiples of 32 elements (soft limit), so MXFP8
-  // blocks stay whole in every box (a fused quantize needs a block in one box).
-  if (d + 1 == nd) step = std::max<int64_t>(kLastDimGrain, step / kLastDimGrain * kLastDimGrain);
-  if (step >= op.mine.size[d]) {  // no finer cut allowed (whole MX blocks): keep it whole
-    out.push_back(op);
-    return;
-  }
-  for (int64_t lo = 0; lo < op.mine.size[d]; lo += step) {
-    const int64_t n = std::min(step, op.mine.size[d] - lo);
-    TransferOp part = op;
-    part.mine.start[d] += lo;
-    part.theirs.start[d] += lo;
-    part.global[d] += lo;
-    part.mine.size[d] = part.theirs.size[d] = n;
-    part.numel = op.numel / op.mine.size[d] * n;
-    part.nbytes = part.numel * elem;
-    split_op(part, limit, elem, out);
-  }
+  std::vector<int64_t> off(op.mine.size.size(), 0), size = op.mine.size;
+  for_each_split(off, size, op.numel, limit, elem,
+                 [&](const std::vector<int64_t>& o, const std::vector<int64_t>& n, int64_t numel) {
+                   TransferOp part = op;
+                   for (size_t d = 0; d < n.size(); ++d) {
+                     part.mine.start[d] += o[d];
+                     part.theirs.start[d] += o[d];
+                     part.global[d] += o[d];
+                     part.mine.size[d] = part.theirs.size[d] = n[d];
+                   }
+                   part.numel = numel;
+                   part.nbytes = numel * elem;
+                   out.push_back(std::move(part));
+                 });
 }
 
 bool op_less(const TransferOp& a, const TransferOp& b) {
@@ -149,6 +250,13 @@ LayoutTable::LayoutTable(std::vector<std::pair<std::string, std::shared_ptr<cons
     hashes_.push_back(fnv1a(name.data(), name.size()));
     names_.push_back(std::move(name));
     layouts_.push_back(std::move(layout));
+  }
+  std::unordered_map<const Mesh*, size_t> group;
+  for (int32_t i = 0; i < size(); ++i) {
+    const Mesh* m = &layouts_[i]->mesh();
+    auto [it, fresh] = group.emplace(m, by_mesh_.size());
+    if (fresh) by_mesh_.push_back({m, {}});
+    by_mesh_[it->second].second.push_back(i);
   }
 }
 
@@ -220,37 +328,52 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
     op.src_name = src_name;
     op.peer = peer;
     op.numel = 1;
-    for (const Segment* s : pick) {
-      op.mine.start.push_back(mine_is_a ? s->a_local : s->b_local);
-      op.theirs.start.push_back(mine_is_a ? s->b_local : s->a_local);
-      op.mine.size.push_back(s->len);
-      op.theirs.size.push_back(s->len);
-      op.global.push_back(s->global);
+    const size_t nd = pick.size();
+    op.mine.start.resize(nd);
+    op.theirs.start.resize(nd);
+    op.mine.size.resize(nd);
+    op.global.resize(nd);
+    for (size_t d = 0; d < nd; ++d) {
+      const Segment* s = pick[d];
+      op.mine.start[d] = mine_is_a ? s->a_local : s->b_local;
+      op.theirs.start[d] = mine_is_a ? s->b_local : s->a_local;
+      op.mine.size[d] = s->len;
+      op.global[d] = s->global;
       op.numel *= s->len;
     }
+    op.theirs.size = op.mine.size;
     op.wire_dtype = wire;
     op.dst_dtype = dst.layout(dst_name).dtype();
     op.nbytes = op.numel * rx_dtype_size(wire);
     return op;
   };
 
+  std::unordered_map<RouteKey, Routes, RouteKeyHash> route_cache;
+  auto routes = [&](const Layout& sl, const Layout& dl, bool sender) -> const Routes& {
+    const RouteKey key{&sl.mesh(), &dl.mesh(), sl.shard_mask(), dl.shard_mask(), sender};
+    auto it = route_cache.find(key);
+    if (it == route_cache.end())
+      it = route_cache.emplace(key, sender ? sender_routes(sl, dl, rank) : receiver_routes(sl, dl, rank)).first;
+    return it->second;
+  };
+
+  std::vector<const Segment*> pick_scratch;
+  auto for_held = [rank](const LayoutTable& t, auto&& fn) {
+    for (const auto& [mesh, indices] : t.by_mesh())
+      if (mesh->position(rank) >= 0)
+        for (int32_t i : indices)
+          if (t.layout(i).numel() > 0) fn(i);
+  };
+
   // As receiver: my dst piece of each tensor against every src class.
   Piece mine;
-  for (int32_t di = 0; di < dst.size(); ++di) {
+  for_held(dst, [&](int32_t di) {
     const Layout& dl = dst.layout(di);
-    const int64_t my_pos = dl.mesh().position(rank);
-    if (my_pos < 0 || dl.numel() == 0) continue;
     const int32_t si = src.find(dst.name(di));
     RX_HOST_ASSERT(si >= 0, "unchecked table");
     const Layout& sl = src.layout(si);
-    const int64_t my_dcls = dl.class_of_position(my_pos);
-    // Only a receiver outside the src mesh needs its index among such replicas.
-    const int64_t my_src_pos = sl.mesh().position(rank);
-    int64_t outside_index = 0, outside_count = 0;
-    if (my_src_pos < 0) {
-      std::tie(outside_index, outside_count) = replicas_outside(sl, dl, my_dcls, dl.replica_of_position(my_pos));
-    }
-    mine = dl.class_piece(my_dcls);
+    const Routes& rt = routes(sl, dl, false);
+    mine = dl.class_piece(rt.my_dcls);
     const int32_t wire = wire_dtype_for(sl.dtype(), dl.dtype());
     std::vector<std::vector<Segment>> segs(dl.ndim());
     for (int64_t cls = 0; cls < sl.num_classes(); ++cls) {
@@ -261,27 +384,29 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
         empty = segs[d].empty();
       }
       if (empty) continue;
-      const int64_t j = choose_replica(sl, cls, my_src_pos, my_dcls, outside_index, outside_count, dst.name_hash(di));
+      const int64_t j = choose_replica(sl, cls, rt.my_src_pos, rt.my_dcls, rt.outside_index, rt.outside_count,
+                                       dst.name_hash(di));
       const int32_t peer = j < 0 ? rank : sl.class_replica(cls, j);
-      for_each_box(segs, [&](const std::vector<const Segment*>& pick) {
+      for_each_box(segs, pick_scratch, [&](const std::vector<const Segment*>& pick) {
         (peer == rank ? plan.copies : raw_recvs).push_back(make_op(di, si, peer, pick, false, wire));
       });
     }
-  }
+  });
 
   // As sender: for each tensor I hold, the dst pieces that choose me.
-  for (int32_t si = 0; si < src.size(); ++si) {
+  for_held(src, [&](int32_t si) {
     const Layout& sl = src.layout(si);
-    const int64_t my_pos = sl.mesh().position(rank);
-    if (my_pos < 0 || sl.numel() == 0) continue;
     const int32_t di = dst.find(src.name(si));
-    if (di < 0) continue;  // extra src names are ignored
+    if (di < 0) return;  // extra src names are ignored
     const Layout& dl = dst.layout(di);
-    const int64_t my_cls = sl.class_of_position(my_pos);
-    const Piece held = sl.class_piece(my_cls);
+    const Routes& rt = routes(sl, dl, true);
+    const Piece held = sl.class_piece(rt.my_cls);
     const int32_t wire = wire_dtype_for(sl.dtype(), dl.dtype());
+    const uint64_t name_hash = dst.name_hash(di);
     std::vector<std::vector<Segment>> segs(sl.ndim());
     for (int64_t dcls = 0; dcls < dl.num_classes(); ++dcls) {
+      const Routes::ToClass& to = rt.to[dcls];
+      if (to.fixed.empty() && to.by_name.empty()) continue;
       const Piece want = dl.class_piece(dcls);
       bool empty = false;
       for (int d = 0; d < sl.ndim() && !empty; ++d) {
@@ -289,25 +414,26 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
         empty = segs[d].empty();
       }
       if (empty) continue;
-      int64_t outside_index = 0, outside_count = -1;  // counted once, when first needed
-      for (int64_t j = 0; j < dl.replicas_per_class(); ++j) {
-        const int32_t receiver = dl.class_replica(dcls, j);
-        if (receiver == rank) continue;  // a same-rank copy, planned on the receive side
-        const int64_t src_pos = sl.mesh().position(receiver);
-        if (src_pos < 0 && outside_count < 0) outside_count = replicas_outside(sl, dl, dcls, 0).second;
-        const int64_t pick = choose_replica(sl, my_cls, src_pos, dcls, outside_index, outside_count, dst.name_hash(di));
-        if (src_pos < 0) ++outside_index;
-        if (pick < 0 || sl.class_replica(my_cls, pick) != rank) continue;
-        for_each_box(segs, [&](const std::vector<const Segment*>& p) {
+      auto send_to = [&](int32_t receiver) {
+        for_each_box(segs, pick_scratch, [&](const std::vector<const Segment*>& p) {
           raw_sends.push_back(make_op(di, si, receiver, p, true, wire));
         });
-      }
+      };
+      for (int32_t receiver : to.fixed) send_to(receiver);
+      const int64_t n = static_cast<int64_t>(to.by_name.size());
+      for (int64_t i = 0; i < n; ++i)
+        if (choose_replica(sl, rt.my_cls, -1, dcls, i, n, name_hash) == rt.my_rep) send_to(to.by_name[i]);
     }
-  }
+  });
 
   auto finish = [&](std::vector<TransferOp>& raw, std::vector<TransferOp>& out) {
     out.reserve(raw.size());
-    for (const TransferOp& op : raw) split_op(op, max_batch_bytes, rx_dtype_size(op.wire_dtype), out);
+    for (TransferOp& op : raw) {
+      if (max_batch_bytes <= 0 || op.nbytes <= max_batch_bytes)
+        out.push_back(std::move(op));
+      else
+        split_op(op, max_batch_bytes, rx_dtype_size(op.wire_dtype), out);
+    }
     std::sort(out.begin(), out.end(), op_less);
   };
   finish(raw_sends, plan.sends);
@@ -333,6 +459,12 @@ int64_t RankPlan::direct_recv_total() const { return total_bytes(direct_recvs); 
 
 int32_t batch_at(int64_t at, int64_t total, int32_t k, bool taper) {
   if (total <= 0) return 0;
+  // 64-bit arithmetic while it cannot overflow (any real refit): the 128-bit division
+  // was most of the cost of laying out 100,000 ops
+  if (at < (int64_t{1} << 40) && total < (int64_t{1} << 40) && k < (1 << 20)) {
+    const int64_t b = taper && k >= 3 ? (at * 2 * (k - 1) + total) / (2 * total) : at * k / total;
+    return static_cast<int32_t>(std::min<int64_t>(k - 1, b));
+  }
   const __int128 b = taper && k >= 3 ? (static_cast<__int128>(at) * 2 * (k - 1) + total) / (2 * static_cast<__int128>(total))
                                      : static_cast<__int128>(at) * k / total;
   return static_cast<int32_t>(std::min<__int128>(k - 1, b));
@@ -362,22 +494,59 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
   }
 }
 
-// Cuts a pair's ops bigger than half the share of its smallest batch along their outer
-// dims, so no batch of the pair carries much more than its share: a batch's transfer
-// lasts as long as its busiest pair, and one unsplit op of a few hundred MB (a vocab
-// shard) made one batch of a 4-GPU refit take 6 ms where the others took 1.6. Both ends
-// of a pair hold the same op list and cut it the same way.
+// The cut of a pair's ops for k batches: pieces of at most half the share of the
+// pair's smallest batch (0: no cut), so no batch of the pair carries much more than its
+// share: a batch's transfer lasts as long as its busiest pair, and one unsplit op of a
+// few hundred MB (a vocab shard) made one batch of a 4-GPU refit take 6 ms where the
+// others took 1.6. Both ends of a pair hold the same op list and cut it the same way.
+int64_t pair_limit(int64_t total, int32_t k, bool taper) {
+  if (k <= 1) return 0;
+  const int64_t parts = taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k);
+  return std::max<int64_t>(1, (total + parts - 1) / parts);
+}
+
 void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper) {
   if (k <= 1) return;
-  const int64_t parts = taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k);
   std::vector<TransferOp> out;
   out.reserve(ops.size());
   for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
-    const int64_t limit = std::max<int64_t>(1, (total + parts - 1) / parts);
+    const int64_t limit = pair_limit(total, k, taper);
     for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
   });
   ops.swap(out);
 }
+
+// Places a pair's ops, in order, into k batches: the batch of each and its offset in the
+// pair's region of that batch's staging buffer.
+class PairPlacer {
+ public:
+  PairPlacer(int64_t total, int32_t k, bool taper) : total_(total), k_(k), taper_(taper), fill_(k, 0) {}
+  std::pair<int32_t, int64_t> place(int64_t nbytes) {
+    const int32_t b = batch_at(running_, total_, k_, taper_);
+    running_ += nbytes;
+    const int64_t offset = align_up(fill_[b], kOpAlign);
+    fill_[b] = offset + nbytes;
+    return {b, offset};
+  }
+  // Appends the pair's region of each batch it uses to the batches' layouts.
+  void add_regions(std::vector<BatchLayout>& batches, int32_t peer, bool is_send) const {
+    for (int32_t b = 0; b < k_; ++b) {
+      if (fill_[b] == 0) continue;
+      BatchLayout& bl = batches[b];
+      int64_t& used = is_send ? bl.send_bytes : bl.recv_bytes;
+      const int64_t off = align_up(used, kRegionAlign);
+      (is_send ? bl.sends : bl.recvs).push_back({peer, off, fill_[b]});
+      used = off + fill_[b];
+    }
+  }
+
+ private:
+  int64_t total_;
+  int32_t k_;
+  bool taper_;
+  int64_t running_ = 0;
+  std::vector<int64_t> fill_;
+};
 
 }  // namespace
 
@@ -392,30 +561,18 @@ void RankPlan::assign_batches(int32_t k) {
   auto side = [&](std::vector<TransferOp>& ops, bool is_send) {
     for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
       const int32_t peer = ops[i].peer;
-      std::vector<int64_t> fill(k, 0);
-      int64_t running = 0;
+      PairPlacer placer(total, k, taper);
       uint64_t h = 1469598103934665603ull;
       for (size_t o = i; o < end; ++o) {
         TransferOp& op = ops[o];
-        op.batch = batch_at(running, total, k, taper);
-        running += op.nbytes;
-        op.offset = align_up(fill[op.batch], kOpAlign);
-        fill[op.batch] = op.offset + op.nbytes;
+        std::tie(op.batch, op.offset) = placer.place(op.nbytes);
         const int64_t key[5] = {static_cast<int64_t>(op.name_hash), op.batch, op.offset, op.nbytes,
                                 op.wire_dtype};
         h = fnv1a(key, sizeof(key), h);
         h = fnv1a(op.global.data(), op.global.size() * sizeof(int64_t), h);
         h = fnv1a(op.mine.size.data(), op.mine.size.size() * sizeof(int64_t), h);
       }
-      for (int32_t b = 0; b < k; ++b) {
-        if (fill[b] == 0) continue;
-        BatchLayout& bl = batches[b];
-        auto& regions = is_send ? bl.sends : bl.recvs;
-        int64_t& used = is_send ? bl.send_bytes : bl.recv_bytes;
-        const int64_t off = align_up(used, kRegionAlign);
-        regions.push_back({peer, off, fill[b]});
-        used = off + fill[b];
-      }
+      placer.add_regions(batches, peer, is_send);
       PairDigest d{is_send ? rank : peer, is_send ? peer : rank, static_cast<int64_t>(end - i), total, h};
       const uint64_t folded = mix64(h ^ mix64(static_cast<uint64_t>(d.count) * 31 + static_cast<uint64_t>(d.bytes)) ^
                                     mix64((static_cast<uint64_t>(d.from) << 32) | static_cast<uint32_t>(d.to)));
@@ -425,6 +582,56 @@ void RankPlan::assign_batches(int32_t k) {
   };
   side(sends, true);
   side(recvs, false);
+}
+
+std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
+  RX_HOST_ASSERT(k >= 1, "need at least one batch");
+  std::vector<BatchLayout> out(k);
+  std::vector<int64_t> off, size;
+  auto side = [&](const std::vector<TransferOp>& ops, bool is_send) {
+    for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
+      PairPlacer placer(total, k, taper);
+      const int64_t limit = pair_limit(total, k, taper);
+      for (size_t o = i; o < end; ++o) {
+        if (limit <= 0 || ops[o].nbytes <= limit) {
+          placer.place(ops[o].nbytes);
+          continue;
+        }
+        const int32_t elem = rx_dtype_size(ops[o].wire_dtype);
+        size = ops[o].mine.size;
+        off.assign(size.size(), 0);
+        for_each_split(off, size, ops[o].numel, limit, elem,
+                       [&](const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t numel) {
+                         placer.place(numel * elem);
+                       });
+      }
+      placer.add_regions(out, ops[i].peer, is_send);
+    });
+  };
+  side(sends, true);
+  side(recvs, false);
+  return out;
+}
+
+std::vector<FanOut> send_fanout(const RankPlan& plan) {
+  RX_HOST_ASSERT(plan.batches.size() <= 1, "send_fanout needs the plan before its ops are cut into batches");
+  // One entry per distinct box (tensor, origin, size): the receivers it goes to.
+  std::map<std::tuple<int32_t, std::vector<int64_t>, std::vector<int64_t>>, std::pair<std::vector<int32_t>, int64_t>>
+      boxes;
+  for (const TransferOp& op : plan.sends) {
+    auto& [receivers, nbytes] = boxes[{op.dst_name, op.global, op.mine.size}];
+    receivers.push_back(op.peer);
+    nbytes = op.nbytes;
+  }
+  std::map<std::vector<int32_t>, int64_t> by_set;
+  for (auto& [key, value] : boxes) {
+    std::sort(value.first.begin(), value.first.end());
+    by_set[value.first] += value.second;
+  }
+  std::vector<FanOut> out;
+  out.reserve(by_set.size());
+  for (auto& [receivers, nbytes] : by_set) out.push_back({receivers, nbytes});
+  return out;
 }
 
 }  // namespace rx

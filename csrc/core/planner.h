@@ -27,12 +27,16 @@ class LayoutTable {
   const std::shared_ptr<const Layout>& layout_ptr(int32_t i) const { return layouts_[i]; }
   uint64_t name_hash(int32_t i) const { return hashes_[i]; }
   int32_t find(const std::string& name) const;
+  // Tensor indices grouped by mesh object: a rank finds the tensors it holds with one
+  // look-up per mesh instead of one per tensor (a model's tensors share few meshes).
+  const std::vector<std::pair<const Mesh*, std::vector<int32_t>>>& by_mesh() const { return by_mesh_; }
 
  private:
   std::vector<std::string> names_;
   std::vector<std::shared_ptr<const Layout>> layouts_;
   std::vector<uint64_t> hashes_;
   std::unordered_map<std::string, int32_t> index_;
+  std::vector<std::pair<const Mesh*, std::vector<int32_t>>> by_mesh_;
 };
 
 uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull);
@@ -107,12 +111,27 @@ class RankPlan {
   // Splits every pair's ops into k batches (k is agreed globally: the max wanted),
   // assigns offsets, regions and digests.
   void assign_batches(int32_t k);
+  // The batch layouts assign_batches(k) would produce (staging bytes and regions per
+  // batch), without cutting the ops: for sizing staging before k is agreed.
+  std::vector<BatchLayout> batch_layouts(int32_t k) const;
   int64_t send_total() const;
   int64_t recv_total() const;
   int64_t copy_total() const;  // bytes of same-rank copies
   int64_t direct_send_total() const;  // bytes of direct_sends / direct_recvs
   int64_t direct_recv_total() const;
 };
+
+// A set of receivers that get the same boxes from one sender, and the bytes of those
+// boxes counted once.
+struct FanOut {
+  std::vector<int32_t> receivers;  // sorted
+  int64_t bytes;
+};
+
+// This rank's sends grouped by the boxes they carry (tensor, origin, size): what a relay
+// schedule would forward among receivers instead of sending each its own copy. Only
+// before assign_batches(k > 1), which cuts a pair's ops by the pair's own total.
+std::vector<FanOut> send_fanout(const RankPlan& plan);
 
 RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes);
 

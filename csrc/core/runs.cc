@@ -49,6 +49,12 @@ Runs select_local(const Runs& runs, const std::vector<std::pair<int64_t, int64_t
 }
 
 std::vector<Segment> intersect(const Runs& a, const Runs& b) {
+  if (a.size() == 1 && b.size() == 1) {  // the common case: one run each
+    const int64_t lo = std::max(a[0].start, b[0].start);
+    const int64_t hi = std::min(a[0].start + a[0].len, b[0].start + b[0].len);
+    if (lo >= hi) return {};
+    return {Segment{lo, hi - lo, lo - a[0].start, lo - b[0].start}};
+  }
   // (global start, len, local start) sorted by global start.
   struct Item { int64_t g, len, local; };
   auto sorted = [](const Runs& runs) {

@@ -180,6 +180,29 @@ void register_core(py::module_& m) {
       .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
       .def("direct_sends", [](const RankPlan& p) { return ops_to_py(p.direct_sends); })
       .def("direct_recvs", [](const RankPlan& p) { return ops_to_py(p.direct_recvs); })
+      .def("batch_bytes", [](const RankPlan& p, int32_t k) {
+        py::list l;
+        for (const auto& b : p.batch_layouts(k)) l.append(py::make_tuple(b.send_bytes, b.recv_bytes));
+        return l;
+      }, py::arg("k"), "(send, recv) staging bytes of each batch that assign_batches(k) would give, without cutting ops")
+      .def("fanout", [](const RankPlan& p) {
+        std::vector<int64_t> sizes, bytes;
+        std::vector<int32_t> receivers;
+        for (const auto& f : send_fanout(p)) {
+          sizes.push_back(static_cast<int64_t>(f.receivers.size()));
+          bytes.push_back(f.bytes);
+          receivers.insert(receivers.end(), f.receivers.begin(), f.receivers.end());
+        }
+        return py::make_tuple(sizes, bytes, receivers);
+      }, "(sizes, bytes, receivers): sends grouped by the boxes they carry (rx::send_fanout), group i going to "
+         "the next sizes[i] ranks of receivers, bytes[i] to each")
+      .def("send_pairs", [](const RankPlan& p) {
+        std::vector<int32_t> peers;
+        std::vector<int64_t> bytes;
+        for (const auto& d : p.digests)
+          if (d.from == p.rank) peers.push_back(d.to), bytes.push_back(d.bytes);
+        return py::make_tuple(peers, bytes);
+      }, "(peers, bytes): what this rank sends to each other rank")
       .def("digests", [](const RankPlan& p) {
         py::list l;
         for (const auto& d : p.digests) l.append(py::make_tuple(d.from, d.to, d.count, d.bytes, d.hash));
