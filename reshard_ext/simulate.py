@@ -36,7 +36,7 @@ import torch
 from . import _C
 from .errors import ReshardError
 from .model_config import PRESETS, describe_parallel, load_model, make_parallel, parse_spec
-from .planning import BATCH_TAPER
+from .options import Options
 from .synthetic import ModelShape, Parallel, model_layouts
 
 GB = 1e9
@@ -166,7 +166,7 @@ def plan_all_ranks(
 
     def plan(rank: int) -> Any:
         p = _C.plan_rank(src_table, dst_table, rank, max_batch_bytes)
-        p.taper = BATCH_TAPER
+        p.taper = Options().resolved_batch_taper()
         return p
 
     k = 1
