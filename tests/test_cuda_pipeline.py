@@ -4,12 +4,14 @@ and then the copy slice of k under transfer k, unpack k only after transfer k) a
 timeline are tested without a GPU."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 import torch
 
 from reshard_ext.transports import cuda as cuda_transport
+from reshard_ext.transports.channel import Session
 
 LOG: list[str] = []
 
@@ -60,6 +62,7 @@ class FakeTable:
 
 class FakeComm:
     timeout = 1.0
+    usable = True
 
     def exchange(self, sends: Any, recvs: Any, stream: str, flags: int) -> None:
         LOG.append(f"{stream}: exchange {sends}")
@@ -79,13 +82,20 @@ def _transport(monkeypatch: pytest.MonkeyPatch, batches: int, copies: int) -> cu
     t._unpack = [FakeTable(f"unpack {b}") for b in range(batches)]
     t._copy = [FakeTable(f"copy {c}") for c in range(copies)]
     t._messages = [(f"s{b}", f"r{b}") for b in range(batches)]
+    t.peers = [1]
+    # Every peer agrees (the header exchange runs the first pack while headers travel).
+    t._agree = lambda tables, session, pack0: (pack0(), ({1}, True))[1]
     LOG.clear()
     FakeEvent.count = 0
     return t
 
 
+def _session() -> Session:
+    return Session(plan_id=1, seq=1, version=None, status=0, deadline=1e18, timeout=1.0, abort=threading.Event())
+
+
 def test_pipeline_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    _transport(monkeypatch, batches=3, copies=3).run(None)
+    _transport(monkeypatch, batches=3, copies=3).run(None, _session())
     assert LOG == [
         "main: pack 0", "side: wait main", "side: exchange s0", "side: record e1",
         "main: pack 1", "side: wait main", "side: exchange s1", "side: record e2",  # posted before waiting for 0
@@ -99,22 +109,22 @@ def test_pipeline_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_one_copy_table_runs_under_the_first_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    _transport(monkeypatch, batches=2, copies=1).run(None)
+    _transport(monkeypatch, batches=2, copies=1).run(None, _session())
     assert LOG.index("main: pack 1") < LOG.index("main: copy 0") < LOG.index("main: wait e1")
 
 
 def test_plan_without_transfers_only_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     # All-local plans (TP1 -> TP2 collocated): the copies, no pack, no NCCL call, no wait.
     t = _transport(monkeypatch, batches=1, copies=1)
-    t._moves = False
-    t.run(None)
+    t._moves, t.peers = False, []
+    t.run(None, _session())
     assert LOG == ["main: copy 0"]
 
 
 def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda_transport, "TRACE", True)
     t = _transport(monkeypatch, batches=2, copies=2)
-    t.run(None)
+    t.run(None, _session())
     steps = [line.split(":")[0].strip() for line in t.last_timeline.splitlines()[1:]]
     assert steps == ["pack 0", "transfer 0", "pack 1", "transfer 1", "copy 0", "unpack 0", "copy 1", "unpack 1"]
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/planner.h"
@@ -15,6 +16,8 @@ struct TensorRef {
   uint64_t ptr = 0;              // address of element 0
   std::vector<int64_t> strides;  // in elements
   int32_t dtype = -1;
+  std::vector<int64_t> shape;    // the piece's shape (coordinates); empty: not known, no memory checks
+  std::string name;              // for messages
   // MXFP8 fused into the boxes of this piece (rx_box.mode; 0: plain). Every box that
   // touches the piece gets the mode:
   //   RX_BOX_MX_DATA on a dst: ptr/strides/dtype are the E4M3 data buffer, a contiguous
@@ -71,6 +74,12 @@ class ExecTables {
   // message of its own, read from / written to the tensor in place when its box is one
   // contiguous run of the same dtype (no pack or unpack copy); smaller ops of a peer
   // share one message. 0: one message per peer (GPU: packing is cheap, messages are not).
+  // Memory rules (checked first, ReshardError naming the tensors): no dst piece has
+  // elements that share memory (stride 0) or shares memory with another dst piece; a
+  // dst piece may share memory with a src piece only with a single batch, where every
+  // read of the plan happens before its first write (such ops are then never direct
+  // messages) and no same-rank copy writes what another one reads. A copy from a
+  // piece to the very same memory is a no-op and dropped.
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
             const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
             int64_t direct_bytes = 0);

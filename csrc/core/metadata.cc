@@ -37,7 +37,7 @@ class Reader {
   explicit Reader(const std::string& s) : p_(s.data()), end_(s.data() + s.size()) {}
   template <typename T>
   T get() {
-    RX_HOST_ASSERT(p_ + sizeof(T) <= end_, "truncated metadata");
+    RX_HOST_ASSERT(sizeof(T) <= static_cast<size_t>(end_ - p_), "truncated metadata");
     T v;
     std::memcpy(&v, p_, sizeof(T));
     p_ += sizeof(T);
@@ -45,7 +45,7 @@ class Reader {
   }
   std::vector<int64_t> get_i64s() {
     const uint32_t n = get<uint32_t>();
-    RX_HOST_ASSERT(p_ + n * sizeof(int64_t) <= end_, "truncated metadata");
+    RX_HOST_ASSERT(n <= static_cast<size_t>(end_ - p_) / sizeof(int64_t), "truncated metadata");
     std::vector<int64_t> v(n);
     std::memcpy(v.data(), p_, n * sizeof(int64_t));
     p_ += n * sizeof(int64_t);
@@ -53,7 +53,7 @@ class Reader {
   }
   std::string get_str() {
     const uint32_t n = get<uint32_t>();
-    RX_HOST_ASSERT(p_ + n <= end_, "truncated metadata");
+    RX_HOST_ASSERT(n <= static_cast<size_t>(end_ - p_), "truncated metadata");
     std::string s(p_, n);
     p_ += n;
     return s;

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/checked.h"
 #include "kernels/api.h"
 
 namespace rx {
@@ -14,9 +15,7 @@ namespace {
 
 constexpr int64_t kLastDimGrain = RX_BOX_MX_GROUP;
 constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
-constexpr int64_t kRegionAlign = 256;  // every peer region too
 
-int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ull;
@@ -114,7 +113,7 @@ void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<Tra
     part.global[d] += lo;
     part.mine.size[d] = part.theirs.size[d] = n;
     part.numel = op.numel / op.mine.size[d] * n;
-    part.nbytes = part.numel * elem;
+    part.nbytes = checked_mul(part.numel, elem, "bytes of a box");
     split_op(part, limit, elem, out);
   }
 }
@@ -223,10 +222,10 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       op.mine.size.push_back(s->len);
       op.theirs.size.push_back(s->len);
       op.global.push_back(s->global);
-      op.numel *= s->len;
+      op.numel = checked_mul(op.numel, s->len, "elements of a box");
     }
     op.wire_dtype = wire;
-    op.nbytes = op.numel * rx_dtype_size(wire);
+    op.nbytes = checked_mul(op.numel, rx_dtype_size(wire), "bytes of a box");
     return op;
   };
 
@@ -316,7 +315,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
 namespace {
 int64_t total_bytes(const std::vector<TransferOp>& ops) {
   int64_t n = 0;
-  for (const auto& op : ops) n += op.nbytes;
+  for (const auto& op : ops) n = checked_add(n, op.nbytes, "bytes of a rank's ops");
   return n;
 }
 }  // namespace
@@ -335,9 +334,58 @@ int32_t batch_at(int64_t at, int64_t total, int32_t k, bool taper) {
 int32_t RankPlan::wanted_batches() const {
   if (max_batch_bytes <= 0) return 1;
   const int64_t most = std::max(send_total(), recv_total());
-  const int64_t k = std::max<int64_t>(1, (most + max_batch_bytes - 1) / max_batch_bytes);
+  const int64_t k = std::max<int64_t>(1, most / max_batch_bytes + (most % max_batch_bytes != 0));
+  RX_USER_CHECK(k < kMaxBatches, "max_batch_bytes=", max_batch_bytes, " would cut the ", most,
+                " bytes of rank ", rank, " into more than ", kMaxBatches, " batches");
   // Tapered, k + 1 batches hold k full ones: two half batches at the ends.
   return static_cast<int32_t>(taper && k >= 2 ? k + 1 : k);
+}
+
+int64_t RankPlan::staging_bytes(int32_t buffers) const {
+  int64_t send = 0, recv = 0;
+  for (const BatchLayout& b : batches) {
+    send = std::max(send, b.send_bytes);
+    recv = std::max(recv, b.recv_bytes);
+  }
+  return checked_mul(batches.size() > 1 ? buffers : 1, checked_add(send, recv, "staging bytes"), "staging bytes");
+}
+
+namespace {
+int64_t staging_with(const RankPlan& plan, int64_t k, int32_t buffers) {
+  RankPlan trial = plan;
+  trial.assign_batches(static_cast<int32_t>(k));
+  return trial.staging_bytes(buffers);
+}
+bool fits_with(const RankPlan& plan, int64_t k, int64_t limit, int32_t buffers) {
+  return staging_with(plan, k, buffers) <= limit;
+}
+}  // namespace
+
+uint64_t RankPlan::fitting_counts(int64_t limit, int32_t buffers, int32_t first) const {
+  RX_USER_CHECK(limit > 0 && buffers >= 1 && first >= 1, "fitting_counts: bad arguments");
+  uint64_t mask = 0;
+  for (int i = 0; i < 64 && first + i <= kMaxBatches; ++i)
+    if (fits_with(*this, first + i, limit, buffers)) mask |= uint64_t{1} << i;
+  return mask;
+}
+
+int32_t RankPlan::batches_within(int64_t limit, int32_t buffers) const {
+  RX_USER_CHECK(limit > 0 && buffers >= 1, "batches_within: limit ", limit, " and buffers ", buffers, " must be positive");
+  if (fits_with(*this, 1, limit, buffers)) return 1;
+  // Start from the ideal count (every batch exactly its share) and grow by a quarter:
+  // ops cut at batch boundaries and alignment make a batch up to about 1.5 shares. Stop
+  // once more batches stop helping: ops cannot be cut below a row (or a 32-element
+  // block), and every pair's first op lands in the first batch.
+  const int64_t total = checked_add(send_total(), recv_total(), "bytes of a rank");
+  int64_t k = std::max<int64_t>(2, checked_mul(total / limit + 1, buffers, "batches"));
+  int64_t best = INT64_MAX;
+  for (int stale = 0; stale < 6 && k <= kMaxBatches; k += std::max<int64_t>(1, k / 4)) {
+    const int64_t staging = staging_with(*this, k, buffers);
+    if (staging <= limit) return static_cast<int32_t>(k);
+    stale = staging < best ? 0 : stale + 1;
+    best = std::min(best, staging);
+  }
+  return 0;
 }
 
 namespace {
@@ -350,7 +398,8 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
   while (i < ops.size()) {
     size_t end = i;
     int64_t total = 0;
-    while (end < ops.size() && ops[end].peer == ops[i].peer) total += ops[end++].nbytes;
+    while (end < ops.size() && ops[end].peer == ops[i].peer)
+      total = checked_add(total, ops[end++].nbytes, "bytes exchanged with one peer");
     fn(i, end, total);
     i = end;
   }
@@ -361,13 +410,13 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
 // lasts as long as its busiest pair, and one unsplit op of a few hundred MB (a vocab
 // shard) made one batch of a 4-GPU refit take 6 ms where the others took 1.6. Both ends
 // of a pair hold the same op list and cut it the same way.
-void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper) {
+void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper, int32_t fineness) {
   if (k <= 1) return;
-  const int64_t parts = taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k);
+  const int64_t parts = fineness * (taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k));
   std::vector<TransferOp> out;
   out.reserve(ops.size());
   for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
-    const int64_t limit = std::max<int64_t>(1, (total + parts - 1) / parts);
+    const int64_t limit = std::max<int64_t>(1, total / parts + (total % parts != 0));
     for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
   });
   ops.swap(out);
@@ -377,11 +426,12 @@ void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper) {
 
 void RankPlan::assign_batches(int32_t k) {
   RX_HOST_ASSERT(k >= 1, "need at least one batch");
+  RX_HOST_ASSERT(region_align >= kOpAlign && region_align % kOpAlign == 0, "bad region alignment ", region_align);
   batches.assign(k, BatchLayout{});
   digests.clear();
   send_digest = recv_digest = 0;
-  resplit_pairs(sends, k, taper);
-  resplit_pairs(recvs, k, taper);
+  resplit_pairs(sends, k, taper, fineness);
+  resplit_pairs(recvs, k, taper, fineness);
 
   auto side = [&](std::vector<TransferOp>& ops, bool is_send) {
     for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
@@ -392,9 +442,9 @@ void RankPlan::assign_batches(int32_t k) {
       for (size_t o = i; o < end; ++o) {
         TransferOp& op = ops[o];
         op.batch = batch_at(running, total, k, taper);
-        running += op.nbytes;
-        op.offset = align_up(fill[op.batch], kOpAlign);
-        fill[op.batch] = op.offset + op.nbytes;
+        running += op.nbytes;  // <= total, which did not overflow
+        op.offset = checked_align_up(fill[op.batch], kOpAlign, "staging offset");
+        fill[op.batch] = checked_add(op.offset, op.nbytes, "staging bytes of a peer");
         const int64_t key[5] = {static_cast<int64_t>(op.name_hash), op.batch, op.offset, op.nbytes,
                                 op.wire_dtype};
         h = fnv1a(key, sizeof(key), h);
@@ -406,9 +456,9 @@ void RankPlan::assign_batches(int32_t k) {
         BatchLayout& bl = batches[b];
         auto& regions = is_send ? bl.sends : bl.recvs;
         int64_t& used = is_send ? bl.send_bytes : bl.recv_bytes;
-        const int64_t off = align_up(used, kRegionAlign);
+        const int64_t off = checked_align_up(used, region_align, "staging offset");
         regions.push_back({peer, off, fill[b]});
-        used = off + fill[b];
+        used = checked_add(off, fill[b], "staging bytes of a batch");
       }
       PairDigest d{is_send ? rank : peer, is_send ? peer : rank, static_cast<int64_t>(end - i), total, h};
       const uint64_t folded = mix64(h ^ mix64(static_cast<uint64_t>(d.count) * 31 + static_cast<uint64_t>(d.bytes)) ^

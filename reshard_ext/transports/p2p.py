@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,13 @@ def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tenso
         if base <= ptr and ptr + nbytes <= base + buf.numel():
             return buf[ptr - base : ptr - base + nbytes]
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+def message_ops(messages: tuple[list, list], buffers: list[torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
+    """(kind, peer, byte view) of a batch's (peer, ptr, bytes) messages, in posting order."""
+    sends, recvs = messages
+    return [("send", peer, byte_view(ptr, n, buffers)) for peer, ptr, n in sends] + \
+        [("recv", peer, byte_view(ptr, n, buffers)) for peer, ptr, n in recvs]
 
 
 class P2PExchange:
@@ -56,19 +63,20 @@ class P2PExchange:
         return dist.batch_isend_irecv(ops) if ops else []
 
     @staticmethod
-    def finish(reqs: list[Any], ops: list[Any]) -> None:
-        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    def finish(reqs: list[Any], ops: list[Any], timeout_s: Optional[float] = None) -> None:
+        limit = TIMEOUT_S if timeout_s is None else timeout_s
+        timeout = datetime.timedelta(seconds=limit)
         for req in reqs:
             try:
                 req.wait(timeout)
             except RuntimeError as e:
                 peers = sorted({op.peer for op in ops})
                 raise ReshardError(
-                    f"refit transfer with ranks {peers} (global) did not complete within {TIMEOUT_S:g} s "
+                    f"refit transfer with ranks {peers} (global) did not complete within {limit:g} s "
                     f"(RESHARD_EXT_P2P_TIMEOUT): a peer died, skipped rx.execute, or runs another plan. "
                     f"The process group may be unusable now. ({e})"
                 ) from e
 
     @classmethod
-    def run(cls, ops: list[Any]) -> None:
-        cls.finish(cls.start(ops), ops)
+    def run(cls, ops: list[Any], timeout_s: Optional[float] = None) -> None:
+        cls.finish(cls.start(ops), ops, timeout_s)
