@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ def _device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def wait(work: Any, what: str, timeout_s: Optional[float] = None) -> None:
+def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
     """Waits for an async collective; ReshardError after the timeout (default
     RESHARD_EXT_P2P_TIMEOUT) or when the collective fails (a peer died)."""
     limit = p2p.TIMEOUT_S if timeout_s is None else timeout_s

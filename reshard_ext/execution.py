@@ -262,7 +262,7 @@ class Plan:
     def _advance(self, session: Session) -> None:
         """The execute number of this plan, as the peers agreed (headers)."""
         verdict = session.verdict
-        if verdict is None or verdict.agreed:
+        if session.status == 0 and (verdict is None or verdict.agreed):
             self._seq = session.seq
         elif verdict.seqs:  # a peer counted differently: meet at the larger count next time
             self._seq = max(self._seq, max(verdict.seqs.values()) - 1)

@@ -26,8 +26,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ class Session:
 
     plan_id: int
     seq: int
-    version: Optional[int]
+    version: int | None
     status: int  # 0, or 1: this rank failed a local check and moves no data
     deadline: float  # time.monotonic() by which every wait gives up
     timeout: float  # seconds (messages)
@@ -63,7 +64,7 @@ class Session:
     epoch: int = 0  # GPU: the NCCL communicator generation this rank runs
     comm_unusable: bool = False
     error: str = ""  # with status 1: this rank's own problem, raised after telling the peers
-    verdict: Optional["Verdict"] = None  # filled by exchange_headers
+    verdict: Verdict | None = None  # filled by exchange_headers
 
     def header(self, batches: int) -> torch.Tensor:
         h = torch.zeros(8, dtype=torch.int64)
@@ -83,7 +84,7 @@ class _Task:
         self.fn = fn
         self.done = threading.Event()
         self.result: Any = None
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
 
 
 class Channel:
@@ -101,8 +102,8 @@ class Channel:
         self._gen: dict[int, int] = {}  # peer -> generation of our pair (worker thread only)
         self._met: set[tuple[int, int]] = set()  # (peer, generation) whose other end exists
         self._busy = threading.Lock()
-        self.owner: Optional[str] = None  # the thread in an execute, for the refusal message
-        self._jobs: "queue.Queue[_Task]" = queue.Queue()
+        self.owner: str | None = None  # the thread in an execute, for the refusal message
+        self._jobs: queue.Queue[_Task] = queue.Queue()
         threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
 
     # --- one execute at a time -------------------------------------------------------
@@ -272,7 +273,7 @@ class Verdict:
 
 
 def exchange_headers(channel: Channel, peers: list[int], session: Session, batches: int,
-                     before_wait: Optional[Callable[[], None]] = None) -> Verdict:
+                     before_wait: Callable[[], None] | None = None) -> Verdict:
     """Every peer's header against ours; `before_wait` runs while the headers travel
     (the first pack). Pairs are judged one by one, alike at both ends."""
     mine = session.header(batches)
