@@ -67,13 +67,9 @@ class Session:
     verdict: Verdict | None = None  # filled by exchange_headers
 
     def header(self, batches: int) -> torch.Tensor:
-        h = torch.zeros(8, dtype=torch.int64)
-        h[MAGIC], h[PLAN], h[SEQ], h[BATCHES], h[EPOCH], h[STATUS] = _MAGIC, self.plan_id, self.seq, batches, \
-            self.epoch, self.status
-        if self.version is not None:
-            h[VERSION] = self.version
-        h[FLAGS] = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
-        return h
+        flags = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
+        fields = [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch]
+        return torch.tensor(fields, dtype=torch.int64)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -97,7 +93,7 @@ class Channel:
         self.ranks = tuple(dist.get_process_group_ranks(group))
         key = "-".join(map(str, self.ranks)) if len(self.ranks) <= 16 else f"{hash(self.ranks) & 0xFFFFFFFF:x}"
         self._prefix = f"reshard_ext/channel/{self.size}/{key}/"
-        self._store = dist.distributed_c10d._get_default_store()
+        self.store = dist.distributed_c10d._get_default_store()
         self._contexts: dict[int, Any] = {}
         self._gen: dict[int, int] = {}  # peer -> generation of our pair (worker thread only)
         self._met: set[tuple[int, int]] = set()  # (peer, generation) whose other end exists
@@ -164,14 +160,14 @@ class Channel:
             saved = os.environ.get("TORCH_GLOO_LAZY_INIT")
             os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
             try:
-                store = dist.PrefixStore(f"{self._prefix}g{gen}/", self._store)
+                store = dist.PrefixStore(f"{self._prefix}g{gen}/", self.store)
                 ctx = ProcessGroupGloo(store, self.rank, self.size, datetime.timedelta(seconds=TIMEOUT_S))
             finally:
                 if saved is None:
                     del os.environ["TORCH_GLOO_LAZY_INIT"]
                 else:
                     os.environ["TORCH_GLOO_LAZY_INIT"] = saved
-            self._store.set(self._ready_key(gen, self.rank), "1")
+            self.store.set(self._ready_key(gen, self.rank), "1")
             self._contexts[gen] = ctx
         return ctx
 
@@ -186,7 +182,7 @@ class Channel:
         if (peer, gen) in self._met:
             return True
         self._context(gen)
-        if not self._store.check([self._ready_key(gen, peer)]):
+        if not self.store.check([self._ready_key(gen, peer)]):
             return False
         self._met.add((peer, gen))
         return True
@@ -325,6 +321,7 @@ def channel_of(group: Any) -> Channel:
     ranks = tuple(dist.get_process_group_ranks(group))
     with _CHANNELS_LOCK:
         ch = _CHANNELS.get(ranks)
-        if ch is None:
+        # A process group created again (destroy_process_group, init again) has a new store.
+        if ch is None or ch.store is not dist.distributed_c10d._get_default_store():
             ch = _CHANNELS[ranks] = Channel(group)
         return ch
