@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .collectives import all_gather_objects
+from .collectives import all_gather_objects, first_failed_rank  # noqa: F401 - first_failed_rank lived here
 from .errors import ReshardError
 from .layout import Layout
 from .transforms import Piece

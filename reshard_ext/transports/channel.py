@@ -124,6 +124,7 @@ class Channel:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 task.error = e
             task.done.set()
+            self._jobs.task_done()
 
     def submit(self, fn: Callable[[], Any]) -> _Task:
         task = _Task(fn)
@@ -145,7 +146,8 @@ class Channel:
     def drain(self, session: Session) -> None:
         """Waits until the worker has finished everything submitted before (an earlier,
         abandoned execute's messages complete or time out)."""
-        self.wait(self.submit(lambda: None), session, "waiting for an earlier execute's messages to finish")
+        if self._jobs.unfinished_tasks:
+            self.wait(self.submit(lambda: None), session, "waiting for an earlier execute's messages to finish")
 
     # --- messages (worker thread) -------------------------------------------------------
     def _context(self, gen: int) -> Any:
