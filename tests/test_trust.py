@@ -23,15 +23,21 @@ def _g(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _pair_plan(rank: int, world: int, rows: int = 8, seed: int = 0, cols: int = 4):
+def _pair_plan(rank: int, world: int, rows: int = 8, seed: int = 0, cols: int = 4, device: str = "cpu"):
     """A plan in which every rank sends to and receives from every other one (rows to columns)."""
     shape = (rows * world, cols * world)
     src_l = Layout(shape, F32, Mesh(list(range(world))), [Shard(0)])
     dst_l = Layout(shape, F32, Mesh(list(range(world))), [Shard(1)])
     g = _g(shape, seed)
-    dst = torch.zeros(dst_l.local_shape(rank))
-    p = rx.plan({"w": (src_l.local_part(g, rank), src_l)}, {"w": (dst, dst_l)})
+    dst = torch.zeros(dst_l.local_shape(rank), device=device)
+    p = rx.plan({"w": (src_l.local_part(g, rank).to(device), src_l)}, {"w": (dst, dst_l)})
     return p, dst, dst_l.local_part(g, rank)
+
+
+def _same(out: torch.Tensor, want: torch.Tensor) -> bool:
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return bits_equal(out.cpu(), want)
 
 
 def _usable(world: int) -> bool:
@@ -200,8 +206,8 @@ def test_rebind_to_unusable_tensors_raises_and_keeps_the_plan():
 
 # --- timeouts, abort, dead and stalled peers ------------------------------------------------
 
-def _timeout_per_call(rank: int, world: int):
-    p, out, want = _pair_plan(rank, world)
+def _timeout_per_call(rank: int, world: int, device: str = "cpu"):
+    p, out, want = _pair_plan(rank, world, device=device)
     if rank == 0:
         t0 = time.monotonic()
         error = _try(rx.execute, p, timeout=1.5)
@@ -210,7 +216,7 @@ def _timeout_per_call(rank: int, world: int):
         time.sleep(3)  # skips that execute
         error, elapsed = None, 0.0
     rx.execute(p, version=2)
-    return error, elapsed, p.version, bits_equal(out, want)
+    return error, elapsed, p.version, _same(out, want)
 
 
 def test_execute_timeout_overrides_the_default():

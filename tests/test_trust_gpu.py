@@ -92,23 +92,12 @@ def test_abort_during_nccl_transfers_and_rebuild_2gpu():
         assert version is None and last == 8 and ok
 
 
-def _skip_with_timeout(rank: int, world: int):
-    p, out, want = _plan(rank, world)
-    if rank == 0:
-        t0 = time.monotonic()
-        error = _try(rx.execute, p, timeout=1.5)
-        elapsed = time.monotonic() - t0
-    else:
-        time.sleep(3)
-        error, elapsed = None, 0.0
-    rx.execute(p)
-    return error, elapsed, _ok(out, want)
-
-
 def test_timeout_per_call_2gpu():
-    results = run_ranks(2, _skip_with_timeout, backend="nccl")
+    from test_trust import _timeout_per_call
+
+    results = run_ranks(2, _timeout_per_call, "cuda", backend="nccl")
     assert "no header within 1.5 s" in results[0][0] and results[0][1] < 10
-    assert all(ok for *_, ok in results)
+    assert all(version == 2 and ok for *_, version, ok in results)
 
 
 def _replaced(rank: int, world: int):
