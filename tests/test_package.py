@@ -190,3 +190,16 @@ def test_license_ships_with_the_distribution() -> None:
     licenses = [f for f in dist.files or [] if Path(str(f)).name == "LICENSE"]
     assert licenses, dist.files
     assert "Apache License" in Path(str(dist.locate_file(licenses[0]))).read_text()
+
+
+def test_isolated_install_builds_nccl_where_nvcc_exists() -> None:
+    # The README's `pip install .` (build isolation on) must build the NCCL transport
+    # wherever nvcc is found: the build backend brings nccl.h (tools/build_backend.py).
+    if "site-packages" not in PKG.parts:
+        pytest.skip("running from a source-tree build")
+    if shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"):
+        pytest.skip("no nvcc on this machine")
+    if any(os.environ.get(k, "").upper() == "OFF" for k in ("RESHARD_EXT_CUDA", "RESHARD_EXT_NCCL")):
+        pytest.skip("CUDA or NCCL turned off for this install")
+    info = rx.build_info()
+    assert info["cuda"] and info["nccl"], info
