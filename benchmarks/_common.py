@@ -27,21 +27,37 @@ def cuda_time(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
     return statistics.median(out)
 
 
+def peer_bytes(plan: Any) -> dict[tuple[str, int], int]:
+    """{("send" | "recv", peer): bytes} this rank's plan moves to and from each peer, on the
+    wire of a staged transport (whichever transport the plan uses)."""
+    rank_plan = plan._agreement.rank_plan
+    out: dict[tuple[str, int], int] = {}
+    for kind, ops in (("send", rank_plan.sends()), ("recv", rank_plan.recvs())):
+        for op in ops:
+            out[(kind, op[1])] = out.get((kind, op[1]), 0) + op[6]
+    return out
+
+
+def _comm_of(plan: Any) -> Any:
+    tr = plan.transport
+    comm = getattr(tr, "comm", None) or getattr(getattr(tr, "inner", None), "comm", None)
+    if comm is None and plan.backend == "direct":  # a plan of direct pairs only has none of its own
+        from reshard_ext import _nccl
+
+        comm = _nccl.communicator(plan.group) if _nccl.available() else None
+    return comm
+
+
 def nccl_ceiling(plan: Any, iters: int, register: bool = False) -> float:
     """Seconds for one NCCL send and one receive per peer of exactly the bytes `plan`
     moves between the same peers (no pack, no unpack, one group): the link's ceiling.
     register: between buffers registered with ncclCommRegister (torch's memory needs
     NCCL_LEGACY_CUDA_REGISTER=1). 0 when the plan moves nothing or has no NCCL
     communicator."""
-    tr = plan.transport
-    comm = getattr(tr, "comm", None)
+    comm = _comm_of(plan)
     if comm is None or not (plan.bytes_sent or plan.bytes_received):
         return 0.0
-    per_peer: dict[tuple[str, int], int] = {}
-    for b in range(plan.num_batches):
-        for kind, msgs in zip(("send", "recv"), tr.transfers(b)):
-            for peer, _, n in msgs:
-                per_peer[(kind, peer)] = per_peer.get((kind, peer), 0) + n
+    per_peer = peer_bytes(plan)
     scratch = {k: torch.empty(n, dtype=torch.uint8, device="cuda") for k, n in per_peer.items()}
     sends = [(p, t.data_ptr(), t.numel()) for (k, p), t in scratch.items() if k == "send"]
     recvs = [(p, t.data_ptr(), t.numel()) for (k, p), t in scratch.items() if k == "recv"]
@@ -60,3 +76,34 @@ def d2d_time(nbytes: int, iters: int) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     return cuda_time(lambda: b.copy_(a), iters)
+
+
+def peer_copy_ceiling(plan: Any, iters: int) -> float:
+    """Seconds for copy-engine peer copies of the bytes `plan` sends to each peer, every
+    rank at once (both ways at once where the refit moves both ways): each process copies
+    from its GPU into a buffer it allocates on the peer's GPU (torch's cross-device copy_,
+    cudaMemcpyPeerAsync), as the direct transport's copy engines do. 0 on every rank when
+    some rank's peer GPU is not visible to it (another host, CUDA_VISIBLE_DEVICES)."""
+    import socket
+
+    world = dist.get_world_size(plan.group)
+    where: list = [None] * world
+    dist.all_gather_object(where, (socket.gethostname(), torch.cuda.current_device()), group=plan.group)
+    sends = {peer: n for (kind, peer), n in peer_bytes(plan).items() if kind == "send" and n > 0}
+    me = where[dist.get_rank(plan.group)]
+    ok = all(where[p][0] == me[0] and where[p][1] < torch.cuda.device_count() for p in sends)
+    votes: list = [None] * world
+    dist.all_gather_object(votes, ok, group=plan.group)
+    if not all(votes):  # every rank times the copies, or none does (cuda_time lines them up)
+        return 0.0
+    bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda"),
+             torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", where[p][1]))) for p, n in sends.items()]
+
+    def copy() -> None:
+        for src, dst in bufs:
+            dst.copy_(src, non_blocking=True)
+
+    try:
+        return cuda_time(copy, iters)
+    finally:
+        del bufs

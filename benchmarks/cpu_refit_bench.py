@@ -4,9 +4,11 @@ collocated: TP2 x DP2 -> TP1 x DP4 and TP2 x DP2 -> TP4.
 
 Reports per warm refit the slowest rank's time (median of --iters) and host memory:
 peak RSS of each process minus its RSS once both models are allocated (the transient
-memory the refit itself costs), summed over processes.
+memory the refit itself costs), summed over processes. --verify adds a column: the same
+refit with rx.execute(plan, verify=True), timed in the same processes (alternating with
+the plain refit), and its cost relative to the plain one.
 
-    python benchmarks/cpu_refit_bench.py [--iters 3] [--max-batch-mb 0]
+    python benchmarks/cpu_refit_bench.py [--iters 3] [--max-batch-mb 0] [--verify]
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, out) -> None:
+def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify: bool, out) -> None:
     import reshard_ext as rx
     from reshard_ext.synthetic import GPT_335M, Parallel, model_layouts
 
@@ -50,14 +52,16 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, out) ->
     t0 = time.perf_counter()
     plan = rx.plan(src, dst, max_batch_bytes=max_batch or None)
     plan_s = time.perf_counter() - t0
-    times = []
+    times: list[float] = []
+    verified: list[float] = []
     for _ in range(iters + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        rx.execute(plan)
-        times.append(time.perf_counter() - t0)
+        for check, into in ((False, times), (True, verified)) if verify else ((False, times),):
+            dist.barrier()
+            t0 = time.perf_counter()
+            rx.execute(plan, verify=check)
+            into.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    row = (rank, plan_s, times[1:], plan.bytes_sent, model_bytes, base_rss, peak)
+    row = (rank, plan_s, times[1:], plan.bytes_sent, model_bytes, base_rss, peak, verified[1:])
     rows = [None] * WORLD
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -65,13 +69,13 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, out) ->
     dist.destroy_process_group()
 
 
-def run(case: str, iters: int, max_batch: int) -> None:
+def run(case: str, iters: int, max_batch: int, verify: bool) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, q)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, verify, q)) for r in range(WORLD)]
     for p in procs:
         p.start()
     rows = q.get(timeout=1800)
@@ -84,6 +88,11 @@ def run(case: str, iters: int, max_batch: int) -> None:
     print(f"{case:9} warm refit {statistics.median(per_iter):7.3f} s (min {min(per_iter):.3f}, max {max(per_iter):.3f})  "
           f"plan {max(r[1] for r in rows):.2f} s  sent {sent / 1e9:.2f} GB  models {models / 1e9:.2f} GB  "
           f"transient {transient / 1e9:.3f} GB  peak RSS sum {sum(r[6] for r in rows) / 1e9:.2f} GB")
+    if verify:
+        checked = [max(r[7][i] for r in rows) for i in range(iters)]
+        plain, ver = statistics.median(per_iter), statistics.median(checked)
+        print(f"{'':9} verify=True {ver:7.3f} s (min {min(checked):.3f}, max {max(checked):.3f})  "
+              f"cost {100 * (ver / plain - 1):+.1f}% (median vs median; min vs min {100 * (min(checked) / min(per_iter) - 1):+.1f}%)")
 
 
 def main() -> None:
@@ -91,9 +100,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--max-batch-mb", type=int, default=0, help="rx.plan max_batch_bytes in MiB (0: unbounded)")
     ap.add_argument("--case", choices=sorted(CASES), action="append")
+    ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True)")
     args = ap.parse_args()
     for case in args.case or list(CASES):
-        run(case, args.iters, args.max_batch_mb << 20)
+        run(case, args.iters, args.max_batch_mb << 20, args.verify)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
 """GPU refit benchmark (torchrun, one process per GPU, NCCL).
 
-Per rank: the bytes that must cross the links, time, GB/s and the ratio to an NCCL
-send/recv of exactly the same byte counts between the same peers (measured in the same
-run, no pack/unpack), the same-rank bytes and their ratio to a device-to-device copy,
-and the same refit done the way Megatron-Core does it (one batch_isend_irecv op per
-slice, slices made contiguous in Python) as a baseline.
+Per rank: the bytes that must cross the links, time, GB/s and the ratio to the link's
+ceiling measured in the same run (the faster of an NCCL send/recv of exactly the same
+byte counts between the same peers, no pack/unpack, and copy-engine peer copies of the
+same bytes, every rank at once), the same-rank bytes and their ratio to a
+device-to-device copy, and the same refit done the way Megatron-Core does it (one
+batch_isend_irecv op per slice, slices made contiguous in Python) as a baseline.
 
-    torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1
+    torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --backend nccl,direct [--verify]
+    torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3   (relay on vs off)
 Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
+--backend takes one backend or a comma list (an A/B in one run, same tensors).
+--verify adds a column: the same refit with rx.execute(plan, verify=True) (digests in
+the kernels, their exchange and the agreement included), timed in the same run, and its
+cost relative to the plain refit.
 """
 from __future__ import annotations
 
@@ -23,9 +29,9 @@ import torch.distributed as dist
 os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1")
 
 import reshard_ext as rx  # noqa: E402
-from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts
+from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts, total_bytes
 
-from _common import cuda_time as _time, d2d_time, nccl_ceiling
+from _common import cuda_time as _time, d2d_time, nccl_ceiling, peer_copy_ceiling
 
 MOE_SMALL = ModelShape(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, vocab=151936,
                        experts=64, moe_ffn=384, first_dense_layers=0)
@@ -71,7 +77,8 @@ def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
     return run
 
 
-def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict, rank: int) -> tuple[int, int, float]:
+def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
+                 rank: int) -> tuple[int, int, float, float]:
     """The same refit with the 2-D linear weights landing as MXFP8 (data, scale) buffers."""
     from reshard_ext.mxfp8 import scale_numel
 
@@ -93,23 +100,80 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict, 
     dist.all_gather_object(every, names)
     converted = sorted({n for part in every for n in part})
     transform = rx.MXFP8(params=converted, scale_layout=args.scale_layout, where=args.mxfp8)
-    plan = rx.plan(src, dst, transform=transform, max_batch_bytes=(args.max_batch_mb << 20) or None)
+    plan = rx.plan(src, dst, transform=transform, max_batch_bytes=(args.max_batch_mb << 20) or None,
+                   backend=args.backend.split(",")[0])
     # BF16 bytes this rank sends of the converted tensors alone (the rest travels as is)
     chosen = set(converted)
     bf16_conv = sum(op.nbytes for op in rx.local_plan(src_l, dst_l, rank).sends
                     if op.peer != rank and op.name in chosen)
-    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters)
+    t_verify = _time(lambda: rx.execute(plan, verify=True), args.iters) if args.verify else 0.0
+    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters), t_verify
+
+
+def _pieces(layouts: dict, rank: int, random: bool = False) -> dict:
+    """{name: (this rank's piece on the GPU, layout)}: random values, or uninitialised."""
+    out = {}
+    for name, layout in layouts.items():
+        if rank in layout.mesh:
+            shape = layout.local_shape(rank)
+            t = torch.randn(shape, device="cuda").to(layout.dtype) if random else torch.empty(
+                shape, device="cuda", dtype=layout.dtype)
+            out[name] = (t, layout)
+    return out
+
+
+RELAY_CASE = "relay-1to3"
+
+
+def _relay_bench(args: argparse.Namespace, rank: int, world: int) -> None:
+    """Rank 0 holds the model (TP1), ranks 1-3 are three TP1 replicas: the same refit with
+    the relay on and off in one run (other ranks idle). Source egress should be about 1x
+    vs 3x the model bytes, and the time about (1 + 2/3) / 3 = 0.56x."""
+    src_l = model_layouts(LLAMA3_8B, Parallel(tp=1))
+    dst_l = model_layouts(LLAMA3_8B, Parallel(tp=1, dp=3, offset=1))
+    src = _pieces(src_l, rank, random=True)
+    dst = {key: _pieces(dst_l, rank) for key in ("on", "off")}
+    batch = (args.max_batch_mb << 20) or None
+    plans = {key: rx.plan(src, dst[key], max_batch_bytes=batch, options=rx.Options(relay=key == "on"))
+             for key in ("on", "off")}
+    times = {key: _time(lambda p=p: rx.execute(p), args.iters) for key, p in plans.items()}
+    phases = getattr(plans["on"], "phases", ())
+    t_phases = [_time(p.execute, args.iters) for p in phases]
+    same = all(torch.equal(a.view(torch.uint8), dst["off"][n][0].view(torch.uint8)) for n, (a, _) in dst["on"].items())
+    row = (rank, plans["on"].bytes_sent, plans["off"].bytes_sent, plans["on"].bytes_received,
+           plans["off"].bytes_received, times["on"], times["off"], t_phases, same, plans["on"].relayed_tensors)
+    rows: list = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank != 0:
+        return
+    model_bytes = total_bytes(src_l)
+    print(f"\n== {RELAY_CASE}: {LLAMA3_8B.layers} layers, {len(src_l)} tensors ({model_bytes / 1e9:.2f} GB), "
+          f"{torch.cuda.get_device_name()} x{world}; {rows[0][-1]} tensors relayed")
+    print(f"{'rank':>4} {'sent GB on':>10} {'sent GB off':>11} {'recv GB on':>10} {'recv GB off':>11} "
+          f"{'relay ms':>9} {'direct ms':>9} {'ratio':>6} {'scatter ms':>10} {'gather ms':>9} {'on == off':>9}")
+    for r, s_on, s_off, r_on, r_off, t_on, t_off, tp, eq, _ in rows:
+        ph = f"{1e3 * tp[0]:10.2f} {1e3 * tp[1]:9.2f}" if tp else f"{'-':>10} {'-':>9}"
+        print(f"{r:4d} {s_on / 1e9:10.2f} {s_off / 1e9:11.2f} {r_on / 1e9:10.2f} {r_off / 1e9:11.2f} "
+              f"{1e3 * t_on:9.2f} {1e3 * t_off:9.2f} {t_on / t_off:6.3f} {ph} {str(eq):>9}")
+    src_on, src_off = rows[0][1], rows[0][2]
+    print(f"source egress: relay {src_on / model_bytes:.3f}x, direct {src_off / model_bytes:.3f}x the model bytes; "
+          f"refit time relay/direct = {rows[0][5] / rows[0][6]:.3f} (ideal (1 + 2/3) / 3 = 0.556); "
+          f"bit for bit on == off on every rank: {all(r[8] for r in rows)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=sorted(CASES), required=True)
+    ap.add_argument("--case", choices=sorted(CASES) + [RELAY_CASE], required=True)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-batch-mb", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--backend", default="auto",
+                    help="rx.plan backend, or a comma list timed one after the other on the same tensors "
+                         "(e.g. nccl,direct); the first one also runs --mxfp8, --trace and --transfers-only")
     ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
+    ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True) (a column)")
     ap.add_argument("--transfers-only", action="store_true",
                     help="also time the plan's batched NCCL transfers alone (no pack/unpack/copy): "
                          "the per-batch cost of the link without the kernels competing for HBM")
@@ -118,6 +182,13 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600),
                             device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.case == RELAY_CASE:
+        if world >= 4:
+            _relay_bench(args, rank, world)
+        elif rank == 0:
+            print(f"{RELAY_CASE}: needs 4 GPUs, have {world}: skipped")
+        dist.destroy_process_group()
+        return
     model, sp, dp_, need = _cases(world)[args.case]
     if world < need:
         if rank == 0:
@@ -125,17 +196,20 @@ def main() -> None:
         return
     src_l = model_layouts(model, sp)
     dst_l = model_layouts(model, dp_)
-    src = {n: (torch.randn(l.local_shape(rank), device="cuda").to(l.dtype), l) for n, l in src_l.items() if rank in l.mesh}
-    dst = {n: (torch.empty(l.local_shape(rank), device="cuda", dtype=l.dtype), l) for n, l in dst_l.items() if rank in l.mesh}
-    plan = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None)
-    t_refit = _time(lambda: rx.execute(plan), args.iters)
+    src, dst = _pieces(src_l, rank, random=True), _pieces(dst_l, rank)
+    backends = args.backend.split(",")
+    plans, t_refits = [], []
+    for b in backends:
+        p = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None, backend=b)
+        plans.append(p)
+        t_refits.append(_time(lambda p=p: rx.execute(p), args.iters))
+    plan, t_refit = plans[0], t_refits[0]
+    t_verify = _time(lambda: rx.execute(plan, verify=True), args.iters) if args.verify else 0.0
     timeline = ""
     if args.trace and hasattr(plan.transport, "last_timeline"):
-        import reshard_ext.transports.cuda as cuda_transport
-
-        cuda_transport.TRACE = True
+        plan.transport.trace = True
         rx.execute(plan)
-        cuda_transport.TRACE = False
+        plan.transport.trace = False
         timeline = plan.transport.last_timeline
 
     if args.transfers_only and getattr(plan.transport, "comm", None) is not None:
@@ -153,47 +227,63 @@ def main() -> None:
     # ceilings, same run: NCCL send/recv of the same per-peer bytes; D2D copy of the local bytes
     t_nccl = nccl_ceiling(plan, args.iters)
     t_nccl_reg = nccl_ceiling(plan, args.iters, register=True)
+    t_ce = peer_copy_ceiling(plan, args.iters)
+    t_link = min(t for t in (t_nccl, t_ce) if t) if (t_nccl or t_ce) else 0.0  # the faster carrier
     local_bytes = sum(t.numel() * t.element_size() for t, _ in dst.values()) - plan.bytes_received
     t_d2d = d2d_time(local_bytes, args.iters)
     t_base = 0.0
     if not args.no_baseline:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
-    row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_nccl, t_d2d, t_base, plan.num_ops,
-           plan.num_batches, t_nccl_reg, mx, timeline)
+    row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_link, t_d2d, t_base, plan.num_ops,
+           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verify, t_refits, [p.routes for p in plans])
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
         print(f"\n== {args.case}: {model.layers} layers, {len(src_l)} tensors, {torch.cuda.get_device_name()} x{world}, "
-              f"batches {plan.num_batches}")
+              f"batches {plan.num_batches}, backend {backends[0]}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
-              f"{'nccl ms':>8} {'vs ceil':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7} "
-              f"{'nccl reg ms':>11} {'vs reg':>6}")
-        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, *_ in rows:
+              f"{'link ms':>8} {'vs ceil':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7} "
+              f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7}" +
+              (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
+        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, _, _, t_n, t_c, tv, *_ in rows:
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
-            ceil = max(tn, td)  # link and copy engines run concurrently: the slower is the floor
+            ceil = max(tn, td)  # link and local copies run concurrently: the slower is the floor
             vs = f"{ceil / t:7.2f}" if ceil else "      -"
             sp_ = f"{tb / t:7.2f}" if tb else "      -"
             vr = f"{max(tnr, td) / t:6.2f}" if tnr else "     -"
+            cost = f" {1e3 * tv:9.2f} {100 * (tv / t - 1):+5.1f}%" if args.verify and t else ""
             print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * t:9.2f} {gbs:9.1f} "
-                  f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_} {1e3 * tnr:11.2f} {vr}")
-        print("vs ceil = max(NCCL send/recv of the same bytes, D2D copy of the local bytes) / refit time "
+                  f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_} {1e3 * tnr:11.2f} {vr} "
+                  f"{1e3 * t_n:8.2f} {1e3 * t_c:7.2f}{cost}")
+        print("link = the faster of NCCL send/recv of the same bytes (nccl) and copy-engine peer copies of them "
+              "(ce), every rank at once; vs ceil = max(link, D2D copy of the local bytes) / refit time "
               "(1.00 = at the ceiling); "
               "speedup = megatron-style time / refit time; nccl reg = the same send/recv between buffers "
               "registered with ncclCommRegister (NCCL's zero-copy intra-node path)")
+        if len(backends) > 1:
+            print(f"\n-- backends on the same tensors (refit ms, vs ceil; pairs of rank 0: "
+                  f"{'; '.join(f'{b}: {p}' for b, p in zip(backends, rows[0][-1]))})")
+            print(f"{'rank':>4} " + " ".join(f"{b + ' ms':>12} {'vs ceil':>7}" for b in backends))
+            for r, _, _, _, _, tn, td, *rest in rows:
+                ceil = max(tn, td)
+                cells = [f"{1e3 * t:12.2f} {(ceil / t if ceil and t else 0):7.2f}" for t in rest[-2]]
+                print(f"{r:4d} " + " ".join(cells))
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
-                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}")
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t), _ in rows:  # noqa: B007
+                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}" +
+                  (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv), _, _, _, _, _, _ in rows:  # noqa: B007
                 other = sent - conv_bf16  # bytes of tensors that travel unconverted
                 conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
                 cratio = f"{conv_wire / conv_bf16:6.3f}" if conv_bf16 else "     -"
+                cost = f" {1e3 * mx_tv:9.2f} {100 * (mx_tv / mx_t - 1):+5.1f}%" if args.verify and mx_t else ""
                 print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
-                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}")
-        for r, *_, timeline in rows:
+                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}{cost}")
+        for r, *_, timeline, _, _, _, _, _ in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")
     dist.destroy_process_group()

@@ -6,9 +6,8 @@ if(NOT RESHARD_EXT_CUDA STREQUAL "OFF")
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    # The runtime CMake links for CUDA sources follows RESHARD_EXT_CUDART (default
-    # shared): some toolkits' libcudart_static.a carry their own libstdc++ objects,
-    # which then shadow the process's and crash the first ostream use.
+    # The runtime CMake links for CUDA sources follows RESHARD_EXT_CUDART (default static:
+    # _C then imports where no libcudart exists, e.g. beside a CPU-only torch).
     if(RESHARD_EXT_CUDART STREQUAL "static")
       set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
     else()
@@ -25,7 +24,9 @@ if(NOT RESHARD_EXT_CUDA STREQUAL "OFF")
 endif()
 
 if(RX_HAVE_CUDA AND NOT RESHARD_EXT_NCCL STREQUAL "OFF")
-  # 1. NCCL_HOME, 2. the nvidia-nccl-cu* wheel in the Python that builds us.
+  # Only nccl.h is needed at build time: libnccl is resolved at run time
+  # (csrc/comm/nccl_loader.cc). 1. NCCL_HOME, 2. the nvidia-nccl-cu* wheel in the Python
+  # that builds us (pip's isolated build environment gets it from the build backend).
   set(_rx_nccl_hints "")
   if(DEFINED ENV{NCCL_HOME})
     list(APPEND _rx_nccl_hints "$ENV{NCCL_HOME}")
@@ -38,16 +39,12 @@ if(RX_HAVE_CUDA AND NOT RESHARD_EXT_NCCL STREQUAL "OFF")
     list(APPEND _rx_nccl_hints "${_rx_nccl_wheel}")
   endif()
   find_path(RX_NCCL_INCLUDE_DIR nccl.h HINTS ${_rx_nccl_hints} PATH_SUFFIXES include)
-  # NAMES_PER_DIR: the wheel's lib/ holds only libnccl.so.2; without it a system
-  # libnccl.so elsewhere would win over the hinted wheel.
-  find_library(RX_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_rx_nccl_hints} PATH_SUFFIXES lib lib64)
-  if(RX_NCCL_INCLUDE_DIR AND RX_NCCL_LIBRARY)
-    get_filename_component(RX_NCCL_LIBRARY_DIR "${RX_NCCL_LIBRARY}" DIRECTORY)
+  if(RX_NCCL_INCLUDE_DIR)
     set(RX_HAVE_NCCL ON)
-    message(STATUS "reshard_ext: NCCL ${RX_NCCL_LIBRARY} (headers ${RX_NCCL_INCLUDE_DIR})")
+    message(STATUS "reshard_ext: NCCL headers ${RX_NCCL_INCLUDE_DIR} (libnccl is loaded at run time)")
   elseif(RESHARD_EXT_NCCL STREQUAL "ON")
-    message(FATAL_ERROR "RESHARD_EXT_NCCL=ON but nccl.h/libnccl were not found (install nvidia-nccl-cu13 or set NCCL_HOME)")
+    message(FATAL_ERROR "RESHARD_EXT_NCCL=ON but nccl.h was not found (install nvidia-nccl-cu13 or set NCCL_HOME)")
   else()
-    message(STATUS "reshard_ext: NCCL not found; the C++ NCCL transport is not built")
+    message(STATUS "reshard_ext: nccl.h not found; the C++ NCCL transport is not built")
   endif()
 endif()

@@ -1,21 +1,122 @@
-"""Command line: `python -m reshard_ext demo` | `python -m reshard_ext info`."""
+"""Command line: `python -m reshard_ext {info,demo,simulate}` (also installed as `reshard-ext`)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
 import sys
+from typing import Any, Optional, Sequence
 
 
-def main(argv: list[str]) -> int:
-    cmd = argv[0] if argv else "info"
-    if cmd == "demo":
-        from .demo import main as demo
+def _package_version() -> str:
+    from . import _C
 
-        return demo()
-    if cmd == "info":
-        import reshard_ext
+    return str(_C._build_info["version"])
 
-        print(reshard_ext.build_info())
+
+def info_rows() -> list[tuple[str, str]]:
+    """(what, value) rows of `info`: what was built, what this process can load and use."""
+    import torch
+
+    from . import _nccl, build_info
+
+    built = build_info()
+    cuda_ok = torch.cuda.is_available()
+    devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda_ok else ""
+    nccl_runtime = _nccl.runtime_status() if built["nccl"] else "not built"
+    nccl_usable = built["nccl"] and cuda_ok and not nccl_runtime.startswith("not")
+    transports = ["cpu (C++ kernels, gloo)"]
+    if built["cuda"] and cuda_ok:
+        transports.append("torch (CUDA kernels, torch.distributed p2p)")
+    if nccl_usable:
+        transports.append("nccl (CUDA kernels, C++ NCCL)")
+    unusable = []
+    if built["cuda"] and not cuda_ok:
+        unusable.append("CUDA transports: torch sees no GPU")
+    unusable.append("nvshmem: not implemented yet")
+    return [
+        ("reshard_ext", str(built["version"])),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
+        ("CUDA kernels (build)", f"yes, arch {built['cuda_arch']}, cudart {built['cudart']}" if built["cuda"] else "no"),
+        ("CUDA devices (run time)", devices or "none"),
+        ("NCCL transport (build)", f"yes, nccl.h {built['nccl_headers']}" if built["nccl"] else "no"),
+        ("NCCL library (run time)", nccl_runtime),
+        ("transports available", "; ".join(transports)),
+        ("not available", "; ".join(unusable)),
+    ]
+
+
+def _info(args: argparse.Namespace) -> int:
+    rows = info_rows()
+    if args.json:
+        print(json.dumps(dict(rows), indent=2))
         return 0
-    print("usage: python -m reshard_ext [demo|info]", file=sys.stderr)
-    return 2
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo
+
+    return demo(world=args.world, timeout_s=args.timeout, fail_rank=args.fail_rank)
+
+
+def _simulator() -> Optional[Any]:
+    if importlib.util.find_spec(f"{__package__}.simulate") is None:
+        return None
+    return importlib.import_module(f"{__package__}.simulate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m reshard_ext",
+        description="reshard_ext: move model weights between parallel layouts (training -> inference refit).")
+    parser.add_argument("--version", action="version", version=f"reshard_ext {_package_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,demo,simulate}")
+
+    p = sub.add_parser("info", help="what was built and what this machine can run",
+                       description="Version, torch, CUDA arch, NCCL found at build and loaded at run time, "
+                                   "and the transports this process can use.")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON object")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("demo", help="a self-checking refit on local CPU processes",
+                       description="Refits a Llama-shaped model from TP2 x PP2 to TP4 on local CPU processes "
+                                   "(gloo) and checks every destination element. Exits non-zero on any mismatch, "
+                                   "and within seconds with a worker's error if one fails.")
+    p.add_argument("--world", type=int, default=4, choices=[4], help="number of processes (the demo's layouts need 4)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the demo gives up (default 300)")
+    p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # fault injection for tests
+    p.set_defaults(func=_demo)
+
+    sim = _simulator()
+    if sim is not None:
+        p = sub.add_parser("simulate", help="plan a real model between two parallel specs, no GPUs needed",
+                           description=(sim.__doc__ or "").strip().splitlines()[0] if sim.__doc__ else None,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        sim.add_arguments(p)
+        p.set_defaults(func=sim.run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    from .errors import ReshardError
+
+    try:
+        return int(args.func(args))
+    except ReshardError as e:
+        print(f"reshard_ext: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

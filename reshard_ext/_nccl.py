@@ -6,6 +6,7 @@ with the reason when the transport cannot be used.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from typing import Iterable, Optional, Sequence
@@ -15,9 +16,8 @@ import torch.distributed as dist
 
 from . import _C
 from .errors import ReshardError
+from .options import env_default, external_env, skip_nccl_check
 
-# Bound on every host wait of the transport (communicator setup, posting, wait()).
-DEFAULT_TIMEOUT_S = float(os.environ.get("RESHARD_EXT_NCCL_TIMEOUT", "600"))
 # Set to 1 to run with a libnccl different from torch's (at your own risk).
 _SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
 
@@ -30,6 +30,39 @@ _LIB_CHECKED = False
 def available() -> bool:
     """Whether the extension was built with the NCCL transport."""
     return hasattr(_C, "NcclComm")
+
+
+def library_candidates() -> list[str]:
+    """Where libnccl.so.2 may be, after the one already in the process (torch's): NCCL_HOME,
+    then the nvidia-nccl wheel beside torch."""
+    out = []
+    home = external_env("NCCL_HOME")
+    if home:
+        out += [os.path.join(home, "lib", "libnccl.so.2"), os.path.join(home, "lib64", "libnccl.so.2")]
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        spec = None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        out.append(os.path.join(root, "lib", "libnccl.so.2"))
+    return [p for p in out if os.path.exists(p)]
+
+
+def load_library() -> str:
+    """Loads libnccl for the transport (once) and returns its file; ReshardError if none."""
+    _require_built()
+    return str(_C.nccl_load(library_candidates()))
+
+
+def runtime_status() -> str:
+    """'<version> (<file>)' of the libnccl the transport uses, or why there is none."""
+    if not available():
+        return "not built"
+    try:
+        path = load_library()
+        return f"{_fmt(_C.nccl_version())} ({path})"
+    except ReshardError as e:
+        return "not found: " + " ".join(str(e).split())
 
 
 def _require_built() -> None:
@@ -100,9 +133,9 @@ def check_nccl_library() -> None:
     """Raises ReshardError unless the extension runs the libnccl torch runs (same file and
     version). Call it once before the first NCCL transfer; communicator() does."""
     global _LIB_CHECKED
-    if _LIB_CHECKED or os.environ.get(_SKIP_LIB_CHECK_ENV) == "1":
+    if _LIB_CHECKED or skip_nccl_check():
         return
-    _require_built()
+    load_library()
     try:
         with open("/proc/self/maps") as f:
             mapped = mapped_nccl_paths(f.read())
@@ -143,7 +176,7 @@ def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[
         return comm
     _COMMS.pop(key, None)
     check_nccl_library()
-    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    timeout = float(env_default("RESHARD_EXT_NCCL_TIMEOUT")) if timeout_s is None else float(timeout_s)
     rank = dist.get_rank(group)
     if rank < 0:
         raise ReshardError(f"communicator(): this process is not a member of the group (ranks {list(ranks)})")
@@ -184,4 +217,4 @@ def clear_communicators(timeout_s: float = 10.0) -> None:
 
 
 __all__ = ["available", "communicator", "exchange", "side_stream", "clear_communicators", "check_nccl_library",
-           "nccl_mismatch", "mapped_nccl_paths", "DEFAULT_TIMEOUT_S"]
+           "nccl_mismatch", "mapped_nccl_paths", "load_library", "runtime_status"]

@@ -74,7 +74,7 @@ class Mesh:
         return self._hash
 
     def __repr__(self) -> str:
-        return f"Mesh(shape={self.shape}, ranks={list(self.ranks)})"
+        return str(self._cpp().describe())
 
     def _cpp(self) -> "_C.Mesh":
         return _cpp_mesh(self.shape, self.ranks)
@@ -109,7 +109,17 @@ class Shard:
     blocks: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
+        # Type errors are local mistakes, raised here; a dim out of range for the tensor
+        # is a layout error that rx.plan reports on every rank.
+        if not _is_int(self.dim):
+            raise ReshardError(f"Shard(dim={self.dim!r}): dim must be an integer (negative dims count from the end)")
+        if not _is_int(self.stride) or self.stride < 1:
+            raise ReshardError(f"Shard({self.dim}, stride={self.stride!r}): stride must be an integer >= 1")
+        object.__setattr__(self, "dim", self.dim.__index__())
+        object.__setattr__(self, "stride", self.stride.__index__())
         if self.blocks is not None:
+            if isinstance(self.blocks, (str, bytes)) or not all(_is_int(b) for b in self.blocks):
+                raise ReshardError(f"Shard({self.dim}, blocks={self.blocks!r}): blocks must be a sequence of integers")
             object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
 
     def __repr__(self) -> str:
@@ -119,6 +129,18 @@ class Shard:
 
 
 Placement = Union[Replicate, Shard]
+
+
+def _is_int(x: Any) -> bool:
+    return not isinstance(x, bool) and hasattr(x, "__index__")
+
+
+def _normalized(p: Placement, ndim: int) -> Placement:
+    """Shard(-k) counts from the last dim, as in torch DTensor; out-of-range dims stay as
+    given, for the layout's error to name."""
+    if isinstance(p, Shard) and -ndim <= p.dim < 0:
+        return Shard(p.dim + ndim, p.stride, p.blocks)
+    return p
 
 
 class Layout:
@@ -132,13 +154,13 @@ class Layout:
         self.shape: tuple[int, ...] = tuple(int(s) for s in shape)
         self.dtype = dtype
         self.mesh = mesh
-        self.placements: tuple[Placement, ...] = tuple(placements)
-        for p in self.placements:
+        for p in placements:
             if not isinstance(p, (Replicate, Shard)):
                 raise ReshardError(f"placements must be rx.Replicate() or rx.Shard(...), got {p!r}")
+        self.placements: tuple[Placement, ...] = tuple(_normalized(p, len(self.shape)) for p in placements)
         self._hash = hash((self.shape, self.dtype, self.mesh, self.placements))
         cpp_placements = [
-            _C.Placement(-1) if isinstance(p, Replicate) else _C.Placement(p.dim, p.stride, list(p.blocks or ()))
+            _C.Placement.replicate() if isinstance(p, Replicate) else _C.Placement(p.dim, p.stride, list(p.blocks or ()))
             for p in self.placements
         ]
         # Construction never raises for semantic problems: `plan` reports them on every
@@ -200,4 +222,4 @@ class Layout:
         return self._hash
 
     def __repr__(self) -> str:
-        return f"Layout(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh}, placements={list(self.placements)})"
+        return str(self._c.describe())

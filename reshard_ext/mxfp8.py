@@ -292,6 +292,9 @@ class MXFP8(Transform):
     def cache_key(self) -> tuple:
         return (type(self).__name__, self._params_key, self.scale_layout, self.where, self.rounding)
 
+    def receiver_mx_rounding(self, name: str) -> Optional[int]:
+        return _ROUNDINGS[self.rounding] if self.where == "receiver" and self._select(name) else None
+
     def _rank(self) -> int:
         import torch.distributed as dist
 

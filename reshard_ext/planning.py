@@ -13,12 +13,9 @@ data moves, so no rank is left waiting in a collective the others skipped.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
-import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,15 +23,12 @@ import torch.distributed as dist
 from . import _C
 from .errors import ReshardError
 from .layout import Layout
+from .options import Options
 from .transforms import Piece
 
 # Counters for tests and diagnostics: collective metadata exchanges, planner runs and
 # warm swaps that reused a model description (swap.py).
 STATS: dict[str, int] = {"exchanges": 0, "plans": 0, "describe_reused": 0}
-
-# RESHARD_EXT_BATCH_TAPER=0: equal batches instead of half-size first and last ones
-# (RankPlan.taper; every rank must set it alike, or rx.plan reports a digest mismatch).
-BATCH_TAPER = os.environ.get("RESHARD_EXT_BATCH_TAPER", "1") not in ("", "0")
 
 Entries = Mapping[str, tuple[Any, Layout]]
 _MAX_LISTED_ERRORS = 20
@@ -77,33 +71,19 @@ def _ops(table: "_C.LayoutTable", raw: list, as_sender_copy: bool = False) -> li
     return out
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while many small objects are made: each collection
-    re-walks every live object of the caller (half of local_plan's time for 16,000 ops
-    with a 45,000-tensor model's layouts alive)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
 def _raise(errors: list[str]) -> None:
     shown = errors[:_MAX_LISTED_ERRORS]
     more = f"\n  ... and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""
     raise ReshardError("reshard plan rejected:\n  " + "\n  ".join(shown) + more)
 
 
-@_collector_paused()
 def local_plan(
     src_layouts: Mapping[str, Layout],
     dst_layouts: Mapping[str, Layout],
     rank: int,
     max_batch_bytes: Optional[int] = None,
     num_batches: Optional[int] = None,
+    options: Optional[Options] = None,
 ) -> RankPlan:
     """This rank's ops, from the layouts alone: no process group, no tensors.
 
@@ -115,7 +95,7 @@ def local_plan(
     if errors:
         _raise(errors)
     c = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
-    c.taper = BATCH_TAPER
+    c.taper = (options or Options()).resolved_batch_taper()
     c.assign_batches(int(num_batches or c.wanted_batches()))
     copies = c.copies()
     return RankPlan(
@@ -137,8 +117,9 @@ def _device_kind(entries: list[Entries]) -> Optional[str]:
     return kinds.pop() if kinds else None
 
 
-def _check_local(side: str, entries: Entries, rank: int) -> list[str]:
-    """Checks of this rank's own pieces against their layouts."""
+def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = None) -> list[str]:
+    """Checks of this rank's own pieces against their layouts (and, given the group size,
+    of their meshes against the group)."""
     errors = []
     for name, item in entries.items():
         if not (isinstance(item, tuple) and len(item) == 2):
@@ -150,6 +131,11 @@ def _check_local(side: str, entries: Entries, rank: int) -> list[str]:
             continue
         if not isinstance(tensor, (torch.Tensor, Piece)):
             errors.append(f"{side} tensor '{name}' on rank {rank}: got {type(tensor).__name__}, not a torch.Tensor")
+            continue
+        outside = sorted({r for r in layout.mesh.ranks if r < 0 or r >= world}) if world is not None else []
+        if outside:
+            errors.append(f"{side} tensor '{name}': its mesh names ranks {outside[:8]} outside the process group "
+                          f"(group ranks are 0..{world - 1}; meshes hold ranks of the group passed to rx.plan)")
             continue
         if rank not in layout.mesh:
             errors.append(f"{side} tensor '{name}': rank {rank} passed a piece but is not in its mesh {layout.mesh}")
@@ -212,13 +198,16 @@ class Agreement:
     rank_plan: Any
     device: Optional[str]
     register: bool = False  # every rank voted for NCCL buffer registration
+    relay: bool = False  # every rank passed relay on (rx.Options.relay; a disagreement is an error)
 
 
 def plan_collective(
-    src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int], errors: Optional[list[str]] = None
+    src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int], errors: Optional[list[str]] = None,
+    options: Optional[Options] = None,
 ) -> Agreement:
+    options = options or Options()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    errors = list(errors or []) + _check_local("src", src, rank) + _check_local("dst", dst, rank)
+    errors = list(errors or []) + _check_local("src", src, rank, world) + _check_local("dst", dst, rank, world)
     device = _device_kind([src, dst])
     report = []
     if not errors:
@@ -226,14 +215,18 @@ def plan_collective(
             for name, (_, layout) in entries.items():
                 if reporter_of(name, layout) == rank:
                     report.append((side, name, layout._c))
-    payload = (_C.encode_entries(report), errors, device, _registration_vote(device))
+    payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options), options.resolved_relay())
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, payload, group=group)
     STATS["exchanges"] += 1
 
-    errors = [e for _, errs, _, _ in gathered for e in errs]
-    devices = {d for _, _, d, _ in gathered if d is not None}
-    register = all(v for *_, v in gathered)
+    errors = [e for _, errs, *_ in gathered for e in errs]
+    devices = {d for _, _, d, *_ in gathered if d is not None}
+    register = all(g[3] for g in gathered)
+    relay = [g[4] for g in gathered]
+    if len(set(relay)) > 1:
+        errors.append(f"rx.Options(relay=...) / RESHARD_EXT_RELAY must be alike on every rank: on for ranks "
+                      f"{[r for r, v in enumerate(relay) if v][:8]}, off for {[r for r, v in enumerate(relay) if not v][:8]}")
     if len(devices) > 1:
         errors.append(f"ranks hold tensors on different devices: {sorted(devices)}")
     if errors:
@@ -249,15 +242,14 @@ def plan_collective(
         _raise(errors)
 
     if max_batch_bytes is None and "cuda" in devices:
-        from .transports.cuda import DEFAULT_BATCH_BYTES
-
-        max_batch_bytes = DEFAULT_BATCH_BYTES  # pipelined batches by default on GPUs
+        max_batch_bytes = options.resolved_batch_bytes()  # pipelined batches by default on GPUs
     late = _check_against_global(0, src, src_t, rank) + _check_against_global(1, dst, dst_t, rank)
     rank_plan = None
     if not late:
         try:
             rank_plan = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
-            rank_plan.taper = BATCH_TAPER
+            # every rank must taper alike, or the digests below disagree
+            rank_plan.taper = options.resolved_batch_taper()
             STATS["plans"] += 1
         except ReshardError as e:
             late.append(f"rank {rank}: {e}")
@@ -275,17 +267,17 @@ def plan_collective(
     if sum(s for _, _, s, _ in gathered) % 2**64 != sum(r for _, _, _, r in gathered) % 2**64:
         _raise(_digest_mismatch(rank_plan, group, world))
     rank_plan.assign_batches(max(k for _, k, _, _ in gathered))
-    return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None, register)
+    return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None, register, all(relay))
 
 
-def _registration_vote(device: Optional[str]) -> bool:
+def _registration_vote(device: Optional[str], options: Options) -> bool:
     """Votes on NCCL buffer registration (GPU transports only; a rank without tensors
     moves nothing and does not object)."""
     if device not in (None, "cuda") or not _C._build_info["nccl"]:
         return False
     from .transports.cuda import registration_vote
 
-    return registration_vote()
+    return registration_vote(options)
 
 
 def first_failed_rank(group: Any, failed: bool) -> int:

@@ -16,6 +16,9 @@ together. A warm call does no metadata exchange and no planning.
 """
 from __future__ import annotations
 
+import atexit
+import time
+
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable, Mapping, Optional, Union
@@ -29,6 +32,7 @@ from .adapters import dtensor as dtensor_adapter
 from .adapters import megatron as megatron_adapter
 from .errors import ReshardError
 from .layout import Layout
+from .options import Options
 from .planning import STATS
 from .transforms import Transform
 
@@ -48,6 +52,20 @@ class _Cached:
 
 _PLANS: dict[tuple, _Cached] = {}
 _GENERATIONS: dict[tuple, Any] = {}  # group key -> counter; ranks of a group plan together
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Drops cached plans (they hold process groups and tensors) while the interpreter is
+    whole, and yields the GIL once: a torch gloo worker thread releases its last work's
+    tensors on its own, and one that does so during interpreter finalization cannot take
+    the GIL, so Python ends the thread inside a noexcept frame and the process aborts
+    ("terminate called without an active exception"; backtrace in the closing note of
+    this fix). A short sleep lets such a release finish first."""
+    _PLANS.clear()
+    _DESCRIBED.clear()
+    if STATS["exchanges"]:
+        time.sleep(0.05)
 
 
 def clear_caches() -> None:
@@ -182,13 +200,14 @@ def _agree_stream(device: int) -> Any:
     return _AGREE_STREAMS[device]
 
 
-def _agree(group: Any, failed: bool, generation: int) -> tuple[int, bool]:
-    """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`)."""
+def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False) -> tuple[int, bool, bool]:
+    """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`,
+    whether any rank rebinds)."""
     g = group if group is not None else dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(g) == "nccl" else torch.device("cpu")
     rank = dist.get_rank(g)
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
-    values = [-(rank + 1) if failed else -(2**62), generation, -generation]
+    values = [-(rank + 1) if failed else -(2**62), generation, -generation, int(rebinding)]
     if device.type == "cuda":
         # On a stream of its own: the host waits for the other ranks, not for the work
         # the caller queued before the swap (an optimizer step), so the refit's launches
@@ -196,13 +215,13 @@ def _agree(group: Any, failed: bool, generation: int) -> tuple[int, bool]:
         with torch.cuda.stream(_agree_stream(device.index)):
             t = torch.tensor(values, dtype=torch.int64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-            worst, gen_max, neg_gen_min = t.tolist()  # one device sync, not three
+            worst, gen_max, neg_gen_min, any_rebind = t.tolist()  # one device sync, not four
     else:
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-        worst, gen_max, neg_gen_min = t.tolist()
+        worst, gen_max, neg_gen_min, any_rebind = t.tolist()
     first_failed = 0 if worst == -(2**62) else -worst
-    return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min
+    return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min, bool(any_rebind)
 
 
 def _get_plan(
@@ -216,6 +235,7 @@ def _get_plan(
     max_batch_bytes: Optional[int],
     transform: Optional[Transform],
     adapter: Optional[Adapter],
+    options: Optional[Options] = None,
 ) -> Any:
     from . import plan as rx_plan  # the core API; imported late (package init order)
 
@@ -232,26 +252,32 @@ def _get_plan(
         key = (
             _group_key(group), backend, max_batch_bytes,
             transform.cache_key() if transform is not None else None,
-            src_sig, dst_sig,
+            options, src_sig, dst_sig,
         )
     except Exception as e:  # reported to every rank below, so no rank is left waiting
         error = e
     cached = _PLANS.get(key) if error is None else None
-    first_failed, all_hit = _agree(group, error is not None, cached.generation if cached else -1)
+    same = cached is not None and len(cached.entries) == 2 and cached.entries[0] is src and cached.entries[1] is dst
+    bound = _bindings(src, dst) if cached is not None and not same else None
+    rebinding = bound is not None and cached is not None and bound != cached.bound
+    first_failed, all_hit, any_rebind = _agree(group, error is not None, cached.generation if cached else -1,
+                                               rebinding)
     if error is not None:
         raise error
     if first_failed:
         raise ReshardError(f"swap_model_weights: rank {first_failed - 1} failed to describe its models (see its error)")
     if all_hit and cached is not None:
-        if len(cached.entries) == 2 and cached.entries[0] is src and cached.entries[1] is dst:
-            return cached.plan
-        bound = _bindings(src, dst)
-        if bound != cached.bound:  # same layouts, new storages (a re-created model)
+        # A plan with direct pairs rebinds on every rank together (senders map the receivers' new tensors).
+        collective = getattr(cached.plan.transport, "collective_bind", False)
+        if rebinding or (collective and any_rebind):  # same layouts, new storages (a re-created model)
             cached.plan.rebind(src=src, dst=dst)
-            cached.bound = bound
+            cached.bound = bound if bound is not None else cached.bound
+        if same:
+            return cached.plan
         cached.entries = (src, dst)
         return cached.plan
-    plan = rx_plan(src=src, dst=dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, transform=transform)
+    plan = rx_plan(src=src, dst=dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, transform=transform,
+                   options=options)
     gen = next(_GENERATIONS.setdefault(key[0], count()))
     _PLANS[key] = _Cached(plan, gen, _bindings(src, dst), (src, dst))
     return plan
@@ -269,10 +295,11 @@ def prepare_swap_model_weights(
     max_batch_bytes: Optional[int] = None,
     transform: Optional[Transform] = None,
     adapter: Optional[Adapter] = None,
+    options: Optional[Options] = None,
 ) -> Any:
     """Builds (collectively) and caches the plan that `swap_model_weights` will use."""
     return _get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
-                     name_map, max_batch_bytes, transform, adapter)
+                     name_map, max_batch_bytes, transform, adapter, options)
 
 
 def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str = "auto", group: Any = None,
@@ -280,7 +307,7 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
     """Copies every destination tensor from the source model, in place. Collective over `group`.
 
     `options` are those of `prepare_swap_model_weights` (rank offsets, name_map renaming
-    source names to the destination's, max_batch_bytes, transform, adapter overriding the
+    source names to the destination's, max_batch_bytes, transform, options (rx.Options), adapter overriding the
     model description: default DTensor parameters -> rx.adapters.dtensor, otherwise
     rx.adapters.megatron). A warm call reuses the cached plan: no metadata exchange.
     """

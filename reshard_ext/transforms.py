@@ -75,3 +75,9 @@ class Transform:
     def cache_key(self) -> tuple:
         """What distinguishes two transforms for plan caching."""
         return (type(self).__name__,)
+
+    def receiver_mx_rounding(self, name: str) -> Optional[int]:
+        """For verify digests: the MXFP8 rounding code (csrc/kernels/mxfp8_api.h) when the
+        receiver of dst `name` quantizes it after it lands, so that sender and receiver
+        both digest the quantized bytes; None otherwise. Both ends must answer alike."""
+        return None

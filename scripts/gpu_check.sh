@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron]
-#   (default: build tests sanitize bench mx). `megatron` needs megatron-core wheels carried
+#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron] [direct] [relay] [verify]
+#   (default: build tests sanitize bench mx). `direct` builds nothing: the direct transport's
+#   tests (2 and 4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs megatron-core wheels carried
 #   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,7 @@ if has tests; then
   step "GPU tests"
   (cd tests && timeout 520 python3 -m pytest -q -p no:warnings -rs --durations=15 \
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py \
+      test_verify.py test_relay.py test_direct.py test_package.py -k "not mypy" \
       2>&1 | tee "$OUT/tests.log" | tail -25)
 fi
 
@@ -179,6 +181,44 @@ if has megatron && [ "$ngpu" -ge 2 ]; then
     step "megatron_compare $args"
     timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/megatron_compare.py $args 2>&1 \
       | grep -v "^W\|^\[W\|Warning\|warn" | tee -a "$OUT/megatron_compare.log" | tail -8
+  done
+fi
+if has direct && [ "$ngpu" -ge 2 ]; then
+  step "direct transport: tests"
+  (cd tests && timeout 560 python3 -m pytest -q -p no:warnings -rs --durations=10 test_direct.py \
+      2>&1 | tee "$OUT/direct_tests.log" | tail -25)
+  step "direct transport: compute-sanitizer memcheck (2 GPUs, every process)"
+  (cd tests && timeout 400 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+      python3 -m pytest -q -p no:warnings -x test_direct.py -k "test_matrix_2gpu and tp and None" \
+      2>&1 | tee "$OUT/direct_sanitizer.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -8)
+  export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120
+  for c in tp2-tp1 tp1-tp2 noncolo-tp1-tp1 moe-ep2-ep1; do
+    step "direct: refit_bench $c, nccl vs direct on 2 GPUs"
+    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --backend nccl,direct \
+      --no-baseline 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/direct_bench.log" | tail -14
+  done
+  step "direct: refit_bench tp2-tp1, direct with the kernel only (no copy engines)"
+  RESHARD_EXT_DIRECT_ENGINE_BYTES=0 timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+    --case tp2-tp1 --backend direct --no-baseline 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/direct_bench.log" | tail -6
+  if [ "$ngpu" -ge 4 ]; then
+    for c in tp2-tp1 noncolo-tp2-tp2dp; do
+      step "direct: refit_bench $c, nccl vs direct on 4 GPUs"
+      timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case "$c" --backend nccl,direct \
+        --no-baseline 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/direct_bench.log" | tail -16
+    done
+  fi
+fi
+if has relay && [ "$ngpu" -ge 4 ]; then
+  step "relay: refit_bench relay-1to3 (one source, three replicas), relay on vs off"
+  timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 --iters 10 2>&1 \
+    | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -16
+fi
+
+if has verify && [ "$ngpu" -ge 2 ]; then
+  for c in tp2-tp1 moe-ep2-ep1; do
+    step "verify: refit_bench $c with a verify=True column"
+    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --verify --no-baseline 2>&1 \
+      | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
   done
 fi
 step "done"

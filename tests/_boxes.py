@@ -21,7 +21,7 @@ BOX = np.dtype([
     ("src", "<u8"), ("dst", "<u8"),
     ("shape", "<i8", (MAX_DIMS,)), ("src_stride", "<i8", (MAX_DIMS,)), ("dst_stride", "<i8", (MAX_DIMS,)),
     ("ndim", "<i4"), ("src_dtype", "<i4"), ("dst_dtype", "<i4"), ("mode", "<i4"), ("aux", "<u8"),
-    ("mx_first", "<i8"), ("mx_cols", "<i8"),
+    ("mx_first", "<i8"), ("mx_cols", "<i8"), ("digest", "<i4"), ("reserved", "<i4"),
 ])
 assert BOX.itemsize == _C.BOX_BYTES, (BOX.itemsize, _C.BOX_BYTES)
 

@@ -143,6 +143,31 @@ def case_two(world: int) -> Spec:
     }
 
 
+def case_relay(world: int) -> Spec:
+    """More dst replicas of a piece than src ranks holding it: relayed by default
+    (reshard_ext/relay.py), collocated and not; tensors that cannot split stay direct."""
+    assert world >= 4
+    one = lambda shape, dt=F32, r=(0,): L(shape, dt, list(r), [Replicate()])
+    three = lambda shape, dt=F32: L(shape, dt, [1, 2, 3], [Replicate()])
+    m2 = Mesh([[0, 1], [2, 3]])
+    return {
+        "relay.1to3": ((24, 8), F32, one((24, 8)), F32, three((24, 8))),
+        "relay.1to3.uneven": ((10, 7), F32, one((10, 7)), F32, three((10, 7))),
+        "relay.1to3.cast": ((12, 5), BF16, one((12, 5), BF16), F32, three((12, 5))),
+        "relay.1to3.f32_bf16": ((12, 5), F32, one((12, 5)), BF16, three((12, 5), BF16)),
+        "relay.1to3.int": ((9, 4), I64, one((9, 4), I64), I64, three((9, 4), I64)),
+        "relay.1to3.3d": ((2, 3, 6), F32, one((2, 3, 6)), F32, three((2, 3, 6))),
+        "relay.1to3.tiny": ((1, 1), F32, one((1, 1)), F32, three((1, 1))),
+        "relay.1to3.scalar": ((), F32, one(()), F32, three(())),
+        "relay.colo.1to4": ((16, 4), F32, one((16, 4)), F32, L((16, 4), F32, [0, 1, 2, 3], [Replicate()])),
+        "relay.colo.2repl_dims": ((8, 6), F32, one((8, 6), r=(3,)), F32, L((8, 6), F32, m2, [Replicate(), Replicate()])),
+        "relay.colo.tp2_dp2": ((16, 6), F32, L((16, 6), F32, [1, 2], [Shard(0)]), F32, L((16, 6), F32, m2, [Replicate(), Shard(0)])),
+        "relay.colo.strided": ((16, 4), F32, one((16, 4), r=(2,)), F32, L((16, 4), F32, m2, [Shard(0, stride=2), Replicate()])),
+        "relay.colo.blocks": ((24, 4), BF16, one((24, 4), BF16, r=(1,)), BF16,
+                              L((24, 4), BF16, m2, [Shard(0, blocks=(16, 4, 4)), Replicate()])),
+    }
+
+
 CASES: dict[str, Callable[[int], Spec]] = {
     "two": case_two,
     "tp": case_tp,
@@ -151,6 +176,7 @@ CASES: dict[str, Callable[[int], Spec]] = {
     "pp_experts": case_pp_experts,
     "placement": case_placement,
     "casts": case_casts,
+    "relay": case_relay,
 }
 
 
@@ -173,9 +199,12 @@ def poison(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, -7, dtype=dtype, device=device)
 
 
-def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_bytes=None, backend: str = "auto"):
+def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_bytes=None, backend: str = "auto",
+             options=None, inspect=None, alloc=poison):
     """Refits the case twice (sources changed in place between) and checks every dst
-    piece bit for bit against Layout.local_part of the logical tensor."""
+    piece bit for bit against Layout.local_part of the logical tensor. Returns the plan's
+    num_ops, or inspect(plan) when given. alloc(shape, dtype, device) makes each
+    destination, filled with a value the refit must overwrite."""
     specs = CASES[case](world)
     src, dst, expect = {}, {}, {}
     for i, (name, (shape, sdt, sl, ddt, dl)) in enumerate(sorted(specs.items())):
@@ -184,9 +213,9 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
         if part is not None:
             src[name] = (part.to(device), sl)
         if rank in dl.mesh:
-            dst[name] = (poison(dl.local_shape(rank), ddt, device), dl)
+            dst[name] = (alloc(dl.local_shape(rank), ddt, device), dl)
             expect[name] = g
-    p = rx.plan(src, dst, backend=backend, max_batch_bytes=max_batch_bytes)
+    p = rx.plan(src, dst, backend=backend, max_batch_bytes=max_batch_bytes, options=options)
     for step in range(2):
         rx.execute(p)
         if device == "cuda":
@@ -201,4 +230,4 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
                 src[name][0].copy_(sl.local_part(g, rank).to(device))
             if name in expect:
                 expect[name] = g
-    return p.num_ops
+    return inspect(p) if inspect is not None else p.num_ops

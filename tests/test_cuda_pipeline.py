@@ -74,7 +74,7 @@ def _transport(monkeypatch: pytest.MonkeyPatch, batches: int, copies: int) -> cu
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     t = object.__new__(cuda_transport.CudaTransport)
     t.comm, t.p2p, t.side, t.last_timeline = FakeComm(), None, FakeStream("side"), ""
-    t.max_blocks, t._registered, t._moves = 0, [], True
+    t.max_blocks, t._registered, t._moves, t.trace = 0, [], True, False
     t._pack = [FakeTable(f"pack {b}") for b in range(batches)]
     t._unpack = [FakeTable(f"unpack {b}") for b in range(batches)]
     t._copy = [FakeTable(f"copy {c}") for c in range(copies)]
@@ -112,8 +112,8 @@ def test_plan_without_transfers_only_copies(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_transport, "TRACE", True)
     t = _transport(monkeypatch, batches=2, copies=2)
+    t.trace = True
     t.run(None)
     steps = [line.split(":")[0].strip() for line in t.last_timeline.splitlines()[1:]]
     assert steps == ["pack 0", "transfer 0", "pack 1", "transfer 1", "copy 0", "unpack 0", "copy 1", "unpack 1"]
@@ -125,12 +125,11 @@ def test_grid_cap_only_for_ranks_that_send_and_receive(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props())
-    monkeypatch.setattr(cuda_transport, "_MAX_BLOCKS_ENV", "")
     gb = 1 << 30
     assert cuda_transport._max_blocks(8 * gb, 8 * gb, 8 * gb) == 66  # TP2->TP1: equal bytes
     assert cuda_transport._max_blocks(8 * gb, 7 * gb, 0) == 66
     assert cuda_transport._max_blocks(7 * gb, 7 * gb, 9 * gb) == 99  # MoE EP2->EP1: copies 1.3x
     assert cuda_transport._max_blocks(8 * gb, 0, 9 * gb) == 0  # one-way ranks stay uncapped
     assert cuda_transport._max_blocks(0, 8 * gb, 0) == 0
-    monkeypatch.setattr(cuda_transport, "_MAX_BLOCKS_ENV", "40")
-    assert cuda_transport._max_blocks(0, 8 * gb, 0) == 40
+    assert cuda_transport._max_blocks(0, 8 * gb, 0, override=40) == 40
+    assert cuda_transport._max_blocks(8 * gb, 8 * gb, 8 * gb, override=0) == 0

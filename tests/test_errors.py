@@ -40,6 +40,12 @@ def _entries(kind: str, rank: int, world: int):
         pass  # rank 1 drops its piece below
     elif kind == "not_in_mesh":
         extra_src = {name: (torch.randn(4, 4), src_l)} if rank == 2 else {}
+    elif kind == "shard_dim_out_of_range":
+        src_l = Layout(shape, F32, Mesh([0, 1]), [Shard(-3)])
+    elif kind == "fp8_cast":
+        dst_l = Layout(shape, torch.float8_e4m3fn, Mesh(list(range(world))), [Shard(0)])
+    elif kind == "mesh_beyond_group":  # every rank of the group holds a piece; the mesh names one more
+        dst_l = Layout(shape, F32, Mesh(list(range(world + 1))), [Shard(0)])
     elif kind in ("local_shape", "local_dtype"):
         pass
     else:
@@ -61,7 +67,15 @@ def _entries(kind: str, rank: int, world: int):
 KINDS = [
     "unknown_name", "shape_mismatch", "float_int_cast", "strided_not_divisible", "blocks_wrong_sum",
     "rank_outside_group", "disagree", "mesh_rank_passes_nothing", "not_in_mesh", "local_shape", "local_dtype",
+    "shard_dim_out_of_range", "fp8_cast", "mesh_beyond_group",
 ]
+
+# What the message of some kinds must say, beyond naming the tensor.
+EXPLAINED = {
+    "shard_dim_out_of_range": "Shard(-3) of a 2-d tensor (dims are -2 to 1)",
+    "fp8_cast": "conversions exist only among float16, bfloat16, float32 and float64",
+    "mesh_beyond_group": "its mesh names ranks [4] outside the process group (group ranks are 0..3",
+}
 
 
 def _try_bad(rank: int, world: int, kind: str):
@@ -90,6 +104,7 @@ def test_bad_input_raises_everywhere(kind):
     for rank, (message, unchanged, usable, name) in enumerate(results):
         assert message is not None, f"rank {rank} did not raise for {kind}"
         assert f"'{name}" in message or f"'{name}_missing'" in message, message
+        assert EXPLAINED.get(kind, "") in message, message
         assert unchanged, f"rank {rank}: a dst tensor changed"
         assert usable, f"rank {rank}: group unusable after the error"
 
@@ -111,14 +126,11 @@ def test_layout_helpers_raise_on_invalid():
 
 
 def _skip_execute(rank: int, world: int, timeout_s: float):
-    import reshard_ext.transports.p2p as p2p
-
     src_l = Layout((4, 4), F32, Mesh([0]), [Replicate()])
     dst_l = Layout((4, 4), F32, Mesh([1]), [Replicate()])
     src = {"w": (torch.ones(4, 4), src_l)} if rank == 0 else {}
     dst = {"w": (torch.zeros(4, 4), dst_l)} if rank == 1 else {}
-    p = rx.plan(src, dst)
-    saved, p2p.TIMEOUT_S = p2p.TIMEOUT_S, timeout_s
+    p = rx.plan(src, dst, options=rx.Options(timeout=timeout_s))
     try:
         if rank == 1:
             return "skipped"  # never posts its receive: rank 0 must not wait forever
@@ -126,8 +138,6 @@ def _skip_execute(rank: int, world: int, timeout_s: float):
         return "no error"
     except rx.ReshardError as e:
         return str(e)
-    finally:
-        p2p.TIMEOUT_S = saved
 
 
 def test_peer_that_skips_execute_raises_instead_of_hanging():

@@ -12,7 +12,6 @@ import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate, Shard
 from reshard_ext import mxfp8
 from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout, scale_numel
-from reshard_ext.transports.cpu import CpuTransport
 
 from _dist import run_ranks
 from test_mxfp8_kernels import assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
@@ -40,15 +39,15 @@ def cases(world: int = 4, where: str = "sender") -> dict[str, tuple[Layout, Layo
     return c
 
 
-def expected_path(name: str, where: str, layout_kind: str) -> str:
+def expected_path(name: str, where: str, layout_kind: str, backend: str = "auto") -> str:
     """Where the quantize runs for a case: "fused" into the boxes or "staged" (a BF16
     staging / wire tensor and a separate pass)."""
     if name == "partial":
         return "staged"  # K = 80: a partial final block
     if where == "sender":
         return "staged" if name.startswith("fp32") else "fused"
-    if name in ("ragged_src", "fp32_local"):
-        return "staged"  # boxes that split blocks; a copy that reads fp32
+    if name in ("ragged_src", "fp32_local") or (name == "fp32" and backend == "direct"):
+        return "staged"  # boxes that split blocks; a copy (or a direct write) that reads fp32
     return "fused"  # 2-D and swizzled scales alike
 
 
@@ -116,7 +115,7 @@ def _global(name: str, shape, step: int) -> torch.Tensor:
 
 
 def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu",
-                 direct_bytes: int = 0) -> dict:
+                 direct_bytes: int = 0, backend: str = "auto") -> dict:
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     specs = cases(world, where)
     names = sorted(specs)
@@ -147,16 +146,13 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32, device=dev)
     dst["bias"] = (bias_out, bl_dst)
 
-    saved = CpuTransport.direct_bytes
-    CpuTransport.direct_bytes = direct_bytes or saved  # small: ops travel straight from/into tensors
-    try:
-        plan = rx.plan(src, dst, transform=transform)
-    finally:
-        CpuTransport.direct_bytes = saved
+    # small direct_bytes: ops travel straight from/into tensors
+    plan = rx.plan(src, dst, transform=transform, backend=backend,
+                   options=rx.Options(direct_bytes=direct_bytes or None))
     side = "src" if where == "sender" else "dst"
     for n in names:
         if rank in specs[n][side == "dst"].mesh:
-            assert mxfp8.PATHS[(side, n)] == expected_path(n, where, layout_kind), (n, mxfp8.PATHS)
+            assert mxfp8.PATHS[(side, n)] == expected_path(n, where, layout_kind, backend), (n, mxfp8.PATHS)
         if side == "dst" and n in dst and layout_kind == "swizzled" and mxfp8.PATHS[(side, n)] == "fused":
             # binding zeroes the padding of a fused swizzled buffer (the boxes never write
             # it) and leaves its scales alone (an engine may read them until the refit)
@@ -279,11 +275,13 @@ def test_refit_one_gpu(where, layout_kind):
 
 
 @pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("backend", ["auto", "direct"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
-def test_refit_matrix_cuda(where, layout_kind, world):
+def test_refit_matrix_cuda(where, layout_kind, world, backend):
+    """backend "direct": the sender's boxes write (and quantize) straight into the receiver."""
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):
-        run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
+        run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", 0, backend, backend="nccl")

@@ -7,15 +7,33 @@ import pytest
 import torch.distributed as dist
 
 import reshard_ext as rx
-from reshard_ext import _C, _nccl
+from reshard_ext import _C, _nccl, options
 from _dist import run_ranks
 
 HAS_NCCL = _nccl.available()
+HAS_LIBNCCL = HAS_NCCL and not _nccl.runtime_status().startswith("not found")
+needs_libnccl = pytest.mark.skipif(not HAS_LIBNCCL, reason="no libnccl.so.2 at run time")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_environment():
+    options.reload_environment()
+    yield
+    options.reload_environment()
 
 
 def test_imports_without_cuda() -> None:
     assert _nccl.available() == rx.build_info()["nccl"]
-    assert _nccl.DEFAULT_TIMEOUT_S > 0
+    assert options.env_default("RESHARD_EXT_NCCL_TIMEOUT") > 0
+
+
+@pytest.mark.skipif(not HAS_NCCL or HAS_LIBNCCL, reason="checks the error where libnccl is missing")
+def test_missing_libnccl_is_a_clear_error() -> None:
+    # Built with NCCL (e.g. an isolated pip build beside a CPU-only torch): importing works,
+    # and using the transport says what is missing.
+    with pytest.raises(rx.ReshardError, match="(?s)found no libnccl.so.2.*nvidia-nccl-cu"):
+        _nccl.load_library()
+    assert _nccl.runtime_status().startswith("not found")
 
 
 def test_communicator_without_nccl_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,7 +121,7 @@ def test_skip_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- with the NCCL transport compiled in (no GPU needed) -----------------------------------
 
-@pytest.mark.skipif(not HAS_NCCL, reason="built without NCCL")
+@needs_libnccl
 def test_library_introspection() -> None:
     major, minor, patch = _C.nccl_version()
     assert major >= 2 and 0 <= minor < 100 and 0 <= patch < 100
@@ -114,20 +132,20 @@ def test_library_introspection() -> None:
     assert os.path.realpath(path) in {os.path.realpath(p) for p in mapped}
 
 
-@pytest.mark.skipif(not HAS_NCCL, reason="built without NCCL")
+@needs_libnccl
 def test_check_passes_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_nccl, "_LIB_CHECKED", False)
     monkeypatch.delenv("RESHARD_EXT_SKIP_NCCL_CHECK", raising=False)
     _nccl.check_nccl_library()  # this process's torch must use the extension's libnccl (or none)
 
 
-@pytest.mark.skipif(not HAS_NCCL, reason="built without NCCL")
+@needs_libnccl
 def test_unique_id_bytes() -> None:
     a, b = _C.nccl_unique_id(), _C.nccl_unique_id()
     assert isinstance(a, bytes) and len(a) == 128 and a != b
 
 
-@pytest.mark.skipif(not HAS_NCCL, reason="built without NCCL")
+@needs_libnccl
 def test_bad_rank_is_a_user_error() -> None:
     with pytest.raises(rx.ReshardError, match="rank 2 is not in a group of 2"):
         _C.NcclComm(2, 2, _C.nccl_unique_id(), 0)

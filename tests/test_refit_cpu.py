@@ -21,14 +21,9 @@ def test_world2_backend_cpu_explicit(case):
 
 
 def _with_direct_messages(rank, world, case, direct_bytes):
-    from reshard_ext.transports.cpu import CpuTransport
+    import reshard_ext as rx
 
-    saved = CpuTransport.direct_bytes
-    CpuTransport.direct_bytes = direct_bytes
-    try:
-        return run_case(rank, world, case, "cpu", None)
-    finally:
-        CpuTransport.direct_bytes = saved
+    return run_case(rank, world, case, "cpu", None, options=rx.Options(direct_bytes=direct_bytes))
 
 
 @pytest.mark.parametrize("case", ["tp", "casts", "meshes", "pp_experts"])
@@ -106,7 +101,7 @@ def _agreed_registration(rank, world, votes):
     from reshard_ext import Layout, Mesh, Shard
 
     saved = planning._registration_vote
-    planning._registration_vote = lambda device: votes[rank]
+    planning._registration_vote = lambda device, options: votes[rank]
     try:
         sl = Layout((8, 4), torch.float32, Mesh(list(range(world))), [Shard(0)])
         src = {"w": (torch.zeros(sl.local_shape(rank)), sl)}

@@ -26,30 +26,17 @@ def test_matrix_4gpu(case, max_batch_bytes):
     run_ranks(4, run_case, case, "cuda", max_batch_bytes, "nccl", backend="nccl")
 
 
-def _with_knobs_fn(rank, world, knobs, fn, *args):
-    """fn(rank, world, *args) with module-level transport knobs (DIRECT_BYTES, REGISTER,
-    _MAX_BLOCKS_ENV) set for this call only (the worker processes outlive a test)."""
-    import reshard_ext.transports.cuda as cuda_transport
-
-    saved = {k: getattr(cuda_transport, k) for k in knobs}
-    for k, v in knobs.items():
-        setattr(cuda_transport, k, v)
-    try:
-        return fn(rank, world, *args)
-    finally:
-        for k, v in saved.items():
-            setattr(cuda_transport, k, v)
-
-
 def _with_knobs(rank, world, knobs, case, max_batch_bytes):
-    return _with_knobs_fn(rank, world, knobs, run_case, case, "cuda", max_batch_bytes, "nccl")
+    import reshard_ext as rx
+
+    return run_case(rank, world, case, "cuda", max_batch_bytes, "nccl", options=rx.Options(**knobs))
 
 
 @needs2
 @pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
 def test_direct_messages_2gpu(case):
     """Every op big enough to go straight from/into its tensor where contiguous."""
-    run_ranks(2, _with_knobs, {"DIRECT_BYTES": 1}, case, None, backend="nccl")
+    run_ranks(2, _with_knobs, {"direct_bytes": 1}, case, None, backend="nccl")
 
 
 @needs2
@@ -59,28 +46,28 @@ def test_direct_messages_2gpu(case):
 def test_registration_on_and_off_2gpu(case, max_batch_bytes, register):
     """Staging and direct messages registered with NCCL (the default: zero-copy
     intra-node path) and not (NCCL's FIFOs)."""
-    run_ranks(2, _with_knobs, {"DIRECT_BYTES": 1, "REGISTER": register}, case, max_batch_bytes, backend="nccl")
+    run_ranks(2, _with_knobs, {"direct_bytes": 1, "nccl_register": register}, case, max_batch_bytes, backend="nccl")
 
 
 @needs4
 @pytest.mark.parametrize("case", ["meshes", "pp_experts"])
 def test_unregistered_4gpu(case):
-    run_ranks(4, _with_knobs, {"DIRECT_BYTES": 1, "REGISTER": False}, case, 512, backend="nccl")
+    run_ranks(4, _with_knobs, {"direct_bytes": 1, "nccl_register": False}, case, 512, backend="nccl")
 
 
 @needs2
 @pytest.mark.parametrize("max_blocks", [1, 7])
 def test_capped_kernel_grid_2gpu(max_blocks):
     """Pack/unpack/copy launches capped to a few blocks still move every element."""
-    run_ranks(2, _with_knobs, {"_MAX_BLOCKS_ENV": str(max_blocks)}, "tp", 512, backend="nccl")
+    run_ranks(2, _with_knobs, {"max_blocks": max_blocks}, "tp", 512, backend="nccl")
 
 
-def _rebind_registered(rank, world):
+def _rebind_registered(rank, world, options, backend="auto"):
     """Registered direct messages into a dst tensor that is then freed, its memory
     reused by another tensor, and a new dst bound: the refit must land in the new
-    tensor only, and the old memory's new owner must stay untouched."""
+    tensor only, and the old memory's new owner must stay untouched. (backend "direct":
+    the sender maps the new tensor; rebind is collective there.)"""
     import reshard_ext as rx
-    import reshard_ext.transports.cuda as cuda_transport
     from _cases import bits_equal
     from reshard_ext import Layout, Mesh, Replicate, Shard
 
@@ -90,7 +77,7 @@ def _rebind_registered(rank, world):
     g = torch.randn(shape, generator=torch.Generator().manual_seed(11))
     src = {"w": (sl.local_part(g, rank).cuda(), sl)}
     old = torch.zeros(dl.local_shape(rank), device="cuda")
-    p = rx.plan(src, {"w": (old, dl)})
+    p = rx.plan(src, {"w": (old, dl)}, options=options, backend=backend)
     rx.execute(p)
     torch.cuda.synchronize()
     ok = [bits_equal(old.cpu(), dl.local_part(g, rank))]
@@ -109,5 +96,7 @@ def _rebind_registered(rank, world):
 
 @needs2
 def test_rebind_reregisters_2gpu():
-    for ok in run_ranks(2, _with_knobs_fn, {"DIRECT_BYTES": 1}, _rebind_registered, backend="nccl"):
+    import reshard_ext as rx
+
+    for ok in run_ranks(2, _rebind_registered, rx.Options(direct_bytes=1), backend="nccl"):
         assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok

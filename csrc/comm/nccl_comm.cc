@@ -28,60 +28,13 @@ void stream_wait(cudaStream_t waiter, cudaStream_t signaller) {
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
-#include <thread>
+
+#include "comm/host_wait.h"
 
 namespace rx {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-Clock::time_point deadline_after(double seconds) {
-  // Clamp: a huge timeout must not overflow the clock.
-  const double s = std::min(std::max(seconds, 0.0), 1e7);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-// Makes `device` current for the scope and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    RX_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) RX_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
-// Polls with a short backoff: fast when the answer is near, cheap when it is not.
-// `max_us` bounds how late a completion is seen.
-class Backoff {
- public:
-  explicit Backoff(int max_us = 1000) : max_us_(max_us) {}
-  void pause() {
-    std::this_thread::sleep_for(std::chrono::microseconds(us_));
-    us_ = std::min(us_ * 2, max_us_);
-  }
-
- private:
-  int us_ = 10;
-  int max_us_;
-};
-
-std::string join(const std::vector<int32_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += detail::format(i ? ", " : "", v[i]);
-  return s + "]";
-}
 
 std::vector<int32_t> peers(const std::vector<NcclTransfer>& v) {
   std::vector<int32_t> out;
@@ -106,13 +59,6 @@ std::tuple<int, int, int> nccl_version() {
   // NCCL_VERSION(): X*1000+Y*100+Z up to 2.8, X*10000+Y*100+Z from 2.9 on.
   if (code >= 10000) return {code / 10000, (code % 10000) / 100, code % 100};
   return {code / 1000, (code % 1000) / 100, code % 100};
-}
-
-std::string nccl_library_path() {
-  Dl_info info;
-  std::memset(&info, 0, sizeof(info));
-  if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) == 0 || info.dli_fname == nullptr) return "";
-  return info.dli_fname;
 }
 
 NcclComm::NcclComm(int rank, int world, const std::string& unique_id, int device, double timeout_s)
@@ -148,8 +94,8 @@ std::string NcclComm::where() const {
 }
 
 std::string NcclComm::peers_of_last() const {
-  return detail::format("sending to ranks ", join(last_send_peers_), ", receiving from ranks ",
-                        join(last_recv_peers_));
+  return detail::format("sending to ranks ", ranks_text(last_send_peers_), ", receiving from ranks ",
+                        ranks_text(last_recv_peers_));
 }
 
 bool NcclComm::usable() const {
@@ -330,10 +276,8 @@ bool NcclComm::poll() {
 
 void NcclComm::wait(double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
-  // The caller's next launches wait for this return, so a completion seen late idles
-  // the GPU for that long. Sleeps of up to 1 ms here cost ~0.5 ms per execute (2x H200,
-  // uncapped TP2->TP1: 24.4-24.9 -> 24.0 ms). 50 us bounds it, at the cost of ~20k
-  // wakeups a second while a refit runs.
+  // A completion seen late idles the GPU until the caller's next launch: poll at most
+  // 50 us apart (the A/B is in benchmarks/RESULTS.md's history, commit 177dbb1).
   Backoff backoff(50);
   while (!poll()) {
     if (Clock::now() > deadline) {

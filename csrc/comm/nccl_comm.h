@@ -20,6 +20,8 @@ void stream_wait(cudaStream_t waiter, cudaStream_t signaller);
 #ifdef RX_WITH_NCCL
 #include <nccl.h>
 
+#include "comm/nccl_loader.h"
+
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -38,7 +40,6 @@ struct NcclTransfer {
 
 std::string nccl_unique_id();                  // ncclGetUniqueId, NCCL_UNIQUE_ID_BYTES bytes
 std::tuple<int, int, int> nccl_version();      // (major, minor, patch) of the loaded libnccl
-std::string nccl_library_path();               // the file libnccl was loaded from (dladdr)
 
 class NcclComm {
  public:

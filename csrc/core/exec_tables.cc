@@ -53,10 +53,10 @@ rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* s
 }
 
 ExecTables::ExecTables(std::shared_ptr<const RankPlan> plan) : plan_(std::move(plan)) {
-  for (const auto& op : plan_->sends) src_used_.push_back(op.src_name);
-  for (const auto& op : plan_->copies) src_used_.push_back(op.src_name);
-  for (const auto& op : plan_->recvs) dst_used_.push_back(op.dst_name);
-  for (const auto& op : plan_->copies) dst_used_.push_back(op.dst_name);
+  for (const auto* ops : {&plan_->sends, &plan_->copies, &plan_->direct_sends})
+    for (const auto& op : *ops) src_used_.push_back(op.src_name);
+  for (const auto* ops : {&plan_->recvs, &plan_->copies, &plan_->direct_recvs})
+    for (const auto& op : *ops) dst_used_.push_back(op.dst_name);
   for (auto* v : {&src_used_, &dst_used_}) {
     std::sort(v->begin(), v->end());
     v->erase(std::unique(v->begin(), v->end()), v->end());
@@ -77,17 +77,55 @@ int64_t ExecTables::recv_buffer_bytes() const {
 
 namespace {
 
-// Cuts one batch's ops (in canonical order, `boxes` aligned with them) into messages and
-// drops the boxes of direct messages from the table. `staging_side_is_dst`: pack boxes
-// write staging (dst side), unpack boxes read it (src side).
-void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>& boxes, bool staging_is_dst,
-                  int64_t direct_bytes, std::vector<Message>& out) {
+// Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
+std::vector<int64_t> coord_strides(const TensorRef& t) {
+  std::vector<int64_t> s = t.strides;
+  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= RX_BOX_MX_GROUP;
+  return s;
+}
+
+uint64_t element_addr(const TensorRef& t, const std::vector<int64_t>& strides, const std::vector<int64_t>& start) {
+  RX_HOST_ASSERT(strides.size() == start.size(), "bind: tensor rank differs from its layout");
+  int64_t off = 0;
+  for (size_t d = 0; d < start.size(); ++d) off += start[d] * strides[d];
+  return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
+}
+
+// A box's mode from the refs it joins (at most one side is MX).
+int32_t box_mode(const TensorRef* s, const TensorRef* d) {
+  RX_HOST_ASSERT(!(s && s->mx_mode && d && d->mx_mode), "bind: MX on both ends of a box");
+  return (s && s->mx_mode) ? s->mx_mode : (d ? d->mx_mode : 0);
+}
+
+// For a scale-writing data dst, where its scales go: the box's first element is byte
+// `at - ptr` of the data.
+BoxScales box_scales(const TensorRef& d, uint64_t at) {
+  if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
+  const int64_t first = static_cast<int64_t>(at - d.ptr);
+  RX_HOST_ASSERT(first % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
+  RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % RX_BOX_MX_GROUP == 0, "bind: MX data rows of ", d.mx_cols,
+                 " elements are not whole blocks");
+  return {d.mx_scale, first, d.mx_cols};
+}
+
+// Cuts one batch's ops (in canonical order, `boxes` and `index` - their plan op - aligned
+// with them) into messages and drops the boxes of direct messages from the table, their
+// ops going to `direct`. `staging_side_is_dst`: pack boxes write staging (dst side),
+// unpack boxes read it (src side).
+void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>& boxes, std::vector<int32_t>& index,
+                  bool staging_is_dst, int64_t direct_bytes, std::vector<Message>& out, std::vector<int32_t>& direct) {
   std::vector<rx_box> kept;
+  std::vector<int32_t> kept_index;
   kept.reserve(boxes.size());
+  kept_index.reserve(boxes.size());
   Message cur{-1, 0, 0};
   auto flush = [&] {
     if (cur.peer >= 0 && cur.bytes > 0) out.push_back(cur);
     cur = Message{-1, 0, 0};
+  };
+  auto keep = [&](size_t i) {
+    kept.push_back(boxes[i]);
+    kept_index.push_back(index[i]);
   };
   for (size_t i = 0; i < ops.size(); ++i) {
     const TransferOp& op = *ops[i];
@@ -99,9 +137,10 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
       const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.mode == RX_BOX_COPY;
       if (flat) {
         out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes});
+        direct.push_back(index[i]);
       } else {
         out.push_back({op.peer, staging, op.nbytes});
-        kept.push_back(box);
+        keep(i);
       }
       continue;
     }
@@ -110,10 +149,38 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
       cur = Message{op.peer, staging, 0};
     }
     cur.bytes = static_cast<int64_t>(staging - cur.ptr) + op.nbytes;
-    kept.push_back(box);
+    keep(i);
   }
   flush();
   boxes.swap(kept);
+  index.swap(kept_index);
+}
+
+// rx_box.digest of an op's box (api.h), so that verify digests cover what the receiver
+// holds. A tensor the receiver quantizes to MXFP8 (mx_receivers) is digested as E4M3
+// bytes and block scales where the op's box is whole 32-element blocks of the logical
+// last dim arriving as BF16 - a test on the op alone, so both ends make it alike; a box
+// that quantizes on its own (MX_DATA) is digested so anyway, while a BF16 box into a
+// staging piece (quantized later, in one pass over the whole piece) or a pack box
+// computes the quantize in the digest. Elsewhere a pack of a wire dtype the receiver
+// casts hashes the cast value.
+int32_t digest_of(const TransferOp& op, const rx_box& box, int32_t reads,
+                  const std::unordered_map<int32_t, int32_t>& mx_receivers) {
+  const auto mx = mx_receivers.find(op.dst_name);
+  const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % RX_BOX_MX_GROUP == 0 &&
+                     op.global.back() % RX_BOX_MX_GROUP == 0;
+  if (mx != mx_receivers.end() && whole && reads == RX_BF16 && box.mode == RX_BOX_COPY && box.dst_dtype == RX_BF16)
+    return RX_DIGEST_MX | mx->second << 8;
+  if (box.mode == RX_BOX_COPY && box.dst_dtype != op.dst_dtype && rx_dtype_castable(box.dst_dtype, op.dst_dtype))
+    return RX_DIGEST_CAST | op.dst_dtype << 8;
+  return RX_DIGEST_AS_WRITTEN;
+}
+
+bool same_memory(const rx_box& b) {
+  if (b.src != b.dst || b.src_dtype != b.dst_dtype || b.mode != RX_BOX_COPY) return false;
+  for (int i = 0; i < b.ndim; ++i)
+    if (b.src_stride[i] != b.dst_stride[i]) return false;
+  return true;
 }
 
 }  // namespace
@@ -140,41 +207,17 @@ std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
 
 void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
                       const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
-                      int64_t direct_bytes) {
+                      int64_t direct_bytes, const std::unordered_map<int32_t, int32_t>& mx_receivers) {
   RX_HOST_ASSERT(src.size() == src_used_.size() && dst.size() == dst_used_.size(), "bind: wrong tensor count");
   std::unordered_map<int32_t, const TensorRef*> src_of, dst_of;
   for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
   for (size_t i = 0; i < dst.size(); ++i) dst_of[dst_used_[i]] = &dst[i];
 
-  // Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
-  auto coord_strides = [](const TensorRef& t) {
-    std::vector<int64_t> s = t.strides;
-    if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= RX_BOX_MX_GROUP;
-    return s;
-  };
   std::unordered_map<const TensorRef*, std::vector<int64_t>> strides_of;
   for (const auto* side : {&src, &dst})
     for (const TensorRef& t : *side) strides_of[&t] = coord_strides(t);
   auto addr = [&](const TensorRef& t, const std::vector<int64_t>& start) {
-    const std::vector<int64_t>& st = strides_of.at(&t);
-    RX_HOST_ASSERT(st.size() == start.size(), "bind: tensor rank differs from its layout");
-    int64_t off = 0;
-    for (size_t d = 0; d < start.size(); ++d) off += start[d] * st[d];
-    return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
-  };
-  // A box's mode from the refs it joins (at most one side is MX), and for a scale-writing
-  // data dst where its scales go: the box's first element is byte `at - ptr` of the data.
-  auto mode_of = [](const TensorRef* s, const TensorRef* d) {
-    RX_HOST_ASSERT(!(s && s->mx_mode && d && d->mx_mode), "bind: MX on both ends of a box");
-    return (s && s->mx_mode) ? s->mx_mode : (d ? d->mx_mode : 0);
-  };
-  auto scales_of = [](const TensorRef& d, uint64_t at) -> BoxScales {
-    if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
-    const int64_t first = static_cast<int64_t>(at - d.ptr);
-    RX_HOST_ASSERT(first % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
-    RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % RX_BOX_MX_GROUP == 0, "bind: MX data rows of ", d.mx_cols,
-                   " elements are not whole blocks");
-    return {d.mx_scale, first, d.mx_cols};
+    return element_addr(t, strides_of.at(&t), start);
   };
   // Offsets of each peer's region in each batch.
   const int32_t nb = num_batches();
@@ -188,20 +231,36 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
 
   pack_.assign(nb, {});
   unpack_.assign(nb, {});
+  pack_ops_.assign(nb, {});
+  unpack_ops_.assign(nb, {});
+  direct_sends_.assign(nb, {});
+  direct_recvs_.assign(nb, {});
+  send_boxes_.clear();
+  recv_boxes_.clear();
   copies_.clear();
   if (nb > 0) RX_HOST_ASSERT(!send_bufs.empty() && !recv_bufs.empty(), "bind: no staging buffers");
-  for (const TransferOp& op : plan_->sends) {
+  for (size_t i = 0; i < plan_->sends.size(); ++i) {
+    const TransferOp& op = plan_->sends[i];
     const TensorRef& t = *src_of.at(op.src_name);
     const uint64_t buf = send_bufs[op.batch % send_bufs.size()] + send_regions[op.batch].at(op.peer) + op.offset;
-    pack_[op.batch].push_back(make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf,
-                                       nullptr, op.wire_dtype, mode_of(&t, nullptr)));
+    rx_box box = make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf, nullptr,
+                          op.wire_dtype, box_mode(&t, nullptr));
+    box.digest = digest_of(op, box, op.wire_dtype, mx_receivers);
+    send_boxes_.push_back(box);
+    pack_[op.batch].push_back(box);
+    pack_ops_[op.batch].push_back(static_cast<int32_t>(i));
   }
-  for (const TransferOp& op : plan_->recvs) {
+  for (size_t i = 0; i < plan_->recvs.size(); ++i) {
+    const TransferOp& op = plan_->recvs[i];
     const TensorRef& t = *dst_of.at(op.dst_name);
     const uint64_t buf = recv_bufs[op.batch % recv_bufs.size()] + recv_regions[op.batch].at(op.peer) + op.offset;
     const uint64_t at = addr(t, op.mine.start);
-    unpack_[op.batch].push_back(make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
-                                         mode_of(nullptr, &t), scales_of(t, at)));
+    rx_box box = make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
+                          box_mode(nullptr, &t), box_scales(t, at));
+    box.digest = digest_of(op, box, op.wire_dtype, mx_receivers);
+    recv_boxes_.push_back(box);
+    unpack_[op.batch].push_back(box);
+    unpack_ops_[op.batch].push_back(static_cast<int32_t>(i));
   }
   // Messages per batch, in the canonical op order both ends share.
   send_msgs_.assign(nb, {});
@@ -210,17 +269,52 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (const TransferOp& op : plan_->sends) send_ops[op.batch].push_back(&op);
   for (const TransferOp& op : plan_->recvs) recv_ops[op.batch].push_back(&op);
   for (int32_t b = 0; b < nb; ++b) {
-    cut_messages(send_ops[b], pack_[b], /*staging_is_dst=*/true, direct_bytes, send_msgs_[b]);
-    cut_messages(recv_ops[b], unpack_[b], /*staging_is_dst=*/false, direct_bytes, recv_msgs_[b]);
+    cut_messages(send_ops[b], pack_[b], pack_ops_[b], /*staging_is_dst=*/true, direct_bytes, send_msgs_[b],
+                 direct_sends_[b]);
+    cut_messages(recv_ops[b], unpack_[b], unpack_ops_[b], /*staging_is_dst=*/false, direct_bytes, recv_msgs_[b],
+                 direct_recvs_[b]);
   }
 
   for (const TransferOp& op : plan_->copies) {
     const TensorRef& s = *src_of.at(op.src_name);
     const TensorRef& d = *dst_of.at(op.dst_name);
     const uint64_t at = addr(d, op.mine.start);
-    copies_.push_back(make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
-                               d.strides.data(), d.dtype, mode_of(&s, &d), scales_of(d, at)));
+    rx_box box = make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
+                          d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at));
+    box.digest = digest_of(op, box, box.dst_dtype, mx_receivers);
+    // A copy of memory onto itself (a relay replica's own share) is dropped.
+    if (!same_memory(box)) copies_.push_back(box);
   }
+}
+
+void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces) {
+  RX_HOST_ASSERT(src.size() == src_used_.size(), "bind_direct: wrong tensor count");
+  std::unordered_map<int32_t, const TensorRef*> src_of;
+  for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
+  auto key = [](int32_t peer, int32_t name) { return (static_cast<int64_t>(peer) << 32) | static_cast<uint32_t>(name); };
+  std::unordered_map<int64_t, const TensorRef*> dst_of;
+  for (const PeerPiece& p : pieces) dst_of[key(p.peer, p.dst_name)] = &p.ref;
+  direct_.clear();
+  for (const TransferOp& op : plan_->direct_sends) {
+    const TensorRef& s = *src_of.at(op.src_name);
+    auto it = dst_of.find(key(op.peer, op.dst_name));
+    RX_HOST_ASSERT(it != dst_of.end(), "bind_direct: no piece of dst tensor ", op.dst_name, " from rank ", op.peer);
+    const TensorRef& d = *it->second;
+    const std::vector<int64_t> ss = coord_strides(s);
+    const uint64_t at = element_addr(d, coord_strides(d), op.theirs.start);
+    direct_.push_back(make_box(op.mine.size, element_addr(s, ss, op.mine.start), ss.data(), s.dtype, at,
+                               d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at)));
+  }
+}
+
+std::vector<std::pair<int32_t, int32_t>> ExecTables::direct_recv_pieces() const {
+  std::unordered_map<int32_t, int32_t> pos;
+  for (size_t i = 0; i < dst_used_.size(); ++i) pos[dst_used_[i]] = static_cast<int32_t>(i);
+  std::vector<std::pair<int32_t, int32_t>> out;
+  for (const TransferOp& op : plan_->direct_recvs) out.emplace_back(op.peer, pos.at(op.dst_name));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 std::vector<int32_t> ExecTables::whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group) const {
@@ -234,7 +328,9 @@ std::vector<int32_t> ExecTables::whole_group_dsts(const std::vector<int32_t>& sr
     auto it = whole.emplace(op.dst_name, true).first;
     it->second = it->second && ok;
   };
-  for (const TransferOp& op : plan_->recvs) note(op, op.wire_dtype);
+  // A direct receive reads the source tensor itself: split_direct made its wire_dtype that.
+  for (const auto* ops : {&plan_->recvs, &plan_->direct_recvs})
+    for (const TransferOp& op : *ops) note(op, op.wire_dtype);
   for (const TransferOp& op : plan_->copies) note(op, src_dtype.at(op.src_name));
   std::vector<int32_t> out;
   for (size_t i = 0; i < dst_used_.size(); ++i) {

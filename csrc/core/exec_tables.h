@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <unordered_map>
 #include <vector>
 
 #include "core/planner.h"
@@ -53,12 +55,22 @@ struct Message {
   int64_t bytes;
 };
 
+// A receiver's dst piece as a direct sender sees it (ExecTables::bind_direct): the
+// receiver's TensorRef of dst table entry `dst_name`, with ptr and mx_scale already
+// translated into the sender's mapping of the receiver's memory.
+struct PeerPiece {
+  int32_t peer = -1;
+  int32_t dst_name = -1;
+  TensorRef ref;
+};
+
 class ExecTables {
  public:
   explicit ExecTables(std::shared_ptr<const RankPlan> plan);
 
   const RankPlan& plan() const { return *plan_; }
-  // Table indices of the src / dst tensors this rank's plan reads or writes.
+  // Table indices of the src / dst tensors this rank's plan reads or writes (a direct
+  // receive counts: the receiver binds the piece its peer writes into).
   const std::vector<int32_t>& src_used() const { return src_used_; }
   const std::vector<int32_t>& dst_used() const { return dst_used_; }
   int32_t num_batches() const { return static_cast<int32_t>(plan_->batches.size()); }
@@ -71,9 +83,12 @@ class ExecTables {
   // message of its own, read from / written to the tensor in place when its box is one
   // contiguous run of the same dtype (no pack or unpack copy); smaller ops of a peer
   // share one message. 0: one message per peer (GPU: packing is cheap, messages are not).
+  // mx_receivers: dst table index -> rounding of the tensors the receiver quantizes to
+  // MXFP8 after they land (rx.MXFP8(where="receiver")): what verify digests of them
+  // cover (see digest_of_op in exec_tables.cc).
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
             const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
-            int64_t direct_bytes = 0);
+            int64_t direct_bytes = 0, const std::unordered_map<int32_t, int32_t>& mx_receivers = {});
 
   // Positions in dst_used() of the dst pieces whose every incoming box (receives and
   // same-rank copies) reads BF16 and keeps `group`-element blocks of the last dim
@@ -89,15 +104,37 @@ class ExecTables {
   // GPU transport interleaves them with the batches so a large local copy does not hold
   // back the pack of the next batch.
   std::vector<std::vector<rx_box>> copies_split(int32_t parts) const;
+  // Direct sends (plan().direct_sends): one box per op from this rank's bound src piece
+  // (src, aligned with src_used() as in bind) straight into the receiver's piece. Every
+  // (peer, dst_name) of a direct send must be among `pieces`.
+  void bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces);
+  const std::vector<rx_box>& direct() const { return direct_; }
+  // (peer, position in dst_used()) of every dst piece a peer writes into directly, sorted.
+  std::vector<std::pair<int32_t, int32_t>> direct_recv_pieces() const;
+
   const std::vector<Message>& send_messages(int32_t b) const { return send_msgs_[b]; }
   const std::vector<Message>& recv_messages(int32_t b) const { return recv_msgs_[b]; }
+
+  // Verify (rx.execute(verify=True), rx.verify): digests are per plan op. send_boxes()[i]
+  // is the pack box of plan().sends[i] (tensor -> staging), recv_boxes()[j] the unpack
+  // box of plan().recvs[j], copies()[c] moves plan().copies[c]; pack(b)[k] moves
+  // plan().sends[pack_ops(b)[k]] (likewise unpack); the ops of batch b that travel as
+  // direct messages have no box in pack(b) / unpack(b) and are listed apart.
+  const std::vector<rx_box>& send_boxes() const { return send_boxes_; }
+  const std::vector<rx_box>& recv_boxes() const { return recv_boxes_; }
+  const std::vector<int32_t>& pack_ops(int32_t b) const { return pack_ops_[b]; }
+  const std::vector<int32_t>& unpack_ops(int32_t b) const { return unpack_ops_[b]; }
+  const std::vector<int32_t>& direct_sends(int32_t b) const { return direct_sends_[b]; }
+  const std::vector<int32_t>& direct_recvs(int32_t b) const { return direct_recvs_[b]; }
 
  private:
   std::shared_ptr<const RankPlan> plan_;
   std::vector<int32_t> src_used_, dst_used_;
   std::vector<std::vector<rx_box>> pack_, unpack_;
-  std::vector<rx_box> copies_;
+  std::vector<rx_box> copies_, direct_;
   std::vector<std::vector<Message>> send_msgs_, recv_msgs_;
+  std::vector<rx_box> send_boxes_, recv_boxes_;
+  std::vector<std::vector<int32_t>> pack_ops_, unpack_ops_, direct_sends_, direct_recvs_;
 };
 
 }  // namespace rx

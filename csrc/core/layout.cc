@@ -37,12 +37,19 @@ int64_t Mesh::position(int32_t rank) const {
   return it == position_.end() ? -1 : it->second;
 }
 
+namespace {
+// Python's tuple repr: "(2,)", "(4, 8)", "()".
+std::string py_tuple(const std::vector<int64_t>& v) {
+  std::string s = "(";
+  for (size_t i = 0; i < v.size(); ++i) s += detail::format(i ? ", " : "", v[i]);
+  return s + (v.size() == 1 ? ",)" : ")");
+}
+}  // namespace
+
+// The same text as reshard_ext.Mesh's repr (Python uses this one).
 std::string Mesh::describe() const {
-  std::string s = "Mesh(shape=(";
-  for (size_t i = 0; i < shape_.size(); ++i) s += detail::format(i ? ", " : "", shape_[i]);
-  s += "), ranks=[";
-  for (size_t i = 0; i < ranks_.size() && i < 16; ++i) s += detail::format(i ? ", " : "", ranks_[i]);
-  if (ranks_.size() > 16) s += ", ...";
+  std::string s = "Mesh(shape=" + py_tuple(shape_) + ", ranks=[";
+  for (size_t i = 0; i < ranks_.size(); ++i) s += detail::format(i ? ", " : "", ranks_[i]);
   return s + "])";
 }
 
@@ -101,8 +108,9 @@ void Layout::validate() {
     all_mesh_dims_.push_back(i);
     const Placement& p = placements_[i];
     if (p.is_shard()) {
-      if (p.shard_dim >= ndim()) {
-        error_ = detail::format("Shard(", p.shard_dim, ") of a ", ndim(), "-d tensor");
+      if (p.shard_dim < 0 || p.shard_dim >= ndim()) {
+        error_ = detail::format("Shard(", p.shard_dim, ") of a ", ndim(), "-d tensor (dims are -", ndim(), " to ",
+                                ndim() - 1, ")");
         return;
       }
       shard_mesh_dims_.push_back(i);
@@ -132,24 +140,20 @@ bool Layout::same_as(const Layout& o) const {
   return shape_ == o.shape_ && dtype_ == o.dtype_ && mesh_->same_as(*o.mesh_) && placements_ == o.placements_;
 }
 
+// The same text as reshard_ext.Layout's repr (Python uses this one).
 std::string Layout::describe() const {
-  std::string s = "Layout(shape=(";
-  for (size_t i = 0; i < shape_.size(); ++i) s += detail::format(i ? ", " : "", shape_[i]);
-  s += detail::format("), dtype=", dtype_name(dtype_), ", ", mesh_->describe(), ", placements=[");
+  std::string s = "Layout(shape=" + py_tuple(shape_) + ", dtype=torch." + dtype_name(dtype_) + ", mesh=" +
+                  mesh_->describe() + ", placements=[";
   for (size_t i = 0; i < placements_.size(); ++i) {
     const Placement& p = placements_[i];
     s += i ? ", " : "";
     if (!p.is_shard()) {
-      s += "R";
+      s += "Replicate()";
       continue;
     }
-    s += detail::format("S(", p.shard_dim);
+    s += detail::format("Shard(", p.shard_dim);
     if (p.stride != 1) s += detail::format(", stride=", p.stride);
-    if (!p.blocks.empty()) {
-      s += ", blocks=(";
-      for (size_t j = 0; j < p.blocks.size(); ++j) s += detail::format(j ? "," : "", p.blocks[j]);
-      s += ")";
-    }
+    if (!p.blocks.empty()) s += ", blocks=" + py_tuple(p.blocks);
     s += ")";
   }
   return s + "])";

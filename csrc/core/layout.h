@@ -35,12 +35,15 @@ class Mesh {
   std::string error_;
 };
 
-// One entry per mesh dim. shard_dim < 0: Replicate.
+// One entry per mesh dim. shard_dim == kReplicate: Replicate; any other value is a Shard,
+// valid when 0 <= shard_dim < ndim (negative dims are normalised by the Python layer, so
+// an invalid one stays visible in the layout's error rather than reading as Replicate).
+constexpr int32_t kReplicate = INT32_MIN;
 struct Placement {
-  int32_t shard_dim = -1;
+  int32_t shard_dim = kReplicate;
   int64_t stride = 1;
   std::vector<int64_t> blocks;  // packed blocks of the dim as it stands before this split
-  bool is_shard() const { return shard_dim >= 0; }
+  bool is_shard() const { return shard_dim != kReplicate; }
   bool operator==(const Placement& o) const {
     return shard_dim == o.shard_dim && stride == o.stride && blocks == o.blocks;
   }
@@ -49,7 +52,7 @@ struct Placement {
 using Piece = std::vector<Runs>;
 
 // "float32", "bfloat16", ... for messages (torch's names).
-const char* dtype_name(int32_t dtype);  // one run list per tensor dim
+const char* dtype_name(int32_t dtype);
 
 // The local ranges (local_start, len) a mesh coordinate `c` of `parts` takes from a
 // dim piece of length `len`. Throws ReshardError when the split is impossible.

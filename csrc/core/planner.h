@@ -56,6 +56,7 @@ struct TransferOp {
   std::vector<int64_t> global;  // global coordinates of the box origin
   int64_t numel = 0;
   int32_t wire_dtype = 0;
+  int32_t dst_dtype = 0;  // the dst tensor's (what the receiver holds: verify digests)
   int64_t nbytes = 0;     // bytes on the wire
   int32_t batch = 0;
   int64_t offset = 0;     // byte offset inside the peer's region of the batch's staging buffer
@@ -92,6 +93,9 @@ class RankPlan {
  public:
   int32_t rank = 0;
   std::vector<TransferOp> sends, recvs, copies;  // sorted by (peer, name, global)
+  // Ops with the peers the direct transport serves (core/direct.h split_direct): the
+  // sender writes them straight into the receiver's tensor, outside batches and staging.
+  std::vector<TransferOp> direct_sends, direct_recvs;
   std::vector<BatchLayout> batches;
   std::vector<PairDigest> digests;  // one per peer and direction, copies excluded
   uint64_t send_digest = 0, recv_digest = 0;
@@ -113,6 +117,8 @@ class RankPlan {
   int64_t send_total() const;
   int64_t recv_total() const;
   int64_t copy_total() const;  // bytes of same-rank copies
+  int64_t direct_send_total() const;  // bytes of direct_sends / direct_recvs
+  int64_t direct_recv_total() const;
 };
 
 // A set of receivers that get the same boxes from one sender, and the bytes of those

@@ -84,7 +84,22 @@ typedef struct rx_box {
   uint64_t aux;       // RX_BOX_MX_DATA: the scale buffer (its byte 0), or 0
   int64_t mx_first;   // ... with aux: element offset of dst in its contiguous data buffer
   int64_t mx_cols;    // ... with aux: that buffer's row length K (elements)
+  int32_t digest;     // verify only: how the receiver holds what the box writes (RX_DIGEST_*)
+  int32_t reserved;   // 0
 } rx_box;
+
+// rx_box.digest (kind | arg << 8): how verify digests (kernels/digest.h) see the box's
+// written elements when the receiver ends up holding something else.
+//   0: as written (the dst dtype; an MX_DATA box: its E4M3 bytes, and its scales with
+//     aux; an MX_SCALE box: its scale bytes).
+//   RX_DIGEST_CAST, arg = a floating dtype: converted to that type (a sender's pack of a
+//     wire dtype the receiver casts on unpack).
+//   RX_DIGEST_MX, arg = rounding: the BF16 it writes as the receiver's MXFP8 quantize
+//     holds them (E4M3 bytes and block scales); a COPY box writing BF16 whose innermost
+//     extent is whole 32-element blocks (each run of 32 innermost elements is a block).
+enum { RX_DIGEST_AS_WRITTEN = 0, RX_DIGEST_CAST = 1, RX_DIGEST_MX = 2 };
+#define RX_DIGEST_KIND(d) ((d) & 0xff)
+#define RX_DIGEST_ARG(d) (((d) >> 8) & 0xff)
 
 // Size in bytes of one element of `dtype`, 0 for an unknown code.
 int32_t rx_dtype_size(int32_t dtype);
@@ -96,6 +111,15 @@ int32_t rx_box_valid(const rx_box* box);
 
 // CPU twin: copies every box of the table, in order. Returns 0, or -1 on a bad box.
 int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
+
+// Verify passes over a box table: adds the digest of box i into digests[i] (digest::add,
+// kernels/digest.h).
+//   RX_PASS_COPY: copies, hashing the elements as they are written (fused);
+//   RX_PASS_SRC: writes nothing, hashes what the box would write (reads its source);
+//   RX_PASS_DST: writes nothing, hashes what its destination holds (and, for an
+//     MX_DATA box with aux, the scale bytes at its blocks' places).
+typedef enum rx_pass { RX_PASS_NONE = 0, RX_PASS_COPY = 1, RX_PASS_SRC = 2, RX_PASS_DST = 3 } rx_pass;
+int32_t rx_digest_boxes_cpu(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t* digests);
 
 // Work split of a box table for the CUDA kernel: one tile is one warp's share of one
 // box. A tile walks `unit`-byte items of its box in row-major order:
@@ -159,6 +183,14 @@ int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_
 
 int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev,
                            int64_t num_tiles, int32_t max_blocks, void* stream);
+
+// The verify passes of rx_digest_boxes_cpu on the GPU (same digests): digests_dev holds
+// one uint64 per box, zeroed by the caller; each tile adds its share with atomics.
+int32_t rx_digest_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
+                             int32_t max_blocks, void* stream, int32_t pass, uint64_t* digests_dev);
+// ... and their emulation on the host (host table and digests).
+int32_t rx_digest_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t pass,
+                                 uint64_t* digests);
 #endif
 
 #ifdef __cplusplus

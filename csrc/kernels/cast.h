@@ -104,4 +104,28 @@ RX_HD void store_float(void* p, int32_t dtype, float v) {
   }
 }
 
+RX_HD float f32_of(uint64_t raw, int dt) {
+  switch (dt) {
+    case RX_F16: return f32_from_f16(static_cast<uint16_t>(raw));
+    case RX_BF16: return f32_from_bf16(static_cast<uint16_t>(raw));
+    default: return f32_from_bits(static_cast<uint32_t>(raw));
+  }
+}
+
+RX_HD uint64_t bits_of(float f, int dt) {
+  switch (dt) {
+    case RX_F16: return f16_from_f32(f);
+    case RX_BF16: return bf16_from_f32(f);
+    default: return f32_bits(f);
+  }
+}
+
+// The cast of load_float/store_float on raw bits (the CUDA kernel's and the digests'):
+// 16/32-bit types stay in float, f64 narrows through float as c10 does.
+RX_HD uint64_t convert_bits(uint64_t raw, int s, int d) {
+  if (s == RX_F64) return bits_of(static_cast<float>(f64_from_bits(raw)), d);
+  const float f = f32_of(raw, s);
+  return d == RX_F64 ? f64_bits(static_cast<double>(f)) : bits_of(f, d);
+}
+
 }  // namespace rx

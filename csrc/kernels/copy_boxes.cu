@@ -13,6 +13,13 @@
 // The per-lane code is __host__ __device__ and has no warp intrinsics, so
 // rx_copy_boxes_emulated runs the very same index math on the host (tests on machines
 // without a GPU).
+//
+// Verify passes (rx_digest_boxes_cuda, api.h) are separate instances of the same code,
+// template parameter P = rx_pass (RX_PASS_NONE: the plain copy, unchanged): each lane
+// adds the digest terms (kernels/digest.h) of the elements it moves into a Dg, from the
+// registers it stores (RX_PASS_COPY) or would store (RX_PASS_SRC), or from the
+// destination it reads (RX_PASS_DST); the warp then adds its lanes' sums and one lane
+// adds them to the box's digest with two 32-bit atomics.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,6 +29,7 @@
 #include "core/mxfp8.h"
 #include "kernels/api.h"
 #include "kernels/cast.h"
+#include "kernels/digest.h"
 
 #define RX_LANE __host__ __device__ __forceinline__
 
@@ -135,46 +143,91 @@ RX_LANE void store_item(char* p, T v) {
 #endif
 }
 
-template <int U, typename T, typename W>
-RX_LANE void copy_items(const char* src, char* dst, W& w, int64_t i, int64_t end) {
+// One lane's digest of a verify pass: the sum so far and how the box's elements count
+// (fixed per box). Unused by the plain copy (P = RX_PASS_NONE).
+struct Dg {
+  uint64_t acc;
+  int32_t dtype;  // the elements as written: the box's dst dtype ...
+  int32_t size;   // ... and its size
+  int32_t spec;   // rx_box.digest
+  int64_t delta;  // bytes from a copy item's unit-aligned base to the box's first element
+};
+
+// Adds the term of one element as written (`bits` of dg.dtype) at ordinal k.
+RX_LANE void hash_element(Dg& dg, uint64_t k, uint64_t bits) {
+  int size = dg.size;
+  if (RX_DIGEST_KIND(dg.spec) == RX_DIGEST_CAST) {  // as the receiver's cast holds it
+    const int32_t to = RX_DIGEST_ARG(dg.spec);
+    bits = convert_bits(bits, dg.dtype, to);
+    size = to == RX_F64 ? 8 : (to == RX_F32 ? 4 : 2);
+  }
+  dg.acc = digest::add(dg.acc, digest::element(k, bits, size));
+}
+
+// An item's bytes as little-endian 32-bit words.
+RX_LANE void words_of(uint4 v, uint32_t* w) {
+  w[0] = v.x;
+  w[1] = v.y;
+  w[2] = v.z;
+  w[3] = v.w;
+}
+RX_LANE void words_of(unsigned long long v, uint32_t* w) {
+  w[0] = static_cast<uint32_t>(v);
+  w[1] = static_cast<uint32_t>(v >> 32);
+}
+template <typename T>
+RX_LANE void words_of(T v, uint32_t* w) { w[0] = v; }
+
+// The ES-byte elements of one N-byte item whose first element has ordinal k (every
+// index a constant, so the words stay in registers).
+template <int ES, int N>
+RX_LANE void hash_words(Dg& dg, const uint32_t* w, uint64_t k) {
+#pragma unroll
+  for (int j = 0; j < N / ES; ++j) {
+    const int byte = j * ES;
+    uint64_t bits;
+    if (ES == 8)
+      bits = w[byte / 4] | static_cast<uint64_t>(w[byte / 4 + (ES == 8 ? 1 : 0)]) << 32;
+    else
+      bits = ES == 4 ? w[byte / 4] : (w[byte / 4] >> (8 * (byte % 4))) & (ES == 2 ? 0xffffu : 0xffu);
+    hash_element(dg, k + j, bits);
+  }
+}
+
+// The elements of item i (sizeof(T) bytes) of a same-dtype copy.
+template <typename T>
+RX_LANE void hash_item(Dg& dg, T v, int64_t i) {
+  constexpr int N = static_cast<int>(sizeof(T));
+  uint32_t w[N >= 4 ? N / 4 : 1];
+  words_of(v, w);
+  const uint64_t k = static_cast<uint64_t>((i * N - dg.delta) / dg.size);
+  switch (dg.size) {  // the unit is a multiple of the element
+    case 1: hash_words<1, N>(dg, w, k); break;
+    case 2: if constexpr (N >= 2) hash_words<2, N>(dg, w, k); break;
+    case 4: if constexpr (N >= 4) hash_words<4, N>(dg, w, k); break;
+    default: if constexpr (N >= 8) hash_words<8, N>(dg, w, k); break;
+  }
+}
+
+template <int P, int U, typename T, typename W>
+RX_LANE void copy_items(const char* src, char* dst, W& w, int64_t i, int64_t end, Dg& dg) {
 #pragma unroll 1  // the inner passes are unrolled; more only costs registers
   for (; i < end; i += kWarp * U) {
     T v[U];
     int64_t to[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
-      if (i + k * kWarp < end) v[k] = load_item<T>(src + w.src_off());
+      if (i + k * kWarp < end) v[k] = load_item<T>(P == RX_PASS_DST ? dst + w.dst_off() : src + w.src_off());
       to[k] = w.dst_off();
       w.advance();
     }
 #pragma unroll
     for (int k = 0; k < U; ++k)
-      if (i + k * kWarp < end) store_item<T>(dst + to[k], v[k]);
+      if (i + k * kWarp < end) {
+        if (P == RX_PASS_NONE || P == RX_PASS_COPY) store_item<T>(dst + to[k], v[k]);
+        if (P != RX_PASS_NONE) hash_item(dg, v[k], i + k * kWarp);
+      }
   }
-}
-
-RX_LANE float f32_of(uint64_t raw, int dt) {
-  switch (dt) {
-    case RX_F16: return f32_from_f16(static_cast<uint16_t>(raw));
-    case RX_BF16: return f32_from_bf16(static_cast<uint16_t>(raw));
-    default: return f32_from_bits(static_cast<uint32_t>(raw));
-  }
-}
-
-RX_LANE uint64_t bits_of(float f, int dt) {
-  switch (dt) {
-    case RX_F16: return f16_from_f32(f);
-    case RX_BF16: return bf16_from_f32(f);
-    default: return f32_bits(f);
-  }
-}
-
-// The cast of cast.h's load_float/store_float on raw bits; 16/32-bit types stay in
-// float, f64 narrows through float as c10 does.
-RX_LANE uint64_t convert_bits(uint64_t raw, int s, int d) {
-  if (s == RX_F64) return bits_of(static_cast<float>(f64_from_bits(raw)), d);
-  const float f = f32_of(raw, s);
-  return d == RX_F64 ? f64_bits(static_cast<double>(f)) : bits_of(f, d);
 }
 
 template <int U, typename T>
@@ -190,9 +243,9 @@ RX_LANE void store_raw(char* dst, const int64_t* to, const bool* ok, const uint6
     if (ok[k]) store_item<T>(dst + to[k], static_cast<T>(raw[k]));
 }
 
-template <int U, typename W>
+template <int P, int U, typename W>
 RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_tile& t, W& w, int64_t i,
-                        int64_t end) {
+                        int64_t end, Dg& dg) {
   const int s = b.src_dtype, d = b.dst_dtype;
 #pragma unroll 1
   for (; i < end; i += kWarp * U) {
@@ -206,17 +259,32 @@ RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_ti
       to[k] = w.dst_off();
       w.advance();
     }
-    switch (t.src_size) {  // loads of a whole pass first, then convert and store
-      case 2: load_raw<U, unsigned short>(src, from, ok, raw); break;
-      case 4: load_raw<U, unsigned int>(src, from, ok, raw); break;
-      default: load_raw<U, unsigned long long>(src, from, ok, raw); break;
-    }
+    if (P == RX_PASS_DST) {  // what the destination holds, in its own dtype
+      switch (t.dst_size) {
+        case 2: load_raw<U, unsigned short>(dst, to, ok, raw); break;
+        case 4: load_raw<U, unsigned int>(dst, to, ok, raw); break;
+        default: load_raw<U, unsigned long long>(dst, to, ok, raw); break;
+      }
+    } else {
+      switch (t.src_size) {  // loads of a whole pass first, then convert and store
+        case 2: load_raw<U, unsigned short>(src, from, ok, raw); break;
+        case 4: load_raw<U, unsigned int>(src, from, ok, raw); break;
+        default: load_raw<U, unsigned long long>(src, from, ok, raw); break;
+      }
 #pragma unroll
-    for (int k = 0; k < U; ++k) raw[k] = convert_bits(raw[k], s, d);
-    switch (t.dst_size) {
-      case 2: store_raw<U, unsigned short>(dst, to, ok, raw); break;
-      case 4: store_raw<U, unsigned int>(dst, to, ok, raw); break;
-      default: store_raw<U, unsigned long long>(dst, to, ok, raw); break;
+      for (int k = 0; k < U; ++k) raw[k] = convert_bits(raw[k], s, d);
+    }
+    if (P == RX_PASS_NONE || P == RX_PASS_COPY) {
+      switch (t.dst_size) {
+        case 2: store_raw<U, unsigned short>(dst, to, ok, raw); break;
+        case 4: store_raw<U, unsigned int>(dst, to, ok, raw); break;
+        default: store_raw<U, unsigned long long>(dst, to, ok, raw); break;
+      }
+    }
+    if (P != RX_PASS_NONE) {
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (ok[k]) hash_element(dg, static_cast<uint64_t>(i + k * kWarp), raw[k]);
     }
   }
 }
@@ -233,14 +301,32 @@ RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// 16 bytes at p: one load where aligned, else byte loads.
+RX_LANE uint4 load16(const char* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) return load_item<uint4>(p);
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < 16; ++k) w[k / 4] |= static_cast<uint32_t>(load_item<unsigned char>(p + k)) << (8 * (k % 4));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Digest terms of 16 E4M3 bytes (four words) at ordinals k..
+RX_LANE void hash_data16(Dg& dg, uint64_t k, uint4 q) {
+  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) dg.acc = digest::add(dg.acc, digest::bytes4(k + 4 * m, qw[m]));
+}
+
 // MX boxes: one lane per item (no warp intrinsics, so the emulated run executes this
 // very code). A block is read twice, once for its amax and once to quantize it 16
 // elements at a time: the second read hits L2, and a lane never holds the whole block
 // (which would spill at this kernel's 64-register budget). MX_DATA writes the block's
 // E4M3 bytes (and, when aux is set, its scale byte where mx::scale_offset puts it: 2-D
-// or swizzled), MX_SCALE the scale byte.
-template <typename W>
-RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
+// or swizzled), MX_SCALE the scale byte. Item i is block i (its first element has
+// ordinal 32 i) or scale byte i.
+template <int P, typename W>
+RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
+  constexpr bool kStore = P == RX_PASS_NONE || P == RX_PASS_COPY;
   const int32_t rounding = RX_BOX_ROUNDING(b.mode);
   const bool data = RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA;
   const char* src = reinterpret_cast<const char*>(b.src);
@@ -250,6 +336,21 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
     const char* from = src + w.src_off();
     char* to = dst + w.dst_off();
     w.advance();
+    const uint64_t ord = static_cast<uint64_t>(i);
+    // dst elements are bytes: the block starts at data element mx_first + (to - dst).
+    const auto scale_byte = [&] {
+      return reinterpret_cast<char*>(b.aux) + mx::scale_offset(b.mx_first + (to - dst), b.mx_cols, RX_BOX_SCALES(b.mode));
+    };
+    if (P == RX_PASS_DST) {  // what the destination holds: data bytes and scales, or a scale byte
+      if (!data) {
+        hash_element(dg, ord, load_item<unsigned char>(to));
+        continue;
+      }
+      hash_data16(dg, 32 * ord, load16(to));
+      hash_data16(dg, 32 * ord + 16, load16(to + 16));
+      if (b.aux) dg.acc = digest::add(dg.acc, digest::scale(ord, load_item<unsigned char>(scale_byte())));
+      continue;
+    }
     const bool wide_in = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
     uint32_t amax = 0;
 #pragma unroll
@@ -259,21 +360,21 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
     }
     const uint8_t e = mx::scale_exponent(amax, rounding);
     if (!data) {
-      store_item<unsigned char>(to, e);
+      if (kStore) store_item<unsigned char>(to, e);
+      if (P != RX_PASS_NONE) hash_element(dg, ord, e);
       continue;
     }
-    // dst elements are bytes: the block starts at data element mx_first + (to - dst).
     // Stored before the data, so the offset math is not live across the quantize.
-    if (b.aux)
-      store_item<unsigned char>(reinterpret_cast<char*>(b.aux) +
-                                    mx::scale_offset(b.mx_first + (to - dst), b.mx_cols, RX_BOX_SCALES(b.mode)),
-                                e);
+    if (kStore && b.aux) store_item<unsigned char>(scale_byte(), e);
+    if (P != RX_PASS_NONE && b.aux) dg.acc = digest::add(dg.acc, digest::scale(ord, e));
     const bool wide_out = (reinterpret_cast<uintptr_t>(to) & 15u) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint4 u = load_chunk(from, 2 * h, wide_in), v = load_chunk(from, 2 * h + 1, wide_in);
       const uint4 q = make_uint4(mx::quantize_words(u.x, u.y, e), mx::quantize_words(u.z, u.w, e),
                                  mx::quantize_words(v.x, v.y, e), mx::quantize_words(v.z, v.w, e));
+      if (P != RX_PASS_NONE) hash_data16(dg, 32 * ord + 16 * h, q);
+      if (!kStore) continue;
       if (wide_out) {
         store_item<uint4>(to + 16 * h, q);
         continue;
@@ -286,14 +387,14 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end) {
 }
 
 // The same-dtype copy of this lane's items, `unit` bytes per access.
-template <int U, typename W>
-RX_LANE void copy_units(int unit, const char* src, char* dst, W& w, int64_t first, int64_t end) {
+template <int P, int U, typename W>
+RX_LANE void copy_units(int unit, const char* src, char* dst, W& w, int64_t first, int64_t end, Dg& dg) {
   switch (unit) {
-    case 16: copy_items<U, uint4>(src, dst, w, first, end); break;
-    case 8: copy_items<U, unsigned long long>(src, dst, w, first, end); break;
-    case 4: copy_items<U, unsigned int>(src, dst, w, first, end); break;
-    case 2: copy_items<U, unsigned short>(src, dst, w, first, end); break;
-    default: copy_items<U, unsigned char>(src, dst, w, first, end); break;
+    case 16: copy_items<P, U, uint4>(src, dst, w, first, end, dg); break;
+    case 8: copy_items<P, U, unsigned long long>(src, dst, w, first, end, dg); break;
+    case 4: copy_items<P, U, unsigned int>(src, dst, w, first, end, dg); break;
+    case 2: copy_items<P, U, unsigned short>(src, dst, w, first, end, dg); break;
+    default: copy_items<P, U, unsigned char>(src, dst, w, first, end, dg); break;
   }
 }
 
@@ -324,57 +425,118 @@ RX_LANE void run_flat(const rx_tile& t, int lane) {
   split_row(g.n[1], kWarp, g.step);
   Walk<2, Geom<2>> w{g, {}};
   split_row(g.n[1], first, w.dig);
-  copy_units<kUnroll>(t.unit, reinterpret_cast<const char*>(t.src), reinterpret_cast<char*>(t.dst), w, first, t.end);
+  Dg none{};
+  copy_units<RX_PASS_NONE, kUnroll>(t.unit, reinterpret_cast<const char*>(t.src), reinterpret_cast<char*>(t.dst), w,
+                                    first, t.end, none);
 }
 
-// Copies this lane's items of tile t. g: where the tile's geometry lives (see Walk).
-template <int ND, typename G>
-RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g) {
-  // The general walk keeps fewer accesses in flight: its digits cost registers.
-  constexpr int U = ND <= 2 ? kUnroll : 2;
+// The copy (or verify pass) of this lane's items of a COPY box.
+template <int P, int U, typename W>
+RX_LANE void run_copy(const rx_box& b, const rx_tile& t, W& w, int64_t first, Dg& dg) {
+  if (t.unit == 0) {
+    cast_items<P, U>(reinterpret_cast<const char*>(b.src), reinterpret_cast<char*>(b.dst), b, t, w, first, t.end, dg);
+    return;
+  }
+  const uint64_t align = ~static_cast<uint64_t>(t.unit - 1);
+  copy_units<P, U>(t.unit, reinterpret_cast<const char*>(b.src & align), reinterpret_cast<char*>(b.dst & align), w, first,
+                   t.end, dg);
+}
+
+// The digest of a BF16 COPY box whose receiver quantizes it (RX_DIGEST_MX): a block's
+// 32 elements lie in several lanes' items, so each lane hashes the blocks that start in
+// its items, reading every such block whole again (an L2 hit right after the copy), as
+// the receiver's quantize sees it: BF16, from the source (cast to BF16 where the box
+// casts) or, for RX_PASS_DST, from the destination.
+template <int P, typename W>
+RX_LANE void mx_digest_items(const rx_box& b, const rx_tile& t, W& w, int64_t i, int64_t end, Dg& dg) {
+  constexpr bool kDst = P == RX_PASS_DST;
+  const int inner = b.ndim - 1;
+  const int32_t dtype = kDst ? b.dst_dtype : b.src_dtype;
+  const int size = kDst ? t.dst_size : t.src_size;
+  const int64_t stride = (kDst ? b.dst_stride[inner] : b.src_stride[inner]) * size;
+  const uint64_t align = t.unit ? ~static_cast<uint64_t>(t.unit - 1) : ~uint64_t{0};
+  const char* base = reinterpret_cast<const char*>((kDst ? b.dst : b.src) & align);
+  const int per = t.unit ? t.unit / size : 1;  // elements per item (contiguous when more than one)
+  const int32_t rounding = RX_DIGEST_ARG(b.digest);
+#pragma unroll 1
+  for (; i < end; i += kWarp) {
+    const char* at = base + (kDst ? w.dst_off() : w.src_off());
+    w.advance();
+    const int64_t k0 = t.unit ? (i * t.unit - dg.delta) / size : i;
+    for (int j = 0; j < per; ++j) {
+      if ((k0 + j) % mx::kBlock != 0) continue;
+      const char* p = at + j * size;
+      const auto load = [&](int m) -> uint16_t {
+        const char* e = p + m * stride;
+        const uint64_t raw = size == 2 ? load_item<unsigned short>(e)
+                                       : (size == 4 ? load_item<unsigned int>(e) : load_item<unsigned long long>(e));
+        return static_cast<uint16_t>(dtype == RX_BF16 ? raw : convert_bits(raw, dtype, RX_BF16));
+      };
+      dg.acc = digest::add(dg.acc, digest::mx_block(load, static_cast<uint64_t>(k0 + j), rounding));
+    }
+  }
+}
+
+// Copies (or runs verify pass P over) this lane's items of tile t. g: where the tile's
+// geometry lives (see Walk).
+template <int P, int ND, typename G>
+RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g, Dg& dg) {
+  // The general walk keeps fewer accesses in flight: its digits cost registers, as do
+  // a verify pass's digests.
+  constexpr int U = ND <= 2 && P == RX_PASS_NONE ? kUnroll : 2;
   const int64_t first = t.begin + lane;
   if (first >= t.end) return;
   init_geom<ND>(g, b, t);
   Walk<ND, G> w{g, {}};
   split<ND>(g.n, first, w.dig);
+  if constexpr (P != RX_PASS_NONE) {
+    dg.dtype = b.dst_dtype;
+    dg.size = t.dst_size;
+    dg.spec = b.digest;
+    dg.delta = t.unit ? static_cast<int64_t>(b.src & static_cast<uint64_t>(t.unit - 1)) : 0;
+  }
   if (b.mode != RX_BOX_COPY) {
-    mx_items(b, w, first, t.end);
+    mx_items<P>(b, w, first, t.end, dg);
     return;
   }
-  if (t.unit == 0) {
-    cast_items<U>(reinterpret_cast<const char*>(b.src), reinterpret_cast<char*>(b.dst), b, t, w, first, t.end);
-    return;
+  if constexpr (P != RX_PASS_NONE) {
+    if (RX_DIGEST_KIND(b.digest) == RX_DIGEST_MX) {
+      Walk<ND, G> again = w;
+      if (P == RX_PASS_COPY) run_copy<RX_PASS_NONE, U>(b, t, w, first, dg);
+      mx_digest_items<P>(b, t, again, first, t.end, dg);
+      return;
+    }
   }
-  const uint64_t align = ~static_cast<uint64_t>(t.unit - 1);
-  copy_units<U>(t.unit, reinterpret_cast<const char*>(b.src & align), reinterpret_cast<char*>(b.dst & align), w, first,
-                t.end);
+  run_copy<P, U>(b, t, w, first, dg);
 }
 
 // Most boxes fold to 1 or 2 dims (make_box merges contiguous dims); those keep their
 // geometry in registers, the rest share the padded general walk in `slot`.
-RX_LANE void run_general(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
+template <int P>
+RX_LANE void run_general(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot, Dg& dg) {
   const rx_box& b = boxes[t.box];
   switch (b.ndim) {
     case 1: {
       Geom<1> g;
-      run_tile<1>(b, t, lane, g);
+      run_tile<P, 1>(b, t, lane, g, dg);
       break;
     }
     case 2: {
       Geom<2> g;
-      run_tile<2>(b, t, lane, g);
+      run_tile<P, 2>(b, t, lane, g, dg);
       break;
     }
-    default: run_tile<RX_MAX_DIMS>(b, t, lane, slot); break;
+    default: run_tile<P, RX_MAX_DIMS>(b, t, lane, slot, dg); break;
   }
 }
 
 // The host loop's dispatch (rx_copy_boxes_emulated); the kernel's is run_warp.
 RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
+  Dg none{};
   if (t.flags & RX_TILE_FLAT)
     run_flat(t, lane);
   else
-    run_general(boxes, t, lane, slot);
+    run_general<RX_PASS_NONE>(boxes, t, lane, slot, none);
 }
 
 // One tile: the record as four independent 16-byte loads (one round trip, not one per
@@ -388,10 +550,11 @@ __device__ __forceinline__ void run_warp(const rx_box* boxes, const rx_tile* til
   for (int k = 0; k < 4; ++k) v[k] = __ldg(q + k);
   rx_tile t;
   memcpy(&t, v, sizeof t);
+  Dg none{};
   if (t.flags & RX_TILE_FLAT)
     run_flat(t, lane);
   else
-    run_general(boxes, *tile, lane, slot);
+    run_general<RX_PASS_NONE>(boxes, *tile, lane, slot, none);
 }
 
 // kStride: warps loop over the tiles (a launch capped below one warp per tile). A
@@ -417,8 +580,86 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 1 : kMinBloc
   }
 }
 
+// Verify pass P (api.h): every tile takes the general path (its box says how to digest)
+// and adds its lanes' digests into the box's with one atomic per 32-bit word. A separate
+// kernel so the copy's register budget stays as it is; it may use 128 registers (half
+// the copy's occupancy: it runs only in verified refits).
+template <int P, bool kStride>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 1 : 2)
+    digest_boxes_kernel(const rx_box* __restrict__ boxes, const rx_tile* __restrict__ tiles, int64_t num_tiles,
+                        uint64_t* __restrict__ digests) {
+  __shared__ Geom<RX_MAX_DIMS> slots[kWarpsPerBlock];
+  const int warp = static_cast<int>(threadIdx.x / kWarp);
+  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  const int64_t step = kStride ? static_cast<int64_t>(gridDim.x) * kWarpsPerBlock : num_tiles;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < num_tiles; t += step) {
+    Dg dg{};
+    run_general<P>(boxes, tiles[t], lane, slots[warp], dg);
+    uint32_t lo = static_cast<uint32_t>(dg.acc), hi = static_cast<uint32_t>(dg.acc >> 32);
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) {
+      lo += __shfl_xor_sync(0xffffffffu, lo, o);
+      hi += __shfl_xor_sync(0xffffffffu, hi, o);
+    }
+    if (lane == 0) {
+      unsigned int* d = reinterpret_cast<unsigned int*>(digests + tiles[t].box);
+      atomicAdd(d, lo);
+      atomicAdd(d + 1, hi);
+    }
+    __syncwarp();  // the next tile rewrites the warp's slot
+  }
+}
+
+template <int P>
+int32_t launch_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t max_blocks,
+                      cudaStream_t stream, uint64_t* digests) {
+  const int64_t blocks = (num_tiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (max_blocks > 0 && max_blocks < blocks) {
+    digest_boxes_kernel<P, true><<<static_cast<unsigned>(max_blocks), kWarpsPerBlock * kWarp, 0, stream>>>(
+        boxes, tiles, num_tiles, digests);
+    return cudaGetLastError();
+  }
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  digest_boxes_kernel<P, false><<<static_cast<unsigned>(blocks), kWarpsPerBlock * kWarp, 0, stream>>>(
+      boxes, tiles, num_tiles, digests);
+  return cudaGetLastError();
+}
+
+template <int P>
+void emulate_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, uint64_t* digests) {
+  Geom<RX_MAX_DIMS> slot;
+  for (int64_t t = 0; t < num_tiles; ++t)
+    for (int lane = 0; lane < kWarp; ++lane) {
+      Dg dg{};
+      run_general<P>(boxes, tiles[t], lane, slot, dg);
+      digests[tiles[t].box] = digest::add(digests[tiles[t].box], dg.acc);
+    }
+}
+
 }  // namespace
 }  // namespace rx
+
+extern "C" int32_t rx_digest_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
+                                        int32_t max_blocks, void* stream, int32_t pass, uint64_t* digests_dev) {
+  if (num_tiles <= 0) return cudaSuccess;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (pass) {
+    case RX_PASS_COPY: return rx::launch_digest<RX_PASS_COPY>(boxes_dev, tiles_dev, num_tiles, max_blocks, s, digests_dev);
+    case RX_PASS_SRC: return rx::launch_digest<RX_PASS_SRC>(boxes_dev, tiles_dev, num_tiles, max_blocks, s, digests_dev);
+    case RX_PASS_DST: return rx::launch_digest<RX_PASS_DST>(boxes_dev, tiles_dev, num_tiles, max_blocks, s, digests_dev);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" int32_t rx_digest_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t pass,
+                                            uint64_t* digests) {
+  switch (pass) {
+    case RX_PASS_COPY: rx::emulate_digest<RX_PASS_COPY>(boxes, tiles, num_tiles, digests); return 0;
+    case RX_PASS_SRC: rx::emulate_digest<RX_PASS_SRC>(boxes, tiles, num_tiles, digests); return 0;
+    case RX_PASS_DST: rx::emulate_digest<RX_PASS_DST>(boxes, tiles, num_tiles, digests); return 0;
+    default: return -1;
+  }
+}
 
 extern "C" int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
                                       int32_t max_blocks, void* stream) {

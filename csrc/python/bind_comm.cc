@@ -7,18 +7,16 @@
 #include "python/register.h"
 
 #ifdef RX_WITH_CUDA
+#include "comm/host_wait.h"
 #include "comm/nccl_comm.h"
+#endif
+#ifdef RX_WITH_NCCL
+#include "comm/nccl_loader.h"
 #endif
 
 namespace py = pybind11;
 
 namespace rx::python {
-
-#ifdef RX_WITH_CUDA
-namespace {
-cudaStream_t as_stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(handle)); }
-}  // namespace
-#endif
 
 #ifdef RX_WITH_NCCL
 namespace {
@@ -66,7 +64,10 @@ void register_comm(py::module_& m) {
 #ifdef RX_WITH_NCCL
   m.def("nccl_unique_id", [] { return py::bytes(nccl_unique_id()); }, "ncclGetUniqueId, as bytes.");
   m.def("nccl_version", &nccl_version, "(major, minor, patch) of the libnccl this module loaded.");
-  m.def("nccl_library_path", &nccl_library_path, "The file this module's libnccl was loaded from.");
+  m.def("nccl_library_path", &nccl_library_path, "The file the NCCL calls resolve to (loads NCCL first).");
+  m.def("nccl_load", &nccl_load, py::arg("candidates"),
+        "Loads libnccl once: the one already in the process, else the first candidate path that opens.");
+  m.def("nccl_loaded", &nccl_loaded, "Whether a libnccl has been loaded by this module.");
 
   py::class_<NcclComm, std::shared_ptr<NcclComm>>(m, "NcclComm")
       .def(py::init([](int rank, int world, const py::bytes& id, int device, double timeout_s) {

@@ -1,12 +1,17 @@
 // Layouts, the planner, metadata encoding and descriptor tables.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unordered_map>
+
 #include "core/check.h"
+#include "core/direct.h"
 #include "core/exec_tables.h"
 #include "core/layout.h"
 #include "core/metadata.h"
 #include "core/planner.h"
+#include "core/relay.h"
 #include "python/register.h"
 
 namespace py = pybind11;
@@ -49,6 +54,32 @@ void run_cpu(const std::vector<rx_box>& v) {
   RX_HOST_ASSERT(rc == 0, "bad box in table");
 }
 
+// A verify pass of the CPU twin over `v`, writing box k's digest into out[ops[k]]
+// (ops: the plan op of each box; empty: box k is op k). out: a writable uint64 array.
+void digest_cpu(const std::vector<rx_box>& v, int32_t pass, const std::vector<int32_t>& ops, py::array_t<uint64_t>& out) {
+  auto o = out.mutable_unchecked<1>();
+  std::vector<uint64_t> d(v.size(), 0);
+  int32_t rc;
+  {
+    py::gil_scoped_release release;
+    rc = rx_digest_boxes_cpu(v.data(), static_cast<int64_t>(v.size()), pass, d.data());
+  }
+  RX_HOST_ASSERT(rc == 0, "bad box in table");
+  for (size_t k = 0; k < v.size(); ++k) {
+    const int64_t at = ops.empty() ? static_cast<int64_t>(k) : ops[k];
+    RX_HOST_ASSERT(at < o.shape(0), "digest array too short");
+    o(at) = d[k];
+  }
+}
+
+// The boxes of `ops` (plan op indices) out of a per-op box list.
+std::vector<rx_box> pick(const std::vector<rx_box>& boxes, const std::vector<int32_t>& ops) {
+  std::vector<rx_box> v;
+  v.reserve(ops.size());
+  for (int32_t i : ops) v.push_back(boxes[static_cast<size_t>(i)]);
+  return v;
+}
+
 std::vector<TensorRef> refs_from_py(const py::list& l) {
   std::vector<TensorRef> out;
   out.reserve(l.size());
@@ -81,7 +112,8 @@ void register_core(py::module_& m) {
            py::arg("shard_dim"), py::arg("stride") = 1, py::arg("blocks") = std::vector<int64_t>{})
       .def_readonly("shard_dim", &Placement::shard_dim)
       .def_readonly("stride", &Placement::stride)
-      .def_readonly("blocks", &Placement::blocks);
+      .def_readonly("blocks", &Placement::blocks)
+      .def_static("replicate", [] { return Placement{}; }, "The placement of a Replicate mesh dim.");
 
   py::class_<Layout, std::shared_ptr<Layout>>(m, "Layout")
       .def(py::init([](std::vector<int64_t> shape, int32_t dtype, std::shared_ptr<Mesh> mesh,
@@ -125,6 +157,8 @@ void register_core(py::module_& m) {
       .def("layout", [](const LayoutTable& t, int32_t i) { return std::const_pointer_cast<Layout>(t.layout_ptr(i)); });
 
   m.def("check_tables", &check_tables, py::arg("src"), py::arg("dst"), py::arg("world_size"));
+  m.def("relay_splits", &relay_splits, py::arg("src"), py::arg("dst"),
+        "(dst table index, split dim) of every dst tensor whose refit relays (core/relay.h).");
 
   py::class_<RankPlan, std::shared_ptr<RankPlan>>(m, "RankPlan")
       .def_readonly("rank", &RankPlan::rank)
@@ -144,6 +178,8 @@ void register_core(py::module_& m) {
            "(dst_name, peer, my_start, size, peer_start, global, nbytes, batch, offset, wire_dtype) tuples")
       .def("recvs", [](const RankPlan& p) { return ops_to_py(p.recvs); })
       .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
+      .def("direct_sends", [](const RankPlan& p) { return ops_to_py(p.direct_sends); })
+      .def("direct_recvs", [](const RankPlan& p) { return ops_to_py(p.direct_recvs); })
       .def("batch_bytes", [](const RankPlan& p, int32_t k) {
         py::list l;
         for (const auto& b : p.batch_layouts(k)) l.append(py::make_tuple(b.send_bytes, b.recv_bytes));
@@ -181,6 +217,15 @@ void register_core(py::module_& m) {
       },
       py::arg("src"), py::arg("dst"), py::arg("rank"), py::arg("max_batch_bytes") = 0);
 
+  m.def(
+      "split_direct",
+      [](const RankPlan& plan, const LayoutTable& src, const std::vector<int32_t>& peers) {
+        return std::make_shared<RankPlan>(split_direct(plan, src, peers));
+      },
+      py::arg("plan"), py::arg("src"), py::arg("peers"),
+      "A copy of `plan` whose ops with `peers` are direct (written straight into the receiver's tensor); "
+      "call assign_batches on it with the agreed batch count.");
+
   m.def("encode_entries", [](const std::vector<std::tuple<int, std::string, std::shared_ptr<Layout>>>& entries) {
     std::vector<LayoutEntry> e;
     e.reserve(entries.size());
@@ -208,12 +253,15 @@ void register_core(py::module_& m) {
       .def_property_readonly("recv_buffer_bytes", &ExecTables::recv_buffer_bytes)
       .def("bind",
            [](ExecTables& t, const py::list& src, const py::list& dst, const std::vector<uint64_t>& send_bufs,
-              const std::vector<uint64_t>& recv_bufs, int64_t direct_bytes) {
-             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes);
+              const std::vector<uint64_t>& recv_bufs, int64_t direct_bytes,
+              const std::unordered_map<int32_t, int32_t>& mx_receivers) {
+             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes, mx_receivers);
            },
            py::arg("src"), py::arg("dst"), py::arg("send_bufs"), py::arg("recv_bufs"), py::arg("direct_bytes") = 0,
+           py::arg("mx_receivers") = std::unordered_map<int32_t, int32_t>{},
            "src/dst: lists of (data_ptr, strides, dtype_code[, mx_mode, mx_scale_ptr, mx_cols]) aligned with "
-           "src_used/dst_used")
+           "src_used/dst_used; mx_receivers: {dst table index: MXFP8 rounding} of the tensors the receiver "
+           "quantizes (verify digests cover the quantized bytes)")
       .def("whole_group_dsts", &ExecTables::whole_group_dsts, py::arg("src_dtypes"), py::arg("group"),
            "Positions in dst_used of the pieces whose every incoming box reads bfloat16 and keeps "
            "`group`-element blocks of the last dim whole (where a fused MX_DATA dst may bind).")
@@ -237,9 +285,70 @@ void register_core(py::module_& m) {
         for (const auto& part : t.copies_split(parts)) l.append(boxes_bytes(part));
         return l;
       }, py::arg("parts"), "copy_boxes cut into `parts` tables of about equal bytes, in order")
+      .def(
+          "bind_direct",
+          [](ExecTables& t, const py::list& src, const py::list& pieces) {
+            std::vector<PeerPiece> v;
+            for (const auto& item : pieces) {
+              auto tup = item.cast<py::tuple>();
+              RX_HOST_ASSERT(tup.size() == 3, "bind_direct pieces are (peer, dst_name, ref) tuples");
+              py::list one;
+              one.append(tup[2]);
+              v.push_back(PeerPiece{tup[0].cast<int32_t>(), tup[1].cast<int32_t>(), refs_from_py(one)[0]});
+            }
+            t.bind_direct(refs_from_py(src), v);
+          },
+          py::arg("src"), py::arg("pieces"),
+          "src: as for bind; pieces: (peer, dst table index, ref) of every receiver piece this rank writes into "
+          "directly, ref = (ptr, strides, dtype[, mx_mode, mx_scale_ptr, mx_cols]) in this process's addresses")
+      .def("direct_boxes", [](const ExecTables& t) { return boxes_bytes(t.direct()); })
+      .def("direct_recv_pieces", &ExecTables::direct_recv_pieces,
+           "(peer, position in dst_used) of every dst piece a peer writes into directly")
+      .def_property_readonly("direct_send_total", [](const ExecTables& t) { return t.plan().direct_send_total(); })
+      .def_property_readonly("direct_recv_total", [](const ExecTables& t) { return t.plan().direct_recv_total(); })
+      .def_property_readonly("num_direct_ops", [](const ExecTables& t) {
+        return py::make_tuple(t.plan().direct_sends.size(), t.plan().direct_recvs.size());
+      })
+      .def("run_direct_cpu", [](const ExecTables& t) { run_cpu(t.direct()); })
       .def("run_copies_cpu", [](const ExecTables& t) { run_cpu(t.copies()); })
       .def("run_pack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.pack(b)); })
-      .def("run_unpack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.unpack(b)); });
+      .def("run_unpack_cpu", [](const ExecTables& t, int32_t b) { run_cpu(t.unpack(b)); })
+      // verify (ExecTables: digests per plan op)
+      .def("pack_ops", &ExecTables::pack_ops, "Plan send op of each pack_boxes(b) box")
+      .def("unpack_ops", &ExecTables::unpack_ops, "Plan recv op of each unpack_boxes(b) box")
+      .def("direct_sends", &ExecTables::direct_sends, "Send ops of batch b moved as direct messages (no pack box)")
+      .def("direct_recvs", &ExecTables::direct_recvs, "Recv ops of batch b moved as direct messages (no unpack box)")
+      .def("send_boxes", [](const ExecTables& t) { return boxes_bytes(t.send_boxes()); }, "One pack box per send op")
+      .def("recv_boxes", [](const ExecTables& t) { return boxes_bytes(t.recv_boxes()); }, "One unpack box per recv op")
+      .def("direct_send_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(pick(t.send_boxes(), t.direct_sends(b))); })
+      .def("direct_recv_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(pick(t.recv_boxes(), t.direct_recvs(b))); })
+      .def("run_pack_cpu_verified",
+           [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& send) {
+             digest_cpu(t.pack(b), RX_PASS_COPY, t.pack_ops(b), send);
+           },
+           "run_pack_cpu, digesting each packed send op as it is written into send[op]")
+      .def("digest_direct_sends_cpu",
+           [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& send) {
+             digest_cpu(pick(t.send_boxes(), t.direct_sends(b)), RX_PASS_SRC, t.direct_sends(b), send);
+           },
+           "Digests the send ops of batch b that travel as direct messages (reading their source) into send[op]")
+      .def("run_unpack_cpu_verified",
+           [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& recv) {
+             digest_cpu(t.unpack(b), RX_PASS_COPY, t.unpack_ops(b), recv);
+             digest_cpu(pick(t.recv_boxes(), t.direct_recvs(b)), RX_PASS_DST, t.direct_recvs(b), recv);
+           },
+           "run_unpack_cpu, digesting each recv op (unpacked ones as they are written, direct ones by reading "
+           "where they landed) into recv[op]")
+      .def("read_digests_cpu",
+           [](const ExecTables& t, py::array_t<uint64_t>& send, py::array_t<uint64_t>& recv,
+              py::array_t<uint64_t>& copy_src, py::array_t<uint64_t>& copy_dst) {
+             digest_cpu(t.send_boxes(), RX_PASS_SRC, {}, send);
+             digest_cpu(t.recv_boxes(), RX_PASS_DST, {}, recv);
+             digest_cpu(t.copies(), RX_PASS_SRC, {}, copy_src);
+             digest_cpu(t.copies(), RX_PASS_DST, {}, copy_dst);
+           },
+           "rx.verify on the CPU: digests of what every op would send (re-reading the sources) and of what every "
+           "destination holds, moving nothing");
 }
 
 }  // namespace rx::python

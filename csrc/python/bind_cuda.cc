@@ -1,11 +1,13 @@
 // The CUDA box copy: DeviceBoxTable (plan time: build + upload; every execute: launch).
 // The tile planner is bound in every build so CPU CI tests it.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstring>
 #include <vector>
 
 #include "core/check.h"
+#include "core/direct.h"
 #include "kernels/api.h"
 #include "python/register.h"
 #ifdef RX_WITH_CUDA
@@ -54,6 +56,33 @@ void register_cuda(py::module_& m) {
       "Tiles of a box table as (box, unit, src_size, dst_size, begin, end); tile_bytes <= 0 picks a size. "
       "geometry: append (flags, src, dst, row_items, src_pitch, dst_pitch), the flat tile fields of api.h.");
 
+  m.def(
+      "split_engines",
+      [](const py::buffer& table, int64_t min_bytes) {
+        std::vector<EngineCopy> engine;
+        std::vector<rx_box> kernel;
+        split_engines(boxes_from(table), min_bytes, &engine, &kernel);
+        py::list copies;
+        for (const EngineCopy& c : engine)
+          copies.append(py::make_tuple(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height));
+        return py::make_tuple(copies, py::bytes(reinterpret_cast<const char*>(kernel.data()),
+                                                kernel.size() * sizeof(rx_box)));
+      },
+      py::arg("boxes"), py::arg("min_bytes"),
+      "The direct transport's split of a box table: ([(dst, dpitch, src, spitch, width, height)] copy-engine "
+      "copies, the other boxes as a table).");
+  m.def(
+      "dst_spans",
+      [](const py::buffer& table) {
+        py::list out;
+        for (const rx_box& b : boxes_from(table)) {
+          const auto span = dst_span(b);
+          out.append(py::make_tuple(span.first, span.second));
+        }
+        return out;
+      },
+      py::arg("boxes"), "[lo, hi) of the dst bytes each box writes (MX scales aside).");
+
 #ifdef RX_WITH_CUDA
   py::class_<DeviceBoxTable>(m, "DeviceBoxTable")
       .def(py::init([](const py::buffer& table, int64_t tile_bytes, bool flat) {
@@ -72,18 +101,35 @@ void register_cuda(py::module_& m) {
           py::arg("dev_ptr"), py::arg("stream"))
       .def(
           "launch",
-          [](const DeviceBoxTable& t, uint64_t stream, int32_t max_blocks) {
-            t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks);
+          [](const DeviceBoxTable& t, uint64_t stream, int32_t max_blocks, uint64_t digests, int32_t pass) {
+            if (pass == RX_PASS_NONE)
+              t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks);
+            else
+              t.launch_digest(reinterpret_cast<cudaStream_t>(stream), max_blocks, reinterpret_cast<uint64_t*>(digests),
+                              pass);
           },
-          py::arg("stream"), py::arg("max_blocks") = 0,
-          "Copies every box: one kernel launch, no allocation, no sync. max_blocks > 0 caps the grid.")
+          py::arg("stream"), py::arg("max_blocks") = 0, py::arg("digests") = 0, py::arg("pass_") = 0,
+          "Copies every box: one kernel launch, no allocation, no sync. max_blocks > 0 caps the grid. pass_ "
+          "(PASS_COPY/SRC/DST): a verify pass adding each box's digest into the uint64 at digests + 8 * box "
+          "(device memory, zeroed by the caller).")
       .def(
           "run_emulated",
-          [](const DeviceBoxTable& t) {
-            py::gil_scoped_release release;
-            t.run_emulated();
+          [](const DeviceBoxTable& t, int32_t pass) -> py::object {
+            if (pass == RX_PASS_NONE) {
+              py::gil_scoped_release release;
+              t.run_emulated();
+              return py::none();
+            }
+            std::vector<uint64_t> d;
+            {
+              py::gil_scoped_release release;
+              d = t.run_emulated_digest(pass);
+            }
+            return py::cast(d);
           },
-          "Runs the kernel's per-lane code on the host; the boxes must point at host memory (tests).");
+          py::arg("pass_") = 0,
+          "Runs the kernel's per-lane code on the host; the boxes must point at host memory (tests). pass_: a "
+          "verify pass, returning one digest per box.");
 #endif
 }
 

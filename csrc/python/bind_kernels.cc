@@ -1,5 +1,8 @@
 // CPU kernels: the box copy over a table passed as raw bytes (tests, CPU refit).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <vector>
 
 #include "core/check.h"
 #include "kernels/api.h"
@@ -32,6 +35,28 @@ void register_kernels(py::module_& m) {
         RX_HOST_ASSERT(rc == 0, "bad box in table");
       },
       "Runs the CPU box copy over a table of rx_box records (bytes-like).");
+  m.attr("PASS_COPY") = static_cast<int>(RX_PASS_COPY);
+  m.attr("PASS_SRC") = static_cast<int>(RX_PASS_SRC);
+  m.attr("PASS_DST") = static_cast<int>(RX_PASS_DST);
+  m.attr("DIGEST_CAST") = static_cast<int>(RX_DIGEST_CAST);
+  m.attr("DIGEST_MX") = static_cast<int>(RX_DIGEST_MX);
+  m.def(
+      "digest_boxes_cpu",
+      [](py::buffer table, int32_t pass) {
+        py::buffer_info info = table.request();
+        RX_HOST_ASSERT(info.size * info.itemsize % sizeof(rx_box) == 0, "table is not a whole number of boxes");
+        const int64_t n = info.size * info.itemsize / sizeof(rx_box);
+        std::vector<uint64_t> digests(static_cast<size_t>(n), 0);
+        int32_t rc;
+        {
+          py::gil_scoped_release release;
+          rc = rx_digest_boxes_cpu(static_cast<const rx_box*>(info.ptr), n, pass, digests.data());
+        }
+        RX_HOST_ASSERT(rc == 0, "bad box in table or bad pass");
+        return digests;
+      },
+      py::arg("boxes"), py::arg("pass_"),
+      "A verify pass (PASS_COPY/SRC/DST) of the CPU twin over a table of rx_box records: one digest per box.");
 }
 
 }  // namespace rx::python

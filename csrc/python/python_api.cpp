@@ -5,6 +5,10 @@
 #include "core/check.h"
 #include "python/register.h"
 
+#ifdef RX_WITH_NCCL
+#include <nccl.h>
+#endif
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
@@ -17,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
   rx::python::register_cuda(m);
   rx::python::register_comm(m);
   rx::python::register_mxfp8(m);
+  rx::python::register_direct(m);
 
   py::dict info;
   info["version"] = RX_VERSION_INFO;
@@ -27,10 +32,18 @@ PYBIND11_MODULE(_C, m) {
   info["cuda"] = false;
   info["cuda_arch"] = "";
 #endif
+#ifdef RX_WITH_CUDA
+  info["cudart"] = RX_CUDART_INFO;
+#else
+  info["cudart"] = "";
+#endif
 #ifdef RX_WITH_NCCL
   info["nccl"] = true;
+  info["nccl_headers"] = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
+                         std::to_string(NCCL_PATCH);
 #else
   info["nccl"] = false;
+  info["nccl_headers"] = "";
 #endif
   m.attr("_build_info") = info;
 }

@@ -9,4 +9,5 @@ void register_kernels(pybind11::module_& m);  // CPU box copy, dtypes (bind_kern
 void register_cuda(pybind11::module_& m);     // CUDA kernels and device tables (bind_cuda.cc)
 void register_comm(pybind11::module_& m);     // NCCL communicator (bind_comm.cc)
 void register_mxfp8(pybind11::module_& m);    // MXFP8 scale math and quantize (bind_mxfp8.cc)
+void register_direct(pybind11::module_& m);   // direct transport: IPC, signals (bind_direct.cc)
 }  // namespace rx::python

@@ -20,5 +20,10 @@ class Transport(Protocol):
     def prepare(self, tables: Any) -> None:
         """Once the tables are bound: device uploads, message views."""
 
-    def run(self, tables: Any) -> None:
-        """Moves every batch: local copies, pack, exchange, unpack."""
+    def run(self, tables: Any, verify: bool = False) -> Any:
+        """Moves every batch: local copies, pack, exchange, unpack. verify: returns the
+        (send, recv) digests of every op (uint64 arrays), computed as the kernels copy."""
+
+    def read_digests(self, tables: Any) -> tuple:
+        """rx.verify: (send, recv, copy source, copy destination) digests per op, read
+        from the bound tensors; moves nothing."""

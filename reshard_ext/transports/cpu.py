@@ -1,24 +1,22 @@
 """CPU transport: C++ box kernels over host memory, gloo point-to-point."""
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
+from ..options import Options
 from .p2p import P2PExchange
-
-# Ops of at least this many bytes travel as their own message, straight from / into the
-# tensor when their box is contiguous: on the CPU every copy avoided is memory
-# bandwidth won, while a message costs little.
-DIRECT_BYTES = int(os.environ.get("RESHARD_EXT_CPU_DIRECT_BYTES", 1 << 20))
 
 
 class CpuTransport:
-    direct_bytes = DIRECT_BYTES
-
-    def __init__(self, group: Any):
-        self.p2p = P2PExchange(group)
+    def __init__(self, group: Any, options: Options):
+        # Ops of at least this many bytes travel as their own message, straight from / into
+        # the tensor when their box is contiguous: on the CPU every copy avoided is memory
+        # bandwidth won, while a message costs little.
+        self.direct_bytes = options.resolved_direct_bytes("cpu")
+        self.p2p = P2PExchange(group, options.resolved_timeout("gloo"))
         self.send_buf = torch.empty(0, dtype=torch.uint8)
         self.recv_buf = torch.empty(0, dtype=torch.uint8)
         self._ops: list[list[Any]] = []
@@ -35,14 +33,33 @@ class CpuTransport:
         bufs = [self.send_buf, self.recv_buf]
         self._ops = [self.p2p.views(tables.messages(b), bufs) for b in range(tables.num_batches)]
 
-    def run(self, tables: Any) -> None:
+    def run(self, tables: Any, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """verify: also returns the digests of every send and recv op (verification.py),
+        computed by the pack and unpack kernels as they copy."""
+        send, recv = (np.zeros(n, dtype=np.uint64) for n in tables.num_ops[:2])
         if not self._ops:
             tables.run_copies_cpu()
-            return
         for b, ops in enumerate(self._ops):
-            tables.run_pack_cpu(b)
+            if verify:
+                tables.run_pack_cpu_verified(b, send)
+            else:
+                tables.run_pack_cpu(b)
             reqs = self.p2p.start(ops)
+            if verify:  # direct messages have no pack: read their sources while gloo's threads send them
+                tables.digest_direct_sends_cpu(b, send)
             if b == 0:
                 tables.run_copies_cpu()  # same-rank copies while gloo's threads move batch 0
             self.p2p.finish(reqs, ops)
-            tables.run_unpack_cpu(b)
+            if verify:
+                tables.run_unpack_cpu_verified(b, recv)
+            else:
+                tables.run_unpack_cpu(b)
+        return (send, recv) if verify else None
+
+    def read_digests(self, tables: Any) -> tuple[np.ndarray, ...]:
+        """rx.verify: (send, recv, copy source, copy destination) digests per op, read
+        from the bound tensors without moving anything."""
+        out = tuple(np.zeros(n, dtype=np.uint64) for n in tables.num_ops)
+        copy_dst = np.zeros_like(out[2])
+        tables.read_digests_cpu(*out, copy_dst)
+        return out + (copy_dst,)

@@ -4,49 +4,17 @@ comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .. import _C
 from ..errors import ReshardError
+from ..options import Options, set_process_env_default
 from .p2p import P2PExchange
 
 _ALIGN = 256
-# Only really large ops go direct: NCCL runs the p2p ops of a group one after another
-# per peer, so thousands of mid-size messages cost more than packing them (measured on
-# 2x H200: 6,435 expert tensors of 3 MB took 65 ms as messages, 20 ms as one).
-DIRECT_BYTES = int(os.environ.get("RESHARD_EXT_CUDA_DIRECT_BYTES", 64 << 20))
-# Default batch size on GPUs when rx.plan gets max_batch_bytes=None: several batches
-# let pack k+1 and unpack k-1 hide behind the transfer of k.
-DEFAULT_BATCH_BYTES = int(os.environ.get("RESHARD_EXT_CUDA_BATCH_BYTES", 512 << 20))
-# RESHARD_EXT_TRACE=1: every execute records CUDA events around each pack, transfer,
-# copy and unpack and logs the timeline (synchronising at the end: diagnostics only).
-TRACE = os.environ.get("RESHARD_EXT_TRACE", "0") not in ("", "0")
-# Same-rank copies in one slice per batch (default) or all at once before the first
-# unpack (RESHARD_EXT_CUDA_SPLIT_COPIES=0; kept to measure the difference).
-SPLIT_COPIES = os.environ.get("RESHARD_EXT_CUDA_SPLIT_COPIES", "1") not in ("", "0")
-# Caps the grid of the pack/unpack/copy launches of a rank that both sends and receives:
-# at full width they take HBM bandwidth and SM slots in bursts from NCCL's send and
-# receive kernels. Default: half as many blocks as the GPU has SMs. 2x H200, registered,
-# A/B in one run: TP2->TP1 0.92 -> 0.96 of the NCCL ceiling, MoE EP2->EP1 0.91 either
-# way; a one-way (non-collocated) rank lost with it (0.94 -> 0.92), so it is left
-# uncapped, as is a plan without transfers. A rank whose same-rank copies outweigh its
-# transfers by more than 10% gets three quarters of the SMs: its kernels, not the link,
-# set the pace at half (4x H200, one run: MoE EP2->EP1, copies 1.3x the transfers, 0.88
-# at 66 blocks, 0.92-0.93 at 99, 0.82 at 132; TP2->TP1, equal bytes, 0.94-0.95 at 66,
-# 0.91-0.92 at 99). RESHARD_EXT_CUDA_MAX_BLOCKS=N: N blocks for every plan with transfers
-# (0: uncapped, one warp per tile).
-_MAX_BLOCKS_ENV = os.environ.get("RESHARD_EXT_CUDA_MAX_BLOCKS", "")
-# The staging buffers and direct-message tensors are registered with NCCL
-# (ncclCommRegister), so intra-node transfers move straight between them instead of
-# through NCCL's FIFOs: two fewer HBM passes per byte, which the packs, unpacks and
-# copies running beside each transfer need (2x H200, TP2->TP1 collocated: 0.76 -> 0.90
-# of the NCCL ceiling). Every rank registers by the same rule (a transfer must be
-# registered at both ends or neither: rx.plan agrees on it). RESHARD_EXT_NCCL_REGISTER=0
-# turns it off.
-REGISTER = os.environ.get("RESHARD_EXT_NCCL_REGISTER", "1") not in ("", "0")
 
 _log = logging.getLogger("reshard_ext")
 
@@ -82,27 +50,86 @@ def _untraced(kind: str, batch: int, stream: Any, fn: Any) -> None:
     fn()
 
 
-def registration_vote() -> bool:
-    """This rank's vote on NCCL buffer registration; `rx.plan` registers only when every
-    rank of the group votes yes, since a transfer registered at one end only is
-    undefined in NCCL. torch allocates with cudaMalloc, which NCCL registers (cudaIpc
-    handles) only with NCCL_LEGACY_CUDA_REGISTER=1: set here unless the user set it,
-    before NCCL first reads it (at its first registered transfer)."""
-    if not REGISTER:
+def registration_vote(options: Options) -> bool:
+    """This rank's vote on NCCL buffer registration (staging buffers and direct-message
+    tensors registered, so intra-node transfers move straight between them instead of
+    through NCCL's FIFOs, leaving HBM to the kernels beside them). `rx.plan` registers
+    only when every rank of the group votes yes, since a transfer registered at one end
+    only is undefined in NCCL. torch allocates with cudaMalloc, which NCCL registers
+    (cudaIpc handles) only with NCCL_LEGACY_CUDA_REGISTER=1: set here unless the user set
+    it, before NCCL first reads it (at its first registered transfer)."""
+    if not options.resolved_nccl_register():
         return False
-    return os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
+    return set_process_env_default("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
 
 
-def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int) -> int:
-    if _MAX_BLOCKS_ENV:
-        return int(_MAX_BLOCKS_ENV)
+def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: Optional[int] = None) -> int:
+    """Grid cap of the kernels beside transfers: at full width they take HBM bandwidth and
+    SM slots in bursts from NCCL's kernels. Half the SMs on ranks that send and receive,
+    three quarters where same-rank copies outweigh the transfers by >10% (the kernels then
+    set the pace); one-way ranks and plans without transfers stay uncapped (RESULTS.md)."""
+    if override is not None:
+        return override
     if not (send_bytes and recv_bytes):
         return 0
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return sms * 3 // 4 if copy_bytes * 10 > max(send_bytes, recv_bytes) * 11 else sms // 2
 
 
-def make_cuda_transport(backend: str, group: Any, register: bool = False) -> "CudaTransport":
+def _upload(host: list) -> torch.Tensor:
+    """Uploads DeviceBoxTables into one device buffer (returned: it owns their memory)."""
+    offsets, total = [], 0
+    for t in host:
+        offsets.append(total)
+        total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    blob = torch.empty(max(total, 1), dtype=torch.uint8, device=torch.cuda.current_device())
+    stream = torch.cuda.current_stream().cuda_stream
+    for t, off in zip(host, offsets):
+        t.upload(blob.data_ptr() + off, stream)
+    # execute may run on another stream than this one: finish the uploads here, at plan
+    # time, rather than order every later launch after them.
+    torch.cuda.current_stream().synchronize()
+    return blob
+
+
+class _Digests:
+    """Verify digests of one binding on the GPU (reshard_ext/verification.py): one device
+    buffer with a uint64 per box of the tables that digest, zeroed per execute, and where
+    each box's digest goes: (send or recv op) of each slot."""
+
+    def __init__(self, parts: list[tuple[Any, str, Any]]):
+        # parts: (DeviceBoxTable, "send" | "recv" | "copy_src" | "copy_dst", the op of each box)
+        self.tables = [t for t, _, _ in parts]
+        self.offsets, total = [], 0
+        for t, _, _ in parts:
+            self.offsets.append(total)
+            total += t.num_boxes
+        self.buf = torch.zeros(max(total, 1), dtype=torch.int64, device=torch.cuda.current_device())
+        self.where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for (t, kind, ops), off in zip(parts, self.offsets):
+            ops = np.arange(t.num_boxes) if ops is None else np.asarray(ops, dtype=np.int64)
+            slots = np.arange(off, off + t.num_boxes)
+            old = self.where.get(kind, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            self.where[kind] = (np.concatenate((old[0], slots)), np.concatenate((old[1], ops)))
+
+    def args(self, i: int, pass_: int) -> tuple:
+        """launch() arguments of part i: its digest slots and the pass."""
+        return (self.buf.data_ptr() + 8 * self.offsets[i], pass_)
+
+    def collect(self, kinds: tuple[str, ...], sizes: dict[str, int]) -> tuple[np.ndarray, ...]:
+        """Waits for the digests (the current stream) and returns one uint64 array per kind,
+        indexed by op."""
+        host = self.buf.cpu().numpy().view(np.uint64)
+        out = []
+        for kind in kinds:
+            a = np.zeros(sizes[kind], dtype=np.uint64)
+            slots, ops = self.where.get(kind, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            a[ops] = host[slots]
+            out.append(a)
+        return tuple(out)
+
+
+def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> "CudaTransport":
     if not torch.cuda.is_available():
         raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
     if not _C._build_info["cuda"]:
@@ -110,8 +137,9 @@ def make_cuda_transport(backend: str, group: Any, register: bool = False) -> "Cu
     if backend == "nccl":
         from .. import _nccl
 
-        return CudaTransport(group, _nccl.communicator(group), register)
-    return CudaTransport(group, None)
+        comm = _nccl.communicator(group, options.resolved_timeout("nccl"))
+        return CudaTransport(group, comm, options, register)
+    return CudaTransport(group, None, options)
 
 
 class CudaTransport:
@@ -120,16 +148,21 @@ class CudaTransport:
     side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
     staging); the caller's stream waits for the last transfer before its unpack."""
 
-    def __init__(self, group: Any, comm: Optional[Any], register: bool = False):
+    def __init__(self, group: Any, comm: Optional[Any], options: Options, register: bool = False):
         self.comm = comm
+        self.trace = options.resolved_trace()
+        self.split_copies = options.resolved_split_copies()
+        self.max_blocks_override = options.resolved_max_blocks()
         # NCCL buffer registration, as agreed by every rank at plan time (registration_vote)
         self.register = register and comm is not None
-        # With NCCL, an op of >= DIRECT_BYTES whose box is one contiguous run is sent from
+        # With NCCL, an op of >= direct_bytes whose box is one contiguous run is sent from
         # / received into the tensor itself: no pack or unpack pass over its bytes (a
         # refit is link-bound and those passes are serial with the transfer). torch p2p
         # needs tensors for its messages, so it stages everything.
-        self.direct_bytes = DIRECT_BYTES if comm is not None else 0
-        self.p2p = None if comm is not None else P2PExchange(group)
+        # (Ops below it are packed: NCCL runs a group's p2p ops one after another per peer,
+        # so thousands of mid-size messages cost more than packing them.)
+        self.direct_bytes = options.resolved_direct_bytes("cuda") if comm is not None else 0
+        self.p2p = None if comm is not None else P2PExchange(group, options.resolved_timeout("torch"))
         # High priority: the transfer is the critical path; packs and unpacks on the
         # caller's stream fill the SMs NCCL leaves idle instead of delaying its kernels.
         self.side = torch.cuda.Stream(priority=-1) if comm is not None else None
@@ -151,28 +184,21 @@ class CudaTransport:
         nb = tables.num_batches
         # With a side stream the local copies go in one slice per batch, between the pack
         # of the next batch and the unpack of this one (see run).
-        sliced = SPLIT_COPIES and self.comm is not None and nb > 1
+        sliced = self.split_copies and self.comm is not None and nb > 1
         copy_parts = tables.copy_boxes_split(nb) if sliced else [tables.copy_boxes()]
         host = [_C.DeviceBoxTable(part) for part in copy_parts]
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
         host += [_C.DeviceBoxTable(tables.unpack_boxes(b)) for b in range(tables.num_batches)]
-        offsets, total = [], 0
-        for t in host:
-            offsets.append(total)
-            total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        self._blob = torch.empty(max(total, 1), dtype=torch.uint8, device=torch.cuda.current_device())
-        stream = torch.cuda.current_stream().cuda_stream
-        for t, off in zip(host, offsets):
-            t.upload(self._blob.data_ptr() + off, stream)
-        # execute may run on another stream than this one: finish the uploads here, at
-        # plan time, rather than order every later launch after them.
-        torch.cuda.current_stream().synchronize()
+        self._blob = _upload(host)
+        self._verify: Optional[_Digests] = None  # built by the first verified execute
+        self._read: Optional[_Digests] = None    # ... and by the first rx.verify
         nc = len(copy_parts)
         # A plan that moves nothing between ranks runs its copies alone, uncapped, with no
         # NCCL call or host wait (decided here, once, not per execute).
         self._moves = tables.send_total > 0 or tables.recv_total > 0
         if self.comm is not None and self._moves:
-            self.max_blocks = _max_blocks(tables.send_total, tables.recv_total, tables.copy_total)
+            self.max_blocks = _max_blocks(tables.send_total, tables.recv_total, tables.copy_total,
+                                          self.max_blocks_override)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
         if self.register:
@@ -209,27 +235,60 @@ class CudaTransport:
         """(sends, recvs) of batch b as (peer, device ptr, bytes)."""
         return self._messages[b]
 
-    def run(self, tables: Any) -> None:
+    def _verified(self, tables: Any) -> _Digests:
+        """The digest state of verified executes: per batch the pack, the direct sends (no
+        pack box: their sources are read), the unpack and the direct receives (their
+        destinations are read once they landed)."""
+        if self._verify is None:
+            parts = []
+            for b in range(tables.num_batches):
+                direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)), _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
+                parts += [(self._pack[b], "send", tables.pack_ops(b)), (direct[0], "send", tables.direct_sends(b)),
+                          (self._unpack[b], "recv", tables.unpack_ops(b)), (direct[1], "recv", tables.direct_recvs(b))]
+            self._verify_blob = _upload([t for t, kind, _ in parts[1::2]])
+            self._verify = _Digests(parts)
+        return self._verify
+
+    def run(self, tables: Any, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """verify: the pack and unpack launches also digest every op (one more launch per
+        batch for the ops that travel as direct messages); returns (send, recv) digests."""
         main = torch.cuda.current_stream()
         s = main.cuda_stream
         k = len(self._pack)
-        timeline = _Timeline() if TRACE else None
+        timeline = _Timeline() if self.trace else None
         step = timeline.step if timeline else _untraced
+        v = self._verified(tables) if verify else None
+        if v is not None:
+            v.buf.zero_()
+
+        def pack(b: int, cap: int = 0) -> None:
+            if v is None:
+                self._pack[b].launch(s, cap)
+                return
+            self._pack[b].launch(s, cap, *v.args(4 * b, _C.PASS_COPY))
+            v.tables[4 * b + 1].launch(s, cap, *v.args(4 * b + 1, _C.PASS_SRC))
+
+        def unpack(b: int, cap: int = 0) -> None:
+            if v is None:
+                self._unpack[b].launch(s, cap)
+                return
+            self._unpack[b].launch(s, cap, *v.args(4 * b + 2, _C.PASS_COPY))
+            v.tables[4 * b + 3].launch(s, cap, *v.args(4 * b + 3, _C.PASS_DST))
+
         if self.comm is None or not self._moves:  # torch p2p, or only same-rank copies
             for i, c in enumerate(self._copy):
                 step("copy", i, main, lambda c=c: c.launch(s))
             for b in range(k if self.p2p is not None else 0):  # torch.distributed p2p: no overlap
-                step("pack", b, main, lambda b=b: self._pack[b].launch(s))
+                step("pack", b, main, lambda b=b: pack(b))
                 self.p2p.run(self._p2p_ops[b])
-                step("unpack", b, main, lambda b=b: self._unpack[b].launch(s))
-            self._finish(timeline)
-            return
+                step("unpack", b, main, lambda b=b: unpack(b))
+            return self._finish(timeline, tables, v)
         side = self.side
         cap = self.max_blocks
         done: list[torch.cuda.Event] = []
 
         def post(b: int) -> None:
-            step("pack", b, main, lambda: self._pack[b].launch(s, cap))
+            step("pack", b, main, lambda: pack(b, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
             sends, recvs = self._messages[b]
             step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
@@ -245,12 +304,35 @@ class CudaTransport:
             if b < len(self._copy):
                 step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
             main.wait_event(done[b])
-            step("unpack", b, main, lambda b=b: self._unpack[b].launch(s, cap))
+            step("unpack", b, main, lambda b=b: unpack(b, cap))
         # A dead peer or a lost message raises here (bounded by the communicator's
-        # timeout, RESHARD_EXT_NCCL_TIMEOUT) instead of hanging the next sync.
+        # timeout, rx.Options.timeout) instead of hanging the next sync.
         self.comm.wait(self.comm.timeout)
-        self._finish(timeline)
+        return self._finish(timeline, tables, v)
 
-    def _finish(self, timeline: Optional[_Timeline]) -> None:
+    def read_digests(self, tables: Any) -> tuple[np.ndarray, ...]:
+        """rx.verify: one launch per side reads every op's source (what it would send) and
+        destination (what it holds), moving nothing."""
+        if self._read is None:
+            copies = _C.DeviceBoxTable(tables.copy_boxes())
+            parts = [(_C.DeviceBoxTable(tables.send_boxes()), "send", None),
+                     (_C.DeviceBoxTable(tables.recv_boxes()), "recv", None), (copies, "copy_src", None),
+                     (copies, "copy_dst", None)]
+            self._read_blob = _upload([t for t, *_ in parts[:3]])
+            self._read = _Digests(parts)
+        r = self._read
+        r.buf.zero_()
+        s = torch.cuda.current_stream().cuda_stream
+        for i, pass_ in enumerate((_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)):
+            r.tables[i].launch(s, 0, *r.args(i, pass_))
+        sends, recvs, copies_n = tables.num_ops
+        return r.collect(("send", "recv", "copy_src", "copy_dst"),
+                         {"send": sends, "recv": recvs, "copy_src": copies_n, "copy_dst": copies_n})
+
+    def _finish(self, timeline: Optional[_Timeline], tables: Any, v: Optional[_Digests]) -> Any:
         if timeline is not None:
             self.last_timeline = timeline.report()
+        if v is None:
+            return None
+        sends, recvs, _ = tables.num_ops
+        return v.collect(("send", "recv"), {"send": sends, "recv": recvs})

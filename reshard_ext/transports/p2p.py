@@ -3,18 +3,12 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ReshardError
-
-# A peer that never posts its half must not hang the refit for the process group's own
-# timeout (30 min by default): waits give up after this many seconds and raise.
-TIMEOUT_S = float(os.environ.get("RESHARD_EXT_P2P_TIMEOUT", 600))
-
 
 def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tensor:
     """A uint8 tensor over [ptr, ptr + nbytes): a slice of a staging buffer when it lies
@@ -27,10 +21,13 @@ def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tenso
 
 
 class P2PExchange:
-    """Posts every message of a batch at once and waits for all of them."""
+    """Posts every message of a batch at once and waits for all of them. A peer that never
+    posts its half must not hang the refit for the process group's own timeout (30 min by
+    default): waits give up after `timeout_s` and raise."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any, timeout_s: float):
         self.group = group
+        self.timeout_s = timeout_s
         self._global: dict[int, int] = {}
 
     def global_rank(self, group_rank: int) -> int:
@@ -55,20 +52,18 @@ class P2PExchange:
         """Posts every message; returns the requests to wait on."""
         return dist.batch_isend_irecv(ops) if ops else []
 
-    @staticmethod
-    def finish(reqs: list[Any], ops: list[Any]) -> None:
-        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    def finish(self, reqs: list[Any], ops: list[Any]) -> None:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         for req in reqs:
             try:
                 req.wait(timeout)
             except RuntimeError as e:
                 peers = sorted({op.peer for op in ops})
                 raise ReshardError(
-                    f"refit transfer with ranks {peers} (global) did not complete within {TIMEOUT_S:g} s "
-                    f"(RESHARD_EXT_P2P_TIMEOUT): a peer died, skipped rx.execute, or runs another plan. "
+                    f"refit transfer with ranks {peers} (global) did not complete within {self.timeout_s:g} s "
+                    f"(rx.Options.timeout, default RESHARD_EXT_P2P_TIMEOUT): a peer died, skipped rx.execute, or runs another plan. "
                     f"The process group may be unusable now. ({e})"
                 ) from e
 
-    @classmethod
-    def run(cls, ops: list[Any]) -> None:
-        cls.finish(cls.start(ops), ops)
+    def run(self, ops: list[Any]) -> None:
+        self.finish(self.start(ops), ops)

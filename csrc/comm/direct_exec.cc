@@ -1,0 +1,217 @@
+// The direct transport's signals and per-execute steps: see direct_exec.h.
+#include "comm/direct_exec.h"
+
+#ifdef RX_WITH_CUDA
+
+#include <algorithm>
+
+#include "comm/cuda_check.h"
+#include "comm/host_wait.h"
+#include "core/check.h"
+#include "kernels/signal_api.h"
+
+namespace rx {
+
+namespace {
+
+std::vector<rx_box> kernel_boxes(const std::vector<rx_box>& boxes, int64_t engine_bytes,
+                                 std::vector<EngineCopy>* engine) {
+  std::vector<rx_box> kernel;
+  split_engines(boxes, engine_bytes, engine, &kernel);
+  return kernel;
+}
+
+}  // namespace
+
+DirectSignals::DirectSignals(int rank, int world, int device) : rank_(rank), world_(world), device_(device) {
+  RX_USER_CHECK(world >= 1 && rank >= 0 && rank < world, "direct transport: rank ", rank, " not in a group of ",
+                world);
+  DeviceGuard guard(device_);
+  // Allocated here, not by torch: peers map it through CUDA IPC, which torch's allocator
+  // may not allow (expandable segments), and it is a few bytes for the plan's lifetime.
+  const size_t bytes = static_cast<size_t>(world) * sizeof(uint64_t);
+  RX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), bytes));
+  try {
+    RX_CUDA_CHECK(cudaMemset(flags_, 0, bytes));
+    RX_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroes land before any peer can look
+    std::string why;
+    RX_USER_CHECK(ipc_export(reinterpret_cast<uintptr_t>(flags_), &flags_export_, &why),
+                  "direct transport: cannot share its signal words: ", why);
+    page_ = SharedPage::create();
+  } catch (...) {
+    cudaFree(flags_);  // the destructor does not run for a half-built object
+    throw;
+  }
+}
+
+DirectSignals::~DirectSignals() {
+  peers_.clear();
+  page_.reset();
+  if (flags_ != nullptr) {
+    cudaFree(flags_);
+    cudaGetLastError();
+  }
+}
+
+std::string DirectSignals::attach(int peer, const IpcExport& flags, const std::string& page_path) {
+  if (peer < 0 || peer >= world_ || peer == rank_) return detail::format("rank ", peer, " is not a peer");
+  if (attached(peer)) return "";
+  if (flags.offset + static_cast<uint64_t>(world_) * sizeof(uint64_t) > flags.size)
+    return detail::format("rank ", peer, "'s signal words are smaller than the group");
+  DeviceGuard guard(device_);
+  Peer p;
+  p.flags = std::make_unique<IpcMapping>(flags.handle);
+  if (!p.flags->ok()) return detail::format("mapping rank ", peer, "'s signal words: ", p.flags->why());
+  p.flags_offset = flags.offset;
+  std::string why;
+  p.page = SharedPage::open(page_path, &why);
+  if (!p.page) return detail::format("mapping rank ", peer, "'s shared page: ", why);
+  peers_.emplace(peer, std::move(p));
+  return "";
+}
+
+uint64_t DirectSignals::peer_flag(int peer) const {
+  const Peer& p = peers_.at(peer);
+  return p.flags->base() + p.flags_offset + static_cast<uint64_t>(rank_) * sizeof(uint64_t);
+}
+
+uint64_t DirectSignals::own_flag(int peer) const {
+  RX_HOST_ASSERT(peer >= 0 && peer < world_, "own_flag: bad peer ", peer);
+  return reinterpret_cast<uintptr_t>(flags_ + peer);
+}
+
+uint64_t DirectSignals::peer_ready(int peer) const {
+  return __atomic_load_n(const_cast<const uint64_t*>(peers_.at(peer).page->words()), __ATOMIC_ACQUIRE);
+}
+
+DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
+                       int64_t engine_bytes, std::vector<int32_t> receivers, std::vector<int32_t> senders,
+                       double timeout_s)
+    : sig_(std::move(signals)),
+      table_(kernel_boxes(boxes, engine_bytes, &engine_)),
+      receivers_(std::move(receivers)),
+      senders_(std::move(senders)),
+      timeout_s_(timeout_s) {
+  RX_HOST_ASSERT(sig_ != nullptr, "DirectExec: no signals");
+  for (int32_t r : receivers_) {
+    RX_HOST_ASSERT(sig_->attached(r), "DirectExec: receiver ", r, " not attached");
+    done_words_.push_back(sig_->peer_flag(r));
+  }
+  for (int32_t s : senders_) wait_words_.push_back(sig_->own_flag(s));
+  RX_HOST_ASSERT(boxes.empty() || !receivers_.empty(), "DirectExec: boxes without a receiver");
+  DeviceGuard guard(sig_->device());
+  int lowest = 0, highest = 0;
+  RX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+  // High priority, like the NCCL side stream: the link is the refit's critical path.
+  RX_CUDA_CHECK(cudaStreamCreateWithPriority(&ce_, cudaStreamNonBlocking, highest));
+  RX_CUDA_CHECK(cudaStreamCreateWithPriority(&sm_, cudaStreamNonBlocking, highest));
+  for (cudaEvent_t* e : {&start_, &ce_done_, &sent_, &end_})
+    RX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+}
+
+DirectExec::~DirectExec() {
+  // Work still queued keeps the streams and events alive: CUDA defers their release.
+  for (cudaEvent_t e : {start_, ce_done_, sent_, end_})
+    if (e != nullptr) cudaEventDestroy(e);
+  for (cudaStream_t s : {ce_, sm_})
+    if (s != nullptr) cudaStreamDestroy(s);
+  cudaGetLastError();
+}
+
+void DirectExec::fail(const std::string& msg) {
+  if (error_.empty()) error_ = msg;
+  throw ReshardError(msg + ". The plan's direct transport is unusable now (plan again on every rank).");
+}
+
+void DirectExec::guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main) {
+  RX_USER_CHECK(error_.empty(), "direct transport unusable after an earlier failure: ", error_);
+  try {
+    (this->*steps)(main);
+  } catch (const std::exception& e) {
+    if (error_.empty()) error_ = e.what();  // the ranks' sequences may differ from here on
+    throw;
+  }
+}
+
+void DirectExec::begin(cudaStream_t main) { guarded(&DirectExec::begin_steps, main); }
+
+void DirectExec::end(cudaStream_t main) { guarded(&DirectExec::end_steps, main); }
+
+void DirectExec::begin_steps(cudaStream_t main) {
+  DeviceGuard guard(sig_->device());
+  seq_ = sig_->next_seq();
+  *sig_->error_host() = 0;  // the previous execute has ended (end() waited): no kernel writes it now
+  if (!senders_.empty()) {
+    const uint64_t ready = sig_->ready_device();
+    RX_CUDA_CHECK(rx_signal_store_cuda(&ready, 1, seq_, main));
+  }
+  if (receivers_.empty()) return;
+  const auto deadline = deadline_after(timeout_s_);
+  Backoff backoff(50);
+  for (int32_t r : receivers_) {
+    while (sig_->peer_ready(r) < seq_) {
+      if (Clock::now() > deadline)
+        fail(detail::format("rank ", sig_->rank(), ": rank ", r, " did not start execute #", seq_,
+                            " of this plan within ", timeout_s_,
+                            " s (its destinations never became free for the direct writes): it died, skipped "
+                            "rx.execute, or runs another plan"));
+      backoff.pause();
+    }
+  }
+  RX_CUDA_CHECK(cudaEventRecord(start_, main));
+  RX_CUDA_CHECK(cudaStreamWaitEvent(ce_, start_, 0));
+  RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, start_, 0));
+  for (const EngineCopy& c : engine_) {
+    void* dst = reinterpret_cast<void*>(static_cast<uintptr_t>(c.dst));
+    const void* src = reinterpret_cast<const void*>(static_cast<uintptr_t>(c.src));
+    if (c.height == 1)
+      RX_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(c.width), cudaMemcpyDefault, ce_));
+    else
+      RX_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(c.dpitch), src, static_cast<size_t>(c.spitch),
+                                      static_cast<size_t>(c.width), static_cast<size_t>(c.height), cudaMemcpyDefault,
+                                      ce_));
+  }
+  table_.launch(sm_, 0);
+  RX_CUDA_CHECK(cudaEventRecord(ce_done_, ce_));
+  RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_, 0));
+  RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()), seq_, sm_));
+  RX_CUDA_CHECK(cudaEventRecord(sent_, sm_));
+}
+
+void DirectExec::end_steps(cudaStream_t main) {
+  DeviceGuard guard(sig_->device());
+  // The caller's later work may overwrite the sources: it waits for the sends.
+  if (!receivers_.empty()) RX_CUDA_CHECK(cudaStreamWaitEvent(main, sent_, 0));
+  if (!senders_.empty()) {
+    const double ns = std::min(timeout_s_, 1e7) * 1e9;
+    RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()), seq_,
+                                      static_cast<uint64_t>(ns), sig_->error_device(), 0, main));
+  }
+  RX_CUDA_CHECK(cudaEventRecord(end_, main));
+  // The device waits are bounded by timeout_s; this bound only catches a stream that
+  // never reaches them (work queued before the refit that does not finish).
+  const double host_timeout = 2 * timeout_s_ + 30;
+  const auto deadline = deadline_after(host_timeout);
+  Backoff backoff(50);
+  while (true) {
+    const cudaError_t q = cudaEventQuery(end_);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) RX_CUDA_CHECK(q);
+    if (Clock::now() > deadline)
+      fail(detail::format("rank ", sig_->rank(), ": execute #", seq_, " of this plan did not finish on the GPU within ",
+                          host_timeout, " s"));
+    backoff.pause();
+  }
+  const uint64_t late = __atomic_load_n(const_cast<const uint64_t*>(sig_->error_host()), __ATOMIC_ACQUIRE);
+  if (late != 0) {
+    const int32_t peer = late <= senders_.size() ? senders_[late - 1] : -1;
+    fail(detail::format("rank ", sig_->rank(), ": rank ", peer, " did not signal within ", timeout_s_,
+                        " s that its direct writes of execute #", seq_,
+                        " landed (it died, skipped rx.execute, or runs another plan); destinations written by ranks ",
+                        ranks_text(senders_), " may be partly updated"));
+  }
+}
+
+}  // namespace rx
+
+#endif  // RX_WITH_CUDA

@@ -1,0 +1,137 @@
+// The direct transport (DESIGN section 4, "Direct path"): on one host, a sender writes
+// each box straight into the receiver's destination tensor through a CUDA IPC mapping.
+// No staging at either end, no unpack; large 2-D boxes go through the copy engines, the
+// rest through one launch of the box kernel (stores into peer memory).
+//
+// Each execute n of a plan, on every rank that takes part in a direct pair:
+//   1. as a receiver, its stream stores "ready = n" into its own shared page: from that
+//      point of the caller's stream its destinations are idle (the refit's contract:
+//      nothing else reads or writes them until execute returns);
+//   2. as a sender, its host waits (bounded) until each receiver's page says ready >= n,
+//      then enqueues its copies and kernel on side streams after the work already on the
+//      caller's stream (the sources are ready), and then stores "done = n" into each
+//      receiver's flag word (in the receiver's GPU memory, through IPC);
+//   3. as a receiver, its stream waits (a bounded spin kernel) for done >= n from every
+//      sender; the caller's stream waits for its own sends; the host waits for that point
+//      (bounded) and raises if a peer never signalled.
+// So completion reaches the receiver on the GPU, and the only host waits are one at the
+// start (senders) and one at the end, per execute; a dead or missing peer raises a
+// ReshardError naming it within the timeout instead of hanging. After any failure the
+// plan's direct transport is unusable (its ranks no longer agree on the sequence).
+#pragma once
+
+#ifdef RX_WITH_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/peer_map.h"
+#include "core/direct.h"
+#include "kernels/device_table.h"
+
+namespace rx {
+
+// One plan's signal words on one rank: a flag word per peer in GPU memory (written by
+// senders through IPC), and a shared host page holding this rank's "ready" word (written
+// by its GPU, read by its senders' hosts) and the error word of its waits.
+class DirectSignals {
+ public:
+  DirectSignals(int rank, int world, int device);
+  ~DirectSignals();
+  DirectSignals(const DirectSignals&) = delete;
+  DirectSignals& operator=(const DirectSignals&) = delete;
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int device() const { return device_; }
+  // What a peer needs to attach: the flags' IPC export and the page's path.
+  const IpcExport& flags_export() const { return flags_export_; }
+  const std::string& page_path() const { return page_->path(); }
+  // Removes the page's file once every peer has attached (the mappings stay).
+  void unlink_page() { page_->unlink(); }
+
+  // Maps a peer's flags and page; "" or why not (the pair then uses NCCL).
+  std::string attach(int peer, const IpcExport& flags, const std::string& page_path);
+  bool attached(int peer) const { return peers_.count(peer) > 0; }
+
+  uint64_t next_seq() { return ++seq_; }
+  uint64_t seq() const { return seq_; }
+
+  // Device addresses (this process): peer's flag word for this rank, this rank's flag
+  // word for `peer`, this rank's ready and error words.
+  uint64_t peer_flag(int peer) const;
+  uint64_t own_flag(int peer) const;
+  uint64_t ready_device() const { return page_->device_address(); }
+  uint64_t error_device() const { return page_->device_address() + sizeof(uint64_t); }
+  // Host views: a peer's ready word; this rank's error word.
+  uint64_t peer_ready(int peer) const;
+  volatile uint64_t* error_host() const { return page_->words() + 1; }
+
+ private:
+  struct Peer {
+    std::unique_ptr<IpcMapping> flags;
+    uint64_t flags_offset = 0;
+    std::unique_ptr<SharedPage> page;
+  };
+  int rank_, world_, device_;
+  uint64_t* flags_ = nullptr;  // world words, cudaMalloc'd here: see the constructor
+  IpcExport flags_export_;
+  std::unique_ptr<SharedPage> page_;
+  std::map<int, Peer> peers_;
+  uint64_t seq_ = 0;
+};
+
+// One bound plan's direct work on one rank: the sends as copy-engine copies and a box
+// kernel table, and the pairs to signal. Built at bind time; begin/end per execute.
+class DirectExec {
+ public:
+  // boxes: every direct send's box (addresses in this process); engine_bytes: the
+  // split_engines threshold. receivers / senders: the peers this rank writes to / that
+  // write to it directly, all attached in `signals`.
+  DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes, int64_t engine_bytes,
+             std::vector<int32_t> receivers, std::vector<int32_t> senders, double timeout_s);
+  ~DirectExec();
+  DirectExec(const DirectExec&) = delete;
+  DirectExec& operator=(const DirectExec&) = delete;
+
+  // The kernel's box table: bytes of device memory upload() fills (16-byte aligned).
+  int64_t table_bytes() const { return table_.bytes_needed(); }
+  void upload(void* dev, cudaStream_t stream) { table_.upload(dev, stream); }
+  int64_t num_engine_copies() const { return static_cast<int64_t>(engine_.size()); }
+  int64_t num_kernel_boxes() const { return table_.num_boxes(); }
+
+  // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream. Throws
+  // ReshardError when a receiver is not ready within the timeout.
+  void begin(cudaStream_t main);
+  // Step 3; returns once the refit's direct part is complete on `main`'s timeline.
+  void end(cudaStream_t main);
+
+  const std::string& error() const { return error_; }
+
+ private:
+  [[noreturn]] void fail(const std::string& msg);
+  void guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main);
+  void begin_steps(cudaStream_t main);
+  void end_steps(cudaStream_t main);
+
+  std::shared_ptr<DirectSignals> sig_;
+  std::vector<EngineCopy> engine_;
+  DeviceBoxTable table_;
+  std::vector<int32_t> receivers_, senders_;
+  std::vector<uint64_t> done_words_, wait_words_;
+  double timeout_s_;
+  cudaStream_t ce_ = nullptr, sm_ = nullptr;
+  cudaEvent_t start_ = nullptr, ce_done_ = nullptr, sent_ = nullptr, end_ = nullptr;
+  uint64_t seq_ = 0;
+  bool uploaded_ = false;
+  std::string error_;
+};
+
+}  // namespace rx
+
+#endif  // RX_WITH_CUDA

@@ -1,0 +1,89 @@
+#include "core/direct.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace rx {
+
+RankPlan split_direct(const RankPlan& plan, const LayoutTable& src, const std::vector<int32_t>& peers) {
+  RankPlan out = plan;
+  auto is_direct = [&](int32_t peer) { return std::find(peers.begin(), peers.end(), peer) != peers.end(); };
+  auto split = [&](const std::vector<TransferOp>& all, std::vector<TransferOp>& kept, std::vector<TransferOp>& direct) {
+    kept.clear();
+    for (const TransferOp& op : all) {
+      if (!is_direct(op.peer)) {
+        kept.push_back(op);
+        continue;
+      }
+      TransferOp d = op;
+      RX_HOST_ASSERT(op.src_name >= 0 && op.src_name < src.size(), "split_direct: op without a source tensor");
+      d.wire_dtype = src.layout(op.src_name).dtype();
+      d.nbytes = d.numel * rx_dtype_size(d.wire_dtype);
+      d.batch = 0;
+      d.offset = 0;
+      direct.push_back(std::move(d));
+    }
+  };
+  split(plan.sends, out.sends, out.direct_sends);
+  split(plan.recvs, out.recvs, out.direct_recvs);
+  out.batches.clear();
+  out.digests.clear();
+  out.send_digest = out.recv_digest = 0;
+  return out;
+}
+
+namespace {
+
+int64_t box_bytes(const rx_box& b) {
+  int64_t n = rx_dtype_size(b.dst_dtype);
+  for (int d = 0; d < b.ndim; ++d) n *= b.shape[d];
+  return n;
+}
+
+}  // namespace
+
+void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vector<EngineCopy>* engine,
+                   std::vector<rx_box>* kernel) {
+  engine->clear();
+  kernel->clear();
+  for (const rx_box& b : boxes) {
+    const int64_t elem = rx_dtype_size(b.src_dtype);
+    const int last = b.ndim - 1;
+    bool ok = min_bytes > 0 && b.mode == RX_BOX_COPY && b.src_dtype == b.dst_dtype && elem > 0 &&
+              (b.ndim == 1 || b.ndim == 2) && b.src_stride[last] == 1 && b.dst_stride[last] == 1 &&
+              box_bytes(b) >= min_bytes;
+    EngineCopy c;
+    if (ok) {
+      c.dst = b.dst;
+      c.src = b.src;
+      c.width = b.shape[last] * elem;
+      c.height = b.ndim == 2 ? b.shape[0] : 1;
+      c.spitch = b.ndim == 2 ? b.src_stride[0] * elem : c.width;
+      c.dpitch = b.ndim == 2 ? b.dst_stride[0] * elem : c.width;
+      // cudaMemcpy2D wants pitches >= width (rows that do not overlap); very wide pitches
+      // are refused by some drivers, so those boxes stay with the kernel.
+      constexpr int64_t kMaxPitch = (int64_t{1} << 31) - 1;
+      if (c.height > 1)
+        ok = c.width >= kMinEngineRow && c.spitch >= c.width && c.dpitch >= c.width && c.spitch <= kMaxPitch &&
+             c.dpitch <= kMaxPitch;
+    }
+    if (ok)
+      engine->push_back(c);
+    else
+      kernel->push_back(b);
+  }
+}
+
+std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
+  const int64_t elem = rx_dtype_size(box.dst_dtype);
+  int64_t lo = 0, hi = 0;  // byte offsets from box.dst of the first and one past the last element
+  for (int d = 0; d < box.ndim; ++d) {
+    if (box.shape[d] <= 0) return {box.dst, box.dst};
+    const int64_t reach = (box.shape[d] - 1) * box.dst_stride[d] * elem;
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {box.dst + static_cast<uint64_t>(lo), box.dst + static_cast<uint64_t>(hi + elem)};
+}
+
+}  // namespace rx

@@ -1,0 +1,46 @@
+// The direct transport's share of a rank's plan and how its boxes are carried (DESIGN
+// section 4, "Direct path"): a sender writes each box straight into the receiver's
+// destination tensor through a peer mapping, with no staging at either end and no
+// unpack. Pure: no CUDA, no torch.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "core/planner.h"
+#include "kernels/api.h"
+
+namespace rx {
+
+// A copy of `plan` whose sends and receives with a peer in `peers` move to direct_sends /
+// direct_recvs (order kept). A direct op's wire_dtype becomes its source tensor's dtype
+// (what its box reads: there is no wire) and nbytes the bytes read. Batches and digests
+// are cleared: call assign_batches on the result, with the batch count every rank agrees
+// on, before building tables from it. Both ends of a pair must pass each other alike.
+RankPlan split_direct(const RankPlan& plan, const LayoutTable& src, const std::vector<int32_t>& peers);
+
+// Rows narrower than this slow the copy engines down (FACTS.md: 512 B rows still reach the
+// link's limit).
+constexpr int64_t kMinEngineRow = 512;
+
+// One copy-engine copy: `height` rows of `width` bytes, rows `spitch` / `dpitch` bytes
+// apart (height 1: one contiguous run; the pitches are then `width`).
+struct EngineCopy {
+  uint64_t dst = 0, src = 0;
+  int64_t dpitch = 0, spitch = 0, width = 0, height = 0;
+};
+
+// Splits boxes between the copy engines and the box kernel. A plain copy (same dtype, no
+// MX) of at least `min_bytes` whose innermost dim is contiguous on both sides, 1-D or 2-D
+// after make_box folded it, with rows of at least kMinEngineRow bytes and pitches that do
+// not overlap rows, becomes an EngineCopy; every other box stays a kernel box, in order.
+// min_bytes <= 0: no copy engines.
+void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vector<EngineCopy>* engine,
+                   std::vector<rx_box>* kernel);
+
+// [lo, hi): the bytes of dst memory a box's elements span (MX scales, written at aux, are
+// not included). Empty boxes give lo == hi.
+std::pair<uint64_t, uint64_t> dst_span(const rx_box& box);
+
+}  // namespace rx

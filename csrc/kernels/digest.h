@@ -1,0 +1,87 @@
+// Verify digests (rx.execute(verify=True), rx.verify), shared by the CUDA kernel and the
+// CPU twin so both produce the same 64-bit values.
+//
+// A box's digest is the sum, over the elements the receiver ends up holding from it, of
+// element(ordinal, bits); a digest is two independent 32-bit sums (its low and high
+// word, added lane by lane: add()), so every operation has 32-bit lanes (CPU vectors,
+// GPU integer units) and the sum needs no carries between partial sums.
+//   ordinal: the element's place in the row-major order of the box's logical extents.
+//     make_box only drops size-1 dims and merges neighbours, never reorders, so the
+//     sender's pack box and the receiver's unpack box of one op enumerate the same
+//     elements in the same order however differently they fold.
+//   bits: the element as the receiver holds it (after casts and MXFP8), zero-extended.
+// A sum of per-element terms lets any split of a box (tiles, warps, chunks) add up in
+// any order. The low word of each term is a bijection of the element's (keyed) bits, so
+// one changed element (a NaN payload, -0.0 for +0.0) always changes the digest; the
+// ordinal keys the term, so moved elements (swapped rows, shifted boxes) change it too,
+// short of a ~2^-64 coincidence. A checksum against corruption, not a MAC.
+#pragma once
+
+#include <stdint.h>
+
+#include "core/mxfp8.h"
+#include "kernels/cast.h"
+
+namespace rx::digest {
+
+constexpr uint32_t kKeyLo = 0x9E3779B9u;  // ordinal -> 32-bit key
+constexpr uint32_t kKeyHi = 0x7FEB352Du;
+// Odd multipliers of the two halves of a term: for an element's low word, its high word
+// (8-byte elements) and a scale byte.
+constexpr uint32_t kLoA = 0x846CA68Bu, kLoB = 0xCAF649A9u;
+constexpr uint32_t kHiA = 0xE6546B65u, kHiB = 0x2C1B3C6Du;
+constexpr uint32_t kScaleA = 0x297A2D39u, kScaleB = 0x85EBCA77u;
+
+RX_HD uint32_t key(uint64_t k) { return (uint32_t)k * kKeyLo + (uint32_t)(k >> 32) * kKeyHi; }
+
+// A bijection of 32-bit words: an odd multiply, then a xorshift. 32-bit lanes only, so
+// it vectorizes on CPUs (vpmulld) and costs a few integer ops on GPUs.
+RX_HD uint32_t mix(uint32_t x, uint32_t mul, int shift) {
+  x *= mul;
+  return x ^ (x >> shift);
+}
+
+// Digests add word by word: (low + low) mod 2^32, (high + high) mod 2^32.
+RX_HD uint64_t add(uint64_t a, uint64_t b) {
+  return (uint64_t)((uint32_t)a + (uint32_t)b) | (uint64_t)((uint32_t)(a >> 32) + (uint32_t)(b >> 32)) << 32;
+}
+
+// The term of a keyed word x: two independent mixes, as the low and high word.
+RX_HD uint64_t term(uint32_t x, uint32_t a, uint32_t b) {
+  return (uint64_t)mix(x, a, 15) | (uint64_t)mix(x, b, 13) << 32;
+}
+
+// The term of one element of `size` bytes with (zero-extended) `bits` at ordinal k.
+RX_HD uint64_t element(uint64_t k, uint64_t bits, int size) {
+  const uint32_t kk = key(k);
+  const uint64_t h = term((uint32_t)bits ^ kk, kLoA, kLoB);
+  return size == 8 ? add(h, term((uint32_t)(bits >> 32) ^ kk, kHiA, kHiB)) : h;
+}
+
+// Four bytes packed little-endian (E4M3 data) at ordinals k..k+3.
+RX_HD uint64_t bytes4(uint64_t k, uint32_t q) {
+  uint64_t h = 0;
+  for (int j = 0; j < 4; ++j) h = add(h, element(k + j, (q >> (8 * j)) & 0xffu, 1));
+  return h;
+}
+
+// The scale byte of the MX block with ordinal `block` (its first element's ordinal / 32).
+RX_HD uint64_t scale(uint64_t block, uint8_t e) { return term(e ^ key(block), kScaleA, kScaleB); }
+
+// One MXFP8 block as the receiver's quantize holds it: 32 BF16 (load(j) returns the
+// bits of element j) -> E4M3 bytes at ordinals k0.. and the scale of block k0 / 32.
+// Reads the block twice (amax, then quantize) so no caller holds all of it at once.
+template <typename Load>
+RX_HD uint64_t mx_block(Load load, uint64_t k0, int32_t rounding) {
+  uint32_t amax = 0;
+  for (int j = 0; j < mx::kBlock; ++j) {
+    const uint32_t a = mx::finite_abs_bits(load(j));
+    amax = a > amax ? a : amax;
+  }
+  const uint8_t e = mx::scale_exponent(amax, rounding);
+  uint64_t h = scale(k0 / mx::kBlock, e);
+  for (int j = 0; j < mx::kBlock; ++j) h = add(h, element(k0 + j, mx::e4m3_scaled(load(j), e), 1));
+  return h;
+}
+
+}  // namespace rx::digest

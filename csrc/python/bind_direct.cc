@@ -1,0 +1,136 @@
+// The direct transport's CUDA side: IPC exports and mappings, signal words, per-execute
+// steps. Pointers and streams cross as Python ints; _C links no torch.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "core/check.h"
+#include "python/register.h"
+
+#ifdef RX_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "comm/direct_exec.h"
+#include "comm/host_wait.h"
+#include "comm/peer_map.h"
+#endif
+
+namespace py = pybind11;
+
+namespace rx::python {
+
+#ifdef RX_WITH_CUDA
+namespace {
+
+
+py::tuple export_to_py(const IpcExport& e) { return py::make_tuple(py::bytes(e.handle), e.offset, e.size); }
+
+IpcExport export_from_py(const py::tuple& t) {
+  RX_HOST_ASSERT(t.size() == 3, "an IPC export is (handle, offset, size)");
+  return IpcExport{t[0].cast<std::string>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>()};
+}
+
+std::vector<rx_box> boxes_of(const py::bytes& table) {
+  const std::string s = table;
+  RX_HOST_ASSERT(s.size() % sizeof(rx_box) == 0, "table is not a whole number of boxes");
+  std::vector<rx_box> v(s.size() / sizeof(rx_box));
+  if (!s.empty()) std::memcpy(v.data(), s.data(), s.size());
+  return v;
+}
+
+}  // namespace
+#endif
+
+void register_direct(py::module_& m) {
+#ifdef RX_WITH_CUDA
+  m.def(
+      "ipc_export",
+      [](uint64_t ptr) -> py::object {
+        IpcExport e;
+        std::string why;
+        if (!ipc_export(ptr, &e, &why)) return py::str(why);
+        return export_to_py(e);
+      },
+      py::arg("ptr"),
+      "(handle, offset, size) of the CUDA allocation holding device address `ptr`, or a str saying why it cannot "
+      "be shared.");
+  m.def(
+      "device_pci_bus_id",
+      [](int device) {
+        char id[32] = {0};
+        RX_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof(id), device));
+        return std::string(id);
+      },
+      py::arg("device"));
+  m.def(
+      "peer_access",
+      [](int device, const std::string& pci_bus_id) {
+        int other = -1;
+        if (cudaDeviceGetByPCIBusId(&other, pci_bus_id.c_str()) != cudaSuccess) {
+          cudaGetLastError();
+          return -1;  // not visible in this process (CUDA_VISIBLE_DEVICES): CUDA IPC decides
+        }
+        if (other == device) return 1;
+        int can = 0;
+        RX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, other));
+        return can;
+      },
+      py::arg("device"), py::arg("pci_bus_id"),
+      "1 when `device` can access the GPU with that PCI bus id, 0 when not, -1 when that GPU is not visible here.");
+
+  py::class_<IpcMapping, std::shared_ptr<IpcMapping>>(m, "IpcMapping")
+      .def(py::init([](const py::bytes& handle) { return std::make_shared<IpcMapping>(std::string(handle)); }),
+           py::arg("handle"), "Opens an IPC handle on the current device (shared per process, closed with the last user).")
+      .def_property_readonly("ok", &IpcMapping::ok)
+      .def_property_readonly("base", &IpcMapping::base)
+      .def_property_readonly("why", &IpcMapping::why);
+
+  py::class_<DirectSignals, std::shared_ptr<DirectSignals>>(m, "DirectSignals")
+      .def(py::init<int, int, int>(), py::arg("rank"), py::arg("world"), py::arg("device"))
+      .def_property_readonly("flags_export", [](const DirectSignals& s) { return export_to_py(s.flags_export()); })
+      .def_property_readonly("page_path", &DirectSignals::page_path)
+      .def_property_readonly("seq", &DirectSignals::seq)
+      .def("unlink_page", &DirectSignals::unlink_page)
+      .def(
+          "attach",
+          [](DirectSignals& s, int peer, const py::tuple& flags, const std::string& page) {
+            return s.attach(peer, export_from_py(flags), page);
+          },
+          py::arg("peer"), py::arg("flags_export"), py::arg("page_path"), "'' or why the peer cannot be attached.")
+      .def("attached", &DirectSignals::attached, py::arg("peer"));
+
+  py::class_<DirectExec, std::shared_ptr<DirectExec>>(m, "DirectExec")
+      .def(py::init([](std::shared_ptr<DirectSignals> sig, const py::bytes& boxes, int64_t engine_bytes,
+                       std::vector<int32_t> receivers, std::vector<int32_t> senders, double timeout_s) {
+             return std::make_shared<DirectExec>(std::move(sig), boxes_of(boxes), engine_bytes, std::move(receivers),
+                                                 std::move(senders), timeout_s);
+           }),
+           py::arg("signals"), py::arg("boxes"), py::arg("engine_bytes"), py::arg("receivers"), py::arg("senders"),
+           py::arg("timeout_s"))
+      .def_property_readonly("table_bytes", &DirectExec::table_bytes)
+      .def_property_readonly("num_engine_copies", &DirectExec::num_engine_copies)
+      .def_property_readonly("num_kernel_boxes", &DirectExec::num_kernel_boxes)
+      .def_property_readonly("error", &DirectExec::error)
+      .def(
+          "upload",
+          [](DirectExec& d, uint64_t dev, uint64_t stream) {
+            d.upload(reinterpret_cast<void*>(static_cast<uintptr_t>(dev)), as_stream(stream));
+          },
+          py::arg("dev_ptr"), py::arg("stream"))
+      .def(
+          "begin", [](DirectExec& d, uint64_t stream) { d.begin(as_stream(stream)); }, py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Signals this rank's destinations free, waits (host, bounded) for its receivers', queues its writes.")
+      .def(
+          "end", [](DirectExec& d, uint64_t stream) { d.end(as_stream(stream)); }, py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Queues the wait for its senders' signals and waits (host, bounded) for the refit's end on `stream`.");
+#else
+  (void)m;
+#endif
+}
+
+}  // namespace rx::python

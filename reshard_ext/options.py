@@ -1,0 +1,262 @@
+"""Typed knobs (`rx.Options`) and the environment variables that are their defaults.
+
+Every `RESHARD_EXT_*` variable is declared here, once, with its type, default, check and
+meaning; nothing else in the package reads the environment. A variable is read and
+validated the first time a default is needed (a bad value raises `ReshardError` naming
+it), cached for the process, and logged at INFO when set. `rx.plan(options=...)` and
+`rx.swap_model_weights(options=...)` take an `Options`; fields left as None fall back
+to these defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .errors import ReshardError
+
+_log = logging.getLogger("reshard_ext")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: its parser (which raises ValueError with the reason) and meaning."""
+
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 0 or 1")
+
+
+def _count(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+        t = text.strip().lower().removesuffix("ib").removesuffix("b")
+        scale = units.get(t[-1:], 1)
+        number = t[:-1] if scale != 1 else t
+        try:
+            value = int(number) * scale
+        except ValueError:
+            raise ValueError("expected an integer (optionally with a K, M or G suffix)") from None
+        if value < lo:
+            raise ValueError(f"expected at least {lo}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number of seconds, e.g. 600 or 2.5") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError("expected a finite number of seconds > 0")
+    return value
+
+
+def _blocks(text: str) -> Optional[int]:
+    return None if text.strip().lower() in ("", "auto") else _count(0)(text)
+
+
+KNOBS: dict[str, Knob] = {
+    k.env: k
+    for k in (
+        Knob("RESHARD_EXT_CUDA_BATCH_BYTES", 512 << 20, _count(1),
+             "batch size on GPUs when max_batch_bytes=None (bigger: faster, more staging memory)"),
+        Knob("RESHARD_EXT_CUDA_DIRECT_BYTES", 64 << 20, _count(0),
+             "GPU ops at least this big go straight from/into their tensor when contiguous"),
+        Knob("RESHARD_EXT_CPU_DIRECT_BYTES", 1 << 20, _count(0), "the same for the CPU (gloo) transport"),
+        Knob("RESHARD_EXT_P2P_TIMEOUT", 600.0, _seconds,
+             "seconds before a stuck gloo / torch point-to-point transfer (or plan exchange) raises"),
+        Knob("RESHARD_EXT_NCCL_TIMEOUT", 600.0, _seconds,
+             "seconds before a stuck NCCL transfer aborts the communicator and raises"),
+        Knob("RESHARD_EXT_NCCL_REGISTER", True, _flag,
+             "0: no NCCL buffer registration (transfers go through NCCL's FIFOs)"),
+        Knob("RESHARD_EXT_SKIP_NCCL_CHECK", False, _flag,
+             "1 skips the check that the extension runs torch's libnccl"),
+        Knob("RESHARD_EXT_CUDA_SPLIT_COPIES", True, _flag,
+             "GPU same-rank copies run in one slice per batch, under the transfers (0: all before the first unpack)"),
+        Knob("RESHARD_EXT_CUDA_MAX_BLOCKS", None, _blocks,
+             "grid cap of the kernels beside transfers (auto: by workload; 0: no cap; N: N blocks)"),
+        Knob("RESHARD_EXT_BATCH_TAPER", True, _flag,
+             "with 3+ batches the first and last carry half a share (every rank must set it alike)"),
+        Knob("RESHARD_EXT_RELAY", True, _flag,
+             "where more receivers need a piece than ranks hold it, receivers relay it to each other "
+             "(0: every receiver pulls from the sources; every rank must set it alike)"),
+        Knob("RESHARD_EXT_DIRECT_TIMEOUT", 600.0, _seconds,
+             "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 4 << 20, _count(0),
+             "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
+        Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
+             "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
+        Knob("RESHARD_EXT_AUTO_DIRECT", False, _flag,
+             "1: backend 'auto' writes straight into peers' tensors where it can (the direct transport), NCCL elsewhere"),
+        Knob("RESHARD_EXT_TRACE", False, _flag,
+             "1: every GPU execute logs a CUDA-event timeline of its steps (synchronises: diagnostics only)"),
+    )
+}
+
+_CACHE: dict[str, Any] = {}
+
+
+def env_default(name: str) -> Any:
+    """The value of knob `name` from the environment (or its default), read and checked once."""
+    if name in _CACHE:
+        return _CACHE[name]
+    knob = KNOBS[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        value = knob.default
+    else:
+        try:
+            value = knob.parse(raw)
+        except ValueError as e:
+            raise ReshardError(f"environment variable {name}={raw!r} is invalid: {e} ({knob.doc})") from None
+        _log.info("reshard_ext: %s=%s (from the environment)", name, raw)
+    _CACHE[name] = value
+    return value
+
+
+def reload_environment() -> None:
+    """Forgets the cached environment values (tests, or a process that changes its environment)."""
+    _CACHE.clear()
+
+
+@dataclass(frozen=True)
+class Options:
+    """Knobs of one plan. None: the environment variable's value, else its default.
+
+    - batch_bytes: GPU batch size when `max_batch_bytes` is None (RESHARD_EXT_CUDA_BATCH_BYTES).
+    - direct_bytes: ops at least this big are their own message, straight from/into a
+      contiguous tensor (RESHARD_EXT_CUDA_DIRECT_BYTES on GPUs, RESHARD_EXT_CPU_DIRECT_BYTES on CPUs).
+    - timeout: seconds before a stuck transfer or plan exchange raises (RESHARD_EXT_P2P_TIMEOUT
+      for gloo / torch point-to-point, RESHARD_EXT_NCCL_TIMEOUT for NCCL).
+    - nccl_register: NCCL buffer registration (RESHARD_EXT_NCCL_REGISTER; every rank votes).
+    - max_blocks: grid cap beside transfers, 0 for none (RESHARD_EXT_CUDA_MAX_BLOCKS; None: by workload).
+    - split_copies: same-rank copies sliced under the transfers (RESHARD_EXT_CUDA_SPLIT_COPIES).
+    - batch_taper: half-size first and last batches (RESHARD_EXT_BATCH_TAPER; alike on every rank).
+    - trace: log a CUDA-event timeline of every GPU execute (RESHARD_EXT_TRACE).
+    - relay: relay fan-out to replicas (RESHARD_EXT_RELAY; alike on every rank, rx.plan checks).
+    - direct_engine_bytes: direct boxes at least this big with contiguous rows of >= 512 B
+      go through the copy engines, the others through the box kernel; 0: kernel only
+      (RESHARD_EXT_DIRECT_ENGINE_BYTES).
+    - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
+      (RESHARD_EXT_DIRECT_IPC).
+    - auto_direct: backend "auto" uses the direct transport where it can (RESHARD_EXT_AUTO_DIRECT;
+      every rank must agree, rx.plan checks).
+    """
+
+    batch_bytes: Optional[int] = None
+    direct_bytes: Optional[int] = None
+    timeout: Optional[float] = None
+    nccl_register: Optional[bool] = None
+    max_blocks: Optional[int] = None
+    split_copies: Optional[bool] = None
+    batch_taper: Optional[bool] = None
+    trace: Optional[bool] = None
+    relay: Optional[bool] = None
+    direct_engine_bytes: Optional[int] = None
+    direct_ipc: Optional[bool] = None
+    auto_direct: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
+            "batch_bytes": (int, lambda v: v >= 1, "an integer >= 1"),
+            "direct_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
+            "timeout": (float, lambda v: 0 < v < float("inf"), "a finite number of seconds > 0"),
+            "nccl_register": (bool, lambda v: True, "a bool"),
+            "max_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
+            "split_copies": (bool, lambda v: True, "a bool"),
+            "batch_taper": (bool, lambda v: True, "a bool"),
+            "trace": (bool, lambda v: True, "a bool"),
+            "relay": (bool, lambda v: True, "a bool"),
+            "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
+            "direct_ipc": (bool, lambda v: True, "a bool"),
+            "auto_direct": (bool, lambda v: True, "a bool"),
+        }
+        for name, (kind, ok, what) in checks.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            typed = isinstance(value, kind) or (kind is float and isinstance(value, int))
+            if isinstance(value, bool) and kind is not bool:
+                typed = False
+            if not typed or not ok(value):
+                raise ReshardError(f"rx.Options({name}={value!r}): expected {what}")
+
+    def replace(self, **changes: Any) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+    # --- resolved values (explicit field, else the environment's default) ---------------
+    def resolved_batch_bytes(self) -> int:
+        return self.batch_bytes if self.batch_bytes is not None else int(env_default("RESHARD_EXT_CUDA_BATCH_BYTES"))
+
+    def resolved_direct_bytes(self, device: str) -> int:
+        if self.direct_bytes is not None:
+            return self.direct_bytes
+        return int(env_default("RESHARD_EXT_CUDA_DIRECT_BYTES" if device == "cuda" else "RESHARD_EXT_CPU_DIRECT_BYTES"))
+
+    def resolved_timeout(self, transport: str) -> float:
+        if self.timeout is not None:
+            return float(self.timeout)
+        env = {"nccl": "RESHARD_EXT_NCCL_TIMEOUT", "direct": "RESHARD_EXT_DIRECT_TIMEOUT"}.get(transport,
+                                                                                            "RESHARD_EXT_P2P_TIMEOUT")
+        return float(env_default(env))
+
+    def resolved_nccl_register(self) -> bool:
+        return self.nccl_register if self.nccl_register is not None else bool(env_default("RESHARD_EXT_NCCL_REGISTER"))
+
+    def resolved_max_blocks(self) -> Optional[int]:
+        return self.max_blocks if self.max_blocks is not None else env_default("RESHARD_EXT_CUDA_MAX_BLOCKS")
+
+    def resolved_split_copies(self) -> bool:
+        return self.split_copies if self.split_copies is not None else bool(env_default("RESHARD_EXT_CUDA_SPLIT_COPIES"))
+
+    def resolved_batch_taper(self) -> bool:
+        return self.batch_taper if self.batch_taper is not None else bool(env_default("RESHARD_EXT_BATCH_TAPER"))
+
+    def resolved_trace(self) -> bool:
+        return self.trace if self.trace is not None else bool(env_default("RESHARD_EXT_TRACE"))
+
+    def resolved_relay(self) -> bool:
+        return self.relay if self.relay is not None else bool(env_default("RESHARD_EXT_RELAY"))
+    def resolved_direct_engine_bytes(self) -> int:
+        if self.direct_engine_bytes is not None:
+            return self.direct_engine_bytes
+        return int(env_default("RESHARD_EXT_DIRECT_ENGINE_BYTES"))
+
+    def resolved_direct_ipc(self) -> bool:
+        return self.direct_ipc if self.direct_ipc is not None else bool(env_default("RESHARD_EXT_DIRECT_IPC"))
+
+    def resolved_auto_direct(self) -> bool:
+        return self.auto_direct if self.auto_direct is not None else bool(env_default("RESHARD_EXT_AUTO_DIRECT"))
+
+
+def skip_nccl_check() -> bool:
+    return bool(env_default("RESHARD_EXT_SKIP_NCCL_CHECK"))
+
+
+def external_env(name: str) -> Optional[str]:
+    """A variable of another tool (NCCL_HOME, ...), read here so the package reads the
+    environment in one module."""
+    return os.environ.get(name)
+
+
+def set_process_env_default(name: str, value: str) -> str:
+    """Sets a variable another library reads (NCCL's) unless the user set it; returns its value."""
+    return os.environ.setdefault(name, value)
+
+
+__all__ = ["Options", "KNOBS", "Knob", "env_default", "reload_environment"]

@@ -1,0 +1,381 @@
+"""The direct transport (DESIGN section 4, "Direct path").
+
+On one host, a sender writes each box straight from its source tensor into the receiver's
+destination tensor through a CUDA IPC mapping of the receiver's memory: no staging at
+either end, no pack, no unpack. Large boxes with contiguous rows go through the copy
+engines, the rest through one launch of the box kernel; same-rank copies run beside them.
+Completion reaches the receiver on the GPU (csrc/comm/direct_exec.h has the protocol).
+
+A pair of ranks goes direct when both are on one host in different processes, both are
+willing (`rx.Options.direct_ipc`), each can map the other's signal words, and the sender
+can map every destination the receiver exposes to it. Every other pair moves its bytes
+over NCCL in the same plan (torch point-to-point where the NCCL transport is not built).
+The choice is made collectively when the plan binds, so every rank agrees on it.
+
+Contract: destinations are idle during `execute` from the receiver's current stream's
+point of view (nothing reads or writes them until execute returns), as with every
+transport; a sender writes into them as soon as the receiver's stream reaches execute.
+With direct pairs, `plan.rebind` is collective: every rank of the group calls it (passing
+None for what it keeps), since senders must map the receivers' new tensors.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from ..errors import ReshardError
+from ..options import Options
+
+_log = logging.getLogger("reshard_ext")
+
+Pair = tuple[int, int]  # (lower rank, higher rank)
+
+
+def pair(a: int, b: int) -> Pair:
+    return (a, b) if a < b else (b, a)
+
+
+def host_identity() -> str:
+    """Which host this process runs on: hostname and boot id (containers that share a
+    hostname but not a kernel get different ids)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank tells the others when a plan first binds."""
+
+    host: str
+    pid: int
+    pci: str                       # PCI bus id of its GPU ("" if unknown)
+    flags: tuple | None = None  # IPC export of its signal words; None: it takes no direct pair
+    page: str = ""                 # path of its shared page
+    why: str = ""                  # why it takes no direct pair
+
+
+def candidate_pairs(infos: Sequence[RankInfo]) -> set[Pair]:
+    """Pairs that may go direct, from every rank's RankInfo alone (so every rank computes
+    the same set): same host, different processes, both set up."""
+    out = set()
+    for a, x in enumerate(infos):
+        for b in range(a + 1, len(infos)):
+            y = infos[b]
+            if x.flags is not None and y.flags is not None and x.host == y.host and x.pid != y.pid:
+                out.add((a, b))
+    return out
+
+
+def peers_of(pairs: Iterable[Pair], rank: int) -> list[int]:
+    return sorted({b if a == rank else a for a, b in pairs if rank in (a, b)})
+
+
+def agree(gathered: Sequence[tuple[list[str], set[Pair]]]) -> set[Pair]:
+    """Raises every rank's errors on every rank, else returns the union of the pairs the
+    ranks found unusable."""
+    errors = [e for errs, _ in gathered for e in errs]
+    if errors:
+        shown = errors[:20]
+        raise ReshardError("direct transport setup failed:\n  " + "\n  ".join(shown) +
+                           (f"\n  ... and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""))
+    return {p for _, failed in gathered for p in failed}
+
+
+def _gather(group: Any, obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class CudaDevice:
+    """What the transport asks of the machine, in one place (tests put a CPU stand-in here):
+    signal words, CUDA IPC, the per-execute steps, and the transport of the other pairs."""
+
+    def __init__(self) -> None:
+        self.index = torch.cuda.current_device()
+
+    def signals(self, rank: int, world: int) -> Any:
+        if not hasattr(_C, "DirectSignals"):
+            raise ReshardError("reshard_ext was built without CUDA")
+        return _C.DirectSignals(rank, world, self.index)
+
+    def pci_bus_id(self) -> str:
+        return str(_C.device_pci_bus_id(self.index))
+
+    def can_reach(self, pci_bus_id: str) -> bool:
+        return bool(pci_bus_id) and _C.peer_access(self.index, pci_bus_id) != 0
+
+    def export(self, ptr: int) -> Any:
+        return _C.ipc_export(ptr)
+
+    def open(self, handle: bytes) -> Any:
+        return _C.IpcMapping(handle)
+
+    def executor(self, signals: Any, boxes: bytes, engine_bytes: int, receivers: list[int], senders: list[int],
+                 timeout: float) -> tuple[Any, Any]:
+        """(the per-execute steps, the device memory of its kernel table)."""
+        ex = _C.DirectExec(signals, boxes, engine_bytes, receivers, senders, timeout)
+        table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
+        ex.upload(table.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.current_stream().synchronize()  # execute may run on another stream
+        return ex, table
+
+    def transport(self, group: Any, options: Options, register: bool, nccl: bool) -> Any:
+        """The transport of the pairs that are not direct (and of same-rank copies)."""
+        from .cuda import CudaTransport, make_cuda_transport
+
+        if nccl and _C._build_info["nccl"]:
+            from .._nccl import runtime_status
+
+            if not runtime_status().startswith("not"):
+                return make_cuda_transport("nccl", group, options, register)
+        return CudaTransport(group, None, options)
+
+    def stream(self) -> int:
+        return int(torch.cuda.current_stream().cuda_stream)
+
+
+class DirectTransport:
+    """Direct pairs through DirectExec; NCCL pairs and same-rank copies through an inner
+    CudaTransport. `Plan` calls `bind_plan` (collective) instead of bind/prepare."""
+
+    collective_bind = True
+
+    def __init__(self, group: Any, options: Options, register: bool = False, device: Any = None):
+        self.group = group
+        self.options = options
+        self.register = register
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = options.resolved_timeout("direct")
+        self.engine_bytes = options.resolved_direct_engine_bytes()
+        self.device = device if device is not None else CudaDevice()
+        self.signals: Any = None
+        self._why_not = ""
+        if not options.resolved_direct_ipc():
+            self._why_not = "rx.Options.direct_ipc (RESHARD_EXT_DIRECT_IPC) is off"
+        else:
+            try:
+                self.signals = self.device.signals(self.rank, self.world)
+            except Exception as e:  # noqa: BLE001 - reported below: the pairs use NCCL
+                self._why_not = str(e)
+        self.pairs: set[Pair] | None = None  # agreed direct pairs, once bound
+        self.nccl_peers: list[int] = []         # peers this rank moves bytes with over NCCL
+        self.inner: Any = None
+        self.exec: Any = None
+        self._maps: list[Any] = []
+        self._table: torch.Tensor | None = None
+        self.staging_bytes = 0  # of the NCCL pairs' batches (none when every pair is direct)
+        self.direct_bytes = 0  # Transport protocol; the inner transport's cut is used
+
+    # --- plan time ----------------------------------------------------------------------
+    def _info(self) -> RankInfo:
+        pci = self.device.pci_bus_id() if self.signals is not None else ""
+        if self.signals is None:
+            return RankInfo(host_identity(), os.getpid(), pci, why=self._why_not)
+        return RankInfo(host_identity(), os.getpid(), pci, tuple(self.signals.flags_export), self.signals.page_path)
+
+    def _attach(self, infos: Sequence[RankInfo], candidates: set[Pair]) -> set[Pair]:
+        """Maps the signal words of every candidate peer; returns the pairs that failed."""
+        failed = set()
+        for peer in peers_of(candidates, self.rank):
+            info = infos[peer]
+            why = ""
+            if info.pci and not self.device.can_reach(info.pci):
+                why = f"this GPU has no peer access to the GPU at {info.pci}"
+            else:
+                why = self.signals.attach(peer, info.flags, info.page)
+            if why:
+                _log.info("rank %d: rank %d goes over NCCL: %s", self.rank, peer, why)
+                failed.add(pair(self.rank, peer))
+        return failed
+
+    def _exports(self, tables: Any, dst_refs: list[tuple]) -> tuple[dict[int, Any], set[Pair]]:
+        """For each peer that writes into this rank directly, its pieces with every pointer
+        as (index into a handle list, offset): {peer: (handles, [(dst_name, ref)])}; and the
+        pairs whose memory CUDA IPC cannot share."""
+        by_ptr: dict[int, Any] = {}
+
+        def export(ptr: int) -> Any:
+            if ptr not in by_ptr:
+                by_ptr[ptr] = self.device.export(ptr)
+            return by_ptr[ptr]
+
+        out: dict[int, Any] = {}
+        failed: set[Pair] = set()
+        dst_used = tables.dst_used
+        for peer, pos in tables.direct_recv_pieces():
+            if pair(self.rank, peer) in failed:
+                continue
+            ref = dst_refs[pos]
+            ptrs = [ref[0]] + ([ref[4]] if len(ref) > 4 and ref[4] else [])
+            got = [export(p) for p in ptrs]
+            bad = [g for g in got if isinstance(g, str)]
+            if bad:
+                _log.info("rank %d: rank %d goes over NCCL: %s", self.rank, peer, bad[0])
+                failed.add(pair(self.rank, peer))
+                out.pop(peer, None)
+                continue
+            handles, pieces = out.setdefault(peer, ([], []))
+            where = []
+            for handle, offset, size in got:
+                if handle not in handles:
+                    handles.append(handle)
+                where.append((handles.index(handle), offset, size))
+            pieces.append((int(dst_used[pos]), ref, where))
+        return out, failed
+
+    def _open(self, gathered_exports: Sequence[dict[int, Any]], direct: set[Pair]) -> tuple[list, list, set[Pair]]:
+        """Maps what each direct receiver exposed to this rank. Returns (pieces for
+        bind_direct, mapped [base, end) ranges, pairs that failed)."""
+        pieces, ranges, failed = [], [], set()
+        maps: list[Any] = []
+        for peer in peers_of(direct, self.rank):
+            handles, peer_pieces = gathered_exports[peer].get(self.rank, ([], []))
+            opened = [self.device.open(h) for h in handles]
+            bad = [m.why for m in opened if not m.ok]
+            if bad:
+                _log.info("rank %d: rank %d goes over NCCL: %s", self.rank, peer, bad[0])
+                failed.add(pair(self.rank, peer))
+                continue
+            maps += opened
+            for dst_name, ref, where in peer_pieces:
+                mapped = list(ref)
+                for slot, (i, offset, size) in zip((0, 4), where):  # the data pointer, then MX scales
+                    mapped[slot] = opened[i].base + offset
+                    ranges.append((opened[i].base, opened[i].base + size))
+                pieces.append((peer, dst_name, tuple(mapped)))
+        self._maps = maps
+        return pieces, ranges, failed
+
+    def bind_plan(self, plan: Any, errors: Sequence[str] = ()) -> None:
+        """Collective over the plan's group: agrees on the direct pairs, binds the tables,
+        maps the receivers' tensors and builds the per-execute work. `errors` (this rank's
+        rebind problems) are raised on every rank after the first exchange."""
+        group, rank = self.group, self.rank
+        failed: set[Pair] = set()
+        if self.pairs is None:
+            errs0 = list(errors)
+            info = RankInfo(host_identity(), os.getpid(), "", why="no info")
+            try:
+                info = self._info()
+            except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
+                errs0.append(f"rank {rank}: {e}")
+            infos = _gather(group, (errs0, info))
+            agree([(errs, set()) for errs, _ in infos])
+            infos = [info for _, info in infos]
+            self.pairs = candidate_pairs(infos)
+            try:
+                failed = self._attach(infos, self.pairs)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by agree() below
+                errs0 = [f"rank {rank}: {e}"]
+            else:
+                errs0 = []
+            first = True
+        else:
+            agree(_gather(group, (list(errors), set())))
+            errs0, first = [], False
+        agreement = plan._agreement
+        while True:
+            errs, errs0 = errs0, []
+            split: Any = None
+            refs: tuple[list, list] = ([], [])
+            exports: dict[int, Any] = {}
+            try:
+                split = _C.split_direct(agreement.rank_plan, agreement.src_table, peers_of(self.pairs, rank))
+                plan._set_tables(_C.ExecTables(split))
+                refs = plan._bound_refs()
+                exports, export_failed = self._exports(plan.tables, refs[1])
+                failed |= export_failed
+            except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
+                errs.append(f"rank {rank}: {e}")
+            got = _gather(group, (errs, failed, exports))
+            if first and self.signals is not None:
+                self.signals.unlink_page()  # every peer has mapped it by now
+                first = False
+            dead = agree([(e, f) for e, f, _ in got])
+            pieces: list = []
+            ranges: list = []
+            try:
+                pieces, ranges, open_failed = self._open([x for _, _, x in got], self.pairs - dead)
+            except Exception as e:  # noqa: BLE001
+                errs, open_failed = [f"rank {rank}: {e}"], set()
+            got2 = _gather(group, (errs, open_failed, int(split.wanted_batches()),
+                                   bool(split.send_total() or split.recv_total())))
+            dead |= agree([(e, f) for e, f, _, _ in got2])
+            failed = set()
+            if not dead & self.pairs:
+                break
+            self.pairs -= dead  # fewer pairs: bind again (the split and the refs may change)
+        self._finish(plan, split, refs, pieces, ranges, max(k for _, _, k, _ in got2),
+                     any(n for *_, n in got2))
+
+    def _finish(self, plan: Any, split: Any, refs: tuple[list, list], pieces: list, ranges: list, k: int,
+                nccl_anywhere: bool) -> None:
+        src_refs, dst_refs = refs
+        # Every rank knows nccl_anywhere alike: creating the NCCL communicator is collective.
+        if self.inner is None or (nccl_anywhere and getattr(self.inner, "comm", None) is None):
+            self.inner = self.device.transport(self.group, self.options, self.register, nccl_anywhere)
+        split.assign_batches(k)
+        tables = _C.ExecTables(split)
+        plan._set_tables(tables)
+        send_bufs, recv_bufs = self.inner.bind(tables)
+        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._mx_receivers)
+        self.inner.prepare(tables)
+        tables.bind_direct(src_refs, pieces)
+        boxes = tables.direct_boxes()
+        mapped = sorted(set(ranges))
+        for lo, hi in _C.dst_spans(boxes):
+            if hi > lo and not any(a <= lo and hi <= b for a, b in mapped):
+                raise ReshardError(f"rank {self.rank}: a direct write [{lo:#x}, {hi:#x}) falls outside every "
+                                   f"mapped peer allocation (internal error)")
+        receivers = sorted({p for p, _, _ in pieces})
+        senders = sorted({p for p, _ in tables.direct_recv_pieces()})
+        self.nccl_peers = sorted({op[1] for op in split.sends()} | {op[1] for op in split.recvs()})
+        self.staging_bytes = tables.send_buffer_bytes + tables.recv_buffer_bytes  # per staging buffer set
+        self.exec, self._table = None, None
+        if receivers or senders:
+            self.exec, self._table = self.device.executor(self.signals, boxes, self.engine_bytes, receivers, senders,
+                                                          self.timeout)
+
+    # --- diagnostics --------------------------------------------------------------------
+    @property
+    def direct_peers(self) -> list[int]:
+        return peers_of(self.pairs or set(), self.rank)
+
+    def summary(self) -> str:
+        d, n = self.direct_peers, self.nccl_peers
+        via = "NCCL" if getattr(self.inner, "comm", None) is not None else "point-to-point"
+        return f"direct with ranks {d or 'none'}; {via} with ranks {n or 'none'}"
+
+    # --- every execute ------------------------------------------------------------------
+    def run(self, tables: Any, verify: bool = False) -> Any:
+        if verify and self.exec is not None:
+            # every rank passes verify alike (it is an argument of the collective execute)
+            raise ReshardError("rx.execute(verify=True) is not supported yet where pairs write straight into "
+                               "their peers (backend 'direct'); use backend='nccl' to verify")
+        stream = self.device.stream()
+        if self.exec is not None:
+            self.exec.begin(stream)
+        digests = self.inner.run(tables, verify)
+        if self.exec is not None:
+            self.exec.end(stream)
+        return digests
+
+    def read_digests(self, tables: Any) -> tuple:
+        if self.exec is not None:
+            raise ReshardError("rx.verify is not supported yet where pairs write straight into their peers "
+                               "(backend 'direct'); use backend='nccl' to verify")
+        return tuple(self.inner.read_digests(tables))

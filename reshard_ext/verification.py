@@ -1,0 +1,104 @@
+"""Verified refits (DESIGN section 2): `rx.execute(plan, verify=True)` and `rx.verify(plan)`.
+
+Every op of a plan gets a 64-bit digest at both ends: on the sender of what the receiver
+must hold (after casts and MXFP8), on the receiver of what it wrote or holds
+(csrc/kernels/digest.h; computed inside the pack/unpack kernels). Only the digests
+travel: each sender sends each of its receivers one vector, in the canonical op order
+both ends share, and the receiver compares. A mismatch raises ReshardError on every rank
+of the group, naming the tensors, boxes and ranks, after one all-reduce that every rank
+makes (and an all-gather of the reports only when something differs).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .errors import ReshardError
+from .planning import first_failed_rank
+from .transports.p2p import P2PExchange
+
+_MAX_LISTED = 20
+
+
+def empty(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.uint64)
+
+
+class Ops:
+    """What the digest check needs of a bound plan's ops, read once from its RankPlan."""
+
+    def __init__(self, rank_plan: Any, dst_names: Any, group: Any, timeout_s: float):
+        self.rank = dist.get_rank(group)
+        self.names = dst_names
+        self.sends = rank_plan.sends()
+        self.recvs = rank_plan.recvs()
+        self.copies = rank_plan.copies()
+        self.send_peers = np.array([op[1] for op in self.sends], dtype=np.int64)
+        self.recv_peers = np.array([op[1] for op in self.recvs], dtype=np.int64)
+        self.p2p = P2PExchange(group, timeout_s)
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def describe(self, op: tuple) -> str:
+        """`'name'[global box]` of one op tuple (RankPlan.sends/recvs/copies)."""
+        dst_name, _, _, size, _, glob = op[:6]
+        box = ", ".join(f"{g}:{g + n}" for g, n in zip(glob, size))
+        return f"'{self.names.name(dst_name)}'[{box}]"
+
+
+def _groups(peers: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(peer, op indices) per peer; ops are sorted by peer (planner.h)."""
+    if peers.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(peers)) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [peers.size]))
+    return [(int(peers[a]), np.arange(a, b)) for a, b in zip(starts, ends)]
+
+
+def _exchange(ops: Ops, send: np.ndarray) -> np.ndarray:
+    """Sends every receiver the digests of this rank's sends to it; returns the senders'
+    digests aligned with this rank's recv ops."""
+    p2p_ops, landed = [], []
+    for peer, idx in _groups(ops.send_peers):
+        t = torch.from_numpy(send[idx].view(np.int64)).to(ops.device)
+        p2p_ops.append(dist.P2POp(dist.isend, t, ops.p2p.global_rank(peer), ops.p2p.group))
+    for peer, idx in _groups(ops.recv_peers):
+        t = torch.empty(idx.size, dtype=torch.int64, device=ops.device)
+        p2p_ops.append(dist.P2POp(dist.irecv, t, ops.p2p.global_rank(peer), ops.p2p.group))
+        landed.append((idx, t))
+    ops.p2p.run(p2p_ops)
+    theirs = empty(len(ops.recvs))
+    for idx, t in landed:
+        theirs[idx] = t.cpu().numpy().view(np.uint64)
+    return theirs
+
+
+def check(ops: Ops, send: np.ndarray, recv: np.ndarray, what: str,
+          copies: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Compares every op's digests across its two ends (and, given `copies`, the source
+    and destination digests of same-rank copies); raises ReshardError on every rank of
+    the group when any differ. Collective."""
+    theirs = _exchange(ops, send)
+    errors = []
+    for j in np.flatnonzero(theirs != recv):
+        op = ops.recvs[j]
+        errors.append(f"{ops.describe(op)} from rank {op[1]} to rank {ops.rank}: the sender's digest "
+                      f"{int(theirs[j]):016x}, the receiver's {int(recv[j]):016x}")
+    if copies is not None:
+        for c in np.flatnonzero(copies[0] != copies[1]):
+            op = ops.copies[c]
+            errors.append(f"{ops.describe(op)} copied on rank {ops.rank}: the source's digest "
+                          f"{int(copies[0][c]):016x}, the destination's {int(copies[1][c]):016x}")
+    if first_failed_rank(ops.p2p.group, bool(errors)) < 0:
+        return
+    reports: list[Any] = [None] * dist.get_world_size(ops.p2p.group)
+    dist.all_gather_object(reports, (len(errors), errors[:_MAX_LISTED]), group=ops.p2p.group)
+    shown = [e for _, listed in reports for e in listed][:_MAX_LISTED]
+    total = sum(n for n, _ in reports)
+    more = f"\n  ... and {total - len(shown)} more" if total > len(shown) else ""
+    raise ReshardError(f"{what}: destination pieces differ from their sources (bit for bit, digests of what the "
+                       f"receiver must hold):\n  " + "\n  ".join(shown) + more)

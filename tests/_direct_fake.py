@@ -1,0 +1,143 @@
+"""A CPU stand-in for the direct transport's device (transports/direct.py CudaDevice), so
+the transport's collective setup, its fallbacks and its data path run over real gloo
+process groups on machines without GPUs:
+  - "CUDA IPC" is a file in /dev/shm mapped by both processes (torch.from_file(shared=True));
+    tensors not made by `shared_poison` cannot be exported, like memory from a cuMem pool;
+  - the per-execute steps exchange gloo messages for the ready and done signals and run
+    the boxes with the CPU twin (copy-engine copies as row memmoves);
+  - the pairs that are not direct use the CPU (gloo) transport.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reshard_ext import _C
+from reshard_ext.transports.cpu import CpuTransport
+
+_SHARED: dict[str, torch.Tensor] = {}  # path -> its tensor (bytes), in this process
+_READY, _DONE = 71, 72  # gloo tags of the two signals
+
+
+def shared_poison(shape: tuple, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
+    """A poisoned tensor whose memory another process can map (the stand-in for cudaMalloc
+    memory; _cases.run_case's alloc)."""
+    from _cases import poison
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return poison(shape, dtype, "cpu")
+    path = f"/dev/shm/rx-direct-test-{os.getpid()}-{uuid.uuid4().hex}"
+    raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    _SHARED[path] = raw
+    return raw.view(dtype).view(shape).copy_(poison(shape, dtype, "cpu"))
+
+
+def release_shared() -> None:
+    for path in list(_SHARED):
+        os.unlink(path)
+        del _SHARED[path]
+
+
+class _Signals:
+    def __init__(self, refuse: set[int]):
+        self.refuse = refuse
+        self.flags_export = (b"flags", 0, 64)
+        self.page_path = ""
+
+    def attach(self, peer: int, flags: Any, page: str) -> str:
+        return "refused by the test" if peer in self.refuse else ""
+
+    def unlink_page(self) -> None:
+        pass
+
+
+class _Mapping:
+    def __init__(self, handle: bytes):
+        path = handle.decode()
+        self.ok = os.path.exists(path)
+        self.why = "" if self.ok else f"{path} is gone"
+        self.tensor = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8) \
+            if self.ok else None
+        self.base = self.tensor.data_ptr() if self.ok else 0
+
+
+class _Exec:
+    """The ready / write / done steps of DirectExec, with gloo messages as the signals."""
+
+    def __init__(self, boxes: bytes, engine_bytes: int, receivers: list[int], senders: list[int]):
+        self.engine, self.kernel = _C.split_engines(boxes, engine_bytes)
+        self.receivers, self.senders = receivers, senders
+        self.token = torch.zeros(1)
+
+    def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
+        reqs = [dist.isend(self.token, p, tag=tag) for p in to]
+        reqs += [dist.irecv(torch.zeros(1), p, tag=tag) for p in frm]
+        for r in reqs:
+            r.wait()
+
+    def begin(self, stream: int) -> None:
+        self._signal(self.senders, self.receivers, _READY)  # my destinations are free; wait for theirs
+        for dst, dpitch, src, spitch, width, height in self.engine:
+            for row in range(height):
+                ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+        _C.copy_boxes_cpu(self.kernel)
+
+    def end(self, stream: int) -> None:
+        self._signal(self.receivers, self.senders, _DONE)
+
+
+class FakeDevice:
+    def __init__(self, refuse: set[int] = frozenset()):
+        self.refuse = set(refuse)
+
+    def signals(self, rank: int, world: int) -> Any:
+        return _Signals(self.refuse)
+
+    def pci_bus_id(self) -> str:
+        return ""
+
+    def can_reach(self, pci_bus_id: str) -> bool:
+        return True
+
+    def export(self, ptr: int) -> Any:
+        for path, t in _SHARED.items():
+            base = t.data_ptr()
+            if base <= ptr < base + t.numel():
+                return (path.encode(), ptr - base, t.numel())
+        return f"address {ptr:#x} is not in shared memory"
+
+    def open(self, handle: bytes) -> Any:
+        return _Mapping(handle)
+
+    def executor(self, signals: Any, boxes: bytes, engine_bytes: int, receivers: list[int], senders: list[int],
+                 timeout: float) -> tuple[Any, Any]:
+        return _Exec(boxes, engine_bytes, receivers, senders), None
+
+    def transport(self, group: Any, options: Any, register: bool, nccl: bool) -> Any:
+        return CpuTransport(group, options)
+
+    def stream(self) -> int:
+        return 0
+
+
+def use_fake_device(refuse: set[int] = frozenset()) -> None:
+    """Makes backend="direct" build the direct transport on FakeDevice in this process."""
+    from reshard_ext import execution
+    from reshard_ext.transports.direct import DirectTransport
+
+    original = getattr(execution._make_transport, "__wrapped__", execution._make_transport)
+
+    def make(backend, device, group, options, register=False):
+        if backend == "direct":
+            return "direct", DirectTransport(group, options, register, FakeDevice(refuse))
+        return original(backend, device, group, options, register)
+
+    make.__wrapped__ = original  # type: ignore[attr-defined]
+    execution._make_transport = make

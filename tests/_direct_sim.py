@@ -1,0 +1,130 @@
+"""The direct transport's tables, run in one process on CPU tensors (no process group, no
+GPU): every rank's plan is split between direct pairs and "NCCL" pairs as the transport
+splits it; direct boxes are bound to the receivers' own tensors (one address space, so
+the peer mapping is the identity); copy-engine copies run as row memmoves, kernel boxes
+through the CPU twin; NCCL pairs pack, exchange their messages by memmove and unpack.
+What it checks is everything the transport decides on the host: which ops each side
+keeps, the batch layout both ends of an NCCL pair share, the geometry of every direct
+box and copy-engine copy, and the casts and MX modes they carry."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from reshard_ext import _C
+from reshard_ext.execution import _refs, _rewrite
+from reshard_ext.transports.direct import peers_of
+
+
+def _table(entries: list[dict]) -> Any:
+    return _C.LayoutTable([(n, layout._c) for e in entries for n, (_, layout) in e.items()])
+
+
+def _run_engine(copies: list[tuple]) -> None:
+    for dst, dpitch, src, spitch, width, height in copies:
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+
+def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], engine_bytes: int = 1 << 20,
+             max_batch_bytes: int = 0, transform: Any = None, stats: dict | None = None) -> None:
+    """Runs one refit of per-rank entries {name: (tensor, layout)} (CPU tensors) with the
+    pairs in `direct` (as (low, high) rank pairs) direct and the others over "NCCL"."""
+    world = len(src)
+    rewritten = [(_rewrite(transform, "src", src[r]), _rewrite(transform, "dst", dst[r])) for r in range(world)]
+    src_w = [s for (s, _), _ in rewritten]
+    dst_w = [d for _, (d, _) in rewritten]
+    src_t, dst_t = _table(src_w), _table(dst_w)
+    assert not _C.check_tables(src_t, dst_t, world)
+    plans = [_C.plan_rank(src_t, dst_t, r, max_batch_bytes) for r in range(world)]
+    k0 = max(p.wanted_batches() for p in plans)
+    for p in plans:
+        p.assign_batches(k0)
+    # What the transport does once the pairs are agreed: split, then agree on batches again.
+    splits = [_C.split_direct(plans[r], src_t, peers_of(direct, r)) for r in range(world)]
+    k = max(s.wanted_batches() for s in splits)
+    for s in splits:
+        s.assign_batches(k)
+    tables = [_C.ExecTables(s) for s in splits]
+    refs = []
+    for r in range(world):
+        names_s = [src_t.name(i) for i in tables[r].src_used]
+        names_d = [dst_t.name(i) for i in tables[r].dst_used]
+        s_refs = _refs(names_s, src_w[r])
+        refs.append((s_refs, _refs(names_d, dst_w[r], tables[r], [x[2] for x in s_refs])))
+    nbuf = 2 if k > 1 else 1
+    staging = []
+    for r in range(world):
+        t = tables[r]
+        bufs = ([torch.empty(max(1, t.send_buffer_bytes), dtype=torch.uint8) for _ in range(nbuf)],
+                [torch.empty(max(1, t.recv_buffer_bytes), dtype=torch.uint8) for _ in range(nbuf)])
+        staging.append(bufs)
+        t.bind(refs[r][0], refs[r][1], [b.data_ptr() for b in bufs[0]], [b.data_ptr() for b in bufs[1]], 0)
+    # Each sender binds the receivers' pieces it writes into (identity mapping here).
+    for r in range(world):
+        pieces = []
+        for q in range(world):
+            for peer, pos in tables[q].direct_recv_pieces():
+                if peer == r:
+                    pieces.append((q, int(tables[q].dst_used[pos]), refs[q][1][pos]))
+        tables[r].bind_direct(refs[r][0], pieces)
+    if stats is not None:
+        stats.update(batches=k, staging=[t.send_buffer_bytes + t.recv_buffer_bytes for t in tables],
+                     direct_ops=[tuple(t.num_direct_ops) for t in tables], ops=[tuple(t.num_ops) for t in tables],
+                     engine=0, kernel=0)
+    for (_, src_steps), (_, dst_steps) in rewritten:  # steps: (before, after)
+        for step in src_steps[0] + dst_steps[0]:
+            step()
+    for r in range(world):
+        tables[r].run_copies_cpu()
+        copies, kernel = _C.split_engines(tables[r].direct_boxes(), engine_bytes)
+        _run_engine(copies)
+        _C.copy_boxes_cpu(kernel)
+        if stats is not None:
+            stats["engine"] += len(copies)
+            stats["kernel"] += len(kernel) // _C.BOX_BYTES
+    for b in range(k):
+        for r in range(world):
+            tables[r].run_pack_cpu(b)
+        for r in range(world):
+            sends = tables[r].messages(b)[0]
+            for q in sorted({peer for peer, _, _ in sends}):
+                out = [(p, n) for peer, p, n in sends if peer == q]
+                into = [(p, n) for peer, p, n in tables[q].messages(b)[1] if peer == r]
+                assert [n for _, n in out] == [n for _, n in into], f"batch {b}: ranks {r}->{q} disagree on messages"
+                for (sp, n), (dp, _) in zip(out, into):
+                    ctypes.memmove(dp, sp, n)
+            recvs = tables[r].messages(b)[1]
+            for q in {peer for peer, _, _ in recvs}:
+                assert any(peer == r for peer, _, _ in tables[q].messages(b)[0]), f"rank {r} waits for {q} in vain"
+        for r in range(world):
+            tables[r].run_unpack_cpu(b)
+    for (_, src_steps), (_, dst_steps) in rewritten:
+        for step in src_steps[1] + dst_steps[1]:
+            step()
+
+
+def all_pairs(world: int) -> set[tuple[int, int]]:
+    return {(a, b) for a in range(world) for b in range(a + 1, world)}
+
+
+def make_entries(spec: dict, world: int, seed: int = 0) -> tuple[list[dict], list[dict], dict]:
+    """Per-rank src (pieces of seeded logical tensors) and dst (poisoned) entries of a
+    _cases spec, and the logical tensors."""
+    from _cases import make_global, poison
+
+    src: list[dict] = [{} for _ in range(world)]
+    dst: list[dict] = [{} for _ in range(world)]
+    logical = {}
+    for i, (name, (shape, sdt, sl, ddt, dl)) in enumerate(sorted(spec.items())):
+        g = make_global(shape, sdt, seed=seed + i)
+        logical[name] = g
+        for r in range(world):
+            part = sl.local_part(g, r)
+            if part is not None:
+                src[r][name] = (part.clone(), sl)
+            if r in dl.mesh:
+                dst[r][name] = (poison(dl.local_shape(r), ddt, "cpu"), dl)
+    return src, dst, logical

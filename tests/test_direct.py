@@ -1,0 +1,409 @@
+"""The direct transport (peer-mapped writes, no staging; reshard_ext/transports/direct.py).
+
+CPU: the pair selection, and every table the transport builds, run in one process by
+_direct_sim (direct pairs, NCCL pairs and mixes of both, copy engines and kernel, casts
+and MXFP8) against the logical tensors, bit for bit.
+GPU (2 or 4 GPUs, skipped elsewhere): the refit matrix through backend="direct", pairs
+falling back to NCCL, a peer that never executes, rebinding (MXFP8 over direct pairs:
+test_mxfp8_refit.py::test_refit_matrix_cuda).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _cases import CASES, bits_equal, run_case
+from _direct_sim import all_pairs, make_entries, simulate
+from _dist import run_ranks
+
+import reshard_ext as rx
+from reshard_ext import Layout, Mesh, Replicate, Shard
+from reshard_ext.transports.direct import RankInfo, agree, candidate_pairs, peers_of
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+CUDA_BUILT = bool(rx.build_info()["cuda"])
+needs2 = pytest.mark.skipif(GPUS < 2 or not CUDA_BUILT, reason="needs 2 GPUs and reshard_ext built with CUDA")
+needs4 = pytest.mark.skipif(GPUS < 4 or not CUDA_BUILT, reason="needs 4 GPUs and reshard_ext built with CUDA")
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+# --- pair selection (pure) ------------------------------------------------------------
+
+def _info(host: str, pid: int, ok: bool = True) -> RankInfo:
+    return RankInfo(host, pid, "", ((b"h" * 64), 0, 64) if ok else None, "/dev/shm/x" if ok else "")
+
+
+def test_candidate_pairs_need_one_host_two_processes_and_both_willing():
+    infos = [_info("a", 1), _info("a", 2), _info("a", 2), _info("b", 4), _info("a", 5, ok=False), _info("b", 6)]
+    # 1 and 2 share a process (CUDA IPC cannot open its own handles); 4 opted out
+    assert candidate_pairs(infos) == {(0, 1), (0, 2), (3, 5)}
+    assert peers_of({(0, 1), (0, 2), (3, 5)}, 0) == [1, 2] and peers_of({(0, 1), (3, 5)}, 5) == [3]
+
+
+def test_agree_unions_failures_and_raises_every_error():
+    assert agree([([], {(0, 1)}), ([], {(1, 2)}), ([], set())]) == {(0, 1), (1, 2)}
+    with pytest.raises(rx.ReshardError, match="rank 1: boom"):
+        agree([([], set()), (["rank 1: boom"], set())])
+
+
+# --- the transport's tables on CPU ------------------------------------------------------
+
+def _pairs(mode: str, world: int) -> set[tuple[int, int]]:
+    if mode == "all":
+        return all_pairs(world)
+    if mode == "none":
+        return set()
+    return {p for p in all_pairs(world) if (p[0] + p[1]) % 2}  # a mix: some pairs direct, the others NCCL
+
+
+def _check(dst: list[dict], logical: dict) -> None:
+    for r, entries in enumerate(dst):
+        for name, (t, dl) in entries.items():
+            want = dl.local_part(logical[name].to(dl.dtype), r)
+            assert bits_equal(t, want), f"rank {r}: {name} differs"
+
+
+@pytest.mark.parametrize("max_batch_bytes", [0, 512])
+@pytest.mark.parametrize("engine_bytes", [0, 1])
+@pytest.mark.parametrize("mode", ["all", "none", "mixed"])
+@pytest.mark.parametrize("case,world", [("two", 2), ("tp", 4), ("uneven_blocks", 4), ("meshes", 4),
+                                        ("pp_experts", 4), ("placement", 4), ("casts", 4)])
+def test_tables_move_every_element(case, world, mode, engine_bytes, max_batch_bytes):
+    src, dst, logical = make_entries(CASES[case](world), world, seed=100)
+    stats: dict = {}
+    simulate(src, dst, _pairs(mode, world), engine_bytes, max_batch_bytes, stats=stats)
+    _check(dst, logical)
+    if mode == "all":  # no staging, no batches, no pack or unpack
+        assert stats["staging"] == [0] * world and stats["batches"] == 1, stats
+        assert all(ops[:2] == (0, 0) for ops in stats["ops"]), stats
+    if mode == "none":
+        assert stats["direct_ops"] == [(0, 0)] * world, stats
+
+
+def _engine_spec(world: int) -> dict:
+    """Boxes the copy engines take: TP column slices (2-D, rows of 1 KiB with pitch 2 KiB)
+    and row slices (one contiguous run), and a cast and rows too narrow for them."""
+    ranks = list(range(world))
+    return {
+        "col": ((64, 512), F32, Layout((64, 512), F32, Mesh(ranks), [Shard(1)]), F32,
+                Layout((64, 512), F32, Mesh(ranks[::-1]), [Replicate()])),
+        "row": ((64, 256), F32, Layout((64, 256), F32, Mesh(ranks), [Shard(0)]), F32,
+                Layout((64, 256), F32, Mesh(ranks), [Replicate()])),
+        "narrow": ((64, 32), F32, Layout((64, 32), F32, Mesh(ranks), [Shard(1)]), F32,
+                   Layout((64, 32), F32, Mesh(ranks), [Replicate()])),
+        "cast": ((64, 512), F32, Layout((64, 512), F32, Mesh(ranks), [Shard(1)]), BF16,
+                 Layout((64, 512), BF16, Mesh(ranks), [Replicate()])),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_copy_engine_copies_are_exact(world):
+    src, dst, logical = make_entries(_engine_spec(world), world, seed=7)
+    stats: dict = {}
+    simulate(src, dst, all_pairs(world), engine_bytes=1, stats=stats)
+    _check(dst, logical)
+    # per sender and receiver: col (2-D) and row (1-D) on the engines; narrow and cast in the kernel
+    pairs = world * (world - 1)
+    assert stats["engine"] == 2 * pairs and stats["kernel"] == 2 * pairs, stats
+
+
+def test_split_engines_geometry():
+    """A folded 2-D box becomes one cudaMemcpy2D; the threshold and the row width decide."""
+    src, dst, _ = make_entries(_engine_spec(2), 2, seed=3)
+    stats: dict = {}
+    simulate(src, dst, all_pairs(2), engine_bytes=1 << 30, stats=stats)  # above every box: kernel only
+    assert stats["engine"] == 0 and stats["kernel"] == 8, stats
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+@pytest.mark.parametrize("mode", ["all", "mixed"])
+def test_mxfp8_through_direct_boxes(mode, where, layout_kind, world):
+    """MXFP8 on the direct path, byte for byte: the sender's boxes quantize while they
+    write into the receiver (sender side), or write BF16-read blocks straight into the
+    receiver's (data, scale) buffers (receiver side; an FP32 source is staged)."""
+    from test_mxfp8_kernels import assert_bytes_equal, ref_mxfp8, ref_swizzle
+    from test_mxfp8_refit import _global, _poison, cases
+
+    from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout
+
+    specs = cases(world, where)
+    names = sorted(specs)
+    transform = MXFP8(params=names, scale_layout=layout_kind, where=where)
+    logical = {n: _global(n, specs[n][0].shape, 0) for n in names}
+    src: list[dict] = [{} for _ in range(world)]
+    dst: list[dict] = [{} for _ in range(world)]
+    for r in range(world):
+        for n in names:
+            sl, dl = specs[n]
+            if r in sl.mesh:
+                src[r][n] = (sl.local_part(logical[n], r).to(sl.dtype), sl)
+            if r in dl.mesh:
+                local = dl.local_shape(r)
+                data = _poison(math.prod(local), n + "data").view(torch.float8_e4m3fn).view(local)
+                scols = -(-local[-1] // 32)
+                scale = (_poison(math.prod(local[:-1]) * scols, n).view(local[:-1] + (scols,)) if layout_kind == "2d"
+                         else _poison(_scale_numel(local), n))
+                dst[r][n] = ((data, scale), dl)
+    simulate(src, dst, _pairs(mode, world), engine_bytes=1, transform=transform)
+    for r in range(world):
+        for n, ((data, scale), dl) in dst[r].items():
+            want_d, want_s = ref_mxfp8(logical[n], "ceil", "2d")
+            assert_bytes_equal(data.view(torch.uint8), data_layout(dl).with_dtype(torch.uint8).local_part(want_d, r),
+                               f"rank {r} {n} data")
+            piece = scale_layout(n, dl).local_part(want_s, r)
+            if layout_kind == "swizzled":
+                piece = ref_swizzle(piece.reshape(-1, piece.shape[-1]))
+            assert_bytes_equal(scale, piece, f"rank {r} {n} scale")
+
+
+def _scale_numel(local: tuple) -> int:
+    from reshard_ext.mxfp8 import scale_numel
+
+    return scale_numel(local, "swizzled")
+
+
+# --- the transport over real process groups, with a CPU stand-in for the device ----------
+
+def _fake_refit(rank, world, case, max_batch_bytes, engine_bytes=1, optout=-1, unshared=-1, refuse=()):
+    """run_case over backend="direct" on FakeDevice: rank `optout` maps nothing, rank
+    `unshared`'s destinations cannot be exported, rank refuse[0] cannot attach refuse[1]."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device({refuse[1]} if refuse and rank == refuse[0] else set())
+    options = rx.Options(direct_ipc=rank != optout, direct_engine_bytes=engine_bytes)
+    try:
+        kw = {} if rank == unshared else {"alloc": shared_poison}
+        return run_case(rank, world, case, "cpu", max_batch_bytes, "direct", options, _pairs_of, **kw)
+    finally:
+        release_shared()
+
+
+@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+@pytest.mark.parametrize("case,world", [("two", 2), ("casts", 2), ("tp", 4), ("meshes", 4), ("pp_experts", 4),
+                                        ("placement", 4)])
+def test_transport_every_pair_direct(case, world, max_batch_bytes):
+    for rank, (direct, nccl, staging, _) in enumerate(run_ranks(world, _fake_refit, case, max_batch_bytes)):
+        assert direct == [r for r in range(world) if r != rank] and nccl == [] and staging == 0, (rank, direct, nccl)
+
+
+@pytest.mark.parametrize("case", ["tp", "meshes", "pp_experts"])
+def test_transport_rank_that_opts_out_uses_the_other_transport(case):
+    """Rank 3 maps nothing: its pairs move over the other transport, on both ends, in one plan."""
+    for rank, (direct, nccl, _, _) in enumerate(run_ranks(4, _fake_refit, case, 512, 1, 3)):
+        if rank == 3:
+            assert direct == [] and nccl, nccl
+        else:
+            assert direct == [r for r in range(3) if r != rank] and set(nccl) <= {3}, (rank, direct, nccl)
+
+
+def test_transport_unshareable_destinations_fall_back():
+    """Rank 1's destinations cannot be exported: the pairs that write into rank 1 fall back
+    (on both ends), the other pairs stay direct."""
+    spec = CASES["tp"](4)
+    into_1 = {op.peer for op in rx.local_plan({n: v[2] for n, v in spec.items()}, {n: v[4] for n, v in spec.items()},
+                                              1).recvs if op.peer != 1}
+    assert into_1 and into_1 != {0, 2, 3}  # some pairs of rank 1 fall back, some do not
+    got = run_ranks(4, _fake_refit, "tp", 512, 1, -1, 1)
+    assert got[1][0] == sorted({0, 2, 3} - into_1) and got[1][1] == sorted(into_1), got[1]
+    for rank in (0, 2, 3):
+        direct, nccl, _, _ = got[rank]
+        assert (1 in nccl) == (rank in into_1) and (1 in direct) == (rank not in into_1), (rank, got[rank])
+
+
+def test_transport_unattachable_signals_fall_back():
+    for rank, (direct, nccl, _, _) in enumerate(run_ranks(2, _fake_refit, "tp", None, 1, -1, -1, (0, 1))):
+        assert direct == [] and nccl == [1 - rank], (rank, direct, nccl)
+
+
+def _fake_rebind(rank, world, bad_rank):
+    """Collective rebind of the destinations onto new shared tensors; then a rebind that is
+    wrong on `bad_rank` raises on every rank (no rank left waiting)."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    try:
+        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
+        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(2))
+        src = {"w": (sl.local_part(g, rank).clone(), sl)}
+        old = shared_poison(dl.local_shape(rank), F32)
+        p = rx.plan(src, {"w": (old, dl)}, backend="direct")
+        rx.execute(p)
+        ok = [bits_equal(old, dl.local_part(g, rank))]
+        new = shared_poison(dl.local_shape(rank), F32)
+        keep = old.clone()
+        p.rebind(dst={"w": (new, dl)})
+        src["w"][0].mul_(2)
+        rx.execute(p)
+        ok += [bits_equal(new, dl.local_part(g * 2, rank)), bits_equal(old, keep), p.transport.direct_peers]
+        bad = torch.zeros(3, 3) if rank == bad_rank else new
+        try:
+            p.rebind(dst={"w": (bad, dl)})
+            ok.append("no error")
+        except rx.ReshardError as e:
+            ok.append(str(e))
+        return ok
+    finally:
+        release_shared()
+
+
+def test_transport_rebind_is_collective():
+    for rank, ok in enumerate(run_ranks(2, _fake_rebind, 1)):
+        assert ok[:4] == [True, True, True, [1 - rank]], ok
+        assert "rank 1" in ok[4] and "(3, 3)" in ok[4], ok[4]
+
+
+# --- GPUs -------------------------------------------------------------------------------
+
+def _pairs_of(plan) -> tuple:
+    t = plan.transport
+    return (t.direct_peers, t.nccl_peers, t.staging_bytes, plan.num_ops)
+
+
+def _all_direct(world: int, case: str, max_batch_bytes) -> None:
+    """The refit matrix, every pair direct: no staging, nothing over NCCL."""
+    for rank, (direct, nccl, staging, _) in enumerate(
+            run_ranks(world, run_case, case, "cuda", max_batch_bytes, "direct", None, _pairs_of, backend="nccl")):
+        assert direct == [r for r in range(world) if r != rank] and nccl == [] and staging == 0, (rank, direct, nccl)
+
+
+@needs2
+@pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
+@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+def test_matrix_2gpu(case, max_batch_bytes):
+    _all_direct(2, case, max_batch_bytes)
+
+
+@needs2
+@pytest.mark.parametrize("engine_bytes", [0, 1])
+@pytest.mark.parametrize("case", ["two", "tp", "casts"])
+def test_engines_and_kernel_2gpu(case, engine_bytes):
+    """Every eligible box on the copy engines (1), or none (0: the kernel stores into the peer)."""
+    run_ranks(2, run_case, case, "cuda", None, "direct", rx.Options(direct_engine_bytes=engine_bytes),
+              backend="nccl")
+
+
+@needs4
+@pytest.mark.parametrize("case", ["tp", "uneven_blocks", "meshes", "pp_experts", "placement", "casts"])
+@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+def test_matrix_4gpu(case, max_batch_bytes):
+    _all_direct(4, case, max_batch_bytes)
+
+
+def _opted_out(rank, world, out, case, backend):
+    options = rx.Options(direct_ipc=False, auto_direct=True) if rank == out else rx.Options(auto_direct=True)
+    return run_case(rank, world, case, "cuda", 512, backend, options, _pairs_of)
+
+
+@needs2
+@pytest.mark.parametrize("backend", ["direct", "auto"])
+def test_pair_falls_back_to_nccl_2gpu(backend):
+    """A rank that maps nothing: its pairs move over NCCL, on both ends, bit for bit."""
+    for direct, nccl, staging, _ in run_ranks(2, _opted_out, 1, "tp", backend, backend="nccl"):
+        assert direct == [] and nccl and staging > 0
+
+
+@needs4
+@pytest.mark.parametrize("case", ["tp", "meshes", "pp_experts"])
+def test_mixed_direct_and_nccl_4gpu(case):
+    """Rank 3 opts out: pairs with it use NCCL, the others stay direct, in one plan."""
+    for rank, (direct, nccl, _, _) in enumerate(run_ranks(4, _opted_out, 3, case, "direct", backend="nccl")):
+        assert 3 not in direct and (rank == 3 or set(nccl) <= {3}) and (rank != 3 or direct == []), (rank, direct, nccl)
+
+
+def _expandable_dst(rank, world):
+    """Rank 1's destination comes from torch's expandable segments (cuMem): CUDA IPC cannot
+    share it, so the pair falls back to NCCL instead of failing."""
+    set_alloc = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if set_alloc is None:
+        return None
+    sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
+    dl = Layout((64, 512), F32, Mesh([0, 1]), [Replicate()])
+    g = torch.randn(64, 512, generator=torch.Generator().manual_seed(5))
+    src = {"w": (sl.local_part(g, rank).cuda(), sl)}
+    if rank == 1:
+        set_alloc("expandable_segments:True")
+    try:
+        out = torch.full(dl.local_shape(rank), float("nan"), device="cuda")
+    finally:
+        if rank == 1:
+            set_alloc("expandable_segments:False")
+    p = rx.plan(src, {"w": (out, dl)}, backend="direct")
+    rx.execute(p)
+    torch.cuda.synchronize()
+    return bits_equal(out.cpu(), g), p.transport.direct_peers
+
+
+@needs2
+def test_unmappable_memory_falls_back_2gpu():
+    got = run_ranks(2, _expandable_dst, backend="nccl")
+    if got[0] is None:
+        pytest.skip("this torch cannot switch to expandable segments at run time")
+    assert all(ok for ok, _ in got), got
+    if any(direct for _, direct in got):
+        pytest.skip("this allocator's expandable segments were mappable here (the pair went direct, correctly)")
+
+
+def _skips_execute(rank, world, sender, receiver):
+    """`receiver` never calls execute (or, when it is the one that skips, `sender` does not)."""
+    import time
+
+    sl = Layout((256, 256), F32, Mesh([sender]), [Replicate()])
+    dl = Layout((256, 256), F32, Mesh([receiver]), [Replicate()])
+    src = {"w": (torch.randn(256, 256, device="cuda"), sl)} if rank == sender else {}
+    dst = {"w": (torch.zeros(256, 256, device="cuda"), dl)} if rank == receiver else {}
+    p = rx.plan(src, dst, backend="direct", options=rx.Options(timeout=2.0))
+    assert p.transport.direct_peers == [1 - rank]
+    if rank == 1:
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        rx.execute(p)
+        torch.cuda.synchronize()
+    except rx.ReshardError as e:
+        return f"{time.monotonic() - t0:.1f}s: {e}"
+    return "no error"
+
+
+@needs2
+@pytest.mark.parametrize("role", ["sender", "receiver"])
+def test_peer_that_never_executes_raises_2gpu(role):
+    """Rank 1 never executes: rank 0 raises ReshardError naming it within the timeout, as a
+    sender (its host waits for rank 1's destinations to be free) or as a receiver (its
+    stream waits for rank 1's signal), instead of hanging."""
+    sender, receiver = (0, 1) if role == "sender" else (1, 0)
+    msg = run_ranks(2, _skips_execute, sender, receiver, backend="nccl", timeout=120)[0]
+    assert "rank 1" in msg and ("did not start" in msg if role == "sender" else "did not signal" in msg), msg
+
+
+@needs2
+def test_rebind_remaps_2gpu():
+    """Rebinding the destinations: the sender maps the new tensors; the old memory, reused
+    by another tensor, stays untouched."""
+    from test_refit_gpu import _rebind_registered
+
+    for ok in run_ranks(2, _rebind_registered, None, "direct", backend="nccl"):
+        assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok
+
+
+def _repeat(rank, world, n):
+    """Many executes in a row (the sequence numbers of the signals advance each time)."""
+    sl = Layout((1024, 1024), BF16, Mesh([0, 1]), [Shard(1)])
+    dl = Layout((1024, 1024), BF16, Mesh([1, 0]), [Shard(0)])
+    g = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3)).to(BF16)
+    src = {"w": (sl.local_part(g, rank).cuda(), sl)}
+    out = torch.empty(dl.local_shape(rank), dtype=BF16, device="cuda")
+    p = rx.plan(src, {"w": (out, dl)}, backend="direct")
+    for i in range(n):
+        src["w"][0].copy_(sl.local_part(g + i, rank))
+        rx.execute(p)
+    torch.cuda.synchronize()
+    return bits_equal(out.cpu(), dl.local_part((g + (n - 1)).to(BF16), rank))
+
+
+@needs2
+def test_many_executes_2gpu():
+    assert all(run_ranks(2, _repeat, 50, backend="nccl"))

@@ -1,0 +1,374 @@
+"""Verified refits (issue 15, item 3): rx.execute(plan, verify=True) digests every piece
+on the sender (what the receiver must hold) and on the receiver (what it wrote) inside
+the box kernels and compares them; rx.verify(plan) re-reads the bound sources and
+destinations and compares the same digests, moving nothing.
+
+Three layers:
+  - the digest through the kernel API (CPU twin, the CUDA kernel's per-lane code run on
+    the host, the real kernel): bit-exact and position-sensitive, the same for every
+    pass (copy, read source, read destination), every folding of a box and every backend;
+  - refits over gloo: every layout of the refit matrix and the MXFP8 matrix passes
+    verify=True and rx.verify, and corruption (in transit, or a destination changed
+    after the refit) raises ReshardError on every rank naming tensor, box and ranks;
+  - the same on GPUs (NCCL), skipped without them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _boxes import BOX, random_specs, specs_table, table
+from _cases import CASES, run_case
+from _dist import run_ranks
+from test_mxfp8_kernels import make_case
+
+import reshard_ext as rx
+from reshard_ext import _C
+from reshard_ext._dtypes import code_of
+
+HAVE_KERNEL = hasattr(_C, "DeviceBoxTable")
+HAVE_GPU = HAVE_KERNEL and torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+BACKENDS = [
+    "twin",
+    pytest.param("emulated", marks=pytest.mark.skipif(not HAVE_KERNEL, reason="built without CUDA")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU")]),
+]
+PASSES = {"copy": int(_C.PASS_COPY), "src": int(_C.PASS_SRC), "dst": int(_C.PASS_DST)}
+BF16 = code_of(torch.bfloat16)
+
+
+# ---- the digest through the kernel API ------------------------------------------------
+
+def with_digest(tbl: bytes, specs: list[int]) -> bytes:
+    """A box table with rx_box.digest set per box."""
+    a = np.frombuffer(bytearray(tbl), dtype=BOX).copy()
+    a["digest"] = specs
+    return a.tobytes()
+
+
+def digests(backend: str, tbl_of, bufs: dict[str, torch.Tensor], pass_: str, tile_bytes: int = 512) -> list[int]:
+    """Runs verify pass `pass_` over the boxes tbl_of(buffers) returns (bytes), on copies of
+    the CPU buffers `bufs` (updated in place with what a copy pass writes); one digest per box."""
+    p = PASSES[pass_]
+    if backend == "twin":
+        return list(_C.digest_boxes_cpu(tbl_of(bufs), p))
+    if backend == "emulated":
+        return list(_C.DeviceBoxTable(tbl_of(bufs), tile_bytes).run_emulated(p))
+    dev = {k: v.cuda() for k, v in bufs.items()}
+    t = _C.DeviceBoxTable(tbl_of(dev), tile_bytes)
+    blob = torch.empty(max(t.nbytes, 1), dtype=torch.uint8, device="cuda")
+    out = torch.zeros(max(t.num_boxes, 1), dtype=torch.int64, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    t.upload(blob.data_ptr(), stream)
+    t.launch(stream, 0, out.data_ptr(), p)
+    for k, v in dev.items():
+        bufs[k].copy_(v.cpu())
+    return [int(x) for x in out.cpu().numpy().view(np.uint64)[: t.num_boxes]]
+
+
+def whole(x: torch.Tensor, out: torch.Tensor) -> bytes:
+    """One box over all of a contiguous x, copied into out (same shape)."""
+    shape = tuple(x.shape)
+    strides = tuple(x.stride())
+    return table([(x.data_ptr(), out.data_ptr(), shape, strides, strides, code_of(x.dtype), code_of(out.dtype))])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8])
+def test_digest_is_bit_exact_and_position_sensitive(backend, dtype):
+    """Swapped rows, a NaN payload, -0.0 for +0.0, one flipped bit anywhere: all change
+    the digest of what a box reads; the same bits give the same digest."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 256, (12, 40 * 8), dtype=torch.uint8, generator=g).view(dtype)
+    if dtype.is_floating_point:
+        base = torch.randn(base.shape, generator=g, dtype=torch.float64).to(dtype)
+
+    def digest_of(x: torch.Tensor) -> int:
+        bufs = {"x": x.clone(), "y": torch.empty_like(x)}
+        return digests(backend, lambda b: whole(b["x"], b["y"]), bufs, "src")[0]
+
+    ref = digest_of(base)
+    assert digest_of(base.clone()) == ref
+    variants = {"swapped rows": base[[0, 1, 5, 3, 4, 2, 6, 7, 8, 9, 10, 11]]}
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[base.element_size()]
+    for flat_at in (0, 37, base.numel() - 1):
+        v = base.clone().view(bits).view(-1)
+        v[flat_at] ^= 1 << (8 * base.element_size() - 2)  # one bit, every position of the box
+        variants[f"bit flipped at {flat_at}"] = v.view(base.shape).view(dtype)
+    if dtype.is_floating_point:
+        zeros = base.clone()
+        zeros[3, 7] = 0.0
+        neg = zeros.clone()
+        neg[3, 7] = -0.0
+        assert digest_of(zeros) != digest_of(neg), "-0.0 and +0.0 digest alike"
+        nan = {torch.float32: (0x7FC00000, 0x7FC00001), torch.float64: (0x7FF8000000000000, 0x7FF8000000000001),
+               torch.bfloat16: (0x7FC0, 0x7FC1)}[dtype]
+        a, b = base.clone().view(bits), base.clone().view(bits)
+        a[5, 5], b[5, 5] = nan
+        assert digest_of(a.view(dtype)) != digest_of(b.view(dtype)), "NaN payloads digest alike"
+    for what, x in variants.items():
+        assert digest_of(x) != ref, what
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("casts", [False, True])
+def test_passes_and_foldings_agree(backend, casts):
+    """For random boxes (strided, folded or not, misaligned, casting): the digest of the
+    copy as it writes = of what it would write (source read) = of what the destination
+    then holds, and equals the CPU twin's."""
+    specs, sb, db = random_specs(seed=11 + casts, count=60, max_elems=700, casts=casts)
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g)
+    src[1::2] &= 0xBF  # finite floats: cast NaN payloads are not the point here
+    bufs = {"src": src, "dst": torch.zeros(db, dtype=torch.uint8)}
+
+    def tbl(b):
+        return specs_table(specs, b["src"], b["dst"])
+
+    want = digests("twin", tbl, {k: v.clone() for k, v in bufs.items()}, "src")
+    copied = {k: v.clone() for k, v in bufs.items()}
+    assert digests(backend, tbl, copied, "copy") == want
+    assert digests(backend, tbl, {k: v.clone() for k, v in bufs.items()}, "src") == want
+    assert digests(backend, tbl, copied, "dst") == want
+    reference = {k: v.clone() for k, v in bufs.items()}
+    _C.copy_boxes_cpu(tbl(reference))
+    assert torch.equal(copied["dst"], reference["dst"]), "the copy pass must copy what the plain copy does"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cast_digest_matches_the_receivers_cast(backend):
+    """A sender packs BF16 (the narrower wire); the receiver widens to fp32 on unpack. The
+    pack box digested as fp32 (RX_DIGEST_CAST) equals the unpack box's digest, and differs
+    from the plain BF16 one."""
+    x = torch.randn(6, 64).to(torch.bfloat16)
+    bufs = {"x": x, "wire": torch.zeros(6, 64, dtype=torch.bfloat16), "out": torch.zeros(6, 64)}
+    cast = int(_C.DIGEST_CAST) | code_of(torch.float32) << 8
+    pack = digests(backend, lambda b: with_digest(whole(b["x"], b["wire"]), [cast]), bufs, "copy")
+    unpack = digests(backend, lambda b: whole(b["wire"], b["out"]), bufs, "copy")
+    plain = digests(backend, lambda b: whole(b["x"], b["wire"]), bufs, "src")
+    assert pack == unpack and pack != plain
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+def test_mx_digest_of_bf16_equals_fused_quantize(backend, rounding):
+    """A BF16 pack box whose receiver quantizes (RX_DIGEST_MX) digests what the receiver's
+    fused MX_DATA box writes (E4M3 bytes and scales), whatever the scale layout, and a
+    changed scale byte or data byte of the destination changes the destination digest."""
+    r = {"ceil": int(_C.MX_ROUND_CEIL), "floor": int(_C.MX_ROUND_FLOOR)}[rounding]
+    x = make_case("wide", rows=8, cols=128, seed=4)
+    rows, k = x.shape
+    bufs = {"x": x, "wire": torch.zeros_like(x), "data": torch.zeros(rows * k, dtype=torch.uint8),
+            "scale": torch.zeros(rows * k // 32, dtype=torch.uint8)}
+    u8 = code_of(torch.uint8)
+
+    def pack(b):
+        return with_digest(whole(b["x"], b["wire"]), [int(_C.DIGEST_MX) | r << 8])
+
+    def fused(b):  # the receiver: BF16 wire -> E4M3 data + 2-D scales
+        return table([(b["wire"].data_ptr(), b["data"].data_ptr(), (rows, k), (k, 1), (k, 1), BF16, u8,
+                       int(_C.BOX_MX_DATA) | r << 8, b["scale"].data_ptr(), 0, k)])
+
+    sent = digests(backend, pack, bufs, "copy")
+    landed = digests(backend, fused, bufs, "copy")
+    assert sent == landed == digests(backend, fused, bufs, "dst")
+    assert sent != digests(backend, lambda b: whole(b["x"], b["wire"]), bufs, "src"), "not the BF16 digest"
+    for name in ("data", "scale"):
+        bad = {key: v.clone() for key, v in bufs.items()}
+        bad[name][5] ^= 1
+        assert digests(backend, fused, bad, "dst") != landed, f"a changed {name} byte went unnoticed"
+
+
+# ---- refits over gloo ------------------------------------------------------------------
+
+def verified(rank: int, world: int, worker, *args):
+    """Runs `worker` with every rx.execute verified and followed by rx.verify."""
+    plain = rx.execute
+
+    def execute(plan, **kw):
+        plain(plan, verify=True)
+        rx.verify(plan)
+
+    rx.execute = execute
+    try:
+        return worker(rank, world, *args)
+    finally:
+        rx.execute = plain
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("max_batch_bytes", [None, 256])
+def test_verified_matrix(case, max_batch_bytes):
+    run_ranks(4, verified, run_case, case, "cpu", max_batch_bytes)
+
+
+def _direct(rank, world, case):
+    # every contiguous op travels from / into its tensor
+    return run_case(rank, world, case, "cpu", None, options=rx.Options(direct_bytes=1))
+
+
+@pytest.mark.parametrize("case", ["tp", "casts", "pp_experts"])
+def test_verified_direct_messages(case):
+    """Ops sent straight from / received into tensors have no pack or unpack: their
+    digests come from reading the source before and the destination after."""
+    run_ranks(4, verified, _direct, case)
+
+
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_verified_mxfp8(where, layout_kind):
+    """Digests cover the MXFP8 bytes the receiver holds: fused or staged, either side,
+    2-D or swizzled scales, and with ops moving as direct messages."""
+    from test_mxfp8_refit import refit_worker
+
+    run_ranks(4, verified, refit_worker, where, layout_kind, "ceil")
+    if layout_kind == "2d":
+        run_ranks(4, verified, refit_worker, where, layout_kind, "floor", "cpu", 1)
+
+
+def _corrupt_after_refit(rank, world, device, target):
+    """Ranks 0, 1: a plain tensor (0 -> 1 over the wire, and a same-rank copy on 0) and an
+    MXFP8 one (quantized on the receiver). After a verified refit one rank changes one
+    byte of `target`; rx.verify must raise on every rank."""
+    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(16, 64, generator=g)
+    m = make_case("normal", rows=8, cols=64, seed=1)
+    one, both = rx.Mesh([0]), rx.Mesh([0, 1])
+    sw = rx.Layout((16, 64), torch.float32, one, [rx.Replicate()])
+    dw = rx.Layout((16, 64), torch.float32, both, [rx.Replicate()])
+    sm = rx.Layout((8, 64), torch.bfloat16, one, [rx.Replicate()])
+    dm = rx.Layout((8, 64), torch.bfloat16, both, [rx.Replicate()])
+    src = {"w": (w.to(dev), sw), "m": (m.to(dev), sm)} if rank == 0 else {}
+    out = torch.zeros(16, 64, device=dev)
+    data = torch.zeros(8, 64, dtype=torch.float8_e4m3fn, device=dev)
+    scale = torch.zeros(8, 2, dtype=torch.uint8, device=dev)
+    plan = rx.plan(src, {"w": (out, dw), "m": ((data, scale), dm)}, transform=rx.MXFP8(["m"]))
+    rx.execute(plan, verify=True)
+    rx.verify(plan)  # intact: passes
+    victim, tensor = target
+    if rank == victim:
+        t = {"w": out, "data": data, "scale": scale}[tensor]
+        t.view(torch.uint8).view(-1)[7] ^= 0x10
+    try:
+        rx.verify(plan)
+    except rx.ReshardError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("target", [(1, "w"), (0, "w"), (1, "data"), (1, "scale")],
+                         ids=["received", "copied", "mxfp8-data", "mxfp8-scale"])
+def test_verify_catches_a_changed_destination(target):
+    victim, tensor = target
+    name = "'w'" if tensor == "w" else "'m'"
+    for msg in run_ranks(2, _corrupt_after_refit, "cpu", target):
+        assert "rx.verify" in msg and name in msg and f"rank {victim}" in msg, msg
+        assert "[0:" in msg  # the box, in global coordinates
+
+
+def _corrupt_in_transit(rank, world, direct):
+    """Rank 1 flips a bit of what arrives from rank 0 before it unpacks: the refit is
+    silently wrong without verify, and raises with it."""
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(64, 32, generator=g)
+    s = rx.Layout((64, 32), torch.float32, rx.Mesh([0]), [rx.Replicate()])
+    d = rx.Layout((64, 32), torch.float32, rx.Mesh([1]), [rx.Replicate()])
+    plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {},
+                   {"x": (torch.zeros(64, 32), d)} if rank == 1 else {},
+                   options=rx.Options(direct_bytes=1 if direct else 1 << 30))
+    if rank == 1:
+        finish = plan.transport.p2p.finish
+
+        def corrupting_finish(reqs, ops):
+            finish(reqs, ops)
+            for op in ops:
+                if op.op is torch.distributed.irecv:
+                    op.tensor.view(-1)[100] ^= 4
+
+        plan.transport.p2p.finish = corrupting_finish
+    rx.execute(plan)  # no verify: nothing notices
+    errors = []
+    for _ in range(2):  # every execute checks again
+        try:
+            rx.execute(plan, verify=True)
+        except rx.ReshardError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+def test_execute_verify_catches_corruption_in_transit(direct):
+    for errors in run_ranks(2, _corrupt_in_transit, direct):
+        assert len(errors) == 2, errors
+        assert "rx.execute(verify=True)" in errors[0] and "'x'[0:64, 0:32]" in errors[0], errors[0]
+        assert "from rank 0 to rank 1" in errors[0], errors[0]
+
+
+def _idle_and_empty(rank, world):
+    """Ranks with nothing to move (and plans that move nothing) still verify."""
+    s = rx.Layout((4, 4), torch.float32, rx.Mesh([0]), [rx.Replicate()])
+    plan = rx.plan({"x": (torch.ones(4, 4), s)} if rank == 0 else {}, {"x": (torch.zeros(4, 4), s)} if rank == 0 else {})
+    rx.execute(plan, verify=True)
+    rx.verify(plan)
+    return True
+
+
+def test_idle_ranks_verify():
+    assert all(run_ranks(4, _idle_and_empty))
+
+
+# ---- GPUs ------------------------------------------------------------------------------
+
+NEEDS_2_GPUS = pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]),
+                                  reason="needs 2 GPUs and reshard_ext built with CUDA")
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("max_batch_bytes", [None, 4096])
+def test_verified_matrix_cuda(backend, max_batch_bytes):
+    run_ranks(2, verified, run_case, "two", "cuda", max_batch_bytes, backend, backend="nccl")
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_verified_mxfp8_cuda(where):
+    from test_mxfp8_refit import refit_worker
+
+    for layout_kind in ("2d", "swizzled"):
+        run_ranks(2, verified, refit_worker, where, layout_kind, "ceil", "cuda", backend="nccl")
+
+
+def _direct_cuda(rank, world):
+    # every contiguous op is its own NCCL message
+    return run_case(rank, world, "two", "cuda", None, options=rx.Options(direct_bytes=1))
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+def test_verified_direct_messages_cuda():
+    run_ranks(2, verified, _direct_cuda, backend="nccl")
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("target", [(1, "w"), (0, "w"), (1, "scale")], ids=["received", "copied", "mxfp8-scale"])
+def test_verify_catches_a_changed_destination_cuda(target):
+    victim = target[0]
+    for msg in run_ranks(2, _corrupt_after_refit, "cuda", target, backend="nccl"):
+        assert "rx.verify" in msg and f"rank {victim}" in msg, msg
+
+
+def test_digest_kernel_sizes_are_whole_boxes():
+    """The digest sums of a table are per box, in box order (what the transports index)."""
+    x = torch.arange(64, dtype=torch.float32)
+    y = torch.zeros(64)
+    rows = [(x.data_ptr() + 4 * 16 * i, y.data_ptr() + 4 * 16 * i, (16,), (1,), (1,), code_of(x.dtype),
+             code_of(y.dtype)) for i in range(4)]
+    per_box = _C.digest_boxes_cpu(table(rows), int(_C.PASS_SRC))
+    assert len(per_box) == 4 and len(set(per_box)) == 4
+    assert per_box[2] == _C.digest_boxes_cpu(table(rows[2:3]), int(_C.PASS_SRC))[0]
