@@ -1,16 +1,19 @@
 """The simulator's prediction against refits measured on 2 and 4 GPUs (refit_bench.py).
 
 For each refit_bench case it predicts the refit time with `simulate` (the real plan, the
-link model) and prints it beside the time measured on the GPU machine (RESULTS.md,
-2x and 4x H200, NVLink NV18 - the same link as H100's). The link model for these cards:
-NVLink 360 GB/s per direction (FACTS: NCCL 364, copy engines 391 on H100; the H200 runs'
-NCCL ceilings imply 362-370) and same-rank copies at 2,130 GB/s (the D2D ceiling measured
-in the same runs: 8.03 GB in 3.77 ms).
+link model of the card) and prints it beside the times measured on the GPU machines
+(benchmarks/RESULTS.md, 2026-11-26). Link models, per GPU and direction:
+
+- H100 (the current RESULTS tables): NVLink 360 GB/s (FACTS: NCCL 364, copy engines
+  391), same-rank copies 1,500 GB/s (the D2D ceiling of the same runs: 8.03 GB in
+  5.32-5.36 ms); measured with the NCCL and the direct backend;
+- H200 (the previous session, NCCL only): NVLink 360 GB/s (its NCCL ceilings imply
+  362-370), copies 2,130 GB/s (D2D: 8.03 GB in 3.77 ms).
 
     python benchmarks/simulate_validate.py [--measured FILE.json]
 
---measured: a JSON object {"case@gpus": [low_ms, high_ms]} replacing the built-in
-measurements (e.g. after a new GPU run).
+--measured: a JSON list of [case, gpus, card, backend, low_ms, high_ms] rows replacing
+the built-in ones (card "H100" or "H200"), e.g. after a new GPU run.
 """
 from __future__ import annotations
 
@@ -22,48 +25,53 @@ from refit_bench import _cases
 from reshard_ext.simulate import LinkModel, simulate
 from reshard_ext.synthetic import LLAMA3_8B, Parallel
 
-H200 = LinkModel(gpus_per_node=8, nvlink_gbps=360.0, network_gbps=50.0, copy_gbps=2130.0)
-
-# case@gpus -> (refit ms low, high, where it was measured: RESULTS.md runs, 2026-11-26)
-MEASURED = {
-    "tp2-tp1@2": (23.06, 23.11, "2x H200, .device/4 (cap by default)"),
-    "moe-ep2-ep1@2": (21.89, 21.90, "2x H200, .device/4"),
-    "noncolo-tp1-tp1@2": (47.26, 47.26, "2x H200, .device/4"),
-    "tp1-tp2@2": (4.04, 4.06, "2x H200, .device/5"),
-    "tp2-tp1@4": (23.40, 23.47, "4x H200, .device/7 (final code)"),
-    "moe-ep2-ep1@4": (21.53, 21.64, "4x H200, .device/7"),
-    "noncolo-tp2-tp2dp@4": (23.30, 23.38, "4x H200, .device/7"),
-    "tp1-tp2@4": (4.03, 4.05, "4x H200, .device/7"),
+CARDS = {
+    "H100": LinkModel(gpus_per_node=8, nvlink_gbps=360.0, copy_gbps=1500.0),
+    "H200": LinkModel(gpus_per_node=8, nvlink_gbps=360.0, copy_gbps=2130.0),
 }
-# refit_bench --case relay-1to3 (rank 0 -> three TP1 replicas on ranks 1-3): not measured yet
-RELAY_1TO3 = (LLAMA3_8B, Parallel(tp=1), Parallel(tp=1, dp=3, offset=1), 4)
+# refit_bench --case relay-1to3: rank 0 -> three TP1 replicas on ranks 1-3
+RELAY_1TO3 = (LLAMA3_8B, Parallel(tp=1), Parallel(tp=1, dp=3, offset=1))
+
+# (case, GPUs, card, backend, refit ms low, high): RESULTS.md, 2026-11-26. H100: 4x H100
+# host (2-GPU rows on its GPUs 0-1), `gpu_check.sh direct` and `relay`; H200: the
+# previous session's `.device/4`-`5` (2 GPUs) and `.device/7` (4 GPUs). "relay on" and
+# "relay off" are the relay-1to3 case's two plans (the slowest replica).
+MEASURED = [
+    ("tp2-tp1", 2, "H100", "nccl", 26.56, 26.71), ("tp2-tp1", 2, "H100", "direct", 23.49, 23.64),
+    ("tp2-tp1", 4, "H100", "nccl", 26.78, 26.87), ("tp2-tp1", 4, "H100", "direct", 23.53, 23.60),
+    ("moe-ep2-ep1", 2, "H100", "nccl", 24.08, 24.19), ("moe-ep2-ep1", 2, "H100", "direct", 26.41, 26.51),
+    ("noncolo-tp1-tp1", 2, "H100", "nccl", 45.48, 45.57), ("noncolo-tp1-tp1", 2, "H100", "direct", 41.34, 41.42),
+    ("noncolo-tp2-tp2dp", 4, "H100", "nccl", 23.85, 23.91), ("noncolo-tp2-tp2dp", 4, "H100", "direct", 21.17, 21.20),
+    ("tp1-tp2", 2, "H100", "nccl", 5.63, 5.67), ("tp1-tp2", 2, "H100", "direct", 5.63, 5.66),
+    ("relay-1to3", 4, "H100", "relay off", 138.95, 138.97), ("relay-1to3", 4, "H100", "relay on", 87.24, 87.29),
+    ("tp2-tp1", 2, "H200", "nccl", 23.06, 23.11), ("moe-ep2-ep1", 2, "H200", "nccl", 21.89, 21.90),
+    ("noncolo-tp1-tp1", 2, "H200", "nccl", 47.26, 47.26), ("tp1-tp2", 2, "H200", "nccl", 4.04, 4.06),
+    ("tp2-tp1", 4, "H200", "nccl", 23.40, 23.47), ("moe-ep2-ep1", 4, "H200", "nccl", 21.53, 21.64),
+    ("noncolo-tp2-tp2dp", 4, "H200", "nccl", 23.30, 23.38), ("tp1-tp2", 4, "H200", "nccl", 4.03, 4.05),
+]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--measured", help="JSON {case@gpus: [low_ms, high_ms]} to compare with instead")
+    ap.add_argument("--measured", help="JSON list of [case, gpus, card, backend, low_ms, high_ms] rows")
     args = ap.parse_args()
-    measured = MEASURED
+    rows = MEASURED
     if args.measured:
         with open(args.measured) as f:
-            measured = {k: (lo, hi, "") for k, (lo, hi) in json.load(f).items()}
-    print(f"{'case':22} {'GPUs':>4} {'predicted ms':>12} {'relays ms':>9} {'measured ms':>13} {'measured/predicted':>18}"
-          f"  bound by")
-    rows = []
-    for key in measured:
-        name, gpus = key.split("@")[0], int(key.split("@")[1])
-        if name in _cases(gpus):
-            rows.append((name, gpus, *_cases(gpus)[name][:3]))
-    rows.append(("relay-1to3", 4, *RELAY_1TO3[:3]))
-    for name, gpus, model, src, dst in rows:
-        rep = simulate(model, src, dst, H200, model_name=name)
-        direct, relay = rep["prediction"]["without_relays"], rep["prediction"]["with_relays"]
-        busiest = direct["phases"][0]["busiest"]
-        lo, hi, _ = measured.get(f"{name}@{gpus}", (0.0, 0.0, ""))
-        ratio = f"{lo / direct['seconds'] / 1e3:.2f}-{hi / direct['seconds'] / 1e3:.2f}" if lo else "-"
-        shown = f"{lo:.2f}-{hi:.2f}" if lo else "not yet"
-        print(f"{name:22} {gpus:4d} {1e3 * direct['seconds']:12.2f} {1e3 * relay['seconds']:9.2f} {shown:>13} "
-              f"{ratio:>18}  rank {busiest['rank']} {busiest['port']}")
+            rows = [tuple(r) for r in json.load(f)]
+    print(f"{'case':18} {'GPUs':>4} {'card':5} {'measured with':14} {'predicted ms':>12} {'measured ms':>13} "
+          f"{'measured/predicted':>18}  bound by")
+    cache: dict = {}
+    for name, gpus, card, backend, lo, hi in rows:
+        if (name, gpus, card) not in cache:
+            model, src, dst = RELAY_1TO3 if name == "relay-1to3" else _cases(gpus)[name][:3]
+            cache[(name, gpus, card)] = simulate(model, src, dst, CARDS[card], model_name=name)
+        pred = cache[(name, gpus, card)]["prediction"]
+        schedule = pred["with_relays"] if backend == "relay on" else pred["without_relays"]
+        t = 1e3 * schedule["seconds"]
+        bound = schedule["phases"][0]["busiest"]
+        print(f"{name:18} {gpus:4d} {card:5} {backend:14} {t:12.2f} {f'{lo:.2f}-{hi:.2f}':>13} "
+              f"{f'{lo / t:.2f}-{hi / t:.2f}':>18}  rank {bound['rank']} {bound['port']}")
 
 
 if __name__ == "__main__":
