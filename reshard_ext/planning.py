@@ -13,9 +13,11 @@ data moves, so no rank is left waiting in a collective the others skipped.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,12 +73,27 @@ def _ops(table: "_C.LayoutTable", raw: list, as_sender_copy: bool = False) -> li
     return out
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while many small objects are made: each collection
+    re-walks every live object of the caller (half of local_plan's time for 16,000 ops
+    with a 45,000-tensor model's layouts alive)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _raise(errors: list[str]) -> None:
     shown = errors[:_MAX_LISTED_ERRORS]
     more = f"\n  ... and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""
     raise ReshardError("reshard plan rejected:\n  " + "\n  ".join(shown) + more)
 
 
+@_collector_paused()
 def local_plan(
     src_layouts: Mapping[str, Layout],
     dst_layouts: Mapping[str, Layout],

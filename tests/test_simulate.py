@@ -137,6 +137,25 @@ def test_staging_matches_the_assigned_batches():
             assert p.batch_bytes(k) == dry  # cutting again for the same k changes nothing
 
 
+def test_staging_as_the_gpu_transport_allocates():
+    """Per rank: the largest batch's send and receive buffers, twice when batches
+    pipeline (transports/cuda.py), at the batch count every rank agrees on."""
+    src = model_layouts(TINY_MOE, Parallel(tp=2, pp=2, dp=2, ep=2))
+    dst = model_layouts(TINY_MOE, Parallel(tp=4, dp=2, ep=4))
+    st = _C.LayoutTable([(n, l._c) for n, l in src.items()])
+    dt = _C.LayoutTable([(n, l._c) for n, l in dst.items()])
+    for mbb, seed in ((0, 16), (1 << 14, 16), (1 << 14, 0)):  # no seed: ranks staged too early are redone
+        planned = sim.plan_all_ranks(st, dt, 8, mbb, seed_ranks=seed)
+        k = max(_C.plan_rank(st, dt, r, mbb).wanted_batches() for r in range(8))
+        assert planned.batches == k and (k > 1) == (mbb > 0)
+        for rank in range(8):
+            p = _C.plan_rank(st, dt, rank, mbb)
+            p.assign_batches(k)
+            tables = _C.ExecTables(p)
+            want = (2 if k > 1 else 1) * (tables.send_buffer_bytes + tables.recv_buffer_bytes)
+            assert planned.staging[rank] == want
+
+
 def test_fanout_groups_identical_boxes():
     src = model_layouts(LLAMA3_8B, Parallel(tp=2))
     dst = model_layouts(LLAMA3_8B, Parallel(tp=1, dp=3, offset=2))
@@ -210,6 +229,8 @@ def test_hf_moe_config():
            "n_shared_experts": 1, "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "topk_method": "noaux_tc"}
     assert shape_from_hf_config(cfg) == PRESETS["deepseek-v3"].shape
+    two_shared = shape_from_hf_config({**cfg, "n_shared_experts": 2, "topk_method": "greedy"})
+    assert two_shared.shared_expert_ffn == 2 * 2048 and not two_shared.router_bias
     qwen = {"hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
             "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "num_experts": 128,
             "moe_intermediate_size": 1536}

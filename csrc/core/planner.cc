@@ -81,8 +81,19 @@ int64_t choose_replica(const Layout& src, int64_t cls, int64_t receiver_src_pos,
 // How many of dst class `dcls`'s replicas are outside the src mesh: before replica
 // `before` (first) and in all (second).
 std::pair<int64_t, int64_t> replicas_outside(const Layout& src, const Layout& dst, int64_t dcls, int64_t before) {
+  const int64_t k = dst.replicas_per_class();
   int64_t below = 0, all = 0;
-  for (int64_t j = 0; j < dst.replicas_per_class(); ++j) {
+  if (src.mesh().size() < k) {  // count the replicas inside instead: fewer look-ups
+    int64_t in_below = 0, in_all = 0;
+    for (int32_t r : src.mesh().ranks()) {
+      const int64_t pos = dst.mesh().position(r);
+      if (pos < 0 || dst.class_of_position(pos) != dcls) continue;
+      ++in_all;
+      in_below += dst.replica_of_position(pos) < before;
+    }
+    return {std::min(before, k) - in_below, k - in_all};
+  }
+  for (int64_t j = 0; j < k; ++j) {
     const bool outside = src.mesh().position(dst.class_replica(dcls, j)) < 0;
     all += outside;
     below += outside && j < before;
@@ -224,6 +235,17 @@ bool op_less(const TransferOp& a, const TransferOp& b) {
   if (a.peer != b.peer) return a.peer < b.peer;
   if (a.dst_name != b.dst_name) return a.dst_name < b.dst_name;
   return a.global < b.global;
+}
+
+// Sorts by op_less through an index, so each op (five vectors) moves once.
+void sort_ops(std::vector<TransferOp>& ops) {
+  std::vector<uint32_t> order(ops.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&ops](uint32_t a, uint32_t b) { return op_less(ops[a], ops[b]); });
+  std::vector<TransferOp> out;
+  out.reserve(ops.size());
+  for (uint32_t i : order) out.push_back(std::move(ops[i]));
+  ops.swap(out);
 }
 
 }  // namespace
@@ -434,11 +456,11 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       else
         split_op(op, max_batch_bytes, rx_dtype_size(op.wire_dtype), out);
     }
-    std::sort(out.begin(), out.end(), op_less);
+    sort_ops(out);
   };
   finish(raw_sends, plan.sends);
   finish(raw_recvs, plan.recvs);
-  std::sort(plan.copies.begin(), plan.copies.end(), op_less);
+  sort_ops(plan.copies);
   plan.assign_batches(1);
   return plan;
 }
@@ -499,18 +521,26 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
 // share: a batch's transfer lasts as long as its busiest pair, and one unsplit op of a
 // few hundred MB (a vocab shard) made one batch of a 4-GPU refit take 6 ms where the
 // others took 1.6. Both ends of a pair hold the same op list and cut it the same way.
-int64_t pair_limit(int64_t total, int32_t k, bool taper) {
+// Never below `floor`: a pair of a few KB (norms) is not worth 4k boxes, and at 2,048
+// ranks with 90 batches such cuts made 250,000 boxes per rank.
+int64_t pair_limit(int64_t total, int32_t k, bool taper, int64_t floor) {
   if (k <= 1) return 0;
   const int64_t parts = taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k);
-  return std::max<int64_t>(1, (total + parts - 1) / parts);
+  return std::max<int64_t>(std::max<int64_t>(1, floor), (total + parts - 1) / parts);
 }
 
-void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper) {
+// The smallest cut of pair_limit: 1 MiB, or an eighth of max_batch_bytes where that is
+// smaller (tiny batch bounds, as tests use, keep their balance).
+int64_t min_cut(int64_t max_batch_bytes) {
+  return max_batch_bytes > 0 ? std::min<int64_t>(int64_t{1} << 20, max_batch_bytes / 8) : 0;
+}
+
+void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper, int64_t floor) {
   if (k <= 1) return;
   std::vector<TransferOp> out;
   out.reserve(ops.size());
   for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
-    const int64_t limit = pair_limit(total, k, taper);
+    const int64_t limit = pair_limit(total, k, taper, floor);
     for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
   });
   ops.swap(out);
@@ -555,8 +585,8 @@ void RankPlan::assign_batches(int32_t k) {
   batches.assign(k, BatchLayout{});
   digests.clear();
   send_digest = recv_digest = 0;
-  resplit_pairs(sends, k, taper);
-  resplit_pairs(recvs, k, taper);
+  resplit_pairs(sends, k, taper, min_cut(max_batch_bytes));
+  resplit_pairs(recvs, k, taper, min_cut(max_batch_bytes));
 
   auto side = [&](std::vector<TransferOp>& ops, bool is_send) {
     for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
@@ -591,7 +621,7 @@ std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
   auto side = [&](const std::vector<TransferOp>& ops, bool is_send) {
     for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
       PairPlacer placer(total, k, taper);
-      const int64_t limit = pair_limit(total, k, taper);
+      const int64_t limit = pair_limit(total, k, taper, min_cut(max_batch_bytes));
       for (size_t o = i; o < end; ++o) {
         if (limit <= 0 || ops[o].nbytes <= limit) {
           placer.place(ops[o].nbytes);
@@ -615,22 +645,31 @@ std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
 
 std::vector<FanOut> send_fanout(const RankPlan& plan) {
   RX_HOST_ASSERT(plan.batches.size() <= 1, "send_fanout needs the plan before its ops are cut into batches");
-  // One entry per distinct box (tensor, origin, size): the receivers it goes to.
-  std::map<std::tuple<int32_t, std::vector<int64_t>, std::vector<int64_t>>, std::pair<std::vector<int32_t>, int64_t>>
-      boxes;
-  for (const TransferOp& op : plan.sends) {
-    auto& [receivers, nbytes] = boxes[{op.dst_name, op.global, op.mine.size}];
-    receivers.push_back(op.peer);
-    nbytes = op.nbytes;
-  }
+  // Sends ordered by box (tensor, origin, size), then receiver: a run is one box and the
+  // receivers it goes to, in order.
+  const std::vector<TransferOp>& ops = plan.sends;
+  auto same_box = [&ops](uint32_t a, uint32_t b) {
+    return ops[a].dst_name == ops[b].dst_name && ops[a].global == ops[b].global &&
+           ops[a].mine.size == ops[b].mine.size;
+  };
+  std::vector<uint32_t> order(ops.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&ops](uint32_t a, uint32_t b) {
+    const TransferOp &x = ops[a], &y = ops[b];
+    return std::tie(x.dst_name, x.global, x.mine.size, x.peer) < std::tie(y.dst_name, y.global, y.mine.size, y.peer);
+  });
   std::map<std::vector<int32_t>, int64_t> by_set;
-  for (auto& [key, value] : boxes) {
-    std::sort(value.first.begin(), value.first.end());
-    by_set[value.first] += value.second;
+  std::vector<int32_t> receivers;
+  for (size_t i = 0; i < order.size();) {
+    size_t end = i;
+    receivers.clear();
+    while (end < order.size() && same_box(order[i], order[end])) receivers.push_back(ops[order[end++]].peer);
+    by_set[receivers] += ops[order[i]].nbytes;
+    i = end;
   }
   std::vector<FanOut> out;
   out.reserve(by_set.size());
-  for (auto& [receivers, nbytes] : by_set) out.push_back({receivers, nbytes});
+  for (auto& [set, nbytes] : by_set) out.push_back({set, nbytes});
   return out;
 }
 
