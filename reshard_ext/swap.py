@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _C
 from .adapters import Entries, NameMap, apply_name_map
 from .adapters import dtensor as dtensor_adapter
 from .adapters import megatron as megatron_adapter
@@ -84,45 +85,21 @@ def clear_caches() -> None:
 _DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, "_Signature"]] = {}
 
 
-def _fingerprint(chunks: list[nn.Module]) -> tuple:
-    """Everything the Megatron adapter reads, cheaply: the module tree (names, layer
-    numbers, process groups, expert count, tying) and every parameter and buffer (object,
-    storage, shape, strides, dtype, parallel attributes). Equal fingerprints give equal
-    descriptions, so a changed model is described (and planned) again.
+# The tensor attributes the Megatron adapter reads (reshard_ext/adapters/megatron.py).
+_TENSOR_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_sizes", "allreduce")
 
-    Hot on every warm swap (hundreds of modules and tensors): an explicit stack instead
-    of Module.modules() (no prefix strings), instance __dict__ lookups instead of
-    getattr (whose misses raise inside Module.__getattr__ / Tensor attribute lookup), one
-    tuple per module and per tensor, the parallel attributes read by name."""
-    out: list = []
-    add = out.append
-    for chunk in chunks:
-        core = megatron_adapter.unwrap(chunk)
-        out += [id(core), id(getattr(core, "pg_collection", None)),
-                getattr(getattr(core, "config", None), "num_moe_experts", None),
-                getattr(core, "share_embeddings_and_output_weights", None)]
-        stack = [core]
-        seen: set = set()
-        while stack:
-            mod = stack.pop()
-            key = id(mod)
-            if mod is None or key in seen:  # a shared submodule: once, as Module.modules() does
-                continue
-            seen.add(key)
-            d = mod.__dict__
-            children = d["_modules"]
-            add((key, tuple(children), d.get("layer_number"), tuple(d["_non_persistent_buffers_set"])))
-            for table in (d["_parameters"], d["_buffers"]):
-                if not table:
-                    continue
-                for name, t in table.items():
-                    if t is not None:
-                        a = t.__dict__
-                        add((name, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, a.get("tensor_model_parallel"),
-                             a.get("partition_dim"), a.get("partition_stride"), a.get("partition_sizes"),
-                             a.get("allreduce")))
-            stack.extend(children.values())
-    return tuple(out)
+
+def _fingerprint(chunks: list[nn.Module]) -> tuple:
+    """Everything the Megatron adapter reads: per chunk its core module, process groups,
+    expert count and tying (held, so ids cannot be reused), and the exact bytes of its
+    module tree (names, layer numbers, non-persistent buffer names) and of every parameter
+    and buffer (object, data_ptr, shape, strides, dtype, parallel attributes). Equal
+    fingerprints give equal descriptions, so a changed model is described (and planned)
+    again. The tree walk is C++ (_C.model_fingerprint): it runs on every warm swap."""
+    cores = [megatron_adapter.unwrap(c) for c in chunks]
+    head = tuple((c, getattr(c, "pg_collection", None), getattr(getattr(c, "config", None), "num_moe_experts", None),
+                  getattr(c, "share_embeddings_and_output_weights", None)) for c in cores)
+    return head, _C.model_fingerprint(cores, _TENSOR_ATTRS)
 
 
 def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,

@@ -22,6 +22,7 @@ PYBIND11_MODULE(_C, m) {
   rx::python::register_comm(m);
   rx::python::register_mxfp8(m);
   rx::python::register_direct(m);
+  rx::python::register_fingerprint(m);
 
   py::dict info;
   info["version"] = RX_VERSION_INFO;

@@ -1,0 +1,108 @@
+"""Host time of a warm `rx.swap_model_weights` next to `rx.execute` of the same plan.
+
+A warm swap must find its cached plan and check that neither model changed (storages,
+shapes, strides, dtypes, parallel attributes, the module tree) before it executes; this
+prints what that costs per call on top of execute.
+
+    torchrun --nproc-per-node 2 benchmarks/swap_overhead.py [--layers 32] [--experts 0]
+CPU (gloo) without CUDA, NCCL with it. The model is the tests' tiny Megatron-like GPT
+(tests/_models.py) with tiny hidden sizes, so the per-call time is host work, not bytes;
+--experts N makes every layer MoE with N experts (2 tensors each), for thousands of tensors.
+--profile prints rank 0's top functions of the warm lookup.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _models import GPT, Config, make_groups
+
+
+def _host_times(fn: Callable[[], Any], iters: int, cuda: bool) -> list[float]:
+    """Host wall seconds of each call, ranks lined up by a barrier, the device drained between calls."""
+    out = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300),
+                            **({"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}))
+    import reshard_ext as rx
+    from reshard_ext import swap
+
+    cfg = Config(layers=args.layers, num_moe_experts=args.experts or None)
+    src = GPT(cfg, make_groups(world, base=0, tp=world, pp=1, dp=1))  # TP(world) -> TP1 replicated
+    dst = GPT(cfg, make_groups(world, base=0, tp=1, pp=1, dp=world))
+    if cuda:
+        src.cuda()
+        dst.cuda()
+    tensors = sum(1 for m in (src, dst) for _ in m.parameters())
+    plan = rx.prepare_swap_model_weights(src, dst)
+    for _ in range(3):
+        rx.swap_model_weights(src, dst)
+    t_exec = _host_times(lambda: rx.execute(plan), args.iters, cuda)
+    t_swap = _host_times(lambda: rx.swap_model_weights(src, dst), args.iters, cuda)
+    t_look = _host_times(lambda: rx.prepare_swap_model_weights(src, dst), args.iters, cuda)
+    t_fp = _host_times(lambda: (swap._fingerprint([src]), swap._fingerprint([dst])), args.iters, cuda)
+    t_agree = _host_times(lambda: swap._agree(None, False, 0), args.iters, cuda)
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.iters):
+            rx.prepare_swap_model_weights(src, dst)
+        prof.disable()
+    med = {k: 1e3 * statistics.median(v) for k, v in (("exec", t_exec), ("swap", t_swap), ("look", t_look),
+                                                         ("fp", t_fp), ("agree", t_agree))}
+    rows: list = [None] * world
+    dist.all_gather_object(rows, (rank, med))
+    if rank == 0:
+        print(f"== swap_overhead: {'CUDA ' + torch.cuda.get_device_name() if cuda else 'CPU gloo'} x{world}, "
+              f"{args.layers} layers, {args.experts} experts, {tensors} parameters on rank 0 (both models), "
+              f"median of {args.iters}")
+        print(f"{'rank':>4} {'execute ms':>10} {'swap ms':>8} {'swap-execute ms':>15} {'lookup ms':>9} "
+              f"{'fingerprints ms':>15} {'agree ms':>8}")
+        for r, m in rows:
+            print(f"{r:4d} {m['exec']:10.3f} {m['swap']:8.3f} {m['swap'] - m['exec']:15.3f} {m['look']:9.3f} "
+                  f"{m['fp']:15.3f} {m['agree']:8.3f}")
+        print("lookup = warm prepare_swap_model_weights alone (check both models, agree over the group, find the "
+              "plan); fingerprints = the change check of both models; agree = the group's one small all-reduce")
+        if args.profile:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The warm swap's model fingerprint (reshard_ext/swap.py, _C.model_fingerprint): every change
+that can alter a model's description changes it, and in-place weight updates do not.
+
+A warm swap_model_weights reuses the memoized description (and so the plan and its bound
+tensors) exactly when the fingerprint is unchanged: a change it misses would copy into stale
+storage or with a stale layout.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from reshard_ext.swap import _fingerprint
+
+
+class _Config:
+    num_moe_experts = None
+
+
+class _Layer(nn.Module):
+    def __init__(self, number: int):
+        super().__init__()
+        self.layer_number = number
+        self.fc = nn.Module()
+        self.fc.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.fc.weight.tensor_model_parallel = True
+        self.fc.weight.partition_dim = 0
+        self.fc.weight.partition_stride = 1
+        self.fc.bias = nn.Parameter(torch.randn(4), requires_grad=False)
+        self.fc.weight.partition_sizes = [2, 2]
+        self.router = nn.Module()
+        self.router.register_buffer("expert_bias", torch.zeros(4))
+        self.router.register_buffer("tokens", torch.zeros(4), persistent=False)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pg_collection = object()
+        self.config = _Config()
+        self.share_embeddings_and_output_weights = False
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList([_Layer(1), _Layer(2)])
+
+
+class _Wrapper(nn.Module):  # DDP / Float16Module style
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+
+def _w(m: _Model) -> nn.Parameter:
+    return m.decoder.layers[1].fc.weight
+
+
+def _set_data(m: _Model, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    w = _w(m)
+    w.data = make(w.data)
+
+
+CHANGES: dict[str, Callable[[_Model], None]] = {
+    # parameters replaced
+    "parameter replaced": lambda m: setattr(m.decoder.layers[1].fc, "weight", nn.Parameter(_w(m).detach().clone())),
+    "parameter replaced in _parameters": lambda m: m.decoder.layers[1].fc._parameters.__setitem__(
+        "weight", nn.Parameter(_w(m).detach().clone())),
+    "storage replaced (.data =)": lambda m: _set_data(m, torch.zeros_like),
+    "parameter set to None": lambda m: setattr(m.decoder.layers[0].fc, "bias", None),
+    # resized, reshaped, restrided, retyped in place of the same object
+    "resized in place": lambda m: _w(m).resize_(2, 4),
+    "reshaped view": lambda m: _set_data(m, lambda t: t.view(2, 8)),
+    "restrided view": lambda m: _set_data(m, lambda t: t.as_strided((4, 4), (1, 4))),
+    "storage offset": lambda m: _set_data(m, lambda t: t.flatten()[1:13].view(3, 4)),
+    "dtype view": lambda m: _set_data(m, lambda t: t.view(torch.int32)),
+    "module cast": lambda m: m.to(torch.float64),
+    # re-sharded: Megatron's parallel attributes
+    "tensor_model_parallel": lambda m: setattr(_w(m), "tensor_model_parallel", False),
+    "partition_dim": lambda m: setattr(_w(m), "partition_dim", 1),
+    "partition_stride": lambda m: setattr(_w(m), "partition_stride", 2),
+    "partition_sizes replaced": lambda m: setattr(_w(m), "partition_sizes", [1, 3]),
+    "partition_sizes mutated": lambda m: _w(m).partition_sizes.__setitem__(0, 3),
+    "allreduce": lambda m: setattr(m.decoder.layers[0].fc.bias, "allreduce", False),
+    # added / removed
+    "parameter added": lambda m: setattr(m.decoder.layers[0].fc, "extra", nn.Parameter(torch.zeros(2))),
+    "parameter removed": lambda m: delattr(m.decoder.layers[0].fc, "bias"),
+    "buffer added": lambda m: m.decoder.layers[0].router.register_buffer("step", torch.zeros(1)),
+    "buffer made non-persistent": lambda m: m.decoder.layers[0].router._non_persistent_buffers_set.add("expert_bias"),
+    "buffer replaced": lambda m: setattr(m.decoder.layers[0].router, "expert_bias", torch.zeros(4)),
+    "layer removed": lambda m: m.decoder.layers.__delitem__(1),
+    "layer appended": lambda m: m.decoder.layers.append(_Layer(3)),
+    "submodule replaced": lambda m: setattr(m.decoder.layers[0], "router", nn.Module()),
+    "layer_number": lambda m: setattr(m.decoder.layers[1], "layer_number", 5),
+    # the model's own identity and what the adapter reads from it
+    "process groups": lambda m: setattr(m, "pg_collection", object()),
+    "expert count": lambda m: setattr(m, "config", type("C", (), {"num_moe_experts": 4})()),
+    "tying": lambda m: setattr(m, "share_embeddings_and_output_weights", True),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_model_change_changes_the_fingerprint(change: str) -> None:
+    m = _Model()
+    before = _fingerprint([_Wrapper(m)])
+    CHANGES[change](m)
+    assert _fingerprint([_Wrapper(m)]) != before
+
+
+def test_another_model_has_another_fingerprint() -> None:
+    torch.manual_seed(0)
+    a = _Model()
+    b = _Model()
+    b.pg_collection = a.pg_collection
+    b.config = a.config
+    assert _fingerprint([a]) != _fingerprint([b])
+    assert _fingerprint([a, b]) != _fingerprint([b, a])  # chunk order: layer renames differ
+
+
+def test_in_place_updates_keep_the_fingerprint() -> None:
+    m = _Model()
+    before = _fingerprint([_Wrapper(m)])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1)  # an optimizer step: new values, same storages (the version counter moves)
+        m.decoder.layers[0].router.expert_bias.copy_(torch.ones(4))
+    assert _fingerprint([_Wrapper(m)]) == before
+
+
+def test_fingerprint_is_exact_for_big_ints() -> None:
+    m = _Model()
+    _w(m).partition_dim = 2**70  # packed exactly, not truncated to 64 bits
+    big = _fingerprint([m])
+    _w(m).partition_dim = 2**70 + 1
+    assert _fingerprint([m]) != big
