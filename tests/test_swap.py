@@ -265,3 +265,50 @@ def test_error_on_one_rank_raises_on_every_rank(how: str) -> None:
     for kind, msg, filled_bad in results:
         assert kind == "raised", results
         assert filled_bad, "data moved although planning failed"
+
+
+# --- a warm swap notices a destination changed in place of the same objects ----------
+
+
+def _changed_in_place(rank: int, world: int, how: str) -> Any:
+    from reshard_ext import planning
+    from reshard_ext.errors import ReshardError
+    from reshard_ext.swap import clear_caches, swap_model_weights
+
+    clear_caches()
+    src = _build(world, S(tp=2), DENSE, seed=1)
+    dst = _build(world, S(dp=2), DENSE, seed=None)
+    swap_model_weights(src, dst)
+    swap_model_weights(src, dst)  # warm: the description is memoized
+    w = dst.decoder.layers[0].mlp.linear_fc2.weight  # (8, 8) on every rank: TP1
+    if rank == 1:  # one rank only: the other would hit its cache
+        with torch.no_grad():
+            if how == "resized":
+                w.resize_(4, 8)  # same object, same storage, smaller
+            elif how == "restrided":
+                w.data = torch.zeros(8, 8).t()  # same object and shape, column-major
+            elif how == "dtype_view":
+                w.data = w.data.view(torch.int32)  # same storage and shape, integer
+    fill(src, 2)
+    before = dict(planning.STATS)
+    try:
+        swap_model_weights(src, dst)
+    except ReshardError as e:
+        return "raised", str(e), check_filled(dst, 2)
+    return "ok", _moved(before, planning.STATS), check_filled(dst, 2)
+
+
+@pytest.mark.parametrize("how", ["resized", "dtype_view"])
+def test_destination_changed_in_place_raises_on_every_rank(how: str) -> None:
+    results = run_ranks(2, _changed_in_place, how)
+    for kind, _, bad in results:
+        assert kind == "raised", results
+        assert bad, "data moved although one rank's destination no longer matches the plan"
+
+
+def test_destination_restrided_in_place_is_rebound() -> None:
+    results = run_ranks(2, _changed_in_place, "restrided")
+    for rank, (kind, moved, bad) in enumerate(results):
+        assert kind == "ok", results
+        assert moved["plans"] == 0 and moved["describe_reused"] == 2 - rank  # rank 1 described its dst again
+        assert bad == [], f"rank {rank}: {bad}"
