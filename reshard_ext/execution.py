@@ -297,12 +297,16 @@ class Plan:
             self._abort.clear()
             self._running = True
             try:
-                self._run(verify, version, timeout, self._local_problem(version, timeout), self._abort)
+                self._execute(verify, version, timeout)
             finally:
                 self._running = False
             self.version = version
         finally:
             channel.leave()
+
+    def _execute(self, verify: bool, version: Optional[int], timeout: Optional[float]) -> None:
+        """The body of execute, with the group's channel held (a relayed plan runs two)."""
+        self._run(verify, version, timeout, self._local_problem(version, timeout), self._abort)
 
     def _local_problem(self, version: Any, timeout: Any) -> str:
         """What is wrong on this rank alone before an execute ("" if nothing): told to the

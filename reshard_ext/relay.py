@@ -212,36 +212,24 @@ class RelayPlan(Plan):
             for p in self.phases:
                 p.transport.abort()
 
-    def execute(self, verify: bool = False, version: int | None = None, timeout: float | None = None) -> None:
-        # Collective, phase by phase on every rank. A problem of this rank (arguments, a
-        # replaced tensor of either phase) goes into both phases' headers, so the peers
-        # raise in each phase instead of waiting for a gather this rank never starts.
-        channel = self.transport.channel
-        channel.enter()
-        try:
-            self.version = None
-            self._abort.clear()
-            self._running = True
-            problem = next(filter(None, (p._local_problem(version, timeout) for p in self.phases)), "")
+    def _execute(self, verify: bool, version: int | None, timeout: float | None) -> None:
+        # Collective, phase by phase on every rank, within Plan.execute's hold of the
+        # group's channel. A problem of this rank (arguments, a replaced tensor of either
+        # phase) goes into both phases' headers, so the peers raise in each phase instead
+        # of waiting for a gather this rank never starts.
+        problem = next(filter(None, (p._local_problem(version, timeout) for p in self.phases)), "")
+        first: ReshardError | None = None
+        for p in self.phases:
+            if self._abort.is_set():
+                raise ReshardError("rx.execute was aborted (plan.abort()) between the relay's scatter and gather")
             try:
-                first: ReshardError | None = None
-                for p in self.phases:
-                    if self._abort.is_set():
-                        raise ReshardError("rx.execute was aborted (plan.abort()) between the relay's scatter "
-                                           "and gather")
-                    try:
-                        p._run(verify, version, timeout, problem, self._abort)
-                    except ReshardError as e:
-                        if not problem:
-                            raise
-                        first = first or e
-                if first is not None:
-                    raise first
-            finally:
-                self._running = False
-            self.version = version
-        finally:
-            channel.leave()
+                p._run(verify, version, timeout, problem, self._abort)
+            except ReshardError as e:
+                if not problem:
+                    raise
+                first = first or e
+        if first is not None:
+            raise first
 
     def verify(self) -> None:
         # The scatter's check covers sources -> shares, the gather's shares -> whole pieces.

@@ -52,7 +52,11 @@ class CpuTransport:
         computed by the pack and unpack kernels as they copy."""
         send, recv = (np.zeros(n, dtype=np.uint64) for n in tables.num_ops[:2])
         digests = (send, recv) if verify else None
-        if not self.peers:  # idle, or only same-rank copies: nobody to agree with
+        if not self.peers:  # idle, or only same-rank copies: nobody to agree with (the direct transport's may disagree)
+            if session.status != 0:
+                raise ReshardError(session.error)
+            if session.verdict is not None and session.verdict.bad:
+                raise ReshardError(session.verdict.message(self.rank) + "\n  (this rank wrote no destination)")
             tables.run_copies_cpu()
             return digests
 
@@ -63,9 +67,13 @@ class CpuTransport:
                 tables.run_pack_cpu(b)
 
         ch = self.channel
-        ch.drain(session)
         ok = session.status == 0
-        verdict = exchange_headers(ch, self.peers, session, tables.num_batches, (lambda: pack(0)) if ok else None)
+        if session.verdict is None:
+            ch.drain(session)
+            exchange_headers(ch, self.peers, session, tables.num_batches, (lambda: pack(0)) if ok else None)
+        elif ok:  # the direct transport exchanged the headers with every peer
+            pack(0)
+        verdict = session.verdict
         good = set() if not ok else set(self.peers) - set(verdict.bad)
         # A rank that cannot agree with every peer still moves the data of the pairs that
         # agree (those peers complete), but writes none of its own destinations.
