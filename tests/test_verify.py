@@ -292,14 +292,17 @@ def _corrupt_in_transit(rank, world, direct):
             return errors
 
         channel.exchange = corrupting_exchange
-    rx.execute(plan)  # no verify: nothing notices
-    errors = []
-    # (the channel is the group's: the patch stays for every execute below)
-    for _ in range(2):  # every execute checks again
-        try:
-            rx.execute(plan, verify=True)
-        except rx.ReshardError as e:
-            errors.append(str(e))
+    try:
+        rx.execute(plan)  # no verify: nothing notices
+        errors = []
+        for _ in range(2):  # every execute checks again
+            try:
+                rx.execute(plan, verify=True)
+            except rx.ReshardError as e:
+                errors.append(str(e))
+    finally:
+        if rank == 1:  # the channel is the group's, shared by later plans in this process
+            del channel.exchange
     return errors
 
 
