@@ -1,9 +1,12 @@
 """Host (CPU) time that `rx.execute` spends per call for a plan with many tensors.
 
 The descriptor tables are built and uploaded at plan time, so execute costs a few
-launches and one grouped NCCL call per batch, whatever the tensor count.
+launches and one grouped NCCL call per batch, whatever the tensor count. Also reported:
+the check that no bound tensor's storage was replaced or resized (`storage check`), which
+reads every bound tensor once per execute. `--device cpu` runs it over gloo (there the
+execute time includes the copies themselves, which run on the calling thread).
 
-    torchrun --nproc-per-node 2 benchmarks/host_overhead.py [--tensors 10000]
+    torchrun --nproc-per-node 2 benchmarks/host_overhead.py [--tensors 10000] [--device cpu]
 """
 from __future__ import annotations
 
@@ -24,38 +27,49 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensors", type=int, default=10000)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300),
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300),
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     ranks = list(range(world))
     src, dst = {}, {}
     for i in range(args.tensors):
         shape = (64, 32)
         s = Layout(shape, torch.bfloat16, Mesh(ranks), [Shard(0)])
         d = Layout(shape, torch.bfloat16, Mesh(ranks[::-1]), [Shard(1)])
-        src[f"t{i}"] = (torch.randn(s.local_shape(rank), device="cuda").to(torch.bfloat16), s)
-        dst[f"t{i}"] = (torch.empty(d.local_shape(rank), device="cuda", dtype=torch.bfloat16), d)
+        src[f"t{i}"] = (torch.randn(s.local_shape(rank), device=args.device).to(torch.bfloat16), s)
+        dst[f"t{i}"] = (torch.empty(d.local_shape(rank), device=args.device, dtype=torch.bfloat16), d)
     t0 = time.perf_counter()
     plan = rx.plan(src, dst)
     plan_s = time.perf_counter() - t0
     for _ in range(3):
         rx.execute(plan)
-    torch.cuda.synchronize()
-    cpu = []
+    sync()
+    cpu, check = [], []
     for _ in range(args.iters):
         t0 = time.thread_time()
         rx.execute(plan)
         cpu.append(time.thread_time() - t0)
-        torch.cuda.synchronize()
-    row = (rank, plan_s, statistics.median(cpu), sum(plan.num_ops))
+        sync()
+        t0 = time.perf_counter()
+        if hasattr(plan, "_watch"):  # absent before the storage check existed
+            plan._watch.changed(rank)
+        check.append(time.perf_counter() - t0)
+    row = (rank, plan_s, statistics.median(cpu), sum(plan.num_ops), statistics.median(check))
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
-        for r, ps, c, ops in rows:
-            print(f"host_overhead: rank {r}: {args.tensors} tensors, {ops} boxes, plan {ps:.2f} s, "
-                  f"execute CPU time {1e3 * c:.3f} ms (median of {args.iters})")
+        for r, ps, c, ops, chk in rows:
+            print(f"host_overhead ({args.device}): rank {r}: {args.tensors} tensors, {ops} boxes, plan {ps:.2f} s, "
+                  f"execute CPU time {1e3 * c:.3f} ms, of which storage check {1e3 * chk:.3f} ms "
+                  f"(medians of {args.iters})")
     dist.destroy_process_group()
 
 

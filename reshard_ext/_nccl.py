@@ -24,6 +24,7 @@ _SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
 Transfer = tuple[int, int, int]  # (peer group rank, device pointer, bytes)
 
 _COMMS: dict[tuple[tuple[int, ...], int], "_C.NcclComm"] = {}
+_EPOCHS: dict[tuple[tuple[int, ...], int], int] = {}
 _LIB_CHECKED = False
 
 
@@ -149,7 +150,15 @@ def check_nccl_library() -> None:
 
 # --- communicators -----------------------------------------------------------------------
 
-def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None) -> "_C.NcclComm":
+def epoch(group: Optional[dist.ProcessGroup] = None) -> int:
+    """How many communicators of `group` (on the current device) this process created:
+    ranks that created them together agree on it."""
+    group = group if group is not None else dist.group.WORLD
+    return _EPOCHS.get((tuple(dist.get_process_group_ranks(group)), torch.cuda.current_device()), 0)
+
+
+def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None,
+                 fresh: bool = False) -> "_C.NcclComm":
     """The NCCL communicator of `group` (default WORLD) on the current CUDA device.
 
     Collective over `group` the first time (and after a failure); cached afterwards by the
@@ -159,7 +168,9 @@ def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[
 
     A communicator that failed is recreated here, collectively: after a transport error
     every rank must come back through communicator() (or clear_communicators()); a rank
-    that still holds a healthy cached one would skip the id broadcast the others wait in.
+    that still holds a healthy cached one would skip the id broadcast the others wait in,
+    unless it passes fresh=True (it then replaces its cached one along with the others).
+    The id broadcast gives up after RESHARD_EXT_P2P_TIMEOUT seconds.
     """
     _require_built()
     if not torch.cuda.is_available():
@@ -172,7 +183,7 @@ def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[
     device = torch.cuda.current_device()
     key = (ranks, device)
     comm = _COMMS.get(key)
-    if comm is not None and comm.usable:
+    if comm is not None and comm.usable and not fresh:
         return comm
     _COMMS.pop(key, None)
     check_nccl_library()
@@ -180,14 +191,16 @@ def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[
     rank = dist.get_rank(group)
     if rank < 0:
         raise ReshardError(f"communicator(): this process is not a member of the group (ranks {list(ranks)})")
-    box = [_C.nccl_unique_id() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=ranks[0], group=group)
-    comm = _C.NcclComm(rank, len(ranks), box[0], device, timeout)
+    from .collectives import all_gather_objects
+
+    uid = all_gather_objects(_C.nccl_unique_id() if rank == 0 else None, group, "creating the NCCL communicator")[0]
+    comm = _C.NcclComm(rank, len(ranks), uid, device, timeout)
     try:
         comm.wait_ready(timeout)
     except ReshardError as e:
         raise ReshardError(f"{e} (group ranks 0..{len(ranks) - 1} are global ranks {list(ranks)})") from None
     _COMMS[key] = comm
+    _EPOCHS[key] = _EPOCHS.get(key, 0) + 1
     return comm
 
 

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import logging
+import operator
+import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 from . import _C, verification
 from ._dtypes import code_of
+from .collectives import all_gather_objects, first_failed_rank
 from .errors import ReshardError
 from .layout import Layout
 from .options import Options
-from .planning import Entries, _check_local, _raise, first_failed_rank, plan_collective
+from .planning import Entries, _check_local, _raise, batch_bytes_error, plan_collective
 from .transforms import Piece, Transform
+from .transports.channel import Session
 
 BACKENDS = ("auto", "cpu", "torch", "nccl", "direct", "nvshmem")
 log = logging.getLogger("reshard_ext")
@@ -57,10 +62,18 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
         if isinstance(t, Piece):
             if t.group and t.group not in whole:
                 whole[t.group] = set(tables.whole_group_dsts(src_dtypes, t.group))
-            out.append(t.ref(bool(t.group) and i in whole[t.group]))
+            ref = tuple(t.ref(bool(t.group) and i in whole[t.group]))
+            ref += (0,) * (6 - len(ref))
         else:
-            out.append((t.data_ptr(), list(t.stride()), code_of(t.dtype)))
+            ref = (t.data_ptr(), list(t.stride()), code_of(t.dtype), 0, 0, 0)
+        out.append(ref + (list(t.shape), name))  # shape and name: the memory checks of ExecTables.bind
     return out
+
+
+def _staging_depth(backend: str, device: Optional[str]) -> int:
+    """Staging copies of a batch the transport keeps: the NCCL pipeline double-buffers
+    (an upper bound where "auto" or "direct" end up on torch point-to-point)."""
+    return 2 if device == "cuda" and backend in ("auto", "nccl", "direct") and _C._build_info["nccl"] else 1
 
 
 def _make_transport(backend: str, device: Optional[str], group: Any, options: Options,
@@ -116,12 +129,20 @@ class Plan:
     relayed_tensors = 0  # tensors that reach their replicas through a relay (reshard_ext/relay.py)
 
     def __init__(self, agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any,
-                 backend: str, transform: Optional[Transform], options: Options):
+                 backend: str, transform: Optional[Transform], options: Options,
+                 max_batch_bytes: Optional[int] = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.transform = transform
         self._agreement = agreement
         self.options = options
+        self.device = agreement.device
+        self.plan_id = agreement.plan_id
+        self.version: Optional[int] = None  # the version that fully landed on this rank (see execute)
+        self._seq = 0  # executes of this plan whose headers every peer agreed with
+        self._abort = threading.Event()
+        self._running = False
+        self._check_storage = options.resolved_check_storage()
         # First: choosing the transport may be collective, so every rank gets here before anything can fail.
         self.backend, self.transport = _make_transport(backend, agreement.device, group, options, agreement.register)
         self._set_tables(_C.ExecTables(agreement.rank_plan))
@@ -136,6 +157,11 @@ class Plan:
             i: r for i, name in enumerate(agreement.dst_table.names())
             if (r := transform.receiver_mx_rounding(name)) is not None}
         self._bind()
+        self._timeout_s = options.resolved_timeout(_timeout_kind(self.backend, self.transport))
+        staging = self.transport.staging_bytes
+        if max_batch_bytes is not None and staging > max_batch_bytes:
+            raise ReshardError(f"rank {self.rank}: the plan's {self.num_batches} batches need {staging} bytes of "
+                               f"staging, more than max_batch_bytes={max_batch_bytes}; raise it")
 
     def _set_tables(self, tables: Any) -> None:
         self.tables = tables
@@ -152,13 +178,14 @@ class Plan:
             # The direct transport splits the plan between its pairs and maps the peers'
             # tensors: collective, and this rank's errors are raised on every rank.
             self.transport.bind_plan(self, errors or [])
-            return
-        if errors:
-            _raise(errors)
-        send_bufs, recv_bufs = self.transport.bind(self.tables)
-        src, dst = self._bound_refs()
-        self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._mx_receivers)
-        self.transport.prepare(self.tables)
+        else:
+            if errors:
+                _raise(errors)
+            send_bufs, recv_bufs = self.transport.bind(self.tables)
+            src, dst = self._bound_refs()
+            self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._mx_receivers)
+            self.transport.prepare(self.tables)
+        self._watch = _Watch(self._entries)
 
     # --- public -------------------------------------------------------------------
     @property
@@ -181,6 +208,11 @@ class Plan:
         return sends + direct_sends, recvs + direct_recvs, copies
 
     @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffers this rank holds for the plan (bounded by max_batch_bytes)."""
+        return self.transport.staging_bytes
+
+    @property
     def routes(self) -> str:
         """What carries this rank's bytes to and from each peer (the plan summary's words)."""
         summary = getattr(self.transport, "summary", None)
@@ -191,41 +223,129 @@ class Plan:
 
         Local (no communication): each rank checks only its own tensors. A side left
         as None keeps its current tensors. With the direct transport it is collective:
-        every rank calls it (senders map the receivers' new tensors).
+        every rank calls it (senders map the receivers' new tensors). On error the plan
+        keeps its tensors. Refused while an execute of this group runs.
         """
         errors: list[str] = []
         updates = {}
         for side, given in (("src", src), ("dst", dst)):
             if given is None:
                 continue
-            entries, steps = _rewrite(self.transform, side, given)
+            if not isinstance(given, Mapping):
+                errors.append(f"rebind {side} on rank {self.rank}: expected a dict {{name: (tensor, rx.Layout)}}, "
+                              f"got {type(given).__name__}")
+                continue
+            try:
+                entries, steps = _rewrite(self.transform, side, given)
+            except Exception as e:  # noqa: BLE001 - a transform rejecting the new tensors
+                errors.append(f"rebind {side} on rank {self.rank}: {type(e).__name__}: {e}")
+                continue
+            local = _check_local(side, entries, self.rank)
             planned = self._layouts[side]
+            if local:
+                errors += local
+                continue
             if set(entries) != set(planned):
                 errors.append(
                     f"rebind {side}: names differ from the plan's: missing {sorted(set(planned) - set(entries))[:5]}, "
                     f"extra {sorted(set(entries) - set(planned))[:5]}"
                 )
                 continue
-            for name, (_, layout) in entries.items():
+            for name, (tensor, layout) in entries.items():
                 if layout != planned[name]:
                     errors.append(f"rebind {side} tensor '{name}': layout {layout!r} differs from the planned {planned[name]!r}")
-            errors += _check_local(side, entries, self.rank)
+                if self.device is not None and tensor.device.type != self.device:
+                    errors.append(f"rebind {side} tensor '{name}' on rank {self.rank}: on {tensor.device}, but the "
+                                  f"plan moves {self.device} tensors")
             updates[side] = (entries, steps)
-        if not errors:
-            for side, (entries, steps) in updates.items():
-                self._entries[side], self._steps[side] = entries, steps
-        self._bind(errors)
+        channel = self.transport.channel
+        channel.enter("plan.rebind")  # never while an execute runs on these tables
+        try:
+            if errors or getattr(self.transport, "collective_bind", False):
+                if not errors:
+                    for side, (entries, steps) in updates.items():
+                        self._entries[side], self._steps[side] = entries, steps
+                self._bind(errors)  # collective binds raise this rank's errors on every rank
+            else:
+                saved = dict(self._entries), dict(self._steps)
+                for side, (entries, steps) in updates.items():
+                    self._entries[side], self._steps[side] = entries, steps
+                try:
+                    self._bind()
+                except Exception:
+                    self._entries, self._steps = saved
+                    self._bind()
+                    raise
+            self.version = None
+        finally:
+            channel.leave()
 
-    def execute(self, verify: bool = False) -> None:
-        for side in ("src", "dst"):
-            for step in self._steps[side][0]:
-                step()
-        digests = self.transport.run(self.tables, verify)
+    def abort(self) -> None:
+        """Stops this rank's in-flight execute, from any thread: it raises ReshardError
+        promptly and plan.version stays None. Its peers raise within their timeout.
+        A no-op when no execute is running."""
+        if self._running:
+            self._abort.set()
+            self.transport.abort()
+
+    def execute(self, verify: bool = False, version: Optional[int] = None, timeout: Optional[float] = None) -> None:
+        """See rx.execute."""
+        channel = self.transport.channel
+        channel.enter()
+        try:
+            self.version = None
+            self._abort.clear()
+            self._running = True
+            try:
+                self._execute(verify, version, timeout)
+            finally:
+                self._running = False
+            self.version = version
+        finally:
+            channel.leave()
+
+    def _execute(self, verify: bool, version: Optional[int], timeout: Optional[float]) -> None:
+        """The body of execute, with the group's channel held (a relayed plan runs two)."""
+        self._run(verify, version, timeout, self._local_problem(version, timeout), self._abort)
+
+    def _local_problem(self, version: Any, timeout: Any) -> str:
+        """What is wrong on this rank alone before an execute ("" if nothing): told to the
+        peers in the execute's headers, so that they raise too instead of waiting."""
+        problem = _execute_args_error(version, timeout)
+        if not problem and self._check_storage:
+            problem = self._watch.changed(self.rank)
+        return problem
+
+    def _run(self, verify: bool, version: Optional[int], timeout: Optional[float], problem: str,
+             abort: threading.Event) -> None:
+        """One execute on the caller's channel (held); raises `problem` (after telling the peers)."""
+        timeout_s = self._timeout_s if timeout is None or problem else float(timeout)
+        session = Session(self.plan_id, self._seq + 1, None if problem else version, 1 if problem else 0,
+                          time.monotonic() + timeout_s, timeout_s, abort)
+        session.error = problem
+        if problem and not self.transport.peers:
+            raise ReshardError(problem)
+        try:
+            if not problem:
+                for side in ("src", "dst"):
+                    for step in self._steps[side][0]:
+                        step()
+            digests = self.transport.run(self.tables, session, verify)
+        finally:
+            self._advance(session)
         for side in ("src", "dst"):
             for step in self._steps[side][1]:
                 step()
         if verify:
             verification.check(self._ops(), *digests, what="rx.execute(verify=True)")
+
+    def _advance(self, session: Session) -> None:
+        """The execute number of this plan, as the peers agreed (headers)."""
+        verdict = session.verdict
+        if session.status == 0 and (verdict is None or verdict.agreed):
+            self._seq = session.seq
+        elif verdict is not None and verdict.seqs:  # a peer counted differently: meet at the larger count next time
+            self._seq = max(self._seq, max(verdict.seqs.values()) - 1)
 
     def _ops(self) -> verification.Ops:
         if self._verify_ops is None:
@@ -236,28 +356,87 @@ class Plan:
     def verify(self) -> None:
         """rx.verify: digests of what the bound sources would send and of what the bound
         destinations hold, compared across ranks; moves no weights. Collective."""
-        for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
-            step()
-        send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
-        verification.check(self._ops(), send, recv, what="rx.verify", copies=(copy_src, copy_dst))
+        channel = self.transport.channel
+        channel.enter("rx.verify")
+        try:
+            for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
+                step()
+            send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
+            verification.check(self._ops(), send, recv, what="rx.verify", copies=(copy_src, copy_dst))
+        finally:
+            channel.leave()
+
+
+def _timeout_kind(backend: str, transport: Any) -> str:
+    """Which environment default bounds an execute's waits (rx.Options.resolved_timeout)."""
+    if backend == "direct":
+        return "direct"
+    return "nccl" if getattr(transport, "comm", None) is not None else "gloo"
+
+
+_PTR = torch.Tensor.data_ptr
+_NBYTES = operator.attrgetter("nbytes")
+
+
+class _Watch:
+    """The storages a plan bound, checked before every execute: a tensor whose storage
+    was replaced (`param.data = ...`) or resized (`resize_`, FSDP-style freeing) since
+    binding would make the kernels read or write memory it no longer owns. Two C-level
+    passes over the tensors (data_ptr and nbytes): see benchmarks/host_overhead.py."""
+
+    def __init__(self, entries: dict[str, dict]):
+        self.where: list[tuple[str, str]] = []
+        self.tensors: list[torch.Tensor] = []
+        for side in ("src", "dst"):
+            for name, (t, _) in entries[side].items():
+                for x in t.tensors() if isinstance(t, Piece) else (t,):
+                    self.where.append((side, name))
+                    self.tensors.append(x)
+        self.ptrs = list(map(_PTR, self.tensors))
+        self.sizes = list(map(_NBYTES, self.tensors))
+
+    def changed(self, rank: int) -> str:
+        """"" when every bound tensor still has its storage, else what changed."""
+        ptrs = list(map(_PTR, self.tensors))
+        sizes = list(map(_NBYTES, self.tensors))
+        if ptrs == self.ptrs and sizes == self.sizes:
+            return ""
+        bad = [i for i, (p, n) in enumerate(zip(ptrs, sizes)) if p != self.ptrs[i] or n != self.sizes[i]]
+        lines = [f"{self.where[i][0]} tensor '{self.where[i][1]}': data_ptr {self.ptrs[i]:#x} -> {ptrs[i]:#x}, "
+                 f"{self.sizes[i]} -> {sizes[i]} bytes" for i in bad[:5]]
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        return (f"rx.execute on rank {rank}: bound tensors were replaced or resized since rx.plan / plan.rebind{more}; "
+                f"call plan.rebind(...) with the current tensors:\n  " + "\n  ".join(lines))
+
+
+def _execute_args_error(version: Any, timeout: Any) -> str:
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                or not -(1 << 63) <= version < 1 << 63):
+        return f"rx.execute: version must be None or a 64-bit integer, got {version!r}"
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        return f"rx.execute: timeout must be None or a positive number of seconds, got {timeout!r}"
+    return ""
 
 
 def _bind_agreed(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any, backend: str,
-                 transform: Optional[Transform], options: Options) -> Plan:
+                 transform: Optional[Transform], options: Options, max_batch_bytes: Optional[int]) -> Plan:
     # Binding allocates staging and builds descriptor tables on each rank alone: a
     # failure there (e.g. out of memory on one GPU) is agreed on, so every rank raises
     # now rather than the others hanging in the first execute.
     failure: Optional[BaseException] = None
     try:
-        p = Plan(agreement, src, dst, steps, group, backend, transform, options)
+        p = Plan(agreement, src, dst, steps, group, backend, transform, options, max_batch_bytes)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         failure = e
-    failed = first_failed_rank(group, failure is not None)
-    if failure is not None:
-        raise failure
-    if failed >= 0:
-        raise ReshardError(f"rx.plan: rank {failed} failed to set up its part of the plan (staging buffers, "
-                           f"descriptor tables or transport); see that rank's error")
+    timeout_s = options.resolved_timeout("gloo")
+    if first_failed_rank(group, failure is not None, "rx.plan", timeout_s) >= 0:
+        # Every rank learns every rank's reason (a second round, on this path only).
+        reasons = all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group,
+                                     "rx.plan (reporting a failed setup)", timeout_s)
+        if failure is not None:
+            raise failure
+        _raise([f"rank {r} failed to set up its part of the plan: {why}" for r, why in enumerate(reasons) if why])
     return p
 
 
@@ -275,34 +454,54 @@ def plan(
     src/dst: {name: (local tensor, rx.Layout)} of the pieces this rank holds (None or {}
     where it holds none). Bad input raises rx.ReshardError on every rank before any
     data moves. The plan binds the tensors: update sources in place between refits.
+    max_batch_bytes: bound on this rank's staging buffers (send + receive, every
+    pipelined copy), in bytes.
     """
     if not dist.is_initialized():
         raise ReshardError("rx.plan needs torch.distributed to be initialised (any launcher, any backend)")
     group = group if group is not None else dist.group.WORLD
-    if options is not None and not isinstance(options, Options):
-        raise ReshardError(f"options must be an rx.Options, got {type(options).__name__}")
-    options = options or Options()
-    # A transform may reject a tensor on some ranks only: its error joins the first
-    # exchange, so every rank raises together instead of some waiting in a collective.
+    rank = dist.get_rank(group)
+    # Anything wrong with this rank's arguments joins the first exchange, so every rank
+    # raises together instead of some waiting in a collective the others skipped.
     errors: list[str] = []
-    try:
-        src_w, src_steps = _rewrite(transform, "src", src or {})
-        dst_w, dst_steps = _rewrite(transform, "dst", dst or {})
-    except ReshardError as e:
-        errors.append(f"rank {dist.get_rank(group)}: {e}")
-        src_w, dst_w, src_steps, dst_steps = {}, {}, ([], []), ([], [])
+    if options is not None and not isinstance(options, Options):
+        errors.append(f"rank {rank}: options must be an rx.Options, got {type(options).__name__}")
+        options = None
+    options = options or Options()
+    if backend not in BACKENDS:
+        errors.append(f"rank {rank}: unknown backend {backend!r}; choose one of {BACKENDS}")
+    problem = batch_bytes_error(max_batch_bytes)
+    if problem:
+        errors.append(f"rank {rank}: {problem}")
+        max_batch_bytes = None
+    sides: dict[str, tuple[dict, Steps]] = {}
+    for side, given in (("src", src), ("dst", dst)):
+        sides[side] = ({}, ([], []))
+        if given is not None and not isinstance(given, Mapping):
+            errors.append(f"rank {rank}: {side} must be a dict {{name: (tensor, rx.Layout)}} or None, "
+                          f"got {type(given).__name__}")
+            continue
+        try:
+            sides[side] = _rewrite(transform, side, given or {})
+        except Exception as e:  # noqa: BLE001 - a transform rejecting a tensor on this rank only
+            errors.append(f"rank {rank}: {e}" if isinstance(e, ReshardError) else f"rank {rank}: {type(e).__name__}: {e}")
+    (src_w, src_steps), (dst_w, dst_steps) = sides["src"], sides["dst"]
     t0 = time.perf_counter()
-    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options)
+
+    def depth(device: Optional[str]) -> int:
+        return _staging_depth(backend, device)
+
+    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options, depth)
 
     from . import relay  # relay fan-out: two plans (scatter, gather) where replicas would hammer the sources
 
     def bind(agreement: Any, src: Entries, dst: Entries, steps: Optional[dict[str, Steps]] = None) -> Plan:
         return _bind_agreed(agreement, src, dst, steps or {"src": ([], []), "dst": ([], [])}, group, backend,
-                            transform, options)
+                            transform, options, max_batch_bytes)
 
     dims = relay.relayed_dims(agreement) if transform is None else {}
     if dims:
-        p = relay.plan_relayed(dims, src_w, dst_w, group, max_batch_bytes, options, bind)
+        p = relay.plan_relayed(dims, src_w, dst_w, group, max_batch_bytes, options, bind, depth)
     else:
         p = bind(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps})
     if log.isEnabledFor(logging.INFO):
@@ -315,14 +514,24 @@ def plan(
     return p
 
 
-def execute(plan: Plan, *, verify: bool = False) -> None:
+def execute(plan: Plan, *, verify: bool = False, version: Optional[int] = None,
+            timeout: Optional[float] = None) -> None:
     """Runs a refit: every dst tensor of `plan` is updated in place. Collective.
 
     verify=True: the pack and unpack kernels digest every piece on the sender (what the
     receiver must hold) and on the receiver (what it wrote); only the digests travel,
     and a difference raises ReshardError on every rank naming tensors, boxes and ranks.
+    version: recorded as plan.version once every destination of this rank has landed
+    (and, with verify=True, checked); plan.version is None while an execute runs and
+    after one that failed or was aborted. Every rank must pass the same version
+    (checked with its peers, in the execute's headers).
+    timeout: seconds before a missing or stalled peer makes this execute raise
+    (default rx.Options.timeout, else RESHARD_EXT_P2P_TIMEOUT / RESHARD_EXT_NCCL_TIMEOUT /
+    RESHARD_EXT_DIRECT_TIMEOUT by transport).
+    One execute at a time per process group in a process: a concurrent one (another
+    thread) raises ReshardError.
     """
-    plan.execute(verify)
+    plan.execute(verify, version, timeout)
 
 
 def verify(plan: Plan) -> None:

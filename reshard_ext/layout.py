@@ -5,6 +5,7 @@ Thin descriptions; the geometry (runs, pieces, validation) is computed in C++ (_
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -15,6 +16,18 @@ from ._dtypes import code_of
 from .errors import ReshardError
 
 Runs = list[tuple[int, int]]  # (global_start, length) in local order
+
+
+def _fixed(value: Any, what: str, bits: int = 64) -> int:
+    """`value` as an int of the C++ core's width: a value it cannot hold is a
+    ReshardError here, not a TypeError (or a wraparound) in the bindings."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ReshardError(f"{what} must be an integer, got {value!r}") from None
+    if not -(1 << (bits - 1)) <= v < 1 << (bits - 1):
+        raise ReshardError(f"{what} {v} does not fit a {bits}-bit integer")
+    return v
 
 
 class Mesh:
@@ -47,6 +60,7 @@ class Mesh:
             shape, flat = [1], [int(ranks)]
         else:
             walk(ranks, 0)
+        flat = [_fixed(r, "mesh rank", 32) for r in flat]
         self.shape: tuple[int, ...] = tuple(shape)
         self.ranks: tuple[int, ...] = tuple(flat)
         self._hash = hash((self.shape, self.ranks))
@@ -151,7 +165,7 @@ class Layout:
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, mesh: Mesh, placements: Sequence[Placement]):
         if not isinstance(mesh, Mesh):
             mesh = Mesh(mesh)
-        self.shape: tuple[int, ...] = tuple(int(s) for s in shape)
+        self.shape: tuple[int, ...] = tuple(_fixed(s, "shape dim") for s in shape)
         self.dtype = dtype
         self.mesh = mesh
         for p in placements:
@@ -160,7 +174,9 @@ class Layout:
         self.placements: tuple[Placement, ...] = tuple(_normalized(p, len(self.shape)) for p in placements)
         self._hash = hash((self.shape, self.dtype, self.mesh, self.placements))
         cpp_placements = [
-            _C.Placement.replicate() if isinstance(p, Replicate) else _C.Placement(p.dim, p.stride, list(p.blocks or ()))
+            _C.Placement.replicate() if isinstance(p, Replicate) else
+            _C.Placement(_fixed(p.dim, "Shard dim", 32), _fixed(p.stride, "Shard stride"),
+                         [_fixed(b, "Shard block") for b in p.blocks or ()])
             for p in self.placements
         ]
         # Construction never raises for semantic problems: `plan` reports them on every

@@ -222,6 +222,7 @@ class _ReceivedData(Piece):
                  scale_layout: str, rounding: str):
         super().__init__(local, torch.bfloat16, data.device, group=BLOCK)
         self.name, self.data, self.scale = name, data.view(local), scale
+        self.given = data  # the caller's tensor (self.data views it)
         self.scale_layout, self.rounding = scale_layout, rounding
         self.staging: Optional[torch.Tensor] = None
 
@@ -237,6 +238,9 @@ class _ReceivedData(Piece):
         if self.staging is None:
             self.staging = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
         return (self.staging.data_ptr(), list(self.staging.stride()), code_of(torch.bfloat16))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.given, self.scale)
 
     def after(self) -> None:
         if self.staging is not None:
@@ -254,6 +258,9 @@ class _SentFromSource(Piece):
 
     def ref(self, whole: bool) -> tuple:
         return (self.source.data_ptr(), list(self.source.stride()), code_of(torch.bfloat16), self.mode, 0)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.source,)
 
 
 # ---- the transform -----------------------------------------------------------------

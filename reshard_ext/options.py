@@ -9,11 +9,12 @@ to these defaults.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .errors import ReshardError
 
@@ -103,6 +104,8 @@ KNOBS: dict[str, Knob] = {
              "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
         Knob("RESHARD_EXT_AUTO_DIRECT", False, _flag,
              "1: backend 'auto' writes straight into peers' tensors where it can (the direct transport), NCCL elsewhere"),
+        Knob("RESHARD_EXT_CHECK_STORAGE", True, _flag,
+             "0 skips the per-execute check that no bound tensor's storage was replaced or resized"),
         Knob("RESHARD_EXT_TRACE", False, _flag,
              "1: every GPU execute logs a CUDA-event timeline of its steps (synchronises: diagnostics only)"),
     )
@@ -156,6 +159,9 @@ class Options:
       (RESHARD_EXT_DIRECT_IPC).
     - auto_direct: backend "auto" uses the direct transport where it can (RESHARD_EXT_AUTO_DIRECT;
       every rank must agree, rx.plan checks).
+    - check_storage: every execute first checks that no bound tensor's storage was
+      replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; two attribute reads
+      per bound tensor).
     """
 
     batch_bytes: Optional[int] = None
@@ -170,6 +176,7 @@ class Options:
     direct_engine_bytes: Optional[int] = None
     direct_ipc: Optional[bool] = None
     auto_direct: Optional[bool] = None
+    check_storage: Optional[bool] = None
 
     def __post_init__(self) -> None:
         checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
@@ -185,6 +192,7 @@ class Options:
             "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_ipc": (bool, lambda v: True, "a bool"),
             "auto_direct": (bool, lambda v: True, "a bool"),
+            "check_storage": (bool, lambda v: True, "a bool"),
         }
         for name, (kind, ok, what) in checks.items():
             value = getattr(self, name)
@@ -243,6 +251,11 @@ class Options:
     def resolved_auto_direct(self) -> bool:
         return self.auto_direct if self.auto_direct is not None else bool(env_default("RESHARD_EXT_AUTO_DIRECT"))
 
+    def resolved_check_storage(self) -> bool:
+        if self.check_storage is not None:
+            return self.check_storage
+        return bool(env_default("RESHARD_EXT_CHECK_STORAGE"))
+
 
 def skip_nccl_check() -> bool:
     return bool(env_default("RESHARD_EXT_SKIP_NCCL_CHECK"))
@@ -252,6 +265,21 @@ def external_env(name: str) -> Optional[str]:
     """A variable of another tool (NCCL_HOME, ...), read here so the package reads the
     environment in one module."""
     return os.environ.get(name)
+
+
+@contextlib.contextmanager
+def scoped_external_env(name: str, value: str) -> Iterator[None]:
+    """Sets a variable another library reads at construction (torch's TORCH_GLOO_LAZY_INIT)
+    for the duration of the block, then restores it."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def set_process_env_default(name: str, value: str) -> str:

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _C
+from .collectives import all_gather_objects, first_failed_rank  # noqa: F401 - first_failed_rank lived here
 from .errors import ReshardError
 from .layout import Layout
 from .options import Options
@@ -105,15 +108,25 @@ def local_plan(
     """This rank's ops, from the layouts alone: no process group, no tensors.
 
     Same-rank copies appear in both lists with peer == rank. `num_batches` defaults to
-    what this rank alone needs under `max_batch_bytes`; `plan` agrees on it globally.
+    the fewest batches whose staging (largest send batch + largest receive batch) fits
+    in `max_batch_bytes`; `plan` agrees on it globally.
     """
+    problem = batch_bytes_error(max_batch_bytes)
+    if problem:
+        raise ReshardError(problem)
     src_t, dst_t = _table(src_layouts), _table(dst_layouts)
     errors = _C.check_tables(src_t, dst_t, 0)
     if errors:
         _raise(errors)
-    c = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
-    c.taper = (options or Options()).resolved_batch_taper()
-    c.assign_batches(int(num_batches or c.wanted_batches()))
+    options = options or Options()
+    if num_batches:
+        c, _ = _plan_rank(src_t, dst_t, rank, None, 1, 256, options, int(max_batch_bytes or 0))
+    else:
+        c, num_batches = _plan_rank(src_t, dst_t, rank, max_batch_bytes, 1, 256, options,
+                                    fineness=2 if max_batch_bytes else 1)
+        if num_batches == 0:
+            raise ReshardError(_too_small(rank, max_batch_bytes, c))
+    c.assign_batches(int(num_batches))
     copies = c.copies()
     return RankPlan(
         rank=rank,
@@ -122,6 +135,39 @@ def local_plan(
         num_batches=c.num_batches,
         _c=c,
     )
+
+
+def batch_bytes_error(max_batch_bytes: Any) -> str:
+    """Why `max_batch_bytes` is invalid, or ""."""
+    if max_batch_bytes is None:
+        return ""
+    if isinstance(max_batch_bytes, bool) or not isinstance(max_batch_bytes, int) or max_batch_bytes < 1:
+        return f"max_batch_bytes must be None or a positive integer, got {max_batch_bytes!r}"
+    if max_batch_bytes >= 1 << 63:
+        return f"max_batch_bytes {max_batch_bytes} does not fit a 64-bit integer"
+    return ""
+
+
+def _plan_rank(src_t: Any, dst_t: Any, rank: int, limit: Optional[int], buffers: int, region_align: int,
+               options: Options, soft_batch_bytes: int = 0, fineness: int = 1) -> tuple[Any, int]:
+    """The C++ planner for one rank, and how many batches it wants: the fewest whose
+    staging (`buffers` x (largest send + largest receive batch)) fits `limit`, a hard
+    bound (0: none does); without a limit, about `soft_batch_bytes` each way per batch."""
+    # Ops start no bigger than a quarter of the budget of one staging copy, so that a
+    # few batches can fit; assign_batches cuts them further where a pair needs it.
+    per_op = max(1, limit // (4 * buffers)) if limit else soft_batch_bytes
+    c = _C.plan_rank(src_t, dst_t, rank, int(per_op))
+    c.taper = options.resolved_batch_taper()
+    c.region_align = region_align
+    c.fineness = fineness
+    return c, (c.batches_within(limit, buffers) if limit else c.wanted_batches())
+
+
+def _too_small(rank: int, limit: Any, c: Any) -> str:
+    return (f"rank {rank}: max_batch_bytes={limit} is too small for its {c.send_total()} bytes sent and "
+            f"{c.recv_total()} received: no batch count keeps its staging (largest send batch + largest receive "
+            f"batch) within it, since ops are not cut below one row (or 32 elements of it) and every peer's region "
+            f"of a batch is aligned; raise max_batch_bytes")
 
 
 # --- collective planning --------------------------------------------------------------
@@ -139,6 +185,9 @@ def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = 
     of their meshes against the group)."""
     errors = []
     for name, item in entries.items():
+        if not isinstance(name, str):
+            errors.append(f"{side} tensor {name!r} on rank {rank}: names must be str, got {type(name).__name__}")
+            continue
         if not (isinstance(item, tuple) and len(item) == 2):
             errors.append(f"{side} tensor '{name}' on rank {rank}: expected (tensor, layout), got {type(item).__name__}")
             continue
@@ -167,6 +216,10 @@ def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = 
             )
         if tensor.dtype != layout.dtype:
             errors.append(f"{side} tensor '{name}' on rank {rank}: dtype {tensor.dtype} but the layout says {layout.dtype}")
+        if tensor.device.type not in ("cpu", "cuda"):
+            errors.append(f"{side} tensor '{name}' on rank {rank}: on device {tensor.device}; reshard_ext moves CPU "
+                          f"and CUDA tensors, whose memory it reads and writes")
+            continue
         if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
             errors.append(
                 f"{side} tensor '{name}' on rank {rank}: on {tensor.device}, not the current device "
@@ -216,13 +269,18 @@ class Agreement:
     device: Optional[str]
     register: bool = False  # every rank voted for NCCL buffer registration
     relay: bool = False  # every rank passed relay on (rx.Options.relay; a disagreement is an error)
+    plan_id: int = 0  # the same on every rank, different for every rx.plan call
 
 
 def plan_collective(
     src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int], errors: Optional[list[str]] = None,
     options: Optional[Options] = None,
+    staging_depth: Callable[[Optional[str]], int] = lambda device: 1,
 ) -> Agreement:
+    """The collective part of rx.plan. staging_depth(device): how many staging copies
+    of a batch the transport keeps (its pipelining depth), for the max_batch_bytes bound."""
     options = options or Options()
+    timeout_s = options.resolved_timeout("gloo")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     errors = list(errors or []) + _check_local("src", src, rank, world) + _check_local("dst", dst, rank, world)
     device = _device_kind([src, dst])
@@ -232,9 +290,9 @@ def plan_collective(
             for name, (_, layout) in entries.items():
                 if reporter_of(name, layout) == rank:
                     report.append((side, name, layout._c))
-    payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options), options.resolved_relay())
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, payload, group=group)
+    payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options), options.resolved_relay(),
+               max_batch_bytes is not None)
+    gathered = all_gather_objects(payload, group, "rx.plan (metadata exchange)", timeout_s)
     STATS["exchanges"] += 1
 
     errors = [e for _, errs, *_ in gathered for e in errs]
@@ -244,6 +302,8 @@ def plan_collective(
     if len(set(relay)) > 1:
         errors.append(f"rx.Options(relay=...) / RESHARD_EXT_RELAY must be alike on every rank: on for ranks "
                       f"{[r for r, v in enumerate(relay) if v][:8]}, off for {[r for r, v in enumerate(relay) if not v][:8]}")
+    # Any rank bounding its staging cuts its pairs' ops finer, so both ends must.
+    fineness = 2 if any(g[5] for g in gathered) else 1
     if len(devices) > 1:
         errors.append(f"ranks hold tensors on different devices: {sorted(devices)}")
     if errors:
@@ -258,33 +318,61 @@ def plan_collective(
     if errors:
         _raise(errors)
 
-    if max_batch_bytes is None and "cuda" in devices:
-        max_batch_bytes = options.resolved_batch_bytes()  # pipelined batches by default on GPUs
+    agreed_device = next(iter(devices)) if devices else None
+    soft = 0
+    if max_batch_bytes is None and agreed_device == "cuda":
+        soft = options.resolved_batch_bytes()  # pipelined batches by default on GPUs
     late = _check_against_global(0, src, src_t, rank) + _check_against_global(1, dst, dst_t, rank)
-    rank_plan = None
+    rank_plan, wanted, fitting = None, 1, None
     if not late:
         try:
-            rank_plan = _C.plan_rank(src_t, dst_t, rank, int(max_batch_bytes or 0))
-            # every rank must taper alike, or the digests below disagree
-            rank_plan.taper = options.resolved_batch_taper()
+            # CPU staging needs no more than the ops' own 16-byte alignment per region;
+            # every rank must taper alike, or the digests below disagree.
+            depth = staging_depth(agreed_device)
+            rank_plan, wanted = _plan_rank(src_t, dst_t, rank, max_batch_bytes, depth,
+                                           16 if agreed_device == "cpu" else 256, options, soft, fineness)
             STATS["plans"] += 1
+            if wanted == 0:
+                late.append(_too_small(rank, max_batch_bytes, rank_plan))
+            elif max_batch_bytes is not None:
+                fitting = rank_plan.fitting_counts(max_batch_bytes, depth, wanted)
         except ReshardError as e:
             late.append(f"rank {rank}: {e}")
     mine = (
         late,
-        rank_plan.wanted_batches() if rank_plan else 1,
+        wanted,
         rank_plan.send_digest if rank_plan else 0,
         rank_plan.recv_digest if rank_plan else 0,
+        int.from_bytes(os.urandom(8), "little"),
+        fitting,
     )
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = all_gather_objects(mine, group, "rx.plan (agreement)", timeout_s)
     errors = [e for errs, *_ in gathered for e in errs]
     if errors:
         _raise(errors)
-    if sum(s for _, _, s, _ in gathered) % 2**64 != sum(r for _, _, _, r in gathered) % 2**64:
-        _raise(_digest_mismatch(rank_plan, group, world))
-    rank_plan.assign_batches(max(k for _, k, _, _ in gathered))
-    return Agreement(src_t, dst_t, rank_plan, devices.pop() if devices else None, register, all(relay))
+    sends, recvs = sum(g[2] for g in gathered) % 2**64, sum(g[3] for g in gathered) % 2**64
+    if sends != recvs:
+        _raise(_digest_mismatch(rank_plan, group, world, timeout_s))
+    rank_plan.assign_batches(_agreed_batches([(g[1], g[5]) for g in gathered]))
+    # Identifies this plan on every rank alike, and no other plan: execute's headers
+    # carry it (two plans of the same layouts differ by the ranks' random nonces).
+    key = repr((sends, sum(g[4] for g in gathered) % 2**64, world)).encode()
+    plan_id = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return Agreement(src_t, dst_t, rank_plan, agreed_device, register, all(relay), plan_id)
+
+
+def _agreed_batches(wants: list[tuple[int, Optional[int]]]) -> int:
+    """The fewest batches every rank accepts: at least what each wants, and for a rank
+    bounded by max_batch_bytes a count its `fitting` mask (bit i: wanted + i batches
+    fit) allows. The same answer on every rank, from the same gathered values."""
+    low = max(k for k, _ in wants)
+    for k in range(low, low + 64):
+        if all(mask is None or (0 <= k - want < 64 and mask >> (k - want) & 1) for want, mask in wants):
+            return k
+    _raise([f"max_batch_bytes: no batch count from {low} to {low + 63} keeps the staging of ranks "
+            f"{[r for r, (want, mask) in enumerate(wants) if mask is not None]} within their bound at once; "
+            f"raise max_batch_bytes"])
+    return low
 
 
 def _registration_vote(device: Optional[str], options: Options) -> bool:
@@ -297,23 +385,8 @@ def _registration_vote(device: Optional[str], options: Options) -> bool:
     return registration_vote(options)
 
 
-def first_failed_rank(group: Any, failed: bool) -> int:
-    """One all-reduce: the lowest group rank that passed failed=True, or -1. Lets a
-    failure on one rank (an allocation, a local check) raise on every rank at once
-    instead of leaving the others waiting in their next collective."""
-    g = group if group is not None else dist.group.WORLD
-    nccl = dist.get_backend(g) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    world = dist.get_world_size(g)
-    t = torch.tensor([world - dist.get_rank(g) if failed else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-    top = int(t.item())
-    return world - top if top else -1
-
-
-def _digest_mismatch(rank_plan: Any, group: Any, world: int) -> list[str]:
-    per_rank: list[Any] = [None] * world
-    dist.all_gather_object(per_rank, rank_plan.digests(), group=group)
+def _digest_mismatch(rank_plan: Any, group: Any, world: int, timeout_s: float) -> list[str]:
+    per_rank = all_gather_objects(rank_plan.digests(), group, "rx.plan (digest mismatch report)", timeout_s)
     sent: dict[tuple[int, int], tuple] = {}
     got: dict[tuple[int, int], tuple] = {}
     for r, digests in enumerate(per_rank):

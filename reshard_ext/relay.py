@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .errors import InternalError
+from .errors import InternalError, ReshardError
 from .execution import Plan
 from .layout import Layout, Mesh, Replicate, Shard
 from .options import Options
@@ -141,18 +142,21 @@ def relayed_dims(agreement: Any) -> dict[str, int]:
 
 
 def plan_relayed(dims: Mapping[str, int], src: Entries, dst: Entries, group: Any, max_batch_bytes: int | None,
-                 options: Options, bind: Bind) -> RelayPlan:
-    """Plans and binds both phases (collective; `bind` binds one agreed plan on every rank)."""
+                 options: Options, bind: Bind, depth: Callable[[str | None], int] = lambda device: 1) -> RelayPlan:
+    """Plans and binds both phases (collective; `bind` binds one agreed plan on every rank;
+    depth: the transport's staging copies per batch, for max_batch_bytes)."""
     scatter_dst, gather_src, gather_dst = _phase_entries(dims, dst, dist.get_rank(group))
-    scatter = bind(plan_collective(src, scatter_dst, group, max_batch_bytes, None, options), src, scatter_dst)
-    gather = bind(plan_collective(gather_src, gather_dst, group, max_batch_bytes, None, options),
+    scatter = bind(plan_collective(src, scatter_dst, group, max_batch_bytes, None, options, depth), src, scatter_dst)
+    gather = bind(plan_collective(gather_src, gather_dst, group, max_batch_bytes, None, options, depth),
                   gather_src, gather_dst)
     return RelayPlan(scatter, gather, dict(dims), {n: l for n, (_, l) in dst.items()})
 
 
 class RelayPlan(Plan):
     """A refit as two plans run back to back: `phases` = (scatter, gather). Plan's public
-    interface; byte and op counts are the sums of both phases."""
+    interface; byte and op counts are the sums of both phases. One execute is one
+    version: plan.version is set once both phases landed, and plan.abort() stops
+    whichever phase runs (the gather never starts after an aborted scatter)."""
 
     def __init__(self, scatter: Plan, gather: Plan, dims: dict[str, int], dst_layouts: dict[str, Layout]):
         # Not Plan.__init__: this plan binds nothing itself, its phases do.
@@ -162,6 +166,14 @@ class RelayPlan(Plan):
         self.relay_dims = dims
         self.relayed_tensors = len(dims)
         self._dst_layouts = dst_layouts
+        self.transport = scatter.transport  # its channel: one execute per group at a time
+        self.version: int | None = None
+        self._abort = threading.Event()
+        self._running = False
+
+    @property
+    def staging_bytes(self) -> int:
+        return max(p.staging_bytes for p in self.phases)  # the phases run one after the other
 
     @property
     def num_batches(self) -> int:
@@ -186,6 +198,7 @@ class RelayPlan(Plan):
 
     def rebind(self, src: Entries | None = None, dst: Entries | None = None) -> None:
         scatter, gather = self.phases
+        self.version = None
         if dst is None:
             scatter.rebind(src=src)
             return
@@ -193,13 +206,32 @@ class RelayPlan(Plan):
         scatter.rebind(src=src, dst=scatter_dst)  # checks every entry the user gave
         gather.rebind(src=gather_src, dst=gather_dst)
 
-    def execute(self, verify: bool = False) -> None:
-        # Collective, phase by phase on every rank; an error in the scatter propagates
-        # before the gather starts.
+    def abort(self) -> None:
+        if self._running:
+            self._abort.set()
+            for p in self.phases:
+                p.transport.abort()
+
+    def _execute(self, verify: bool, version: int | None, timeout: float | None) -> None:
+        # Collective, phase by phase on every rank, within Plan.execute's hold of the
+        # group's channel. A problem of this rank (arguments, a replaced tensor of either
+        # phase) goes into both phases' headers, so the peers raise in each phase instead
+        # of waiting for a gather this rank never starts.
+        problem = next(filter(None, (p._local_problem(version, timeout) for p in self.phases)), "")
+        first: ReshardError | None = None
         for p in self.phases:
-            p.execute(verify)
+            if self._abort.is_set():
+                raise ReshardError("rx.execute was aborted (plan.abort()) between the relay's scatter and gather")
+            try:
+                p._run(verify, version, timeout, problem, self._abort)
+            except ReshardError as e:
+                if not problem:
+                    raise
+                first = first or e
+        if first is not None:
+            raise first
 
     def verify(self) -> None:
         # The scatter's check covers sources -> shares, the gather's shares -> whole pieces.
         for p in self.phases:
-            p.verify()
+            p.verify()  # each phase holds the group's channel while it reads

@@ -55,6 +55,11 @@ class Piece:
     def ref(self, whole: bool) -> tuple:
         raise NotImplementedError
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The caller's tensors behind the piece: rx.execute checks that their storages
+        were not replaced or resized since binding."""
+        return ()
+
 
 @dataclass
 class Rewrite:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ReshardError
-from .planning import first_failed_rank
+from .collectives import first_failed_rank
 from .transports.p2p import P2PExchange
 
 _MAX_LISTED = 20
@@ -93,7 +93,7 @@ def check(ops: Ops, send: np.ndarray, recv: np.ndarray, what: str,
             op = ops.copies[c]
             errors.append(f"{ops.describe(op)} copied on rank {ops.rank}: the source's digest "
                           f"{int(copies[0][c]):016x}, the destination's {int(copies[1][c]):016x}")
-    if first_failed_rank(ops.p2p.group, bool(errors)) < 0:
+    if first_failed_rank(ops.p2p.group, bool(errors), what, ops.p2p.timeout_s) < 0:
         return
     reports: list[Any] = [None] * dist.get_world_size(ops.p2p.group)
     dist.all_gather_object(reports, (len(errors), errors[:_MAX_LISTED]), group=ops.p2p.group)

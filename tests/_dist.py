@@ -122,9 +122,19 @@ def run_ranks(world: int, fn: Callable, *args, backend: str = "gloo", timeout: f
     """Runs fn(rank, world, *args) on every rank of a `world`-process group."""
     key = (world, backend)
     pool = _POOLS.get(key)
-    if pool is None or not all(p.is_alive() for p in pool.procs):
+    if pool is not None and not all(p.is_alive() for p in pool.procs):
+        pool.close()  # a rank died: its group is gone for the others too
+        pool = None
+    if pool is None:
         pool = _POOLS[key] = Pool(world, backend)
     return pool.run(fn, *args, timeout=timeout)
+
+
+def close_pool(world: int, backend: str = "gloo") -> None:
+    """Ends the pool of `world` ranks (a test that leaves its group unusable)."""
+    pool = _POOLS.get((world, backend))
+    if pool is not None:
+        pool.close()
 
 
 @atexit.register

@@ -181,7 +181,7 @@ def _fake_refit(rank, world, case, max_batch_bytes, engine_bytes=1, optout=-1, u
         release_shared()
 
 
-@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+@pytest.mark.parametrize("max_batch_bytes", [None, 1024])
 @pytest.mark.parametrize("case,world", [("two", 2), ("casts", 2), ("tp", 4), ("meshes", 4), ("pp_experts", 4),
                                         ("placement", 4)])
 def test_transport_every_pair_direct(case, world, max_batch_bytes):
@@ -192,7 +192,7 @@ def test_transport_every_pair_direct(case, world, max_batch_bytes):
 @pytest.mark.parametrize("case", ["tp", "meshes", "pp_experts"])
 def test_transport_rank_that_opts_out_uses_the_other_transport(case):
     """Rank 3 maps nothing: its pairs move over the other transport, on both ends, in one plan."""
-    for rank, (direct, nccl, _, _) in enumerate(run_ranks(4, _fake_refit, case, 512, 1, 3)):
+    for rank, (direct, nccl, _, _) in enumerate(run_ranks(4, _fake_refit, case, 1024, 1, 3)):
         if rank == 3:
             assert direct == [] and nccl, nccl
         else:
@@ -206,7 +206,7 @@ def test_transport_unshareable_destinations_fall_back():
     into_1 = {op.peer for op in rx.local_plan({n: v[2] for n, v in spec.items()}, {n: v[4] for n, v in spec.items()},
                                               1).recvs if op.peer != 1}
     assert into_1 and into_1 != {0, 2, 3}  # some pairs of rank 1 fall back, some do not
-    got = run_ranks(4, _fake_refit, "tp", 512, 1, -1, 1)
+    got = run_ranks(4, _fake_refit, "tp", 1024, 1, -1, 1)
     assert got[1][0] == sorted({0, 2, 3} - into_1) and got[1][1] == sorted(into_1), got[1]
     for rank in (0, 2, 3):
         direct, nccl, _, _ = got[rank]
@@ -272,7 +272,7 @@ def _all_direct(world: int, case: str, max_batch_bytes) -> None:
 
 @needs2
 @pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
-@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+@pytest.mark.parametrize("max_batch_bytes", [None, 4096])
 def test_matrix_2gpu(case, max_batch_bytes):
     _all_direct(2, case, max_batch_bytes)
 
@@ -288,14 +288,14 @@ def test_engines_and_kernel_2gpu(case, engine_bytes):
 
 @needs4
 @pytest.mark.parametrize("case", ["tp", "uneven_blocks", "meshes", "pp_experts", "placement", "casts"])
-@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+@pytest.mark.parametrize("max_batch_bytes", [None, 4096])
 def test_matrix_4gpu(case, max_batch_bytes):
     _all_direct(4, case, max_batch_bytes)
 
 
 def _opted_out(rank, world, out, case, backend):
     options = rx.Options(direct_ipc=False, auto_direct=True) if rank == out else rx.Options(auto_direct=True)
-    return run_case(rank, world, case, "cuda", 512, backend, options, _pairs_of)
+    return run_case(rank, world, case, "cuda", 4096, backend, options, _pairs_of)
 
 
 @needs2
@@ -407,3 +407,43 @@ def _repeat(rank, world, n):
 @needs2
 def test_many_executes_2gpu():
     assert all(run_ranks(2, _repeat, 50, backend="nccl"))
+
+
+def _fake_headers(rank, world):
+    """The direct backend carries the execute headers too: versions agree or both ranks
+    raise before any direct write, and a replaced tensor on one rank raises on both."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    try:
+        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
+        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(4))
+        src = {"w": (sl.local_part(g, rank).clone(), sl)}
+        out = shared_poison(dl.local_shape(rank), F32)
+        p = rx.plan(src, {"w": (out, dl)}, backend="direct")
+        rx.execute(p, version=1)
+        got = [p.version, p.transport.direct_peers]
+        for version in ([2, 3][rank], None):
+            try:
+                if version is None:  # a replaced source on rank 0 only
+                    if rank == 0:
+                        src["w"][0].data = src["w"][0].clone()
+                    rx.execute(p, version=9)
+                else:
+                    rx.execute(p, version=version)
+                got.append("no error")
+            except rx.ReshardError as e:
+                got.append(str(e))
+            got.append(p.version)
+        return got + [bits_equal(out, dl.local_part(g, rank))]
+    finally:
+        release_shared()
+
+
+def test_transport_direct_pairs_exchange_headers():
+    for rank, got in enumerate(run_ranks(2, _fake_headers)):
+        assert got[:2] == [1, [1 - rank]], got
+        assert "version" in got[2] and got[3] is None, got
+        assert "replaced or resized" in got[4] or "failed a check of its own" in got[4], got[4]
+        assert got[5] is None and got[6], got

@@ -6,7 +6,8 @@ from _dist import run_ranks
 
 
 @pytest.mark.parametrize("case", sorted(CASES))  # "two" included: any world >= 2
-@pytest.mark.parametrize("max_batch_bytes", [None, 256])
+# 1024: staging (send + receive, every peer's region) bounded hard; many batches
+@pytest.mark.parametrize("max_batch_bytes", [None, 1024])
 def test_matrix_world4(case, max_batch_bytes):
     run_ranks(4, run_case, case, "cpu", max_batch_bytes)
 

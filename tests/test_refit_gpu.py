@@ -11,19 +11,34 @@ needs2 = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 needs4 = pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
 
 
+# Batching: None (defaults), "soft" (batches of about 512 bytes each way: many batches,
+# the pipeline at work), "hard" (max_batch_bytes=4096 bounds each rank's staging).
+BATCHING = [None, "soft", "hard"]
+
+
+def _batched(rank, world, batching, case, backend="nccl", knobs=None):
+    import reshard_ext as rx
+
+    knobs = dict(knobs or {})
+    if batching == "soft":
+        knobs["batch_bytes"] = 512
+    limit = 4096 if batching == "hard" else None
+    return run_case(rank, world, case, "cuda", limit, backend, options=rx.Options(**knobs))
+
+
 @needs2
 @pytest.mark.parametrize("backend", ["nccl", "torch"])
 @pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
-@pytest.mark.parametrize("max_batch_bytes", [None, 512])
-def test_matrix_2gpu(case, backend, max_batch_bytes):
-    run_ranks(2, run_case, case, "cuda", max_batch_bytes, backend, backend="nccl")
+@pytest.mark.parametrize("batching", BATCHING)
+def test_matrix_2gpu(case, backend, batching):
+    run_ranks(2, _batched, batching, case, backend, backend="nccl")
 
 
 @needs4
 @pytest.mark.parametrize("case", ["tp", "uneven_blocks", "meshes", "pp_experts", "placement", "casts"])
-@pytest.mark.parametrize("max_batch_bytes", [None, 512])
-def test_matrix_4gpu(case, max_batch_bytes):
-    run_ranks(4, run_case, case, "cuda", max_batch_bytes, "nccl", backend="nccl")
+@pytest.mark.parametrize("batching", BATCHING)
+def test_matrix_4gpu(case, batching):
+    run_ranks(4, _batched, batching, case, backend="nccl")
 
 
 def _with_knobs(rank, world, knobs, case, max_batch_bytes):
@@ -42,24 +57,24 @@ def test_direct_messages_2gpu(case):
 @needs2
 @pytest.mark.parametrize("register", [True, False])
 @pytest.mark.parametrize("case", ["two", "tp", "casts"])
-@pytest.mark.parametrize("max_batch_bytes", [None, 512])
-def test_registration_on_and_off_2gpu(case, max_batch_bytes, register):
+@pytest.mark.parametrize("batching", [None, "soft"])
+def test_registration_on_and_off_2gpu(case, batching, register):
     """Staging and direct messages registered with NCCL (the default: zero-copy
     intra-node path) and not (NCCL's FIFOs)."""
-    run_ranks(2, _with_knobs, {"direct_bytes": 1, "nccl_register": register}, case, max_batch_bytes, backend="nccl")
+    run_ranks(2, _batched, batching, case, "nccl", {"direct_bytes": 1, "nccl_register": register}, backend="nccl")
 
 
 @needs4
 @pytest.mark.parametrize("case", ["meshes", "pp_experts"])
 def test_unregistered_4gpu(case):
-    run_ranks(4, _with_knobs, {"direct_bytes": 1, "nccl_register": False}, case, 512, backend="nccl")
+    run_ranks(4, _batched, "soft", case, "nccl", {"direct_bytes": 1, "nccl_register": False}, backend="nccl")
 
 
 @needs2
 @pytest.mark.parametrize("max_blocks", [1, 7])
 def test_capped_kernel_grid_2gpu(max_blocks):
     """Pack/unpack/copy launches capped to a few blocks still move every element."""
-    run_ranks(2, _with_knobs, {"max_blocks": max_blocks}, "tp", 512, backend="nccl")
+    run_ranks(2, _batched, "soft", "tp", "nccl", {"max_blocks": max_blocks}, backend="nccl")
 
 
 def _rebind_registered(rank, world, options, backend="auto"):

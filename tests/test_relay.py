@@ -150,7 +150,7 @@ def test_one_source_three_replicas_relay_on_and_off():
 
 
 def test_relay_matrix_cases_smaller_batches():
-    run_ranks(4, run_case, "relay", "cpu", 64)
+    run_ranks(4, run_case, "relay", "cpu", 1024)  # max_batch_bytes bounds staging (send + receive) hard
 
 
 def _gather_drops_self_copies(rank, world):
@@ -209,12 +209,12 @@ def _rebind_and_failure(rank, world):
         assert bits_equal(new, 2 * g) and bits_equal(old, keep)
     # a failing scatter raises out of execute before the gather runs
     ran = []
-    p.phases[0].execute = lambda verify=False: (_ for _ in ()).throw(rx.ReshardError("scatter failed"))
-    p.phases[1].execute = lambda verify=False: ran.append(1)
+    p.phases[0]._run = lambda *args: (_ for _ in ()).throw(rx.ReshardError("scatter failed"))
+    p.phases[1]._run = lambda *args: ran.append(1)
     try:
-        rx.execute(p)
+        rx.execute(p, version=5)
     except rx.ReshardError:
-        return ran
+        return ran if p.version is None else "version set"
     return "no error"
 
 
@@ -223,7 +223,7 @@ def test_rebind_and_a_failing_scatter():
 
 
 @needs4
-@pytest.mark.parametrize("max_batch_bytes", [None, 512])
+@pytest.mark.parametrize("max_batch_bytes", [None, 4096])
 def test_relay_matrix_4gpu(max_batch_bytes):
     run_ranks(4, run_case, "relay", "cuda", max_batch_bytes, "nccl", backend="nccl")
 
@@ -232,3 +232,31 @@ def test_relay_matrix_4gpu(max_batch_bytes):
 @pytest.mark.parametrize("backend", ["nccl", "torch"])
 def test_one_source_three_replicas_4gpu(backend):
     _check_egress(run_ranks(4, _one_to_three, "cuda", backend, backend="nccl"))
+
+
+def _relay_version_and_watch(rank, world):
+    """A relayed refit (two plans) is one execute: one version, and a replaced destination
+    on one rank raises on every rank before either phase moves data."""
+    sl, dl = L((9, 4), [0], [Replicate()]), L((9, 4), [1, 2, 3], [Replicate()])
+    g = make_global((9, 4), F32, seed=5)
+    out = torch.zeros(9, 4)
+    dst = {"w": (out, dl)} if rank else {}
+    p = rx.plan({"w": (g.clone(), sl)} if rank == 0 else {}, dst)
+    rx.execute(p, version=4)
+    got = [len(p.phases), p.version]
+    if rank == 2:
+        out.data = torch.zeros(9, 4)  # the bound tensor now points elsewhere
+    try:
+        rx.execute(p, version=5)
+        got.append("no error")
+    except rx.ReshardError as e:
+        got.append(str(e))
+    return got + [p.version]
+
+
+def test_relayed_refit_is_one_version_and_checks_both_phases():
+    for rank, (phases, first, error, last) in enumerate(run_ranks(4, _relay_version_and_watch)):
+        assert phases == 2 and first == 4 and last is None, (rank, phases, first, last)
+        assert error != "no error", rank
+        if rank == 2:
+            assert "replaced or resized" in error, error

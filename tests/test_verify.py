@@ -198,7 +198,7 @@ def verified(rank: int, world: int, worker, *args):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("max_batch_bytes", [None, 256])
+@pytest.mark.parametrize("max_batch_bytes", [None, 1024])  # 1024: staging bounded hard, many batches
 def test_verified_matrix(case, max_batch_bytes):
     run_ranks(4, verified, run_case, case, "cpu", max_batch_bytes)
 
@@ -279,22 +279,30 @@ def _corrupt_in_transit(rank, world, direct):
                    {"x": (torch.zeros(64, 32), d)} if rank == 1 else {},
                    options=rx.Options(direct_bytes=1 if direct else 1 << 30))
     if rank == 1:
-        finish = plan.transport.p2p.finish
+        from reshard_ext.transports.channel import HEADER_TAG
 
-        def corrupting_finish(reqs, ops):
-            finish(reqs, ops)
-            for op in ops:
-                if op.op is torch.distributed.irecv:
-                    op.tensor.view(-1)[100] ^= 4
+        channel = plan.transport.channel
+        exchange = channel.exchange
 
-        plan.transport.p2p.finish = corrupting_finish
-    rx.execute(plan)  # no verify: nothing notices
-    errors = []
-    for _ in range(2):  # every execute checks again
-        try:
-            rx.execute(plan, verify=True)
-        except rx.ReshardError as e:
-            errors.append(str(e))
+        def corrupting_exchange(ops, tag, session, retry_closed=False):
+            errors = exchange(ops, tag, session, retry_closed)
+            for kind, _, tensor in ops:
+                if kind == "recv" and tag != HEADER_TAG:
+                    tensor.view(-1)[100] ^= 4
+            return errors
+
+        channel.exchange = corrupting_exchange
+    try:
+        rx.execute(plan)  # no verify: nothing notices
+        errors = []
+        for _ in range(2):  # every execute checks again
+            try:
+                rx.execute(plan, verify=True)
+            except rx.ReshardError as e:
+                errors.append(str(e))
+    finally:
+        if rank == 1:  # the channel is the group's, shared by later plans in this process
+            del channel.exchange
     return errors
 
 

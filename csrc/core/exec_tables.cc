@@ -1,9 +1,13 @@
 #include "core/exec_tables.h"
 
 #include <algorithm>
+#include <functional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "core/check.h"
+#include "core/checked.h"
+#include "core/overlap.h"
 
 namespace rx {
 
@@ -11,7 +15,7 @@ rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* s
                 uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode, BoxScales scales) {
   const int nd = static_cast<int>(size.size());
   std::vector<int64_t> contig(nd, 1);
-  for (int d = nd - 2; d >= 0; --d) contig[d] = contig[d + 1] * size[d + 1];
+  for (int d = nd - 2; d >= 0; --d) contig[d] = checked_mul(contig[d + 1], size[d + 1], "elements of a box");
   const int64_t* ss = src_strides ? src_strides : contig.data();
   const int64_t* ds = dst_strides ? dst_strides : contig.data();
   // Innermost first, merging outward.
@@ -20,7 +24,7 @@ rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* s
   for (int d = nd - 1; d >= 0; --d) {
     if (size[d] == 1) continue;
     if (!dims.empty() && ss[d] == dims.back().n * dims.back().s && ds[d] == dims.back().n * dims.back().d) {
-      dims.back().n *= size[d];
+      dims.back().n = checked_mul(dims.back().n, size[d], "elements of a box");
       continue;
     }
     dims.push_back({size[d], ss[d], ds[d]});
@@ -87,8 +91,9 @@ std::vector<int64_t> coord_strides(const TensorRef& t) {
 uint64_t element_addr(const TensorRef& t, const std::vector<int64_t>& strides, const std::vector<int64_t>& start) {
   RX_HOST_ASSERT(strides.size() == start.size(), "bind: tensor rank differs from its layout");
   int64_t off = 0;
-  for (size_t d = 0; d < start.size(); ++d) off += start[d] * strides[d];
-  return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
+  for (size_t d = 0; d < start.size(); ++d)
+    off = checked_add(off, checked_mul(start[d], strides[d], "offset"), "offset");
+  return t.ptr + static_cast<uint64_t>(checked_mul(off, rx_dtype_size(t.dtype), "byte offset"));
 }
 
 // A box's mode from the refs it joins (at most one side is MX).
@@ -111,9 +116,10 @@ BoxScales box_scales(const TensorRef& d, uint64_t at) {
 // Cuts one batch's ops (in canonical order, `boxes` and `index` - their plan op - aligned
 // with them) into messages and drops the boxes of direct messages from the table, their
 // ops going to `direct`. `staging_side_is_dst`: pack boxes write staging (dst side),
-// unpack boxes read it (src side).
+// unpack boxes read it (src side). Ops of `aliased` pieces (table indices) stay staged.
 void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>& boxes, std::vector<int32_t>& index,
-                  bool staging_is_dst, int64_t direct_bytes, std::vector<Message>& out, std::vector<int32_t>& direct) {
+                  bool staging_is_dst, int64_t direct_bytes, const std::unordered_set<int32_t>& aliased,
+                  std::vector<Message>& out, std::vector<int32_t>& direct) {
   std::vector<rx_box> kept;
   std::vector<int32_t> kept_index;
   kept.reserve(boxes.size());
@@ -131,7 +137,9 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
     const TransferOp& op = *ops[i];
     const rx_box& box = boxes[i];
     const uint64_t staging = staging_is_dst ? box.dst : box.src;
-    if (direct_bytes > 0 && op.nbytes >= direct_bytes) {
+    // A piece sharing memory with the other side stays staged: its reads then all
+    // happen at the pack, before any write lands.
+    if (direct_bytes > 0 && op.nbytes >= direct_bytes && !aliased.count(staging_is_dst ? op.src_name : op.dst_name)) {
       flush();
       const int64_t tensor_stride = staging_is_dst ? box.src_stride[0] : box.dst_stride[0];
       const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.mode == RX_BOX_COPY;
@@ -183,17 +191,128 @@ bool same_memory(const rx_box& b) {
   return true;
 }
 
+// The memory the plan's ops read and write on this rank, checked against the rules of
+// ExecTables::bind before any table is built. Fills the table indices of src and dst
+// pieces that share memory with the other side (their ops then never go direct).
+struct Aliasing {
+  std::unordered_set<int32_t> src, dst;
+};
+
+View view_of(const TensorRef& t) {
+  if (t.shape.size() != t.strides.size()) return View{t.ptr, {0}, {0}, 1};  // shape not given: not checked
+  View v{t.ptr, t.shape, t.strides, rx_dtype_size(t.dtype)};
+  // A scale-read src reads a whole block of BF16 at each of its coordinates.
+  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !v.shape.empty()) v.shape.back() *= RX_BOX_MX_GROUP;
+  return v;
+}
+
+Aliasing check_memory(const RankPlan& plan, const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
+                      const std::vector<int32_t>& src_used, const std::vector<int32_t>& dst_used,
+                      const std::unordered_map<int32_t, const TensorRef*>& src_of,
+                      const std::unordered_map<int32_t, const TensorRef*>& dst_of,
+                      const std::function<uint64_t(const TensorRef&, const std::vector<int64_t>&)>& addr) {
+  Aliasing out;
+  std::vector<View> views;  // dst pieces, then src pieces
+  views.reserve(dst.size() + src.size());
+  for (const auto* side : {&dst, &src})
+    for (const TensorRef& t : *side) views.push_back(view_of(t));
+  for (size_t i = 0; i < dst.size(); ++i)
+    RX_USER_CHECK(!self_overlaps(views[i]), "dst tensor '", dst[i].name, "' on rank ", plan.rank,
+                  ": its elements overlap in memory (a stride-0 / expanded view, or interleaving strides); every "
+                  "destination element needs memory of its own");
+
+  // What each piece's ops really do: a copy onto the same memory changes nothing.
+  std::unordered_set<const TensorRef*> written, read, copy_written, copy_read, peer_written, peer_read;
+  std::vector<bool> identity(plan.copies.size(), false);
+  for (size_t i = 0; i < plan.copies.size(); ++i) {
+    const TransferOp& op = plan.copies[i];
+    const TensorRef& s = *src_of.at(op.src_name);
+    const TensorRef& d = *dst_of.at(op.dst_name);
+    identity[i] = s.mx_mode == 0 && d.mx_mode == 0 && s.dtype == d.dtype && s.strides == d.strides &&
+                  addr(s, op.theirs.start) == addr(d, op.mine.start);
+    if (identity[i]) continue;
+    written.insert(&d);
+    read.insert(&s);
+    copy_written.insert(&d);
+    copy_read.insert(&s);
+  }
+  for (const TransferOp& op : plan.recvs) written.insert(dst_of.at(op.dst_name));
+  for (const TransferOp& op : plan.sends) read.insert(src_of.at(op.src_name));
+  // Direct-backend ops (a peer writes into my dst, or I write into a peer's) run at no
+  // fixed point relative to my other reads and writes.
+  for (const TransferOp& op : plan.direct_recvs) peer_written.insert(dst_of.at(op.dst_name));
+  for (const TransferOp& op : plan.direct_sends) peer_read.insert(src_of.at(op.src_name));
+  written.insert(peer_written.begin(), peer_written.end());
+  read.insert(peer_read.begin(), peer_read.end());
+
+  // The boxes an op writes (on dst) or reads (on src): tensors that share memory are
+  // fine where no written box meets a read one (a relay gather reads a replica's own
+  // share of the tensor it writes the other shares of).
+  auto box_view = [&](const TensorRef& t, const std::vector<int64_t>& start, const std::vector<int64_t>& size) {
+    return View{addr(t, start), size, coord_strides(t), rx_dtype_size(t.dtype)};
+  };
+  auto boxes_meet = [&](const TensorRef& d, const TensorRef& s) {
+    if (d.mx_mode || s.mx_mode) return true;  // scale coordinates: no box-level answer, assume they meet
+    std::vector<View> w, r;
+    for (const auto* ops : {&plan.recvs, &plan.direct_recvs})
+      for (const TransferOp& op : *ops)
+        if (dst_of.at(op.dst_name) == &d) w.push_back(box_view(d, op.mine.start, op.mine.size));
+    for (const auto* ops : {&plan.sends, &plan.direct_sends})
+      for (const TransferOp& op : *ops)
+        if (src_of.at(op.src_name) == &s) r.push_back(box_view(s, op.mine.start, op.mine.size));
+    for (size_t i = 0; i < plan.copies.size(); ++i) {
+      const TransferOp& op = plan.copies[i];
+      if (identity[i]) continue;
+      if (dst_of.at(op.dst_name) == &d) w.push_back(box_view(d, op.mine.start, op.mine.size));
+      if (src_of.at(op.src_name) == &s) r.push_back(box_view(s, op.theirs.start, op.mine.size));
+    }
+    std::vector<const View*> all;
+    for (const View& v : w) all.push_back(&v);
+    for (const View& v : r) all.push_back(&v);
+    for (const auto& [a, b] : overlapping_pairs(all))
+      if (a < w.size() && b >= w.size()) return true;
+    return false;
+  };
+
+  std::vector<const View*> ptrs;
+  for (const View& v : views) ptrs.push_back(&v);
+  const size_t nd = dst.size();
+  const int32_t batches = static_cast<int32_t>(plan.batches.size());
+  for (const auto& [i, j] : overlapping_pairs(ptrs)) {
+    if (j < nd) {
+      throw ReshardError(detail::format("dst tensors '", dst[i].name, "' and '", dst[j].name, "' on rank ", plan.rank,
+                                        " share memory; every destination piece needs memory of its own"));
+    }
+    if (i >= nd) continue;  // two sources: reads only
+    const TensorRef& d = dst[i];
+    const TensorRef& s = src[j - nd];
+    if (!written.count(&d) || !read.count(&s) || !boxes_meet(d, s)) continue;
+    RX_USER_CHECK(!peer_written.count(&d) && !peer_read.count(&s), "dst tensor '", d.name, "' and src tensor '",
+                  s.name, "' on rank ", plan.rank, " share memory and peers access them directly (direct backend): "
+                  "writes could land before reads. Pass separate tensors");
+    RX_USER_CHECK(batches <= 1, "dst tensor '", d.name, "' and src tensor '", s.name, "' on rank ", plan.rank,
+                  " share memory and the plan has ", batches, " batches: one batch would overwrite source bytes that "
+                  "a later one still sends. Pass separate tensors, or a max_batch_bytes that keeps the plan in one batch");
+    RX_USER_CHECK(!(copy_written.count(&d) && copy_read.count(&s)), "dst tensor '", d.name, "' and src tensor '",
+                  s.name, "' on rank ", plan.rank, " share memory and same-rank copies write the one and read the "
+                  "other: the result would depend on their order. Pass separate tensors");
+    out.dst.insert(dst_used[i]);
+    out.src.insert(src_used[j - nd]);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
   RX_USER_CHECK(parts >= 1, "copies_split: parts must be >= 1, got ", parts);
   auto bytes_of = [](const rx_box& b) {
     int64_t n = rx_dtype_size(b.dst_dtype);
-    for (int d = 0; d < b.ndim; ++d) n *= b.shape[d];
+    for (int d = 0; d < b.ndim; ++d) n = checked_mul(n, b.shape[d], "bytes of a copy");
     return n;
   };
   int64_t total = 0;
-  for (const rx_box& b : copies_) total += bytes_of(b);
+  for (const rx_box& b : copies_) total = checked_add(total, bytes_of(b), "bytes of the same-rank copies");
   std::vector<std::vector<rx_box>> out(parts);
   int64_t done = 0;
   for (const rx_box& b : copies_) {
@@ -219,6 +338,7 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   auto addr = [&](const TensorRef& t, const std::vector<int64_t>& start) {
     return element_addr(t, strides_of.at(&t), start);
   };
+  const Aliasing aliasing = check_memory(*plan_, src, dst, src_used_, dst_used_, src_of, dst_of, addr);
   // Offsets of each peer's region in each batch.
   const int32_t nb = num_batches();
   auto region_offsets = [&](bool send) {
@@ -269,10 +389,10 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (const TransferOp& op : plan_->sends) send_ops[op.batch].push_back(&op);
   for (const TransferOp& op : plan_->recvs) recv_ops[op.batch].push_back(&op);
   for (int32_t b = 0; b < nb; ++b) {
-    cut_messages(send_ops[b], pack_[b], pack_ops_[b], /*staging_is_dst=*/true, direct_bytes, send_msgs_[b],
-                 direct_sends_[b]);
-    cut_messages(recv_ops[b], unpack_[b], unpack_ops_[b], /*staging_is_dst=*/false, direct_bytes, recv_msgs_[b],
-                 direct_recvs_[b]);
+    cut_messages(send_ops[b], pack_[b], pack_ops_[b], /*staging_is_dst=*/true, direct_bytes, aliasing.src,
+                 send_msgs_[b], direct_sends_[b]);
+    cut_messages(recv_ops[b], unpack_[b], unpack_ops_[b], /*staging_is_dst=*/false, direct_bytes, aliasing.dst,
+                 recv_msgs_[b], direct_recvs_[b]);
   }
 
   for (const TransferOp& op : plan_->copies) {

@@ -4,8 +4,9 @@
 
 #include <cstdint>
 #include <memory>
-#include <utility>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/planner.h"
@@ -17,6 +18,8 @@ struct TensorRef {
   uint64_t ptr = 0;              // address of element 0
   std::vector<int64_t> strides;  // in elements
   int32_t dtype = -1;
+  std::vector<int64_t> shape;    // the piece's shape (coordinates); empty: not known, no memory checks
+  std::string name;              // for messages
   // MXFP8 fused into the boxes of this piece (rx_box.mode; 0: plain). Every box that
   // touches the piece gets the mode:
   //   RX_BOX_MX_DATA on a dst: ptr/strides/dtype are the E4M3 data buffer, a contiguous
@@ -86,6 +89,13 @@ class ExecTables {
   // mx_receivers: dst table index -> rounding of the tensors the receiver quantizes to
   // MXFP8 after they land (rx.MXFP8(where="receiver")): what verify digests of them
   // cover (see digest_of_op in exec_tables.cc).
+  // Memory rules (checked first, ReshardError naming the tensors): no dst piece has
+  // elements that share memory (stride 0) or shares memory with another dst piece; a
+  // dst piece may share memory with a src piece only with a single batch, where every
+  // read of the plan happens before its first write (such ops are then never direct
+  // messages), no same-rank copy writes what another one reads and no peer accesses
+  // either directly (direct backend). A copy from a piece to the very same memory is a
+  // no-op and dropped.
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
             const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
             int64_t direct_bytes = 0, const std::unordered_map<int32_t, int32_t>& mx_receivers = {});

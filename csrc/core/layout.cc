@@ -1,7 +1,7 @@
 #include "core/layout.h"
 
-
 #include "core/check.h"
+#include "core/checked.h"
 #include "kernels/api.h"
 
 namespace rx {
@@ -20,7 +20,7 @@ Mesh::Mesh(std::vector<int64_t> shape, std::vector<int32_t> ranks)
   int64_t n = 1;
   for (int64_t s : shape_) {
     if (s <= 0) error_ = "mesh dims must be positive";
-    n *= s;
+    if (__builtin_mul_overflow(n, s, &n)) error_ = "mesh shape overflows a 64-bit integer";
   }
   if (error_.empty() && n != static_cast<int64_t>(ranks_.size()))
     error_ = detail::format("mesh shape holds ", n, " ranks but ", ranks_.size(), " were given");
@@ -63,7 +63,7 @@ std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t len, int64_t parts
     int64_t sum = 0;
     for (int64_t b : blocks) {
       RX_USER_CHECK(b >= 0, "negative block size ", b);
-      sum += b;
+      sum = checked_add(sum, b, "sum of packed blocks");
     }
     RX_USER_CHECK(sum == len, "packed blocks sum to ", sum, " but dim ", p.shard_dim,
                   " has length ", len, " where this mesh dim splits it");
@@ -72,13 +72,14 @@ std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t len, int64_t parts
   int64_t offset = 0;
   for (int64_t b : blocks) {
     if (p.stride == 1) {
-      const int64_t chunk = (b + parts - 1) / parts;  // torch.chunk semantics
-      const int64_t lo = std::min(c * chunk, b), hi = std::min(lo + chunk, b);
+      const int64_t chunk = b / parts + (b % parts != 0);  // torch.chunk semantics
+      const int64_t lo = std::min(checked_mul(c, chunk, "shard offset"), b), hi = lo + std::min(chunk, b - lo);
       if (hi > lo) out.emplace_back(offset + lo, hi - lo);
     } else {
-      RX_USER_CHECK(b % (parts * p.stride) == 0, "strided shard of dim ", p.shard_dim, ": length ", b,
+      const int64_t period = checked_mul(parts, p.stride, "Shard stride times mesh size");
+      RX_USER_CHECK(b % period == 0, "strided shard of dim ", p.shard_dim, ": length ", b,
                     " is not divisible by parts*stride = ", parts, "*", p.stride);
-      const int64_t chunk = b / (parts * p.stride);
+      const int64_t chunk = b / period;
       for (int64_t j = 0; j < p.stride; ++j)
         if (chunk > 0) out.emplace_back(offset + (c + j * parts) * chunk, chunk);
     }
@@ -90,7 +91,12 @@ std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t len, int64_t parts
 Layout::Layout(std::vector<int64_t> shape, int32_t dtype, std::shared_ptr<const Mesh> mesh,
                std::vector<Placement> placements)
     : shape_(std::move(shape)), dtype_(dtype), mesh_(std::move(mesh)), placements_(std::move(placements)) {
-  for (int64_t s : shape_) numel_ *= s;
+  for (int64_t s : shape_) {
+    if (__builtin_mul_overflow(numel_, s, &numel_)) {
+      error_ = detail::format("number of elements of the shape overflows a 64-bit integer");
+      return;  // reported by rx.plan on every rank, like any invalid layout
+    }
+  }
   validate();
 }
 
@@ -123,11 +129,14 @@ void Layout::validate() {
   // Every class piece must be computable, and together they must tile the tensor
   // exactly once (this catches blocks/strides that disagree with the shape).
   try {
+    // Every byte of the tensor must be addressable: offsets and sizes of its boxes
+    // are then 64-bit safe everywhere downstream.
+    checked_mul(numel(), rx_dtype_size(dtype_), "bytes of the tensor");
     int64_t covered = 0;
     for (int64_t c = 0; c < num_classes_; ++c) {
       int64_t vol = 1;
-      for (const Runs& r : class_piece(c)) vol *= total_len(r);
-      covered += vol;
+      for (const Runs& r : class_piece(c)) vol = checked_mul(vol, total_len(r), "elements of a piece");
+      covered = checked_add(covered, vol, "elements of all pieces");
     }
     if (covered != numel())
       error_ = detail::format("the pieces cover ", covered, " elements of ", numel());

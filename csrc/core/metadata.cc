@@ -76,7 +76,7 @@ class Reader {
     return out;
   }
   uint32_t raw32() {
-    RX_HOST_ASSERT(p_ + sizeof(uint32_t) <= end_, "truncated metadata");
+    RX_HOST_ASSERT(sizeof(uint32_t) <= static_cast<size_t>(end_ - p_), "truncated metadata");
     uint32_t v;
     std::memcpy(&v, p_, sizeof(v));
     p_ += sizeof(v);

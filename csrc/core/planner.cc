@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/checked.h"
 #include "kernels/api.h"
 
 namespace rx {
@@ -15,9 +16,7 @@ namespace {
 
 constexpr int64_t kLastDimGrain = RX_BOX_MX_GROUP;
 constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
-constexpr int64_t kRegionAlign = 256;  // every peer region too
 
-int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ull;
@@ -226,7 +225,7 @@ void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<Tra
                      part.mine.size[d] = part.theirs.size[d] = n[d];
                    }
                    part.numel = numel;
-                   part.nbytes = numel * elem;
+                   part.nbytes = checked_mul(numel, elem, "bytes of a box");
                    out.push_back(std::move(part));
                  });
 }
@@ -361,12 +360,12 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       op.theirs.start[d] = mine_is_a ? s->b_local : s->a_local;
       op.mine.size[d] = s->len;
       op.global[d] = s->global;
-      op.numel *= s->len;
+      op.numel = checked_mul(op.numel, s->len, "elements of a box");
     }
     op.theirs.size = op.mine.size;
     op.wire_dtype = wire;
     op.dst_dtype = dst.layout(dst_name).dtype();
-    op.nbytes = op.numel * rx_dtype_size(wire);
+    op.nbytes = checked_mul(op.numel, rx_dtype_size(wire), "bytes of a box");
     return op;
   };
 
@@ -468,7 +467,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
 namespace {
 int64_t total_bytes(const std::vector<TransferOp>& ops) {
   int64_t n = 0;
-  for (const auto& op : ops) n += op.nbytes;
+  for (const auto& op : ops) n = checked_add(n, op.nbytes, "bytes of a rank's ops");
   return n;
 }
 }  // namespace
@@ -495,9 +494,56 @@ int32_t batch_at(int64_t at, int64_t total, int32_t k, bool taper) {
 int32_t RankPlan::wanted_batches() const {
   if (max_batch_bytes <= 0) return 1;
   const int64_t most = std::max(send_total(), recv_total());
-  const int64_t k = std::max<int64_t>(1, (most + max_batch_bytes - 1) / max_batch_bytes);
+  const int64_t k = std::max<int64_t>(1, most / max_batch_bytes + (most % max_batch_bytes != 0));
+  RX_USER_CHECK(k < kMaxBatches, "max_batch_bytes=", max_batch_bytes, " would cut the ", most,
+                " bytes of rank ", rank, " into more than ", kMaxBatches, " batches");
   // Tapered, k + 1 batches hold k full ones: two half batches at the ends.
   return static_cast<int32_t>(taper && k >= 2 ? k + 1 : k);
+}
+
+namespace {
+// Staging of `buffers` copies (1 with a single batch) of the largest send plus the
+// largest receive batch.
+int64_t staging_of(const std::vector<BatchLayout>& batches, int32_t buffers) {
+  int64_t send = 0, recv = 0;
+  for (const BatchLayout& b : batches) {
+    send = std::max(send, b.send_bytes);
+    recv = std::max(recv, b.recv_bytes);
+  }
+  return checked_mul(batches.size() > 1 ? buffers : 1, checked_add(send, recv, "staging bytes"), "staging bytes");
+}
+bool fits_with(const RankPlan& plan, int64_t k, int64_t limit, int32_t buffers) {
+  return staging_of(plan.batch_layouts(static_cast<int32_t>(k)), buffers) <= limit;
+}
+}  // namespace
+
+int64_t RankPlan::staging_bytes(int32_t buffers) const { return staging_of(batches, buffers); }
+
+uint64_t RankPlan::fitting_counts(int64_t limit, int32_t buffers, int32_t first) const {
+  RX_USER_CHECK(limit > 0 && buffers >= 1 && first >= 1, "fitting_counts: bad arguments");
+  uint64_t mask = 0;
+  for (int i = 0; i < 64 && first + i <= kMaxBatches; ++i)
+    if (fits_with(*this, first + i, limit, buffers)) mask |= uint64_t{1} << i;
+  return mask;
+}
+
+int32_t RankPlan::batches_within(int64_t limit, int32_t buffers) const {
+  RX_USER_CHECK(limit > 0 && buffers >= 1, "batches_within: limit ", limit, " and buffers ", buffers, " must be positive");
+  if (fits_with(*this, 1, limit, buffers)) return 1;
+  // Start from the ideal count (every batch exactly its share) and grow by a quarter:
+  // ops cut at batch boundaries and alignment make a batch up to about 1.5 shares. Stop
+  // once more batches stop helping: ops cannot be cut below a row (or a 32-element
+  // block), and every pair's first op lands in the first batch.
+  const int64_t total = checked_add(send_total(), recv_total(), "bytes of a rank");
+  int64_t k = std::max<int64_t>(2, checked_mul(total / limit + 1, buffers, "batches"));
+  int64_t best = INT64_MAX;
+  for (int stale = 0; stale < 6 && k <= kMaxBatches; k += std::max<int64_t>(1, k / 4)) {
+    const int64_t staging = staging_of(batch_layouts(static_cast<int32_t>(k)), buffers);
+    if (staging <= limit) return static_cast<int32_t>(k);
+    stale = staging < best ? 0 : stale + 1;
+    best = std::min(best, staging);
+  }
+  return 0;
 }
 
 namespace {
@@ -510,23 +556,25 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
   while (i < ops.size()) {
     size_t end = i;
     int64_t total = 0;
-    while (end < ops.size() && ops[end].peer == ops[i].peer) total += ops[end++].nbytes;
+    while (end < ops.size() && ops[end].peer == ops[i].peer)
+      total = checked_add(total, ops[end++].nbytes, "bytes exchanged with one peer");
     fn(i, end, total);
     i = end;
   }
 }
 
-// The cut of a pair's ops for k batches: pieces of at most half the share of the
-// pair's smallest batch (0: no cut), so no batch of the pair carries much more than its
-// share: a batch's transfer lasts as long as its busiest pair, and one unsplit op of a
-// few hundred MB (a vocab shard) made one batch of a 4-GPU refit take 6 ms where the
-// others took 1.6. Both ends of a pair hold the same op list and cut it the same way.
-// Never below `floor`: a pair of a few KB (norms) is not worth 4k boxes, and at 2,048
-// ranks with 90 batches such cuts made 250,000 boxes per rank.
-int64_t pair_limit(int64_t total, int32_t k, bool taper, int64_t floor) {
+// The cut of a pair's ops for k batches: pieces of at most 1 / (2 * fineness) of the
+// share of the pair's smallest batch (0: no cut), so no batch of the pair carries much
+// more than its share: a batch's transfer lasts as long as its busiest pair, and one
+// unsplit op of a few hundred MB (a vocab shard) made one batch of a 4-GPU refit take
+// 6 ms where the others took 1.6. Both ends of a pair hold the same op list and cut it
+// the same way. Never below `floor`: a pair of a few KB (norms) is not worth 4k boxes,
+// and at 2,048 ranks with 90 batches such cuts made 250,000 boxes per rank.
+int64_t pair_limit(int64_t total, int32_t k, bool taper, int64_t floor, int32_t fineness) {
   if (k <= 1) return 0;
-  const int64_t parts = taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k);
-  return std::max<int64_t>(std::max<int64_t>(1, floor), (total + parts - 1) / parts);
+  const int64_t parts =
+      fineness * (taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k));
+  return std::max<int64_t>(std::max<int64_t>(1, floor), total / parts + (total % parts != 0));
 }
 
 // The smallest cut of pair_limit: 1 MiB, or an eighth of max_batch_bytes where that is
@@ -535,12 +583,12 @@ int64_t min_cut(int64_t max_batch_bytes) {
   return max_batch_bytes > 0 ? std::min<int64_t>(int64_t{1} << 20, max_batch_bytes / 8) : 0;
 }
 
-void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper, int64_t floor) {
+void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper, int64_t floor, int32_t fineness) {
   if (k <= 1) return;
   std::vector<TransferOp> out;
   out.reserve(ops.size());
   for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
-    const int64_t limit = pair_limit(total, k, taper, floor);
+    const int64_t limit = pair_limit(total, k, taper, floor, fineness);
     for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
   });
   ops.swap(out);
@@ -550,12 +598,13 @@ void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper, int64_t 
 // pair's region of that batch's staging buffer.
 class PairPlacer {
  public:
-  PairPlacer(int64_t total, int32_t k, bool taper) : total_(total), k_(k), taper_(taper), fill_(k, 0) {}
+  PairPlacer(int64_t total, int32_t k, bool taper, int64_t region_align)
+      : total_(total), k_(k), taper_(taper), region_align_(region_align), fill_(k, 0) {}
   std::pair<int32_t, int64_t> place(int64_t nbytes) {
     const int32_t b = batch_at(running_, total_, k_, taper_);
-    running_ += nbytes;
-    const int64_t offset = align_up(fill_[b], kOpAlign);
-    fill_[b] = offset + nbytes;
+    running_ += nbytes;  // <= total, which did not overflow
+    const int64_t offset = checked_align_up(fill_[b], kOpAlign, "staging offset");
+    fill_[b] = checked_add(offset, nbytes, "staging bytes of a peer");
     return {b, offset};
   }
   // Appends the pair's region of each batch it uses to the batches' layouts.
@@ -564,9 +613,9 @@ class PairPlacer {
       if (fill_[b] == 0) continue;
       BatchLayout& bl = batches[b];
       int64_t& used = is_send ? bl.send_bytes : bl.recv_bytes;
-      const int64_t off = align_up(used, kRegionAlign);
+      const int64_t off = checked_align_up(used, region_align_, "staging offset");
       (is_send ? bl.sends : bl.recvs).push_back({peer, off, fill_[b]});
-      used = off + fill_[b];
+      used = checked_add(off, fill_[b], "staging bytes of a batch");
     }
   }
 
@@ -574,6 +623,7 @@ class PairPlacer {
   int64_t total_;
   int32_t k_;
   bool taper_;
+  int64_t region_align_;
   int64_t running_ = 0;
   std::vector<int64_t> fill_;
 };
@@ -582,16 +632,17 @@ class PairPlacer {
 
 void RankPlan::assign_batches(int32_t k) {
   RX_HOST_ASSERT(k >= 1, "need at least one batch");
+  RX_HOST_ASSERT(region_align >= kOpAlign && region_align % kOpAlign == 0, "bad region alignment ", region_align);
   batches.assign(k, BatchLayout{});
   digests.clear();
   send_digest = recv_digest = 0;
-  resplit_pairs(sends, k, taper, min_cut(max_batch_bytes));
-  resplit_pairs(recvs, k, taper, min_cut(max_batch_bytes));
+  resplit_pairs(sends, k, taper, min_cut(max_batch_bytes), fineness);
+  resplit_pairs(recvs, k, taper, min_cut(max_batch_bytes), fineness);
 
   auto side = [&](std::vector<TransferOp>& ops, bool is_send) {
     for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
       const int32_t peer = ops[i].peer;
-      PairPlacer placer(total, k, taper);
+      PairPlacer placer(total, k, taper, region_align);
       uint64_t h = 1469598103934665603ull;
       for (size_t o = i; o < end; ++o) {
         TransferOp& op = ops[o];
@@ -620,8 +671,8 @@ std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
   std::vector<int64_t> off, size;
   auto side = [&](const std::vector<TransferOp>& ops, bool is_send) {
     for_each_pair(ops, [&](size_t i, size_t end, int64_t total) {
-      PairPlacer placer(total, k, taper);
-      const int64_t limit = pair_limit(total, k, taper, min_cut(max_batch_bytes));
+      PairPlacer placer(total, k, taper, region_align);
+      const int64_t limit = pair_limit(total, k, taper, min_cut(max_batch_bytes), fineness);
       for (size_t o = i; o < end; ++o) {
         if (limit <= 0 || ops[o].nbytes <= limit) {
           placer.place(ops[o].nbytes);
@@ -632,7 +683,7 @@ std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
         off.assign(size.size(), 0);
         for_each_split(off, size, ops[o].numel, limit, elem,
                        [&](const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t numel) {
-                         placer.place(numel * elem);
+                         placer.place(checked_mul(numel, elem, "bytes of a box"));
                        });
       }
       placer.add_regions(out, ops[i].peer, is_send);

@@ -105,9 +105,30 @@ class RankPlan {
   // cannot overlap a transfer. Every rank must use the same setting (the digests differ
   // otherwise, and rx.plan reports it).
   bool taper = true;
+  // Alignment of each peer's region in a batch's staging buffer (256 keeps NCCL's
+  // transfers aligned on GPUs). Set before assign_batches, alike on every rank.
+  int64_t region_align = 256;
+  // A pair's ops are cut to at most 1 / (2 * fineness) of its share of a batch, so a
+  // batch overshoots its share by at most that much (the last op that starts in it).
+  // 1 by default; finer under a hard staging bound. Alike on every rank.
+  int32_t fineness = 1;
 
-  // How many batches this rank would need under max_batch_bytes (1 when unbounded).
+  // How many batches this rank would need under max_batch_bytes (1 when unbounded): a
+  // soft target per direction (each batch carries about that many bytes each way).
   int32_t wanted_batches() const;
+  // Bytes of staging this rank allocates with the current batches: `buffers` copies
+  // (the transport's pipelining depth, 1 with a single batch) of the largest send batch
+  // plus the largest receive batch, alignment included.
+  int64_t staging_bytes(int32_t buffers) const;
+  // The fewest batches found (searching upward from the byte totals) with which
+  // staging_bytes(buffers) <= limit: a hard bound. 0 when no count up to kMaxBatches
+  // fits (an op that cannot be cut small enough, or alignment alone exceeding `limit`).
+  int32_t batches_within(int64_t limit, int32_t buffers) const;
+  // Bit i set: first + i batches keep staging_bytes(buffers) <= limit (i < 64). Staging
+  // is not monotone in the batch count (batch boundaries cut ops differently), so ranks
+  // agree on a count every one of them fits.
+  uint64_t fitting_counts(int64_t limit, int32_t buffers, int32_t first) const;
+  static constexpr int32_t kMaxBatches = 1 << 20;
   // Splits every pair's ops into k batches (k is agreed globally: the max wanted),
   // assigns offsets, regions and digests.
   void assign_batches(int32_t k);

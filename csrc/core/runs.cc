@@ -3,12 +3,13 @@
 #include <algorithm>
 
 #include "core/check.h"
+#include "core/checked.h"
 
 namespace rx {
 
 int64_t total_len(const Runs& runs) {
   int64_t n = 0;
-  for (const Run& r : runs) n += r.len;
+  for (const Run& r : runs) n = checked_add(n, r.len, "length of a piece");
   return n;
 }
 

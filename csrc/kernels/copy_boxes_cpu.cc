@@ -49,8 +49,21 @@ bool digest_valid(const rx_box& b) {
 
 extern "C" int32_t rx_box_valid(const rx_box* b) {
   if (b->ndim < 1 || b->ndim > RX_MAX_DIMS) return 0;
-  for (int d = 0; d < b->ndim; ++d)
+  // Every byte count and offset the kernels and tilers compute from a box must fit 64
+  // bits: its element count times the widest element (8 bytes), and its extent on
+  // either side in bytes.
+  const __int128 kMax = INT64_MAX;
+  __int128 bytes = 8, src_span = 0, dst_span = 0;
+  for (int d = 0; d < b->ndim; ++d) {
     if (b->shape[d] < 0) return 0;
+    const __int128 n = b->shape[d];
+    const __int128 ss = b->src_stride[d] < 0 ? -static_cast<__int128>(b->src_stride[d]) : b->src_stride[d];
+    const __int128 ds = b->dst_stride[d] < 0 ? -static_cast<__int128>(b->dst_stride[d]) : b->dst_stride[d];
+    bytes *= n;
+    src_span += n * ss;
+    dst_span += n * ds;
+    if (bytes > kMax || src_span > kMax / 8 || dst_span > kMax / 8) return 0;
+  }
   if (b->mode < 0 || (b->mode >> 24) != 0) return 0;
   const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode), scales = RX_BOX_SCALES(b->mode);
   // Scale placement (api.h): only an MX_DATA box with a scale buffer has one.

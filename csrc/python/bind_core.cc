@@ -89,6 +89,8 @@ std::vector<TensorRef> refs_from_py(const py::list& l) {
     if (t.size() > 3) r.mx_mode = t[3].cast<int32_t>();
     if (t.size() > 4) r.mx_scale = t[4].cast<uint64_t>();
     if (t.size() > 5) r.mx_cols = t[5].cast<int64_t>();
+    if (t.size() > 6) r.shape = t[6].cast<std::vector<int64_t>>();
+    if (t.size() > 7) r.name = t[7].cast<std::string>();
     out.push_back(std::move(r));
   }
   return out;
@@ -165,7 +167,18 @@ void register_core(py::module_& m) {
       .def_readonly("send_digest", &RankPlan::send_digest)
       .def_readonly("recv_digest", &RankPlan::recv_digest)
       .def_readwrite("taper", &RankPlan::taper)
+      .def_readwrite("region_align", &RankPlan::region_align)
+      .def_readwrite("fineness", &RankPlan::fineness)
+      .def_property_readonly_static("max_batches", [](py::object) { return RankPlan::kMaxBatches; })
       .def("wanted_batches", &RankPlan::wanted_batches)
+      .def("staging_bytes", &RankPlan::staging_bytes, py::arg("buffers") = 1)
+      .def("batches_within", &RankPlan::batches_within, py::arg("limit"), py::arg("buffers") = 1,
+           py::call_guard<py::gil_scoped_release>(),
+           "The fewest batches found whose staging (buffers x (largest send + largest receive batch)) fits "
+           "`limit`; 0 when none does.")
+      .def("fitting_counts", &RankPlan::fitting_counts, py::arg("limit"), py::arg("buffers"), py::arg("first"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Bit i set: first + i batches fit `limit` (batches_within's rule), for i < 64.")
       .def("assign_batches", &RankPlan::assign_batches)
       .def_property_readonly("num_batches", [](const RankPlan& p) { return p.batches.size(); })
       .def("send_total", &RankPlan::send_total)
@@ -259,9 +272,10 @@ void register_core(py::module_& m) {
            },
            py::arg("src"), py::arg("dst"), py::arg("send_bufs"), py::arg("recv_bufs"), py::arg("direct_bytes") = 0,
            py::arg("mx_receivers") = std::unordered_map<int32_t, int32_t>{},
-           "src/dst: lists of (data_ptr, strides, dtype_code[, mx_mode, mx_scale_ptr, mx_cols]) aligned with "
-           "src_used/dst_used; mx_receivers: {dst table index: MXFP8 rounding} of the tensors the receiver "
-           "quantizes (verify digests cover the quantized bytes)")
+           "src/dst: lists of (data_ptr, strides, dtype_code[, mx_mode, mx_scale_ptr, mx_cols[, shape[, name]]]) "
+           "aligned with src_used/dst_used; mx_receivers: {dst table index: MXFP8 rounding} of the tensors the "
+           "receiver quantizes (verify digests cover the quantized bytes); raises ReshardError where pieces break "
+           "the memory rules")
       .def("whole_group_dsts", &ExecTables::whole_group_dsts, py::arg("src_dtypes"), py::arg("group"),
            "Positions in dst_used of the pieces whose every incoming box reads bfloat16 and keeps "
            "`group`-element blocks of the last dim whole (where a fused MX_DATA dst may bind).")

@@ -1,4 +1,5 @@
-"""CPU transport: C++ box kernels over host memory, gloo point-to-point."""
+"""CPU transport: C++ box kernels over host memory, gloo point-to-point on the group's
+private channel (transports/channel.py)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -6,8 +7,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..errors import ReshardError
 from ..options import Options
-from .p2p import P2PExchange
+from .channel import Session, channel_of, data_tag, exchange_headers
+from .p2p import message_ops
 
 
 class CpuTransport:
@@ -16,10 +19,13 @@ class CpuTransport:
         # the tensor when their box is contiguous: on the CPU every copy avoided is memory
         # bandwidth won, while a message costs little.
         self.direct_bytes = options.resolved_direct_bytes("cpu")
-        self.p2p = P2PExchange(group, options.resolved_timeout("gloo"))
+        self.channel = channel_of(group)
+        self.rank = self.channel.rank
         self.send_buf = torch.empty(0, dtype=torch.uint8)
         self.recv_buf = torch.empty(0, dtype=torch.uint8)
-        self._ops: list[list[Any]] = []
+        self._ops: list[list[tuple[str, int, torch.Tensor]]] = []
+        self.peers: list[int] = []
+        self.staging_bytes = 0
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
         # One staging pair, sized for the largest batch, reused by every execute.
@@ -27,34 +33,86 @@ class CpuTransport:
             self.send_buf = torch.empty(tables.send_buffer_bytes, dtype=torch.uint8)
         if self.recv_buf.numel() < tables.recv_buffer_bytes:
             self.recv_buf = torch.empty(tables.recv_buffer_bytes, dtype=torch.uint8)
+        self.staging_bytes = tables.send_buffer_bytes + tables.recv_buffer_bytes
         return [self.send_buf.data_ptr()], [self.recv_buf.data_ptr()]
 
     def prepare(self, tables: Any) -> None:
         bufs = [self.send_buf, self.recv_buf]
-        self._ops = [self.p2p.views(tables.messages(b), bufs) for b in range(tables.num_batches)]
+        self._ops = [message_ops(tables.messages(b), bufs) for b in range(tables.num_batches)]
+        self.peers = sorted({peer for ops in self._ops for _, peer, _ in ops})
 
-    def run(self, tables: Any, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    def abort(self) -> None:
+        """Nothing to stop here: the caller's wait polls the session's abort flag."""
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        return any(t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in (self.send_buf, self.recv_buf))
+
+    def run(self, tables: Any, session: Session, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """verify: also returns the digests of every send and recv op (verification.py),
         computed by the pack and unpack kernels as they copy."""
         send, recv = (np.zeros(n, dtype=np.uint64) for n in tables.num_ops[:2])
-        if not self._ops:
+        digests = (send, recv) if verify else None
+        if not self.peers:  # idle, or only same-rank copies: nobody to agree with (the direct transport's may disagree)
+            if session.status != 0:
+                raise ReshardError(session.error)
+            if session.verdict is not None and session.verdict.bad:
+                raise ReshardError(session.verdict.message(self.rank) + "\n  (this rank wrote no destination)")
             tables.run_copies_cpu()
-        for b, ops in enumerate(self._ops):
+            return digests
+
+        def pack(b: int) -> None:
             if verify:
                 tables.run_pack_cpu_verified(b, send)
             else:
                 tables.run_pack_cpu(b)
-            reqs = self.p2p.start(ops)
-            if verify:  # direct messages have no pack: read their sources while gloo's threads send them
+
+        ch = self.channel
+        ok = session.status == 0
+        if session.verdict is None:
+            ch.drain(session)
+            exchange_headers(ch, self.peers, session, tables.num_batches, (lambda: pack(0)) if ok else None)
+        elif ok:  # the direct transport exchanged the headers with every peer
+            pack(0)
+        verdict = session.verdict
+        good = set() if not ok else set(self.peers) - set(verdict.bad)
+        # A rank that cannot agree with every peer still moves the data of the pairs that
+        # agree (those peers complete), but writes none of its own destinations.
+        writes = ok and not verdict.bad
+        tag = data_tag(session.plan_id, session.seq)
+        failed: dict[int, str] = {}
+        wrote = False
+        for b, ops in enumerate(self._ops):
+            if not good:
+                break
+            if b > 0:
+                pack(b)
+            use = [(kind, peer, t if writes or kind == "send" or self._staged(t) else torch.empty_like(t))
+                   for kind, peer, t in ops if peer in good]
+            task = ch.submit(lambda use=use: ch.exchange(use, tag, session))
+            if verify:  # direct messages have no pack: read their sources while the worker sends them
                 tables.digest_direct_sends_cpu(b, send)
-            if b == 0:
-                tables.run_copies_cpu()  # same-rank copies while gloo's threads move batch 0
-            self.p2p.finish(reqs, ops)
-            if verify:
-                tables.run_unpack_cpu_verified(b, recv)
-            else:
-                tables.run_unpack_cpu(b)
-        return (send, recv) if verify else None
+            if b == 0 and writes:
+                tables.run_copies_cpu()  # same-rank copies while the worker moves batch 0
+                wrote = True
+            errors = ch.wait(task, session, f"moving batch {b} of {len(self._ops)}")
+            if errors:
+                failed.update(errors)
+                good -= set(errors)
+                writes = False
+            if writes:
+                if verify:
+                    tables.run_unpack_cpu_verified(b, recv)
+                else:
+                    tables.run_unpack_cpu(b)
+                wrote = True
+        for peer, why in failed.items():
+            verdict.bad[peer] = f"the transfer failed ({why})"
+        if session.status != 0:
+            raise ReshardError(session.error)
+        if verdict.bad:
+            raise ReshardError(verdict.message(self.rank) + ("\n  (this rank's destinations are partly written)"
+                                                             if wrote else "\n  (this rank wrote no destination)"))
+        return digests
 
     def read_digests(self, tables: Any) -> tuple[np.ndarray, ...]:
         """rx.verify: (send, recv, copy source, copy destination) digests per op, read

@@ -12,6 +12,7 @@ import torch
 from .. import _C
 from ..errors import ReshardError
 from ..options import Options, set_process_env_default
+from .channel import Session, channel_of, exchange_headers
 from .p2p import P2PExchange
 
 _ALIGN = 256
@@ -142,6 +143,10 @@ def make_cuda_transport(backend: str, group: Any, options: Options, register: bo
     return CudaTransport(group, None, options)
 
 
+def _staged(ptr: int, buffers: list[torch.Tensor]) -> bool:
+    return any(b.data_ptr() <= ptr < b.data_ptr() + b.numel() for b in buffers)
+
+
 class CudaTransport:
     """Per batch: pack (one launch) -> exchange (one send/recv per peer) -> unpack (one
     launch, cast fused). With the NCCL communicator the exchange of batch k runs on a
@@ -149,6 +154,13 @@ class CudaTransport:
     staging); the caller's stream waits for the last transfer before its unpack."""
 
     def __init__(self, group: Any, comm: Optional[Any], options: Options, register: bool = False):
+        self.group = group
+        # Execute headers travel on the group's host channel, so that ranks agree on the
+        # plan before any NCCL call (a mismatched NCCL send/recv cannot be taken back).
+        self.channel = channel_of(group)
+        self.peers: list[int] = []
+        self.staging_bytes = 0
+        self.nccl_timeout = options.resolved_timeout("nccl")
         self.comm = comm
         self.trace = options.resolved_trace()
         self.split_copies = options.resolved_split_copies()
@@ -177,6 +189,7 @@ class CudaTransport:
         dev = torch.cuda.current_device()
         self.send = [torch.empty(max(1, tables.send_buffer_bytes), dtype=torch.uint8, device=dev) for _ in range(nbuf)]
         self.recv = [torch.empty(max(1, tables.recv_buffer_bytes), dtype=torch.uint8, device=dev) for _ in range(nbuf)]
+        self.staging_bytes = nbuf * (tables.send_buffer_bytes + tables.recv_buffer_bytes)
         return [t.data_ptr() for t in self.send], [t.data_ptr() for t in self.recv]
 
     def prepare(self, tables: Any) -> None:
@@ -201,6 +214,7 @@ class CudaTransport:
                                           self.max_blocks_override)
         self._copy, self._pack, self._unpack = host[:nc], host[nc : nc + nb], host[nc + nb :]
         self._messages = [tables.messages(b) for b in range(nb)]
+        self.peers = sorted({peer for sends, recvs in self._messages for peer, _, _ in sends + recvs})
         if self.register:
             self._register()
         if self.p2p is not None:
@@ -249,7 +263,39 @@ class CudaTransport:
             self._verify = _Digests(parts)
         return self._verify
 
-    def run(self, tables: Any, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    def abort(self) -> None:
+        """Stops this rank's NCCL work at once (plan.abort(), from any thread): the
+        communicator is aborted, and the next execute builds a new one."""
+        if self.comm is not None:
+            self.comm.abort()
+
+    def _agree(self, tables: Any, session: Session, pack0: Any) -> tuple[set[int], bool]:
+        """The header exchange (unless the caller made it: the direct transport); (peers to
+        move data with, whether this rank writes its destinations). Rebuilds the NCCL
+        communicator where an end of a pair needs it."""
+        from .. import _nccl
+
+        if session.verdict is None:
+            self.channel.drain(session)
+            if self.comm is not None:
+                session.epoch = _nccl.epoch(self.group)
+                session.comm_unusable = not self.comm.usable
+            ok = session.status == 0
+            exchange_headers(self.channel, self.peers, session, tables.num_batches, pack0 if ok else None)
+        elif session.status == 0:
+            pack0()
+        verdict = session.verdict
+        if self.comm is not None and (verdict.rebuild or session.comm_unusable):
+            # Collective over the group: every rank whose communicator failed, and every
+            # rank a peer of which says so, builds the next one together.
+            self.comm = _nccl.communicator(self.group, self.nccl_timeout, fresh=True)
+            if self.register:
+                self._register()
+        ok = session.status == 0
+        good = set(self.peers) - set(verdict.bad) if ok else set()
+        return good, ok and not verdict.bad
+
+    def run(self, tables: Any, session: Session, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """verify: the pack and unpack launches also digest every op (one more launch per
         batch for the ops that travel as direct messages); returns (send, recv) digests."""
         main = torch.cuda.current_stream()
@@ -275,40 +321,98 @@ class CudaTransport:
             self._unpack[b].launch(s, cap, *v.args(4 * b + 2, _C.PASS_COPY))
             v.tables[4 * b + 3].launch(s, cap, *v.args(4 * b + 3, _C.PASS_DST))
 
-        if self.comm is None or not self._moves:  # torch p2p, or only same-rank copies
+        if not self.peers:  # only same-rank copies: nobody to agree with (the direct transport's may disagree)
+            self._raise(session)
             for i, c in enumerate(self._copy):
                 step("copy", i, main, lambda c=c: c.launch(s))
-            for b in range(k if self.p2p is not None else 0):  # torch.distributed p2p: no overlap
-                step("pack", b, main, lambda b=b: pack(b))
-                self.p2p.run(self._p2p_ops[b])
-                step("unpack", b, main, lambda b=b: unpack(b))
             return self._finish(timeline, tables, v)
+        if self.comm is None:  # torch.distributed p2p: no overlap
+            good, writes = self._agree(tables, session, lambda: step("pack", 0, main, lambda: pack(0)))
+            group_of = {self.p2p.global_rank(p) for p in good}
+            if writes:
+                for i, c in enumerate(self._copy):  # after the first pack: it may read what they write
+                    step("copy", i, main, lambda c=c: c.launch(s))
+            for b in range(k if good else 0):
+                if b > 0:
+                    step("pack", b, main, lambda b=b: pack(b))
+                if session.abort.is_set():
+                    raise ReshardError("rx.execute was aborted (plan.abort()) between batches")
+                self.p2p.run([op for op in self._p2p_ops[b] if op.peer in group_of], session.timeout)
+                if writes:
+                    step("unpack", b, main, lambda b=b: unpack(b))
+            result = self._finish(timeline, tables, v)
+            self._raise(session)
+            return result
         side = self.side
         cap = self.max_blocks
         done: list[torch.cuda.Event] = []
+        scratch: list[torch.Tensor] = []
+        good, writes = self._agree(tables, session, lambda: step("pack", 0, main, lambda: pack(0, cap)))
+        comm = self.comm
+
+        def messages(b: int) -> tuple[list, list]:
+            sends, recvs = self._messages[b]
+            if good == set(self.peers) and writes:
+                return sends, recvs
+            # Degraded: data still flows with the peers that agreed (they complete), but
+            # what arrives for this rank lands in scratch memory, not in its tensors.
+            staging = self.recv
+
+            def land(ptr: int, n: int) -> int:
+                if _staged(ptr, staging):
+                    return ptr
+                scratch.append(torch.empty(n, dtype=torch.uint8, device=main.device))
+                return scratch[-1].data_ptr()
+
+            return ([m for m in sends if m[0] in good],
+                    [(p, land(ptr, n), n) for p, ptr, n in recvs if p in good])
 
         def post(b: int) -> None:
-            step("pack", b, main, lambda: pack(b, cap))
+            if b > 0:
+                step("pack", b, main, lambda: pack(b, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
-            sends, recvs = self._messages[b]
-            step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
+            sends, recvs = messages(b)
+            step("transfer", b, side, lambda: comm.exchange(sends, recvs, side.cuda_stream, 0))
             done.append(side.record_event())
 
-        post(0)
-        for b in range(k):
-            if b + 1 < k:
-                post(b + 1)  # overlaps the transfer of b
-            # This batch's slice of the same-rank copies runs under transfer b, after the
-            # pack of b + 1 so that it never holds back the next transfer; one big copy up
-            # front would leave the link idle.
-            if b < len(self._copy):
-                step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
-            main.wait_event(done[b])
-            step("unpack", b, main, lambda b=b: unpack(b, cap))
-        # A dead peer or a lost message raises here (bounded by the communicator's
-        # timeout, rx.Options.timeout) instead of hanging the next sync.
-        self.comm.wait(self.comm.timeout)
-        return self._finish(timeline, tables, v)
+        saved = comm.timeout
+        comm.timeout = session.timeout  # bounds the posting waits of this execute
+        try:
+            if good:
+                post(0)
+                for b in range(k):
+                    if b + 1 < k:
+                        post(b + 1)  # overlaps the transfer of b
+                    # This batch's slice of the same-rank copies runs under transfer b, after the
+                    # pack of b + 1 so that it never holds back the next transfer; one big copy up
+                    # front would leave the link idle.
+                    if writes and b < len(self._copy):
+                        step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
+                    main.wait_event(done[b])
+                    if writes:
+                        step("unpack", b, main, lambda b=b: unpack(b, cap))
+                # A dead peer or a lost message raises here (bounded by the execute's
+                # timeout) instead of hanging the next sync.
+                comm.wait(session.timeout)
+        except ReshardError as e:
+            if session.abort.is_set():
+                raise ReshardError("rx.execute was aborted (plan.abort()) during the NCCL transfers; "
+                                   "the communicator is rebuilt by the next execute") from e
+            raise
+        finally:
+            if comm.usable:
+                comm.timeout = saved
+        if scratch:
+            main.synchronize()  # the scratch buffers must outlive the transfers into them
+        result = self._finish(timeline, tables, v)
+        self._raise(session)
+        return result
+
+    def _raise(self, session: Session) -> None:
+        if session.status != 0:
+            raise ReshardError(session.error)
+        if session.verdict is not None and session.verdict.bad:
+            raise ReshardError(session.verdict.message(self.channel.rank) + "\n  (this rank wrote no destination)")
 
     def read_digests(self, tables: Any) -> tuple[np.ndarray, ...]:
         """rx.verify: one launch per side reads every op's source (what it would send) and

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import ReshardError
 from ..options import Options
+from .channel import Session, channel_of, exchange_headers
 
 _log = logging.getLogger("reshard_ext")
 
@@ -179,6 +180,10 @@ class DirectTransport:
         self._table: torch.Tensor | None = None
         self.staging_bytes = 0  # of the NCCL pairs' batches (none when every pair is direct)
         self.direct_bytes = 0  # Transport protocol; the inner transport's cut is used
+        # Execute headers go to every peer, direct or NCCL, on the group's host channel.
+        self.channel = channel_of(group)
+        self.peers: list[int] = []
+        self._broken = ""  # why the direct part cannot run again (a failed or aborted execute)
 
     # --- plan time ----------------------------------------------------------------------
     def _info(self) -> RankInfo:
@@ -344,7 +349,9 @@ class DirectTransport:
         receivers = sorted({p for p, _, _ in pieces})
         senders = sorted({p for p, _ in tables.direct_recv_pieces()})
         self.nccl_peers = sorted({op[1] for op in split.sends()} | {op[1] for op in split.recvs()})
-        self.staging_bytes = tables.send_buffer_bytes + tables.recv_buffer_bytes  # per staging buffer set
+        self.staging_bytes = self.inner.staging_bytes  # of the NCCL pairs, every pipelined copy
+        self.peers = sorted(set(receivers) | set(senders) | set(self.inner.peers))
+        self._broken = ""
         self.exec, self._table = None, None
         if receivers or senders:
             self.exec, self._table = self.device.executor(self.signals, boxes, self.engine_bytes, receivers, senders,
@@ -361,17 +368,43 @@ class DirectTransport:
         return f"direct with ranks {d or 'none'}; {via} with ranks {n or 'none'}"
 
     # --- every execute ------------------------------------------------------------------
-    def run(self, tables: Any, verify: bool = False) -> Any:
+    def abort(self) -> None:
+        """plan.abort(): stops the NCCL part at once; a direct wait in progress gives up
+        within the direct timeout (its signal protocol has no cancel)."""
+        if self.inner is not None:
+            self.inner.abort()
+
+    def run(self, tables: Any, session: Session, verify: bool = False) -> Any:
         if verify and self.exec is not None:
             # every rank passes verify alike (it is an argument of the collective execute)
             raise ReshardError("rx.execute(verify=True) is not supported yet where pairs write straight into "
                                "their peers (backend 'direct'); use backend='nccl' to verify")
+        # Headers with every peer first (the inner transport reuses the verdict): the
+        # direct writes land in the peers' tensors, so every pair must agree before them.
+        self.channel.drain(session)
+        if getattr(self.inner, "comm", None) is not None:
+            from .. import _nccl
+
+            session.epoch = _nccl.epoch(self.group)
+            session.comm_unusable = not self.inner.comm.usable
+        if self._broken and session.status == 0:
+            session.status, session.error = 1, self._broken
+        exchange_headers(self.channel, self.peers, session, tables.num_batches)
+        if self.exec is None or session.status != 0 or session.verdict.bad:
+            return self.inner.run(tables, session, verify)  # raises where headers disagree
+        if session.abort.is_set():
+            raise ReshardError("rx.execute was aborted (plan.abort()) before the direct writes")
         stream = self.device.stream()
-        if self.exec is not None:
+        try:
             self.exec.begin(stream)
-        digests = self.inner.run(tables, verify)
-        if self.exec is not None:
+            digests = self.inner.run(tables, session, verify)
             self.exec.end(stream)
+        except ReshardError as e:
+            # The ranks of a direct pair no longer agree on its sequence: rebinding
+            # (plan.rebind, collective) builds a new one.
+            self._broken = (f"rank {self.rank}: the direct transport failed in an earlier execute ({e}); call "
+                            f"plan.rebind() on every rank to rebuild it")
+            raise
         return digests
 
     def read_digests(self, tables: Any) -> tuple:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,13 @@ def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tenso
         if base <= ptr and ptr + nbytes <= base + buf.numel():
             return buf[ptr - base : ptr - base + nbytes]
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+def message_ops(messages: tuple[list, list], buffers: list[torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
+    """(kind, peer, byte view) of a batch's (peer, ptr, bytes) messages, in posting order."""
+    sends, recvs = messages
+    return [("send", peer, byte_view(ptr, n, buffers)) for peer, ptr, n in sends] + \
+        [("recv", peer, byte_view(ptr, n, buffers)) for peer, ptr, n in recvs]
 
 
 class P2PExchange:
@@ -52,18 +59,19 @@ class P2PExchange:
         """Posts every message; returns the requests to wait on."""
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def finish(self, reqs: list[Any], ops: list[Any]) -> None:
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+    def finish(self, reqs: list[Any], ops: list[Any], timeout_s: Optional[float] = None) -> None:
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        timeout = datetime.timedelta(seconds=limit)
         for req in reqs:
             try:
                 req.wait(timeout)
             except RuntimeError as e:
                 peers = sorted({op.peer for op in ops})
                 raise ReshardError(
-                    f"refit transfer with ranks {peers} (global) did not complete within {self.timeout_s:g} s "
-                    f"(rx.Options.timeout, default RESHARD_EXT_P2P_TIMEOUT): a peer died, skipped rx.execute, or runs another plan. "
-                    f"The process group may be unusable now. ({e})"
+                    f"refit transfer with ranks {peers} (global) did not complete within {limit:g} s "
+                    f"(rx.execute(timeout=...), rx.Options.timeout, default RESHARD_EXT_P2P_TIMEOUT): a peer died, "
+                    f"skipped rx.execute, or runs another plan. The process group may be unusable now. ({e})"
                 ) from e
 
-    def run(self, ops: list[Any]) -> None:
-        self.finish(self.start(ops), ops)
+    def run(self, ops: list[Any], timeout_s: Optional[float] = None) -> None:
+        self.finish(self.start(ops), ops, timeout_s)

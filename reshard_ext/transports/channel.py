@@ -1,0 +1,322 @@
+"""The private host channel of a process group: execute headers, and the CPU
+transport's data, over gloo contexts of reshard_ext's own.
+
+Why not the caller's group: a point-to-point wait that times out in gloo closes that
+pair's connection for good, and gloo cannot cancel a posted message. Over the caller's
+group one dead or late peer would break it for every later use; here it only costs a
+fresh connection for that pair.
+
+- Connections are per pair and lazy (TORCH_GLOO_LAZY_INIT): a pair (a, b) talks over
+  generation g, a gloo context whose store keys are its own. When either end's wait on
+  the pair fails (a timeout closes it; the other end then sees "connection closed",
+  now or at its next message), each end moves that pair to generation g + 1 exactly
+  once, so both ends meet again on a clean connection, without any other rank.
+- Every message is posted and waited for on one worker thread per channel, with the
+  execute's deadline as gloo's timeout: a lazy connection may block while the peer has
+  not arrived, and the calling thread must stay free to honour plan.abort(). A new
+  execute first waits until the worker has finished everything earlier, so an aborted
+  execute's messages complete or time out (closing their pairs) before new ones go out
+  on the same connections.
+- One execute at a time per group in a process: a second thread is refused.
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ReshardError
+from ..options import env_default, scoped_external_env
+
+HEADER_TAG = 1
+_MAGIC = 0x52584844  # "RXHD"
+# Header fields (int64): what both ends of a pair must agree on before data moves.
+MAGIC, PLAN, SEQ, VERSION, FLAGS, STATUS, BATCHES, EPOCH = range(8)
+HAS_VERSION = 1  # FLAGS bit
+COMM_UNUSABLE = 2  # FLAGS bit: the sender's NCCL communicator needs a rebuild
+_POLL_S = 0.05  # how often a waiting caller looks at its abort flag
+
+
+def data_tag(plan_id: int, seq: int) -> int:
+    """The gloo tag of an execute's data messages: a message abandoned by an earlier
+    execute can never match a later one."""
+    return 2 + (plan_id * 0x9E3779B1 + seq) % (1 << 30)
+
+
+@dataclass
+class Session:
+    """One execute as the transports see it."""
+
+    plan_id: int
+    seq: int
+    version: int | None
+    status: int  # 0, or 1: this rank failed a local check and moves no data
+    deadline: float  # time.monotonic() by which every wait gives up
+    timeout: float  # seconds (messages)
+    abort: threading.Event
+    epoch: int = 0  # GPU: the NCCL communicator generation this rank runs
+    comm_unusable: bool = False
+    error: str = ""  # with status 1: this rank's own problem, raised after telling the peers
+    verdict: Verdict | None = None  # filled by exchange_headers
+
+    def header(self, batches: int) -> torch.Tensor:
+        flags = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
+        fields = [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch]
+        return torch.tensor(fields, dtype=torch.int64)
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class _Task:
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class Channel:
+    """See the module doc. One per set of group ranks in a process (`channel_of`)."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        key = "-".join(map(str, self.ranks)) if len(self.ranks) <= 16 else f"{hash(self.ranks) & 0xFFFFFFFF:x}"
+        self._prefix = f"reshard_ext/channel/{self.size}/{key}/"
+        self.store = dist.distributed_c10d._get_default_store()
+        self._contexts: dict[int, Any] = {}
+        self._gen: dict[int, int] = {}  # peer -> generation of our pair (worker thread only)
+        self._met: set[tuple[int, int]] = set()  # (peer, generation) whose other end exists
+        self._busy = threading.Lock()
+        self.owner: str | None = None  # the thread in an execute, for the refusal message
+        self._jobs: queue.Queue[_Task] = queue.Queue()
+        threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
+
+    # --- one execute at a time -------------------------------------------------------
+    def enter(self, what: str = "rx.execute") -> None:
+        if not self._busy.acquire(blocking=False):
+            raise ReshardError(
+                f"{what}: an execute on the process group of ranks {list(self.ranks)} is running in this process "
+                f"(thread {self.owner!r}); concurrent executes on one group are refused: run them one after "
+                f"another, or use separate process groups")
+        self.owner = threading.current_thread().name
+
+    def leave(self) -> None:
+        self.owner = None
+        self._busy.release()
+
+    # --- the worker --------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            task = self._jobs.get()
+            try:
+                task.result = task.fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                task.error = e
+            task.done.set()
+            self._jobs.task_done()
+
+    def submit(self, fn: Callable[[], Any]) -> _Task:
+        task = _Task(fn)
+        self._jobs.put(task)
+        return task
+
+    def wait(self, task: _Task, session: Session, what: str) -> Any:
+        """The task's result; ReshardError when aborted, or when the worker is still
+        busy a second past the deadline (a connection that cannot be made)."""
+        while not task.done.wait(_POLL_S):
+            if session.abort.is_set():
+                raise ReshardError(f"rx.execute was aborted (plan.abort()) while {what}")
+            if session.remaining() < -1.0:
+                raise ReshardError(f"rx.execute: {what} did not finish within {session.timeout:g} s")
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    def drain(self, session: Session) -> None:
+        """Waits until the worker has finished everything submitted before (an earlier,
+        abandoned execute's messages complete or time out)."""
+        if self._jobs.unfinished_tasks:
+            self.wait(self.submit(lambda: None), session, "waiting for an earlier execute's messages to finish")
+
+    # --- messages (worker thread) -------------------------------------------------------
+    def _context(self, gen: int) -> Any:
+        ctx = self._contexts.get(gen)
+        if ctx is None:
+            from torch._C._distributed_c10d import ProcessGroupGloo
+
+            # Lazy: a pair connects when it first talks, so a generation needs only the
+            # two ranks of the pair that moved to it. Read at construction only. Waits
+            # pass their own (the execute's) timeout; this one is gloo's default.
+            timeout = datetime.timedelta(seconds=float(env_default("RESHARD_EXT_P2P_TIMEOUT")))
+            with scoped_external_env("TORCH_GLOO_LAZY_INIT", "1"):
+                store = dist.PrefixStore(f"{self._prefix}g{gen}/", self.store)
+                ctx = ProcessGroupGloo(store, self.rank, self.size, timeout)
+            self.store.set(self._ready_key(gen, self.rank), "1")
+            self._contexts[gen] = ctx
+        return ctx
+
+    def _ready_key(self, gen: int, rank: int) -> str:
+        return f"{self._prefix}ready/g{gen}/{rank}"
+
+    def _ready(self, peer: int) -> bool:
+        """Whether the pair with `peer` can connect now: a lazy connection to a peer whose
+        context does not exist yet would fail on our side only, leaving the two ends to
+        disagree on the pair's state. So first contact waits for the peer's context."""
+        gen = self._gen.get(peer, 0)
+        if (peer, gen) in self._met:
+            return True
+        self._context(gen)
+        if not self.store.check([self._ready_key(gen, peer)]):
+            return False
+        self._met.add((peer, gen))
+        return True
+
+    def _closed(self, peer: int, gen: int) -> None:
+        """Our pair with `peer` at `gen` failed after connecting: gloo closed it, which
+        its other end sees too, so both ends move to gen + 1 (once)."""
+        if self._gen.get(peer, 0) == gen:
+            self._gen[peer] = gen + 1
+
+    def exchange(self, ops: list[tuple[str, int, torch.Tensor]], tag: int, session: Session,
+                 retry_closed: bool = False) -> dict[int, str]:
+        """Posts every (kind, peer, tensor) op and waits for all of them until the
+        session's deadline; returns {peer: error} for the pairs that failed. With
+        retry_closed, a pair that its peer had already closed (it failed at some earlier
+        point; we find out now) is tried again on its next generation while time remains."""
+        by_peer: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for kind, peer, tensor in ops:
+            by_peer.setdefault(peer, []).append((kind, tensor))
+        errors: dict[int, str] = {}
+        todo = list(by_peer)
+        for _attempt in range(3 if retry_closed else 1):
+            posted = []
+            pause = 1e-3
+            while todo:  # post to every peer whose end of the pair exists; wait for the others
+                waiting = []
+                for peer in todo:
+                    if not self._ready(peer):
+                        waiting.append(peer)
+                        continue
+                    gen = self._gen.get(peer, 0)
+                    ctx = self._context(gen)
+                    for kind, tensor in by_peer[peer]:
+                        try:
+                            posted.append((peer, gen, (ctx.send if kind == "send" else ctx.recv)([tensor], peer, tag)))
+                        except RuntimeError as e:  # the pair is closed already
+                            posted.append((peer, gen, e))
+                todo = waiting
+                if todo and (session.remaining() <= 0 or session.abort.is_set()):
+                    for peer in todo:  # never contacted: the pair stays as it is
+                        errors[peer] = "it never joined (its end of the connection does not exist)"
+                    todo = []
+                elif todo:
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.05)
+            done: set[int] = set()
+            failed: dict[int, tuple[int, BaseException]] = {}
+            for peer, gen, work in posted:
+                if isinstance(work, BaseException):
+                    failed.setdefault(peer, (gen, work))
+                    continue
+                try:
+                    work.wait(datetime.timedelta(seconds=max(session.remaining(), 1e-3)))
+                    done.add(peer)
+                except RuntimeError as e:
+                    failed.setdefault(peer, (gen, e))
+            for peer, (gen, e) in failed.items():
+                self._closed(peer, gen)
+                message = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                # Failed at once, not by our own wait timing out: closed earlier by the peer.
+                if retry_closed and peer not in done and "Timed out" not in message and session.remaining() > 0:
+                    todo.append(peer)
+                else:
+                    errors[peer] = message
+            if not todo:
+                break
+        for peer in todo:
+            errors[peer] = "the connection kept closing"
+        return errors
+
+
+@dataclass
+class Verdict:
+    """What the header exchange of an execute found, pair by pair."""
+
+    bad: dict[int, str]  # peer -> why no data moves with it
+    seqs: dict[int, int]  # peer -> the execute number its header carried (same plan only)
+    rebuild: bool = False  # GPU: some peer's NCCL communicator needs a rebuild (or a newer one exists)
+    agreed: bool = False  # every peer's header matched (data failures later do not change it)
+
+    def message(self, rank: int) -> str:
+        lines = [f"rank {p}: {why}" for p, why in sorted(self.bad.items())]
+        return f"rx.execute on rank {rank}: no data moved with ranks {sorted(self.bad)}:\n  " + "\n  ".join(lines)
+
+
+def exchange_headers(channel: Channel, peers: list[int], session: Session, batches: int,
+                     before_wait: Callable[[], None] | None = None) -> Verdict:
+    """Every peer's header against ours; `before_wait` runs while the headers travel
+    (the first pack). Pairs are judged one by one, alike at both ends."""
+    mine = session.header(batches)
+    theirs = {p: torch.zeros(8, dtype=torch.int64) for p in peers}
+    ops = [("send", p, mine) for p in peers] + [("recv", p, theirs[p]) for p in peers]
+    task = channel.submit(lambda: channel.exchange(ops, HEADER_TAG, session, retry_closed=True))
+    if before_wait is not None:
+        before_wait()
+    errors = channel.wait(task, session, "exchanging execute headers")
+    verdict = Verdict({}, {})
+    for p in peers:
+        if p in errors:
+            verdict.bad[p] = (f"no header within {session.timeout:g} s: it did not call rx.execute for this plan, "
+                              f"stalled or died ({errors[p]})")
+            continue
+        h = theirs[p].tolist()
+        ours = mine.tolist()
+        why = ""
+        if h[MAGIC] != _MAGIC:
+            why = "sent something other than an execute header"
+        elif h[STATUS] != 0:
+            why = "failed a check of its own before moving data (see its error)"
+        elif h[PLAN] != session.plan_id:
+            why = "is executing another plan (ranks execute plans in different orders, or one skipped one)"
+        elif h[SEQ] != session.seq:
+            verdict.seqs[p] = h[SEQ]
+            why = (f"is at execute #{h[SEQ]} of this plan and this rank at #{session.seq}: an earlier execute ran on "
+                   f"one of them only (the next execute resynchronises)")
+        elif (h[FLAGS] & HAS_VERSION, h[VERSION]) != (ours[FLAGS] & HAS_VERSION, ours[VERSION]):
+            why = (f"executes version {h[VERSION] if h[FLAGS] & HAS_VERSION else None} and this rank version "
+                   f"{session.version}")
+        elif h[BATCHES] != batches:
+            why = f"has {h[BATCHES]} batches in this plan and this rank {batches}"
+        if h[MAGIC] == _MAGIC and (h[FLAGS] & COMM_UNUSABLE or h[EPOCH] != session.epoch):
+            verdict.rebuild = True
+        if why:
+            verdict.bad[p] = why
+    verdict.agreed = not verdict.bad
+    session.verdict = verdict
+    return verdict
+
+
+_CHANNELS: dict[tuple[int, ...], Channel] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def channel_of(group: Any) -> Channel:
+    """The channel of `group`'s ranks (created once per process, locally: no collective)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    with _CHANNELS_LOCK:
+        ch = _CHANNELS.get(ranks)
+        # A process group created again (destroy_process_group, init again) has a new store.
+        if ch is None or ch.store is not dist.distributed_c10d._get_default_store():
+            ch = _CHANNELS[ranks] = Channel(group)
+        return ch

@@ -1,0 +1,337 @@
+"""Executes that every rank can trust, on CPU/gloo: ranks agree on the plan they run
+(headers), one execute per group at a time, bound tensors that changed under the plan,
+versions, timeouts, abort, dead and stalled peers, and no memory growth."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _cases import bits_equal
+from _dist import close_pool, run_ranks
+
+import reshard_ext as rx
+from reshard_ext import Layout, Mesh, Shard
+
+F32 = torch.float32
+
+
+def _g(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _pair_plan(rank: int, world: int, rows: int = 8, seed: int = 0, cols: int = 4, device: str = "cpu", options=None):
+    """A plan in which every rank sends to and receives from every other one (rows to columns)."""
+    shape = (rows * world, cols * world)
+    src_l = Layout(shape, F32, Mesh(list(range(world))), [Shard(0)])
+    dst_l = Layout(shape, F32, Mesh(list(range(world))), [Shard(1)])
+    g = _g(shape, seed)
+    dst = torch.zeros(dst_l.local_shape(rank), device=device)
+    p = rx.plan({"w": (src_l.local_part(g, rank).to(device), src_l)}, {"w": (dst, dst_l)}, options=options)
+    return p, dst, dst_l.local_part(g, rank)
+
+
+def _same(out: torch.Tensor, want: torch.Tensor) -> bool:
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return bits_equal(out.cpu(), want)
+
+
+def _usable(world: int) -> bool:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == world
+
+
+def _try(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+        return None
+    except rx.ReshardError as e:
+        return str(e)
+
+
+# --- every rank runs the same plan -------------------------------------------------------
+
+def _two_orders(rank: int, world: int, same_sizes: bool):
+    a, out_a, want_a = _pair_plan(rank, world, seed=1)
+    b, out_b, want_b = _pair_plan(rank, world, rows=8 if same_sizes else 24, seed=2)
+    first, second = (a, b) if rank == 0 else (b, a)
+    errors = [_try(rx.execute, first), _try(rx.execute, second)]
+    untouched = not out_a.any() and not out_b.any()
+    rx.execute(a)  # in the same order now: both work
+    rx.execute(b)
+    return errors, untouched, bits_equal(out_a, want_a) and bits_equal(out_b, want_b), _usable(world)
+
+
+@pytest.mark.parametrize("same_sizes", [True, False])
+def test_plans_executed_in_different_orders_raise_on_every_rank(same_sizes):
+    for rank, (errors, untouched, ok, usable) in enumerate(run_ranks(2, _two_orders, same_sizes)):
+        for e in errors:
+            assert e is not None and "is executing another plan" in e, (rank, e)
+        assert untouched and ok and usable
+
+
+def _mismatch_three(rank: int, world: int):
+    """Ranks 0 and 1 execute plan a; rank 2 executes plan b. Every rank talks to every
+    other one in both plans."""
+    a, out_a, want_a = _pair_plan(rank, world, seed=1)
+    b, _, _ = _pair_plan(rank, world, seed=2)
+    error = _try(rx.execute, b if rank == 2 else a)
+    rx.execute(a)
+    return error, bits_equal(out_a, want_a)
+
+
+def test_a_rank_on_another_plan_makes_every_rank_it_talks_to_raise():
+    results = run_ranks(3, _mismatch_three)
+    for rank, (error, ok) in enumerate(results):
+        assert error is not None, rank
+        assert ok
+    assert "rank 2: is executing another plan" in results[0][0]
+    assert "rank 0: is executing another plan" in results[2][0] and "rank 1:" in results[2][0]
+
+
+def _versions(rank: int, world: int):
+    p, out, want = _pair_plan(rank, world)
+    before = p.version
+    rx.execute(p, version=5)
+    after = p.version
+    error = _try(rx.execute, p, version=6 if rank == 0 else 7)
+    after_mismatch = p.version
+    rx.execute(p, version=8)
+    return before, after, error, after_mismatch, p.version, bits_equal(out, want)
+
+
+def test_version_is_what_fully_landed():
+    for rank, (before, after, error, after_mismatch, last, ok) in enumerate(run_ranks(2, _versions)):
+        assert before is None and after == 5 and last == 8 and ok
+        assert error is not None and "version" in error, error
+        assert after_mismatch is None  # a failed execute leaves no version
+
+
+def _bad_version_one_rank(rank: int, world: int):
+    p, out, want = _pair_plan(rank, world)
+    error = _try(rx.execute, p, version="v1" if rank == 1 else 1)
+    rx.execute(p)
+    return error, bits_equal(out, want)
+
+
+def test_bad_execute_argument_on_one_rank_raises_on_every_rank():
+    results = run_ranks(2, _bad_version_one_rank)
+    assert "version must be None or a 64-bit integer" in results[1][0]
+    assert "rank 1: failed a check of its own" in results[0][0]
+    assert all(ok for _, ok in results)
+
+
+# --- one execute per group at a time ---------------------------------------------------------
+
+def _threads(rank: int, world: int):
+    p, out, want = _pair_plan(rank, world, seed=1)
+    q, _, _ = _pair_plan(rank, world, seed=2)
+    if rank == 1:
+        time.sleep(1.5)  # rank 0's first execute waits for this rank meanwhile
+        rx.execute(p)
+        return None, bits_equal(out, want)
+    errors: list = []
+    t = threading.Thread(target=lambda: errors.append(_try(rx.execute, p)))
+    t.start()
+    time.sleep(0.5)
+    second = _try(rx.execute, q)  # another thread, same group, while p is in flight
+    t.join()
+    return (errors[0], second), bits_equal(out, want)
+
+
+def test_concurrent_executes_on_one_group_are_refused():
+    (first, second), ok0 = run_ranks(2, _threads)[0]
+    assert first is None and ok0
+    assert second is not None and "concurrent executes on one group are refused" in second
+
+
+# --- bound tensors replaced or resized -------------------------------------------------------
+
+def _replaced(rank: int, world: int, how: str):
+    shape = (8 * world, 4)
+    src_l = Layout(shape, F32, Mesh(list(range(world))), [Shard(0)])
+    dst_l = Layout(shape, F32, Mesh(list(range(world))[::-1]), [Shard(0)])
+    g = _g(shape, 3)
+    param = torch.nn.Parameter(src_l.local_part(g, rank).clone(), requires_grad=False)
+    dst = torch.zeros(dst_l.local_shape(rank))
+    p = rx.plan({"w": (param, src_l)}, {"w": (dst, dst_l)})
+    if rank == 1:
+        if how == "data":
+            param.data = src_l.local_part(g, rank) * 2
+        elif how == "resize":
+            param.resize_(2, 2)
+        elif how == "grow":
+            param.resize_(64, 64)
+        elif how == "free_storage":  # as FSDP frees unsharded parameters
+            param.untyped_storage().resize_(0)
+    error = _try(rx.execute, p)
+    untouched = not dst.any()
+    if rank == 1:
+        param = torch.nn.Parameter(src_l.local_part(g, rank).clone(), requires_grad=False)
+    p.rebind(src={"w": (param, src_l)})
+    rx.execute(p)
+    return error, untouched, bits_equal(dst, dst_l.local_part(g, rank))
+
+
+@pytest.mark.parametrize("how", ["data", "resize", "grow", "free_storage"])
+def test_bound_tensor_replaced_or_resized_raises_before_data_moves(how):
+    results = run_ranks(2, _replaced, how)
+    assert "bound tensors were replaced or resized" in results[1][0] and "src tensor 'w'" in results[1][0]
+    assert "rank 1: failed a check of its own" in results[0][0]
+    for error, untouched, ok in results:
+        assert untouched and ok
+
+
+def _rebind_meta(rank: int, world: int):
+    p, out, want = _pair_plan(rank, world)
+    errors = [_try(p.rebind, dst={"w": (torch.empty(out.shape, device="meta"), p._layouts["dst"]["w"])}),
+              _try(p.rebind, dst={"w": (torch.zeros(1, 2, 3)[..., 0], p._layouts["dst"]["w"])}),
+              _try(p.rebind, dst=[out])]
+    rx.execute(p)  # the plan kept its tensors
+    return errors, bits_equal(out, want)
+
+
+def test_rebind_to_unusable_tensors_raises_and_keeps_the_plan():
+    for errors, ok in run_ranks(2, _rebind_meta):
+        assert "on device meta" in errors[0]
+        assert "local shape" in errors[1]
+        assert "expected a dict" in errors[2]
+        assert ok
+
+
+# --- timeouts, abort, dead and stalled peers ------------------------------------------------
+
+def _timeout_per_call(rank: int, world: int, device: str = "cpu"):
+    p, out, want = _pair_plan(rank, world, device=device)
+    if rank == 0:
+        t0 = time.monotonic()
+        error = _try(rx.execute, p, timeout=1.5)
+        elapsed = time.monotonic() - t0
+    else:
+        time.sleep(3)  # skips that execute
+        error, elapsed = None, 0.0
+    rx.execute(p, version=2)
+    return error, elapsed, p.version, _same(out, want)
+
+
+def test_execute_timeout_overrides_the_default():
+    # The environment default (600 s) would hang the test; timeout=1.5 raises in about that.
+    results = run_ranks(2, _timeout_per_call)
+    error, elapsed, _, _ = results[0]
+    assert error is not None and "no header within 1.5 s" in error, error
+    assert 1.0 < elapsed < 10
+    for _, _, version, ok in results:
+        assert version == 2 and ok
+
+
+def _abort(rank: int, world: int):
+    p, out, want = _pair_plan(rank, world, seed=4)
+    t0 = time.monotonic()
+    if rank == 0:
+        threading.Timer(0.5, p.abort).start()  # from another thread, while rank 1 is away
+        error = _try(rx.execute, p, timeout=3)
+    else:
+        time.sleep(1.0)
+        error = _try(rx.execute, p, timeout=3)  # its peer aborted: raises within the timeout
+    elapsed = time.monotonic() - t0
+    version = p.version
+    rx.execute(p, version=1)  # the same plan works again
+    return error, elapsed, version, p.version, bits_equal(out, want)
+
+
+def test_abort_stops_this_rank_promptly_and_the_plan_runs_again():
+    results = run_ranks(2, _abort)
+    error, elapsed, version, _, _ = results[0]
+    assert error is not None and "aborted" in error and elapsed < 2.0, (error, elapsed)
+    error, elapsed, _, _, _ = results[1]
+    assert error is not None and elapsed < 8, (error, elapsed)
+    for _, _, version, last, ok in results:
+        assert version is None and last == 1 and ok
+
+
+def test_abort_without_an_execute_is_a_no_op():
+    assert all(run_ranks(2, _abort_idle))
+
+
+def _abort_idle(rank: int, world: int):
+    p, out, want = _pair_plan(rank, world)
+    p.abort()
+    rx.execute(p)
+    return bits_equal(out, want)
+
+
+def _dies(rank: int, world: int):
+    p, _, _ = _pair_plan(rank, world)
+    rx.execute(p)
+    if rank == 1:
+        threading.Timer(0.5, os._exit, (0,)).start()  # dies after answering, before the next execute
+        return None, 0.0
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    error = _try(rx.execute, p, timeout=3)
+    return error, time.monotonic() - t0
+
+
+def test_peer_that_died_before_execute_raises_reshard_error():
+    error, elapsed = run_ranks(2, _dies)[0]
+    close_pool(2)
+    assert error is not None and "rank 1" in error, error
+    assert elapsed < 10
+
+
+def _stall_in_plan(rank: int, world: int):
+    if rank == 1:
+        time.sleep(4)
+    t0 = time.monotonic()
+    error = _try(_pair_plan, rank, world, options=rx.Options(timeout=2.0))
+    return error, time.monotonic() - t0
+
+
+def test_rank_stalling_in_plan_raises_after_the_reshard_timeout():
+    results = run_ranks(2, _stall_in_plan)
+    close_pool(2)  # a collective is left outstanding on the caller's group
+    error, elapsed = results[0]
+    assert error is not None and "within 2 s" in error and elapsed < 10, (error, elapsed)
+    assert results[1][0] is not None
+
+
+# --- no growth -------------------------------------------------------------------------------
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _churn(rank: int, world: int, n: int):
+    import gc
+
+    p, out, want = _pair_plan(rank, world, rows=64, seed=5)
+    for _ in range(50):  # warm up: allocator pools, channel connections
+        rx.execute(p)
+        _pair_plan(rank, world, rows=16, seed=6)
+    gc.collect()
+    base = _rss_mb()
+    ok = True
+    for i in range(n):
+        out.zero_()
+        rx.execute(p, version=i)
+        ok = ok and bits_equal(out, want)
+    mid = _rss_mb()
+    for _ in range(n):
+        q, o, w = _pair_plan(rank, world, rows=16, seed=6)
+        rx.execute(q)
+        ok = ok and bits_equal(o, w)
+        del q
+    gc.collect()
+    return base, mid, _rss_mb(), ok
+
+
+def test_thousand_executes_and_plans_do_not_grow_memory():
+    for base, mid, end, ok in run_ranks(2, _churn, 1000, timeout=300):
+        assert ok
+        assert mid - base < 8 and end - base < 16, (base, mid, end)
