@@ -110,6 +110,16 @@ def _auto_direct(group: Any, options: Options) -> bool:
     return all(votes)
 
 
+def rebind_errors(side: str, entries: Entries, planned: Mapping[str, Layout], rank: int) -> list[str]:
+    """What is wrong with `entries` as the new tensors of a plan's `side` (local checks)."""
+    if set(entries) != set(planned):
+        return [(f"rebind {side}: names differ from the plan's: missing {sorted(set(planned) - set(entries))[:5]}, "
+                 f"extra {sorted(set(entries) - set(planned))[:5]}")]
+    errors = [f"rebind {side} tensor '{name}': layout {layout!r} differs from the planned {planned[name]!r}"
+              for name, (_, layout) in entries.items() if layout != planned[name]]
+    return errors + _check_local(side, entries, rank)
+
+
 class Plan:
     """A planned refit bound to tensors. Built by `rx.plan`; run by `rx.execute`."""
 
@@ -199,18 +209,10 @@ class Plan:
             if given is None:
                 continue
             entries, steps = _rewrite(self.transform, side, given)
-            planned = self._layouts[side]
-            if set(entries) != set(planned):
-                errors.append(
-                    f"rebind {side}: names differ from the plan's: missing {sorted(set(planned) - set(entries))[:5]}, "
-                    f"extra {sorted(set(entries) - set(planned))[:5]}"
-                )
-                continue
-            for name, (_, layout) in entries.items():
-                if layout != planned[name]:
-                    errors.append(f"rebind {side} tensor '{name}': layout {layout!r} differs from the planned {planned[name]!r}")
-            errors += _check_local(side, entries, self.rank)
-            updates[side] = (entries, steps)
+            found = rebind_errors(side, entries, self._layouts[side], self.rank)
+            errors += found
+            if not found:
+                updates[side] = (entries, steps)
         if not errors:
             for side, (entries, steps) in updates.items():
                 self._entries[side], self._steps[side] = entries, steps
@@ -302,7 +304,7 @@ def plan(
 
     dims = relay.relayed_dims(agreement) if transform is None else {}
     if dims:
-        p = relay.plan_relayed(dims, src_w, dst_w, group, max_batch_bytes, options, bind)
+        p = relay.plan_relayed(agreement, dims, src_w, dst_w, group, max_batch_bytes, options, bind)
     else:
         p = bind(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps})
     if log.isEnabledFor(logging.INFO):
