@@ -2,26 +2,29 @@
 
 When a dst tensor's class (a distinct piece) has k replicas but fewer than k src ranks
 hold its data, every replica pulling from the sources makes a source send k copies. A
-relayed refit runs two ordinary collective plans instead:
+relayed refit moves each such tensor in two phases of ordinary collective plans:
 
 1. scatter: the src entries as given; each replica receives 1/k of its class piece,
    described by `scatter_layout` and bound as a view of its dst tensor (`share`);
-2. gather: src = those shares (the same views, now holding the bytes), dst = the
-   original dst tensors: each replica copies the shares it lacks from the other replicas
-   of its class. Its own share is a copy of memory onto itself, which the descriptor
-   tables drop (csrc/core/exec_tables.cc), so only the missing shares move.
+2. gather (forwarding): src = those shares (the same views, now holding the bytes),
+   dst = the original dst tensors: each replica copies the shares it lacks from the other
+   replicas of its class. Its own share is a copy of memory onto itself, which the
+   descriptor tables drop (csrc/core/exec_tables.cc), so only the missing shares move.
 
-A source then sends each byte about once: for 3 replicas of one source, 1 + 2/3 copies'
-time instead of 3. The C++ planner decides which tensors relay and along which dim
-(csrc/core/relay.h), from the global layouts, alike on every rank. Tensors that do not
-relay move in the scatter plan as usual. `rx.Options(relay=False)` turns it off.
+The phases are pipelined (`Staging`): the relayed tensors split into G groups by bytes
+(rx.Options.relay_stages), and stage plan s holds the scatter entries of group s beside
+the forwarding entries of group s - 1 (named `name#gather`), so the sources' sends and
+the replicas' forwards share the links. A source sends each byte about once: for 3
+replicas of one source, (G + 1) / G copies' time instead of 3. The C++ planner decides
+which tensors relay and along which dim (csrc/core/relay.h), from the global layouts,
+alike on every rank. Tensors that do not relay move in the last stage.
+`rx.Options(relay=False)` turns it off.
 
 Not done yet: a topology-aware two-level scheme (scatter to one replica group per node,
 then intra-node all-gather) for replicas spread over several nodes; the flat all-gather
 here sends (k - g)/k of a class piece into each replica over the network when g of its
 class's k replicas share its node. Relaying under a transform (rx.MXFP8): such plans
-stay direct. The two phases do not overlap (the gather starts when the scatter has
-landed) and each has its own staging buffers.
+stay direct. Each stage plan has its own staging buffers.
 """
 from __future__ import annotations
 

@@ -115,6 +115,7 @@ def _one_to_three(rank, world, device="cpu", backend="auto", stages=None):
         if rank in dl.mesh:
             dst_on[name] = (poison(dl.local_shape(rank), ddt, device), dl)
             dst_off[name] = (poison(dl.local_shape(rank), ddt, device), dl)
+    wrong = []
     on = rx.plan(src, dst_on, backend=backend, options=rx.Options(relay=True, relay_stages=stages))
     if stages:
         assert len(on.phases) == min(stages, 3) + 1  # G groups of the 3 relayed tensors, plus the last forwarding
@@ -131,13 +132,14 @@ def _one_to_three(rank, world, device="cpu", backend="auto", stages=None):
             torch.cuda.synchronize()
         for name, (t, dl) in dst_on.items():
             want = glob[name].to(dl.dtype)  # every replica holds the whole tensor
-            assert bits_equal(t.cpu(), want), (rank, step, name)
-            assert bits_equal(dst_off[name][0].cpu(), want), (rank, step, name)
+            # noted, not asserted here: a rank that stops early would leave rank 0 waiting
+            wrong += [(rank, step, name, key) for key, got in (("on", t), ("off", dst_off[name][0]))
+                      if not bits_equal(got.cpu(), want)]
         for i, name in enumerate(sorted(EGRESS)):  # an optimizer step, in place
             glob[name] = make_global(glob[name].shape, glob[name].dtype, seed=100 * step + i)
             if name in src:
                 src[name][0].copy_(glob[name])
-    return on.bytes_sent, off.bytes_sent
+    return on.bytes_sent, off.bytes_sent, wrong
 
 
 def _wire_bytes(shape, sdt, ddt):
@@ -145,7 +147,8 @@ def _wire_bytes(shape, sdt, ddt):
 
 
 def _check_egress(results):
-    on, off = results[0]
+    assert [w for *_, wrong in results for w in wrong] == []  # (rank, refit, tensor, relay) not bit for bit
+    on, off, _ = results[0]
     wire = {n: _wire_bytes(s, a, b) for n, (s, a, b, _) in EGRESS.items()}
     assert off == 3 * sum(wire.values())
     assert on == sum(wire[n] * (1 if relays else 3) for n, (*_, relays) in EGRESS.items())
