@@ -8,7 +8,7 @@ device-to-device copy, and the same refit done the way Megatron-Core does it (on
 batch_isend_irecv op per slice, slices made contiguous in Python) as a baseline.
 
     torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --backend nccl,direct [--verify]
-    torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3   (relay on vs off)
+    torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 [--relay-stages G]  (relay off / on)
 Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
 --backend takes one backend or a comma list (an A/B in one run, same tensors).
 --verify adds a column: the same refit with rx.execute(plan, verify=True) (digests in
@@ -127,38 +127,46 @@ RELAY_CASE = "relay-1to3"
 
 def _relay_bench(args: argparse.Namespace, rank: int, world: int) -> None:
     """Rank 0 holds the model (TP1), ranks 1-3 are three TP1 replicas: the same refit with
-    the relay on and off in one run (other ranks idle). Source egress should be about 1x
-    vs 3x the model bytes, and the time about (1 + 2/3) / 3 = 0.56x."""
+    the relay off, on in one stage (scatter, then forward) and on pipelined in stages
+    (--relay-stages, 0: auto), in one run on separate destinations (other ranks idle).
+    Source egress should be about 1x vs 3x the model bytes; the refit ends when the
+    slowest rank does, so the ratio compares the slowest ranks' times."""
     src_l = model_layouts(LLAMA3_8B, Parallel(tp=1))
     dst_l = model_layouts(LLAMA3_8B, Parallel(tp=1, dp=3, offset=1))
     src = _pieces(src_l, rank, random=True)
-    dst = {key: _pieces(dst_l, rank) for key in ("on", "off")}
+    opts = {"off": rx.Options(relay=False), "1 stage": rx.Options(relay=True, relay_stages=1),
+            "staged": rx.Options(relay=True, relay_stages=args.relay_stages)}
+    dst = {key: _pieces(dst_l, rank) for key in opts}
     batch = (args.max_batch_mb << 20) or None
-    plans = {key: rx.plan(src, dst[key], max_batch_bytes=batch, options=rx.Options(relay=key == "on"))
-             for key in ("on", "off")}
+    plans = {key: rx.plan(src, dst[key], max_batch_bytes=batch, options=o) for key, o in opts.items()}
     times = {key: _time(lambda p=p: rx.execute(p), args.iters) for key, p in plans.items()}
-    phases = getattr(plans["on"], "phases", ())
-    t_phases = [_time(p.execute, args.iters) for p in phases]
-    same = all(torch.equal(a.view(torch.uint8), dst["off"][n][0].view(torch.uint8)) for n, (a, _) in dst["on"].items())
-    row = (rank, plans["on"].bytes_sent, plans["off"].bytes_sent, plans["on"].bytes_received,
-           plans["off"].bytes_received, times["on"], times["off"], t_phases, same, plans["on"].relayed_tensors)
+    same = all(torch.equal(a.view(torch.uint8), dst["off"][n][0].view(torch.uint8))
+               for key in ("1 stage", "staged") for n, (a, _) in dst[key].items())
+    row = (rank, {k: p.bytes_sent for k, p in plans.items()}, {k: p.bytes_received for k, p in plans.items()},
+           times, same)
     rows: list = [None] * world
     dist.all_gather_object(rows, row)
     if rank != 0:
         return
     model_bytes = total_bytes(src_l)
+    staged = plans["staged"]
     print(f"\n== {RELAY_CASE}: {LLAMA3_8B.layers} layers, {len(src_l)} tensors ({model_bytes / 1e9:.2f} GB), "
-          f"{torch.cuda.get_device_name()} x{world}; {rows[0][-1]} tensors relayed")
-    print(f"{'rank':>4} {'sent GB on':>10} {'sent GB off':>11} {'recv GB on':>10} {'recv GB off':>11} "
-          f"{'relay ms':>9} {'direct ms':>9} {'ratio':>6} {'scatter ms':>10} {'gather ms':>9} {'on == off':>9}")
-    for r, s_on, s_off, r_on, r_off, t_on, t_off, tp, eq, _ in rows:
-        ph = f"{1e3 * tp[0]:10.2f} {1e3 * tp[1]:9.2f}" if tp else f"{'-':>10} {'-':>9}"
-        print(f"{r:4d} {s_on / 1e9:10.2f} {s_off / 1e9:11.2f} {r_on / 1e9:10.2f} {r_off / 1e9:11.2f} "
-              f"{1e3 * t_on:9.2f} {1e3 * t_off:9.2f} {t_on / t_off:6.3f} {ph} {str(eq):>9}")
-    src_on, src_off = rows[0][1], rows[0][2]
-    print(f"source egress: relay {src_on / model_bytes:.3f}x, direct {src_off / model_bytes:.3f}x the model bytes; "
-          f"refit time relay/direct = {rows[0][5] / rows[0][6]:.3f} (ideal (1 + 2/3) / 3 = 0.556); "
-          f"bit for bit on == off on every rank: {all(r[8] for r in rows)}")
+          f"{torch.cuda.get_device_name()} x{world}; {staged.relayed_tensors} tensors relayed, "
+          f"{len(getattr(staged, 'phases', ())) - 1} group(s) in {len(getattr(staged, 'phases', ()))} stages "
+          f"(--relay-stages {args.relay_stages or 'auto'})")
+    keys = list(opts)
+    print(f"{'rank':>4} " + " ".join(f"{'egress GB ' + k:>17}" for k in keys) + " "
+          + " ".join(f"{'ms ' + k:>10}" for k in keys) + f" {'staged/off':>10} {'bits == off':>11}")
+    for r, sent, _recv, t, eq in rows:
+        print(f"{r:4d} " + " ".join(f"{sent[k] / 1e9:17.2f}" for k in keys) + " "
+              + " ".join(f"{1e3 * t[k]:10.2f}" for k in keys) + f" {t['staged'] / t['off']:10.3f} {eq!s:>11}")
+    slowest = {k: max(r[3][k] for r in rows) for k in keys}
+    egress = {k: rows[0][1][k] / model_bytes for k in keys}
+    print("source egress / model bytes: " + ", ".join(f"{k} {egress[k]:.3f}x" for k in keys))
+    print("refit time (slowest rank): " + ", ".join(f"{k} {1e3 * slowest[k]:.2f} ms" for k in keys))
+    print(f"ratio relay/no-relay (slowest ranks): 1 stage {slowest['1 stage'] / slowest['off']:.3f}, "
+          f"staged {slowest['staged'] / slowest['off']:.3f} (must hold: <= 0.6; ideal 1 stage (1 + 2/3) / 3 = 0.556, "
+          f"G stages (G + 1) / 3G); bit for bit relay == no relay on every rank: {all(r[4] for r in rows)}")
 
 
 def main() -> None:
@@ -166,6 +174,8 @@ def main() -> None:
     ap.add_argument("--case", choices=sorted(CASES) + [RELAY_CASE], required=True)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-batch-mb", type=int, default=0)
+    ap.add_argument("--relay-stages", type=int, default=0, help=f"{RELAY_CASE}: rx.Options(relay_stages) of the "
+                    "staged relay (0: auto)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--backend", default="auto",
                     help="rx.plan backend, or a comma list timed one after the other on the same tensors "

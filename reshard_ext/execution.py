@@ -123,6 +123,25 @@ def _auto_direct(group: Any, options: Options) -> bool:
     return all(votes)
 
 
+def rebind_errors(side: str, entries: Entries, planned: Mapping[str, Layout], rank: int,
+                  device: Optional[str] = None) -> list[str]:
+    """What is wrong with `entries` as the new tensors of a plan's `side` (local checks)."""
+    local = _check_local(side, entries, rank)
+    if local:
+        return local
+    if set(entries) != set(planned):
+        return [(f"rebind {side}: names differ from the plan's: missing {sorted(set(planned) - set(entries))[:5]}, "
+                 f"extra {sorted(set(entries) - set(planned))[:5]}")]
+    errors = []
+    for name, (tensor, layout) in entries.items():
+        if layout != planned[name]:
+            errors.append(f"rebind {side} tensor '{name}': layout {layout!r} differs from the planned {planned[name]!r}")
+        if device is not None and tensor.device.type != device:
+            errors.append(f"rebind {side} tensor '{name}' on rank {rank}: on {tensor.device}, but the "
+                          f"plan moves {device} tensors")
+    return errors
+
+
 class Plan:
     """A planned refit bound to tensors. Built by `rx.plan`; run by `rx.execute`."""
 
@@ -240,23 +259,10 @@ class Plan:
             except Exception as e:  # noqa: BLE001 - a transform rejecting the new tensors
                 errors.append(f"rebind {side} on rank {self.rank}: {type(e).__name__}: {e}")
                 continue
-            local = _check_local(side, entries, self.rank)
-            planned = self._layouts[side]
-            if local:
-                errors += local
+            found = rebind_errors(side, entries, self._layouts[side], self.rank, self.device)
+            if found:
+                errors += found
                 continue
-            if set(entries) != set(planned):
-                errors.append(
-                    f"rebind {side}: names differ from the plan's: missing {sorted(set(planned) - set(entries))[:5]}, "
-                    f"extra {sorted(set(entries) - set(planned))[:5]}"
-                )
-                continue
-            for name, (tensor, layout) in entries.items():
-                if layout != planned[name]:
-                    errors.append(f"rebind {side} tensor '{name}': layout {layout!r} differs from the planned {planned[name]!r}")
-                if self.device is not None and tensor.device.type != self.device:
-                    errors.append(f"rebind {side} tensor '{name}' on rank {self.rank}: on {tensor.device}, but the "
-                                  f"plan moves {self.device} tensors")
             updates[side] = (entries, steps)
         channel = self.transport.channel
         channel.enter("plan.rebind")  # never while an execute runs on these tables
@@ -501,7 +507,7 @@ def plan(
 
     dims = relay.relayed_dims(agreement) if transform is None else {}
     if dims:
-        p = relay.plan_relayed(dims, src_w, dst_w, group, max_batch_bytes, options, bind, depth)
+        p = relay.plan_relayed(agreement, dims, src_w, dst_w, group, max_batch_bytes, options, bind, depth)
     else:
         p = bind(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps})
     if log.isEnabledFor(logging.INFO):

@@ -96,6 +96,9 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_RELAY", True, _flag,
              "where more receivers need a piece than ranks hold it, receivers relay it to each other "
              "(0: every receiver pulls from the sources; every rank must set it alike)"),
+        Knob("RESHARD_EXT_RELAY_STAGES", 0, _count(0),
+             "stages of a relayed refit: each moves one group's scatter with the previous group's forwarding "
+             "(0: auto, one per two batches of the relayed bytes, 1 to 8; 1: scatter, then forward; alike on every rank)"),
         Knob("RESHARD_EXT_DIRECT_TIMEOUT", 600.0, _seconds,
              "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 4 << 20, _count(0),
@@ -152,6 +155,9 @@ class Options:
     - batch_taper: half-size first and last batches (RESHARD_EXT_BATCH_TAPER; alike on every rank).
     - trace: log a CUDA-event timeline of every GPU execute (RESHARD_EXT_TRACE).
     - relay: relay fan-out to replicas (RESHARD_EXT_RELAY; alike on every rank, rx.plan checks).
+    - relay_stages: stages of a relayed refit, 0 = auto (RESHARD_EXT_RELAY_STAGES; alike on every
+      rank, rx.plan checks): the relayed tensors split into groups by bytes, and stage s moves
+      group s from the sources together with group s - 1 among the replicas.
     - direct_engine_bytes: direct boxes at least this big with contiguous rows of >= 512 B
       go through the copy engines, the others through the box kernel; 0: kernel only
       (RESHARD_EXT_DIRECT_ENGINE_BYTES).
@@ -173,6 +179,7 @@ class Options:
     batch_taper: Optional[bool] = None
     trace: Optional[bool] = None
     relay: Optional[bool] = None
+    relay_stages: Optional[int] = None
     direct_engine_bytes: Optional[int] = None
     direct_ipc: Optional[bool] = None
     auto_direct: Optional[bool] = None
@@ -189,6 +196,7 @@ class Options:
             "batch_taper": (bool, lambda v: True, "a bool"),
             "trace": (bool, lambda v: True, "a bool"),
             "relay": (bool, lambda v: True, "a bool"),
+            "relay_stages": (int, lambda v: v >= 0, "an integer >= 0 (0: auto)"),
             "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_ipc": (bool, lambda v: True, "a bool"),
             "auto_direct": (bool, lambda v: True, "a bool"),
@@ -240,6 +248,10 @@ class Options:
 
     def resolved_relay(self) -> bool:
         return self.relay if self.relay is not None else bool(env_default("RESHARD_EXT_RELAY"))
+
+    def resolved_relay_stages(self) -> int:
+        return self.relay_stages if self.relay_stages is not None else int(env_default("RESHARD_EXT_RELAY_STAGES"))
+
     def resolved_direct_engine_bytes(self) -> int:
         if self.direct_engine_bytes is not None:
             return self.direct_engine_bytes

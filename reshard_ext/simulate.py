@@ -249,6 +249,16 @@ def relay_phases(planned: PlannedRanks, link: LinkModel) -> list[Phase]:
     return [Phase("scatter", scatter.tolist()), Phase("forward", forward.tolist())]
 
 
+def pipelined_phases(relay: list[Phase], stages: int) -> list[Phase]:
+    """The relay as rx.plan runs it in `stages` groups (rx.Options.relay_stages): stage 0
+    scatters group 0, stages 1..G-1 each scatter one group while the replicas forward the
+    previous one, stage G forwards the last; groups of equal bytes assumed."""
+    (scatter, forward), g = (torch.tensor(ph.load) for ph in relay), max(1, stages)
+    return [Phase("scatter 1/G", (scatter / g).tolist()),
+            Phase(f"{g - 1} x (scatter + forward) 1/G", ((scatter + forward) * (g - 1) / g).tolist()),
+            Phase("forward 1/G", (forward / g).tolist())]
+
+
 @dataclass(frozen=True)
 class Reference:
     """A published measurement of a refit this simulator can reproduce."""
@@ -300,9 +310,11 @@ def simulate(
     top: int = 5,
     progress: bool = False,
     keep_phases: bool = False,
+    relay_stages: int = 0,
 ) -> dict[str, Any]:
     """Plans every rank of the refit src -> dst of `shape` and returns the report (what
-    --json prints). keep_phases: also return the Phase objects under "_phases"."""
+    --json prints). keep_phases: also return the Phase objects under "_phases".
+    relay_stages: the pipelined relay's stages (0: as rx.plan picks them, relay.auto_stages)."""
     world = max(src.offset + src.world, dst.offset + dst.world)
     t0 = time.perf_counter()
     src_l, dst_l = model_layouts(shape, src, dtype), model_layouts(shape, dst, dtype)
@@ -322,6 +334,10 @@ def simulate(
     finally:
         bar.close()
     direct, relay = direct_phases(planned, link), relay_phases(planned, link)
+    from .relay import auto_stages
+
+    stages = relay_stages or auto_stages(int(max(planned.received, default=0)), max_batch_bytes)
+    pipelined = pipelined_phases(relay, stages)
     moe = bool(shape.experts)
     report: dict[str, Any] = {
         "model": {"name": model_name, "parameters": numel, "bytes": nbytes, "tensors": len(src_l),
@@ -344,12 +360,16 @@ def simulate(
             "without_relays": _phase_report(direct, link),
             "with_relays": {**_phase_report(relay, link), "modelled": True,
                             "note": "relays are not planned yet: scatter to the receivers, then forward among them"},
+            "with_relays_pipelined": {**_phase_report(pipelined, link), "modelled": True, "stages": stages,
+                                      "note": "the same bytes in G stages: each scatters one group while the "
+                                              "replicas forward the previous one"},
         },
         "ranks": {"sent": planned.sent, "received": planned.received, "copied": planned.copied,
                   "staging": planned.staging},
     }
-    relayed = report["prediction"]["with_relays"]
-    relayed["faster"] = relayed["seconds"] < report["prediction"]["without_relays"]["seconds"]
+    for key in ("with_relays", "with_relays_pipelined"):
+        relayed = report["prediction"][key]
+        relayed["faster"] = relayed["seconds"] < report["prediction"]["without_relays"]["seconds"]
     for ref in REFERENCES:
         if (ref.model == model_name and ref.src == src and ref.dst == dst
                 and ref.gpus_per_node == link.gpus_per_node):
@@ -394,13 +414,15 @@ def format_report(rep: dict[str, Any]) -> str:
                      f"{b['seconds']:8.3f} s")
     lines += ["", "predicted transfer time (links only: no latency, kernels or HBM contention)"]
     for key, label in (("without_relays", "without relays (the planner today)"),
-                       ("with_relays", "with relays (modelled: scatter, then forward)")):
+                       ("with_relays", "with relays (modelled: scatter, then forward)"),
+                       ("with_relays_pipelined",
+                        f"with relays in {rep['prediction']['with_relays_pipelined']['stages']} stages (modelled)")):
         p = rep["prediction"][key]
         parts = ", ".join(f"{ph['name']} {ph['seconds']:.3f} s" +
                           (f" (rank {ph['busiest']['rank']} {ph['busiest']['port']})" if ph["seconds"] else "")
                           for ph in p["phases"])
         lines.append(f"  {label:48} {p['seconds']:8.3f} s   [{parts}]")
-        if key == "with_relays" and not p["faster"]:
+        if key != "without_relays" and not p["faster"]:
             lines.append(f"  {'':48} (no faster here: a planner would not relay)")
     if "reference" in rep:
         ref = rep["reference"]
@@ -489,6 +511,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weight dtype on both sides")
     parser.add_argument("--batch-mb", type=int, default=DEFAULT_BATCH_MB,
                         help="max_batch_bytes in MiB, as rx.plan gets it (512: its GPU default; 0: one batch)")
+    parser.add_argument("--relay-stages", type=int, default=0,
+                        help="stages of the pipelined relay prediction (rx.Options.relay_stages; 0: as rx.plan picks)")
     parser.add_argument("--top", type=int, default=5, help="how many of the busiest ports to list")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="write link load per rank and time per phase to this PNG")
@@ -509,9 +533,11 @@ def run(args: argparse.Namespace) -> int:
         link = LinkModel(args.gpus_per_node, args.nvlink_gbps, args.network_gbps, args.copy_gbps)
         if min(link.nvlink_gbps, link.network_gbps, link.copy_gbps) <= 0:
             raise ReshardError("bandwidths must be > 0")
+        if args.relay_stages < 0:
+            raise ReshardError("--relay-stages must be >= 0")
         torch.set_num_threads(1)
         rep = simulate(shape, src, dst, link, _DTYPES[args.dtype], args.batch_mb << 20, name, args.top,
-                       progress=not args.no_progress, keep_phases=bool(args.plot))
+                       progress=not args.no_progress, keep_phases=bool(args.plot), relay_stages=args.relay_stages)
         if args.plot:
             plot(rep, args.plot)
         rep.pop("_phases", None)

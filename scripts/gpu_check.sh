@@ -209,9 +209,11 @@ if has direct && [ "$ngpu" -ge 2 ]; then
   fi
 fi
 if has relay && [ "$ngpu" -ge 4 ]; then
-  step "relay: refit_bench relay-1to3 (one source, three replicas), relay on vs off"
-  timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 --iters 10 2>&1 \
-    | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -16
+  for g in 0 4; do
+    step "relay: refit_bench relay-1to3 (one source, three replicas), relay off / 1 stage / --relay-stages $g"
+    timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 --iters 10 \
+        --relay-stages "$g" 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -10
+  done
 fi
 
 if has verify && [ "$ngpu" -ge 2 ]; then

@@ -95,6 +95,21 @@ def test_bytes_match_the_layouts(src, dst, gpus, separate):
     assert rep["planning"]["batches"] >= 1 and min(ranks["staging"]) >= 0
 
 
+def test_pipelined_relay_by_hand():
+    """The same 1 -> 4 fan-out in 4 relay stages: the first stage scatters a quarter, three
+    stages each scatter a quarter while receivers forward the previous one (every port
+    busy with one model's worth over the three), the last forwards the last quarter."""
+    model = total_bytes(model_layouts(LLAMA3_8B, Parallel()))
+    link = sim.LinkModel(gpus_per_node=1, nvlink_gbps=400.0, network_gbps=50.0)
+    rep = sim.simulate(LLAMA3_8B, Parallel(), Parallel(dp=4, offset=1), link, max_batch_bytes=0, relay_stages=4)
+    net = link.network_gbps * 1e9
+    p = rep["prediction"]["with_relays_pipelined"]
+    assert p["stages"] == 4 and p["faster"]
+    assert [ph["seconds"] for ph in p["phases"]] == pytest.approx([model / net / 4, 0.75 * model / net,
+                                                                   0.75 * model / net / 4])
+    assert p["seconds"] < rep["prediction"]["with_relays"]["seconds"]
+
+
 def test_predicted_times_by_hand():
     """Llama-3-8B from one GPU to four replicas on four other nodes: without relays the
     source sends the model four times over its network port; with relays once, then each

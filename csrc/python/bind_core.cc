@@ -125,6 +125,8 @@ void register_core(py::module_& m) {
            py::arg("shape"), py::arg("dtype"), py::arg("mesh"), py::arg("placements"))
       .def_property_readonly("error", &Layout::error)
       .def_property_readonly("num_classes", &Layout::num_classes)
+      .def_property_readonly("numel", &Layout::numel)
+      .def_property_readonly("dtype", &Layout::dtype)
       .def("describe", &Layout::describe)
       .def("same_as", &Layout::same_as)
       .def(
