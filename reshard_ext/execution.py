@@ -8,9 +8,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch.distributed as dist
 
 from . import _C, verification
-from ._dtypes import code_of
 from .errors import ReshardError
-from .layout import Layout
+from .layout import Layout, code_of
 from .options import Options
 from .planning import Entries, _check_local, _raise, first_failed_rank, plan_collective
 from .transforms import Piece, Transform

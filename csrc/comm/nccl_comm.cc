@@ -3,7 +3,7 @@
 
 #ifdef RX_WITH_CUDA
 
-#include "comm/cuda_check.h"
+#include "common/check.h"
 
 namespace rx {
 

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <unordered_map>
 
-#include "core/check.h"
+#include "common/check.h"
+#include "common/dtype.h"
+#include "core/mxfp8.h"
 
 namespace rx {
 
@@ -80,7 +82,7 @@ namespace {
 // Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
 std::vector<int64_t> coord_strides(const TensorRef& t) {
   std::vector<int64_t> s = t.strides;
-  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= RX_BOX_MX_GROUP;
+  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= mx::kBlock;
   return s;
 }
 
@@ -88,7 +90,7 @@ uint64_t element_addr(const TensorRef& t, const std::vector<int64_t>& strides, c
   RX_HOST_ASSERT(strides.size() == start.size(), "bind: tensor rank differs from its layout");
   int64_t off = 0;
   for (size_t d = 0; d < start.size(); ++d) off += start[d] * strides[d];
-  return t.ptr + static_cast<uint64_t>(off * rx_dtype_size(t.dtype));
+  return t.ptr + static_cast<uint64_t>(off * dtype_size(t.dtype));
 }
 
 // A box's mode from the refs it joins (at most one side is MX).
@@ -102,8 +104,8 @@ int32_t box_mode(const TensorRef* s, const TensorRef* d) {
 BoxScales box_scales(const TensorRef& d, uint64_t at) {
   if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
   const int64_t first = static_cast<int64_t>(at - d.ptr);
-  RX_HOST_ASSERT(first % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
-  RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % RX_BOX_MX_GROUP == 0, "bind: MX data rows of ", d.mx_cols,
+  RX_HOST_ASSERT(first % mx::kBlock == 0, "bind: MX box does not start on a block");
+  RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % mx::kBlock == 0, "bind: MX data rows of ", d.mx_cols,
                  " elements are not whole blocks");
   return {d.mx_scale, first, d.mx_cols};
 }
@@ -167,11 +169,11 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
 int32_t digest_of(const TransferOp& op, const rx_box& box, int32_t reads,
                   const std::unordered_map<int32_t, int32_t>& mx_receivers) {
   const auto mx = mx_receivers.find(op.dst_name);
-  const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % RX_BOX_MX_GROUP == 0 &&
-                     op.global.back() % RX_BOX_MX_GROUP == 0;
+  const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % mx::kBlock == 0 &&
+                     op.global.back() % mx::kBlock == 0;
   if (mx != mx_receivers.end() && whole && reads == RX_BF16 && box.mode == RX_BOX_COPY && box.dst_dtype == RX_BF16)
     return RX_DIGEST_MX | mx->second << 8;
-  if (box.mode == RX_BOX_COPY && box.dst_dtype != op.dst_dtype && rx_dtype_castable(box.dst_dtype, op.dst_dtype))
+  if (box.mode == RX_BOX_COPY && box.dst_dtype != op.dst_dtype && dtype_castable(box.dst_dtype, op.dst_dtype))
     return RX_DIGEST_CAST | op.dst_dtype << 8;
   return RX_DIGEST_AS_WRITTEN;
 }
@@ -188,7 +190,7 @@ bool same_memory(const rx_box& b) {
 std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
   RX_USER_CHECK(parts >= 1, "copies_split: parts must be >= 1, got ", parts);
   auto bytes_of = [](const rx_box& b) {
-    int64_t n = rx_dtype_size(b.dst_dtype);
+    int64_t n = dtype_size(b.dst_dtype);
     for (int d = 0; d < b.ndim; ++d) n *= b.shape[d];
     return n;
   };

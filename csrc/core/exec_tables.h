@@ -8,8 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/box.h"
 #include "core/planner.h"
-#include "kernels/api.h"
 
 namespace rx {
 

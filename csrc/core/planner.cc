@@ -6,14 +6,14 @@
 #include <unordered_map>
 #include <utility>
 
-#include "core/check.h"
-#include "kernels/api.h"
+#include "common/check.h"
+#include "common/dtype.h"
+#include "core/mxfp8.h"
 
 namespace rx {
 
 namespace {
 
-constexpr int64_t kLastDimGrain = RX_BOX_MX_GROUP;
 constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
 constexpr int64_t kRegionAlign = 256;  // every peer region too
 
@@ -25,8 +25,6 @@ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-
-bool is_float(int32_t d) { return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64; }
 
 // Every combination of one segment per dim is one box. `pick` is scratch.
 template <typename Fn>
@@ -197,7 +195,7 @@ void for_each_split(std::vector<int64_t>& off, std::vector<int64_t>& size, int64
   int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
   // Cuts inside the last dim fall on multiples of 32 elements (soft limit), so MXFP8
   // blocks stay whole in every box (a fused quantize needs a block in one box).
-  if (d + 1 == nd) step = std::max<int64_t>(kLastDimGrain, step / kLastDimGrain * kLastDimGrain);
+  if (d + 1 == nd) step = std::max<int64_t>(mx::kBlock, step / mx::kBlock * mx::kBlock);
   if (step >= size[d]) return fn(off, size, numel);  // no finer cut allowed (whole MX blocks)
   const int64_t full = size[d], base = off[d];
   for (int64_t lo = 0; lo < full; lo += step) {
@@ -288,7 +286,7 @@ int32_t LayoutTable::find(const std::string& name) const {
 }
 
 int32_t wire_dtype_for(int32_t src_dtype, int32_t dst_dtype) {
-  if (is_float(src_dtype) && is_float(dst_dtype) && rx_dtype_size(dst_dtype) < rx_dtype_size(src_dtype))
+  if (dtype_is_float(src_dtype) && dtype_is_float(dst_dtype) && dtype_size(dst_dtype) < dtype_size(src_dtype))
     return dst_dtype;
   return src_dtype;
 }
@@ -326,7 +324,7 @@ std::vector<std::string> check_tables(const LayoutTable& src, const LayoutTable&
     if (d.shape() != s.shape())
       errors.push_back(detail::format("tensor '", dst.name(i), "': global shape differs between src ",
                                       s.describe(), " and dst ", d.describe()));
-    if (!rx_dtype_castable(s.dtype(), d.dtype()))
+    if (!dtype_castable(s.dtype(), d.dtype()))
       errors.push_back(detail::format(
           "tensor '", dst.name(i), "': cannot convert ", dtype_name(s.dtype()), " to ", dtype_name(d.dtype()),
           ": conversions exist only among float16, bfloat16, float32 and float64 (same bits as Tensor.to); "
@@ -366,7 +364,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
     op.theirs.size = op.mine.size;
     op.wire_dtype = wire;
     op.dst_dtype = dst.layout(dst_name).dtype();
-    op.nbytes = op.numel * rx_dtype_size(wire);
+    op.nbytes = op.numel * dtype_size(wire);
     return op;
   };
 
@@ -454,7 +452,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       if (max_batch_bytes <= 0 || op.nbytes <= max_batch_bytes)
         out.push_back(std::move(op));
       else
-        split_op(op, max_batch_bytes, rx_dtype_size(op.wire_dtype), out);
+        split_op(op, max_batch_bytes, dtype_size(op.wire_dtype), out);
     }
     sort_ops(out);
   };
@@ -541,7 +539,7 @@ void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper, int64_t 
   out.reserve(ops.size());
   for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
     const int64_t limit = pair_limit(total, k, taper, floor);
-    for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
+    for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, dtype_size(ops[o].wire_dtype), out);
   });
   ops.swap(out);
 }
@@ -627,7 +625,7 @@ std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
           placer.place(ops[o].nbytes);
           continue;
         }
-        const int32_t elem = rx_dtype_size(ops[o].wire_dtype);
+        const int32_t elem = dtype_size(ops[o].wire_dtype);
         size = ops[o].mine.size;
         off.assign(size.size(), 0);
         for_each_split(off, size, ops[o].numel, limit, elem,
