@@ -56,8 +56,8 @@ void for_each_box(const std::vector<std::vector<Segment>>& segs, std::vector<con
 // Replica choice among the ranks holding a src class (DESIGN section 4, step 2). The
 // aim is pairs: each receiver takes a class from one holder for every tensor of the same
 // layouts, and each holder serves an equal share of the receivers. Spreading receivers
-// over replicas per tensor made every batch of a TP2·DP2 -> TP1·DP4 refit couple all
-// four ranks (2 peers each; 4x H200: ~0.12 ms per batch against ~0.02 with one peer).
+// over replicas per tensor would couple each batch to more peers, and a batch lasts as
+// long as its slowest pair.
 // - The receiver itself when it holds the class (a local copy).
 // - A receiver holding another class of the tensor takes the holder with its own
 //   replica index (its DP group): every class has the same replicas, so each holder
@@ -516,11 +516,10 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
 
 // The cut of a pair's ops for k batches: pieces of at most half the share of the
 // pair's smallest batch (0: no cut), so no batch of the pair carries much more than its
-// share: a batch's transfer lasts as long as its busiest pair, and one unsplit op of a
-// few hundred MB (a vocab shard) made one batch of a 4-GPU refit take 6 ms where the
-// others took 1.6. Both ends of a pair hold the same op list and cut it the same way.
-// Never below `floor`: a pair of a few KB (norms) is not worth 4k boxes, and at 2,048
-// ranks with 90 batches such cuts made 250,000 boxes per rank.
+// share: a batch's transfer lasts as long as its busiest pair, so one unsplit large op
+// (a vocab shard) would stretch its batch. Both ends of a pair hold the same op list and
+// cut it the same way. Never below `floor`: tiny pairs (norms) are not worth thousands of
+// boxes, and at thousands of ranks such cuts would multiply the boxes per rank.
 int64_t pair_limit(int64_t total, int32_t k, bool taper, int64_t floor) {
   if (k <= 1) return 0;
   const int64_t parts = taper && k >= 3 ? 4 * static_cast<int64_t>(k - 1) : 2 * static_cast<int64_t>(k);

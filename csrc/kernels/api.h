@@ -45,8 +45,8 @@ int32_t rx_digest_boxes_cpu(const rx_box* boxes, int64_t num_boxes, int32_t pass
 // contiguous on both sides (a TP/EP slice of a weight folds to that: make_box merges
 // contiguous dims)
 // carries its own geometry, so its warp reads one 64-byte record before it moves data
-// instead of the tile and then its 200-byte box, one dependent memory round trip less
-// (the whole fixed cost of a launch that moves 16 MiB from cold HBM is a few of them).
+// instead of the tile and then its 200-byte box: one dependent memory round trip less,
+// a large share of a small launch's fixed cost.
 // Item i of the box is at src + (i / row_items) * src_pitch + (i % row_items) * unit,
 // and likewise at dst.
 #define RX_TILE_FLAT 1
