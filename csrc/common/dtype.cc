@@ -10,15 +10,8 @@ extern "C" int32_t rx_dtype_castable(int32_t src, int32_t dst) { return rx::dtyp
 
 namespace rx {
 
-const char* dtype_name(int32_t dtype) {
-#define RX_DTYPE_NAME_(e, code, bytes, name, is_float) \
-  case code:                                           \
-    return name;
-  switch (dtype) {
-    RX_DTYPE_TABLE(RX_DTYPE_NAME_)
-    default: return "unknown";
-  }
-#undef RX_DTYPE_NAME_
-}
+#define RX_DTYPE_NAME_CASE_(e, code, bytes, name, is_float) case code: return name;
+const char* dtype_name(int32_t dtype) { switch (dtype) { RX_DTYPE_TABLE(RX_DTYPE_NAME_CASE_) default: return "unknown"; } }
+#undef RX_DTYPE_NAME_CASE_
 
 }  // namespace rx

@@ -46,27 +46,12 @@ int32_t rx_dtype_castable(int32_t src, int32_t dst);
 namespace rx {
 
 // Device code reads the table through these switches (no table in device memory).
-RX_HD int32_t dtype_size(int32_t d) {
-#define RX_DTYPE_SIZE_(e, code, bytes, name, is_float) \
-  case code:                                           \
-    return bytes;
-  switch (d) {
-    RX_DTYPE_TABLE(RX_DTYPE_SIZE_)
-    default: return 0;
-  }
-#undef RX_DTYPE_SIZE_
-}
-
-RX_HD bool dtype_is_float(int32_t d) {
-#define RX_DTYPE_FLOAT_(e, code, bytes, name, is_float) \
-  case code:                                            \
-    return is_float;
-  switch (d) {
-    RX_DTYPE_TABLE(RX_DTYPE_FLOAT_)
-    default: return false;
-  }
-#undef RX_DTYPE_FLOAT_
-}
+#define RX_DTYPE_SIZE_CASE_(e, code, bytes, name, is_float) case code: return bytes;
+#define RX_DTYPE_FLOAT_CASE_(e, code, bytes, name, is_float) case code: return is_float;
+RX_HD int32_t dtype_size(int32_t d) { switch (d) { RX_DTYPE_TABLE(RX_DTYPE_SIZE_CASE_) default: return 0; } }
+RX_HD bool dtype_is_float(int32_t d) { switch (d) { RX_DTYPE_TABLE(RX_DTYPE_FLOAT_CASE_) default: return false; } }
+#undef RX_DTYPE_SIZE_CASE_
+#undef RX_DTYPE_FLOAT_CASE_
 
 RX_HD bool dtype_castable(int32_t src, int32_t dst) {
   if (dtype_size(src) == 0 || dtype_size(dst) == 0) return false;

@@ -1,8 +1,5 @@
 // The dtype table (common/dtype.h) for Python: _C.DType, _C.dtype_info, size and castability.
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
-#include <vector>
 
 #include "common/dtype.h"
 #include "python/register.h"
@@ -19,9 +16,9 @@ void register_common(py::module_& m) {
   m.def(
       "dtype_info",
       [] {
-        std::vector<py::tuple> rows;
+        py::list rows;
         for (int32_t d = 0; d < RX_NUM_DTYPES; ++d)
-          rows.push_back(py::make_tuple(d, dtype_name(d), dtype_size(d), dtype_is_float(d)));
+          rows.append(py::make_tuple(d, dtype_name(d), dtype_size(d), dtype_is_float(d)));
         return rows;
       },
       "The dtype table: one (code, torch name, bytes, is_float) per type.");
