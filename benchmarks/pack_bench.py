@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reshard_ext import _C  # noqa: E402
 from tests._boxes import BOX  # noqa: E402
 
-BF16 = 6  # rx dtype code (reshard_ext/_dtypes.py)
+BF16 = int(_C.DType.bfloat16)  # rx dtype code (csrc/common/dtype.h)
 TP = 2
 
 

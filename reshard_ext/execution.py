@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 from . import _C, verification
-from ._dtypes import code_of
 from .collectives import all_gather_objects, first_failed_rank
 from .errors import ReshardError
-from .layout import Layout
+from .layout import Layout, code_of
 from .options import Options
 from .planning import Entries, _check_local, _raise, batch_bytes_error, plan_collective
 from .transforms import Piece, Transform

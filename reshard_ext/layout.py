@@ -12,10 +12,27 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from . import _C
-from ._dtypes import code_of
 from .errors import ReshardError
 
 Runs = list[tuple[int, int]]  # (global_start, length) in local order
+
+# torch dtype <-> rx dtype code, from the C++ table (_C.dtype_info: code, torch name, ...);
+# types this torch lacks (older float8 / uint variants) are simply absent.
+_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for code, name, *_ in _C.dtype_info()
+                                  if isinstance(getattr(torch, name, None), torch.dtype)}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+
+
+def code_of(dtype: torch.dtype) -> int:
+    """The rx dtype code of a torch dtype (ReshardError for one reshard_ext does not move)."""
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        raise ReshardError(f"dtype {dtype} is not supported by reshard_ext") from None
+
+
+def dtype_of(code: int) -> torch.dtype:
+    return _DTYPES[code]
 
 
 def _fixed(value: Any, what: str, bits: int = 64) -> int:

@@ -47,9 +47,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from . import _C
-from ._dtypes import code_of
 from .errors import ReshardError
-from .layout import Layout, Shard
+from .layout import Layout, Shard, code_of
 from .transforms import Piece, Rewrite, Transform
 
 DATA_SUFFIX = "::mx.data"

@@ -39,10 +39,9 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._dtypes import dtype_of
 from .errors import InternalError, ReshardError
 from .execution import Plan, rebind_errors
-from .layout import Layout, Mesh, Replicate, Shard
+from .layout import Layout, Mesh, Replicate, Shard, dtype_of
 from .options import Options
 from .planning import Entries, _raise, _table, plan_collective
 

@@ -51,9 +51,9 @@ class LinkModel:
     """Bandwidths per GPU, per direction, in GB/s (1e9 bytes)."""
 
     gpus_per_node: int = 8
-    nvlink_gbps: float = 360.0   # H100 NV18 through NVSwitch, measured (NCCL 364, copy engines 391)
+    nvlink_gbps: float = 360.0   # H100 NV18 through NVSwitch, as measured (benchmarks/RESULTS.md)
     network_gbps: float = 50.0   # one 400 Gb/s NIC per GPU (InfiniBand / RoCE)
-    copy_gbps: float = 1500.0    # same-rank copy on H100 (D2D measured: 8.03 GB in 5.32-5.36 ms)
+    copy_gbps: float = 1500.0    # same-rank copy on H100: the measured D2D ceiling (benchmarks/RESULTS.md)
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node

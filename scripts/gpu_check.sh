@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [bench-big] [mx] [trace] [exp] [exp4] [next] [megatron] [direct] [relay] [verify]
-#   (default: build tests sanitize bench mx). `direct` builds nothing: the direct transport's
-#   tests (2 and 4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs megatron-core wheels carried
-#   in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
+#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify]
+#   (default: build tests sanitize bench). The stages reproduce benchmarks/RESULTS.md's tables (each
+#   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
+#   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
+#   megatron-core wheels carried in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/rx_out}"
 mkdir -p "$OUT"
-stages="${*:-build tests sanitize bench mx}"
+stages="${*:-build tests sanitize bench}"
 has() { [[ " $stages " == *" $1 "* ]]; }
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 step() { echo; echo "== $* ($(date +%T))"; }
@@ -74,15 +75,8 @@ if has bench; then
 fi
 
 if has pack; then
-  # The kernels against D2D with the L2 cold (the default) and warm; flat tiles A/B at 16 and 64 MiB
   step "pack_bench, cold L2 (buffer sets rotated past the L2), checked against torch slicing"
   timeout 240 python3 benchmarks/pack_bench.py --check 2>&1 | tee "$OUT/pack_cold.log" | tail -16
-  step "pack_bench, warm L2 (one buffer set, the old method)"
-  timeout 120 python3 benchmarks/pack_bench.py --cache warm --sizes 16M,256M 2>&1 | tee "$OUT/pack_warm.log" | tail -10
-  for args in "--no-flat" "" "--no-flat" ""; do
-    step "pack_bench 16 MiB, cold, A/B flat tiles [$args]"
-    timeout 60 python3 benchmarks/pack_bench.py --sizes 16M,64M $args 2>&1 | tee -a "$OUT/pack_ab.log" | tail -9
-  done
 fi
 
 if has bench4 && [ "$ngpu" -ge 4 ]; then
@@ -90,84 +84,6 @@ if has bench4 && [ "$ngpu" -ge 4 ]; then
     step "refit_bench $c on 4 GPUs"
     timeout 240 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case "$c" 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench4.log" | tail -10
-  done
-fi
-
-if has exp && [ "$ngpu" -ge 2 ]; then
-  # A/B of the transport's knobs on the collocated cases, each with its ceilings of the same run
-  export RESHARD_EXT_NCCL_TIMEOUT=90
-  for c in tp2-tp1 moe-ep2-ep1; do
-    for knobs in "" "RESHARD_EXT_NCCL_REGISTER=1" "RESHARD_EXT_CUDA_MAX_BLOCKS=33" "RESHARD_EXT_CUDA_MAX_BLOCKS=66" \
-                 "RESHARD_EXT_NCCL_REGISTER=1 RESHARD_EXT_CUDA_MAX_BLOCKS=66"; do
-      step "exp $c [$knobs]"
-      env $knobs timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" \
-        --no-baseline --transfers-only 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/exp.log" | tail -5
-    done
-  done
-fi
-
-if has exp4 && [ "$ngpu" -ge 4 ]; then
-  export RESHARD_EXT_NCCL_TIMEOUT=90
-  for c in tp2-tp1 moe-ep2-ep1; do
-    for knobs in "" "RESHARD_EXT_CUDA_MAX_BLOCKS=66"; do
-      step "exp4 $c [$knobs]"
-      env $knobs timeout 150 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case "$c" \
-        --no-baseline --transfers-only 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/exp4.log" | tail -7
-    done
-  done
-  step "exp4 tp2-tp1 timeline"
-  timeout 150 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case tp2-tp1 --no-baseline --trace \
-    2>&1 | grep -v "^W\|^\[W" > "$OUT/trace4.log"; tail -3 "$OUT/trace4.log"
-fi
-
-if has next && [ "$ngpu" -ge 2 ]; then
-  # A/B of the default grid cap (half the SMs) against uncapped kernels, on every case that
-  # transfers, with 4 GPUs when there are 4; one timeline of TP2->TP1.
-  export RESHARD_EXT_NCCL_TIMEOUT=90
-  n4=$(( ngpu >= 4 ? 4 : 2 ))
-  for c in ${NEXT_CASES:-tp2-tp1 moe-ep2-ep1 noncolo-tp2-tp2dp noncolo-tp1-tp1}; do
-    for knobs in "" "RESHARD_EXT_CUDA_MAX_BLOCKS=0"; do
-      step "next: $c on $n4 GPUs [$knobs]"
-      env $knobs timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py \
-        --case "$c" --no-baseline --transfers-only 2>&1 | grep -E "^ +[0-9] |^== |alone|skipped" | tee -a "$OUT/next.log"
-    done
-  done
-  for c in tp2-tp1 moe-ep2-ep1; do
-    step "next: $c on $n4 GPUs, timeline"
-    timeout 150 torchrun --standalone --nproc-per-node $n4 benchmarks/refit_bench.py --case $c --no-baseline --trace \
-      2>&1 | grep -v "^W\|^\[W" > "$OUT/trace_next_$c.log"; grep -E "^ +[0-9] " "$OUT/trace_next_$c.log"
-  done
-fi
-
-if has bench-big; then
-  for c in tp2-tp1 noncolo-tp1-tp1; do
-    step "refit_bench $c, batched 1 GiB"
-    timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --max-batch-mb 1024 2>&1 \
-      | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench.log" | tail -6
-  done
-fi
-
-if has mx; then
-  step "MXFP8 quantize kernel"
-  timeout 120 python3 benchmarks/mxfp8_kernel_bench.py 2>&1 | tee -a "$OUT/mxfp8_bench.log" | tail -4
-fi
-if has mx && [ "$ngpu" -ge 2 ]; then
-  for m in none receiver sender; do
-    step "mxfp8_bench $m"
-    timeout 200 python3 benchmarks/mxfp8_bench.py --world 2 --mxfp8 "$m" --layers 8 --hidden 4096 --ffn 14336 2>&1 \
-      | tee -a "$OUT/mxfp8_bench.log" | tail -4
-  done
-fi
-if has trace && [ "$ngpu" -ge 2 ]; then
-  for split in 1 0; do
-    step "refit_bench tp2-tp1, timeline, RESHARD_EXT_CUDA_SPLIT_COPIES=$split"
-    RESHARD_EXT_CUDA_SPLIT_COPIES=$split timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
-      --case tp2-tp1 --no-baseline --trace --transfers-only 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/trace.log" | tail -45
-  done
-  for m in "receiver --scale-layout swizzled" "receiver --scale-layout 2d" "sender --scale-layout swizzled"; do
-    step "refit_bench tp2-tp1 --mxfp8 $m"
-    timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --no-baseline \
-      --mxfp8 $m 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/refit_mxfp8.log" | tail -4
   done
 fi
 

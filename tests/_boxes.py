@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from reshard_ext import _C
-from reshard_ext._dtypes import code_of
+from reshard_ext.layout import code_of
 
 MAX_DIMS = int(_C.MAX_DIMS)
 BOX = np.dtype([

@@ -17,7 +17,7 @@ import torch
 from reshard_ext import _C
 from _boxes import (FLOATS, Spec, contiguous_strides, itemsize, nan_free_bytes, random_specs, specs_table,
                           table, view)
-from reshard_ext._dtypes import code_of
+from reshard_ext.layout import code_of
 
 HAVE_KERNEL = hasattr(_C, "DeviceBoxTable")
 HAVE_GPU = HAVE_KERNEL and torch.cuda.is_available()

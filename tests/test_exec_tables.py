@@ -4,7 +4,7 @@ import torch
 
 import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate, _C
-from reshard_ext._dtypes import code_of, dtype_of
+from reshard_ext.layout import code_of, dtype_of
 
 from _boxes import BOX
 

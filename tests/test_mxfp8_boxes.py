@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from reshard_ext import _C
-from reshard_ext._dtypes import code_of
+from reshard_ext.layout import code_of
 from _boxes import table
 from reshard_ext.mxfp8 import swizzled_size
 from test_mxfp8_kernels import CASES, ROUNDINGS, assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle

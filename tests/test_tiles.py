@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from reshard_ext import _C
-from reshard_ext._dtypes import code_of
+from reshard_ext.layout import code_of
 from _boxes import FLOATS, MAX_DIMS, contiguous_strides, itemsize, table
 
 DTYPES = (torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.int32, torch.float32, torch.int64,

@@ -24,7 +24,7 @@ from test_mxfp8_kernels import make_case
 
 import reshard_ext as rx
 from reshard_ext import _C
-from reshard_ext._dtypes import code_of
+from reshard_ext.layout import code_of
 
 HAVE_KERNEL = hasattr(_C, "DeviceBoxTable")
 HAVE_GPU = HAVE_KERNEL and torch.cuda.is_available()

@@ -5,9 +5,8 @@
 
 #include <algorithm>
 
-#include "comm/cuda_check.h"
+#include "common/check.h"
 #include "comm/host_wait.h"
-#include "core/check.h"
 #include "kernels/signal_api.h"
 
 namespace rx {

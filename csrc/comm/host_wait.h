@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm/cuda_check.h"
+#include "common/check.h"
 
 namespace rx {
 

@@ -3,7 +3,7 @@
 
 #ifdef RX_WITH_CUDA
 
-#include "comm/cuda_check.h"
+#include "common/check.h"
 
 namespace rx {
 
@@ -276,8 +276,7 @@ bool NcclComm::poll() {
 
 void NcclComm::wait(double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
-  // A completion seen late idles the GPU until the caller's next launch: poll at most
-  // 50 us apart (the A/B is in benchmarks/RESULTS.md's history, commit 177dbb1).
+  // A completion seen late idles the GPU until the caller's next launch: poll often.
   Backoff backoff(50);
   while (!poll()) {
     if (Clock::now() > deadline) {

@@ -15,7 +15,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "core/check.h"
+#include "common/check.h"
 
 namespace rx {
 namespace {

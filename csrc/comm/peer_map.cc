@@ -17,8 +17,7 @@
 #include <mutex>
 #include <random>
 
-#include "comm/cuda_check.h"
-#include "core/check.h"
+#include "common/check.h"
 
 namespace rx {
 
@@ -26,7 +25,7 @@ namespace {
 
 std::string cuda_why(const char* what, cudaError_t e) {
   cudaGetLastError();  // these failures are answers, not sticky errors: clear them
-  return detail::format(what, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  return detail::format(what, " failed: ", detail::cuda_error_text(e));
 }
 
 using PointerGetAttribute = CUresult (*)(void* data, CUpointer_attribute attribute, CUdeviceptr ptr);

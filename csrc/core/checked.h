@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "core/check.h"
+#include "common/check.h"
 
 namespace rx {
 

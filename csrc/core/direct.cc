@@ -2,7 +2,8 @@
 
 #include <algorithm>
 
-#include "core/check.h"
+#include "common/check.h"
+#include "common/dtype.h"
 
 namespace rx {
 
@@ -19,7 +20,7 @@ RankPlan split_direct(const RankPlan& plan, const LayoutTable& src, const std::v
       TransferOp d = op;
       RX_HOST_ASSERT(op.src_name >= 0 && op.src_name < src.size(), "split_direct: op without a source tensor");
       d.wire_dtype = src.layout(op.src_name).dtype();
-      d.nbytes = d.numel * rx_dtype_size(d.wire_dtype);
+      d.nbytes = d.numel * dtype_size(d.wire_dtype);
       d.batch = 0;
       d.offset = 0;
       direct.push_back(std::move(d));
@@ -36,7 +37,7 @@ RankPlan split_direct(const RankPlan& plan, const LayoutTable& src, const std::v
 namespace {
 
 int64_t box_bytes(const rx_box& b) {
-  int64_t n = rx_dtype_size(b.dst_dtype);
+  int64_t n = dtype_size(b.dst_dtype);
   for (int d = 0; d < b.ndim; ++d) n *= b.shape[d];
   return n;
 }
@@ -48,7 +49,7 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
   engine->clear();
   kernel->clear();
   for (const rx_box& b : boxes) {
-    const int64_t elem = rx_dtype_size(b.src_dtype);
+    const int64_t elem = dtype_size(b.src_dtype);
     const int last = b.ndim - 1;
     bool ok = min_bytes > 0 && b.mode == RX_BOX_COPY && b.src_dtype == b.dst_dtype && elem > 0 &&
               (b.ndim == 1 || b.ndim == 2) && b.src_stride[last] == 1 && b.dst_stride[last] == 1 &&
@@ -76,7 +77,7 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
 }
 
 std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
-  const int64_t elem = rx_dtype_size(box.dst_dtype);
+  const int64_t elem = dtype_size(box.dst_dtype);
   int64_t lo = 0, hi = 0;  // byte offsets from box.dst of the first and one past the last element
   for (int d = 0; d < box.ndim; ++d) {
     if (box.shape[d] <= 0) return {box.dst, box.dst};

@@ -5,8 +5,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "core/check.h"
+#include "common/check.h"
+#include "common/dtype.h"
 #include "core/checked.h"
+#include "core/mxfp8.h"
 #include "core/overlap.h"
 
 namespace rx {
@@ -84,7 +86,7 @@ namespace {
 // Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
 std::vector<int64_t> coord_strides(const TensorRef& t) {
   std::vector<int64_t> s = t.strides;
-  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= RX_BOX_MX_GROUP;
+  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= mx::kBlock;
   return s;
 }
 
@@ -107,8 +109,8 @@ int32_t box_mode(const TensorRef* s, const TensorRef* d) {
 BoxScales box_scales(const TensorRef& d, uint64_t at) {
   if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
   const int64_t first = static_cast<int64_t>(at - d.ptr);
-  RX_HOST_ASSERT(first % RX_BOX_MX_GROUP == 0, "bind: MX box does not start on a block");
-  RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % RX_BOX_MX_GROUP == 0, "bind: MX data rows of ", d.mx_cols,
+  RX_HOST_ASSERT(first % mx::kBlock == 0, "bind: MX box does not start on a block");
+  RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % mx::kBlock == 0, "bind: MX data rows of ", d.mx_cols,
                  " elements are not whole blocks");
   return {d.mx_scale, first, d.mx_cols};
 }
@@ -175,11 +177,11 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
 int32_t digest_of(const TransferOp& op, const rx_box& box, int32_t reads,
                   const std::unordered_map<int32_t, int32_t>& mx_receivers) {
   const auto mx = mx_receivers.find(op.dst_name);
-  const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % RX_BOX_MX_GROUP == 0 &&
-                     op.global.back() % RX_BOX_MX_GROUP == 0;
+  const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % mx::kBlock == 0 &&
+                     op.global.back() % mx::kBlock == 0;
   if (mx != mx_receivers.end() && whole && reads == RX_BF16 && box.mode == RX_BOX_COPY && box.dst_dtype == RX_BF16)
     return RX_DIGEST_MX | mx->second << 8;
-  if (box.mode == RX_BOX_COPY && box.dst_dtype != op.dst_dtype && rx_dtype_castable(box.dst_dtype, op.dst_dtype))
+  if (box.mode == RX_BOX_COPY && box.dst_dtype != op.dst_dtype && dtype_castable(box.dst_dtype, op.dst_dtype))
     return RX_DIGEST_CAST | op.dst_dtype << 8;
   return RX_DIGEST_AS_WRITTEN;
 }
@@ -202,7 +204,7 @@ View view_of(const TensorRef& t) {
   if (t.shape.size() != t.strides.size()) return View{t.ptr, {0}, {0}, 1};  // shape not given: not checked
   View v{t.ptr, t.shape, t.strides, rx_dtype_size(t.dtype)};
   // A scale-read src reads a whole block of BF16 at each of its coordinates.
-  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !v.shape.empty()) v.shape.back() *= RX_BOX_MX_GROUP;
+  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !v.shape.empty()) v.shape.back() *= rx::mx::kBlock;
   return v;
 }
 

@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/box.h"
 #include "core/planner.h"
-#include "kernels/api.h"
 
 namespace rx {
 

@@ -1,18 +1,10 @@
 #include "core/layout.h"
 
-#include "core/check.h"
+#include "common/check.h"
+#include "common/dtype.h"
 #include "core/checked.h"
-#include "kernels/api.h"
 
 namespace rx {
-
-const char* dtype_name(int32_t dtype) {
-  static const char* names[RX_NUM_DTYPES] = {"uint8",   "int8",    "int16",         "int32",       "int64",
-                                             "float16", "bfloat16", "float32",      "float64",     "bool",
-                                             "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint16", "uint32",
-                                             "uint64"};
-  return dtype >= 0 && dtype < RX_NUM_DTYPES ? names[dtype] : "unknown";
-}
 
 Mesh::Mesh(std::vector<int64_t> shape, std::vector<int32_t> ranks)
     : shape_(std::move(shape)), ranks_(std::move(ranks)) {
@@ -103,7 +95,7 @@ Layout::Layout(std::vector<int64_t> shape, int32_t dtype, std::shared_ptr<const 
 void Layout::validate() {
   if (!mesh_) { error_ = "layout has no mesh"; return; }
   if (!mesh_->error().empty()) { error_ = mesh_->error(); return; }
-  if (rx_dtype_size(dtype_) == 0) { error_ = detail::format("unsupported dtype code ", dtype_); return; }
+  if (dtype_size(dtype_) == 0) { error_ = detail::format("unsupported dtype code ", dtype_); return; }
   for (int64_t s : shape_)
     if (s < 0) { error_ = "negative dim in shape"; return; }
   if (static_cast<int>(placements_.size()) != mesh_->ndim()) {

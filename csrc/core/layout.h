@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/dtype.h"
 #include "core/runs.h"
 
 namespace rx {
@@ -50,9 +51,6 @@ struct Placement {
 };
 
 using Piece = std::vector<Runs>;
-
-// "float32", "bfloat16", ... for messages (torch's names).
-const char* dtype_name(int32_t dtype);
 
 // The local ranges (local_start, len) a mesh coordinate `c` of `parts` takes from a
 // dim piece of length `len`. Throws ReshardError when the split is impossible.

@@ -5,7 +5,7 @@
 #include <map>
 #include <unordered_map>
 
-#include "core/check.h"
+#include "common/check.h"
 
 namespace rx {
 

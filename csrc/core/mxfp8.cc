@@ -1,7 +1,7 @@
 // MXFP8 scale-slice geometry: which scale columns a piece of the data owns.
 #include "core/mxfp8.h"
 
-#include "core/check.h"
+#include "common/check.h"
 
 namespace rx::mx {
 

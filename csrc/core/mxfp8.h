@@ -9,17 +9,12 @@
 
 #include <string>
 
+#include "common/host_device.h"
 #include "core/runs.h"
-
-#if defined(__CUDACC__)
-#define RX_MX_HD __host__ __device__ __forceinline__
-#else
-#define RX_MX_HD inline
-#endif
 
 namespace rx::mx {
 
-constexpr int kBlock = 32;          // elements per shared scale
+constexpr int kBlock = 32;          // elements per shared scale (the one MX block size)
 constexpr int kTileRows = 128;      // swizzled scale tile: 128 rows ...
 constexpr int kTileCols = 4;        // ... x 4 scale columns = 512 bytes
 constexpr int kTileBytes = kTileRows * kTileCols;
@@ -29,7 +24,7 @@ enum ScaleLayout : int32_t { k2D = 0, kSwizzled = 1 };
 
 // |x| of a BF16 as its bit pattern when finite, else 0: integer max over these bit
 // patterns is the float max of the finite magnitudes (NaN and +-Inf do not vote).
-RX_MX_HD uint32_t finite_abs_bits(uint16_t h) {
+RX_HD uint32_t finite_abs_bits(uint16_t h) {
   uint32_t a = h & 0x7fffu;
   return a < 0x7f80u ? a : 0u;
 }
@@ -40,7 +35,7 @@ RX_MX_HD uint32_t finite_abs_bits(uint16_t h) {
 // Both exact: with amax = m * 2^E, m in [1, 2), amax/448 = (m/1.75) * 2^(E-8) and
 // m/1.75 in (0.5, 8/7), so the ceil is E-8, plus one when m > 1.75 (7-bit mantissa > 96).
 // Zero, BF16-subnormal and all-non-finite blocks get the smallest scale, biased 0.
-RX_MX_HD uint8_t scale_exponent(uint32_t amax_bits, int32_t rounding) {
+RX_HD uint8_t scale_exponent(uint32_t amax_bits, int32_t rounding) {
   int32_t ef = (int32_t)(amax_bits >> 7);  // BF16 biased exponent (bias 127, as E8M0)
   if (ef == 0) return 0;
   int32_t biased = ef - 8 + ((rounding == kCeil && (amax_bits & 0x7fu) > 96u) ? 1 : 0);
@@ -50,7 +45,7 @@ RX_MX_HD uint8_t scale_exponent(uint32_t amax_bits, int32_t rounding) {
 // E4M3 (fn: no Inf, 0x7f/0xff NaN, max 448) of x * 2^(127 - scale_biased), rounding to
 // nearest even and saturating to +-448 (Inf too); NaN stays NaN; the sign is kept
 // (-0 -> 0x80). Integer-only, so no FP mode (FTZ, fast-math) can change a bit.
-RX_MX_HD uint8_t e4m3_scaled(uint16_t h, uint8_t scale_biased) {
+RX_HD uint8_t e4m3_scaled(uint16_t h, uint8_t scale_biased) {
   const uint8_t sign = (uint8_t)((h >> 8) & 0x80u);
   const int32_t ef = (h >> 7) & 0xff;
   const uint32_t f = h & 0x7fu;
@@ -93,19 +88,19 @@ RX_MX_HD uint8_t e4m3_scaled(uint16_t h, uint8_t scale_biased) {
 constexpr int kBlockWords = kBlock / 2;
 
 // finite_abs_bits max of the two BF16 of a word.
-RX_MX_HD uint32_t word_amax(uint32_t w) {
+RX_HD uint32_t word_amax(uint32_t w) {
   const uint32_t lo = finite_abs_bits((uint16_t)(w & 0xffffu)), hi = finite_abs_bits((uint16_t)(w >> 16));
   return lo > hi ? lo : hi;
 }
 
 // E4M3 bytes of the four BF16 of words a, b under scale `s`, packed little-endian.
-RX_MX_HD uint32_t quantize_words(uint32_t a, uint32_t b, uint8_t s) {
+RX_HD uint32_t quantize_words(uint32_t a, uint32_t b, uint8_t s) {
   return (uint32_t)e4m3_scaled((uint16_t)(a & 0xffffu), s) | (uint32_t)e4m3_scaled((uint16_t)(a >> 16), s) << 8 |
          (uint32_t)e4m3_scaled((uint16_t)(b & 0xffffu), s) << 16 | (uint32_t)e4m3_scaled((uint16_t)(b >> 16), s) << 24;
 }
 
 // Scale columns for `cols` elements (the last block may be partial).
-RX_MX_HD int64_t scale_cols(int64_t cols) { return (cols + kBlock - 1) / kBlock; }
+RX_HD int64_t scale_cols(int64_t cols) { return (cols + kBlock - 1) / kBlock; }
 
 // Swizzled layout (cuBLAS/cuBLASLt "1D block scaling factors layout", also what
 // Transformer Engine's swizzle and torchao's to_blocked produce): the [rows, scols]
@@ -113,12 +108,12 @@ RX_MX_HD int64_t scale_cols(int64_t cols) { return (cols + kBlock - 1) / kBlock;
 // tiles stored one after another in row-major tile order (all tiles of rows 0..127
 // first). A tile is 512 bytes viewed as 32x16: row r, column c of the tile lands at
 // (r % 32) * 16 + (r / 32) * 4 + c.
-RX_MX_HD int64_t swizzled_cols_padded(int64_t scols) { return (scols + kTileCols - 1) / kTileCols * kTileCols; }
-RX_MX_HD int64_t swizzled_rows_padded(int64_t rows) { return (rows + kTileRows - 1) / kTileRows * kTileRows; }
-RX_MX_HD int64_t swizzled_size(int64_t rows, int64_t scols) {
+RX_HD int64_t swizzled_cols_padded(int64_t scols) { return (scols + kTileCols - 1) / kTileCols * kTileCols; }
+RX_HD int64_t swizzled_rows_padded(int64_t rows) { return (rows + kTileRows - 1) / kTileRows * kTileRows; }
+RX_HD int64_t swizzled_size(int64_t rows, int64_t scols) {
   return swizzled_rows_padded(rows) * swizzled_cols_padded(scols);
 }
-RX_MX_HD int64_t swizzled_offset(int64_t row, int64_t col, int64_t scols) {
+RX_HD int64_t swizzled_offset(int64_t row, int64_t col, int64_t scols) {
   const int64_t tiles_per_row = swizzled_cols_padded(scols) / kTileCols;
   const int64_t tile = (row / kTileRows) * tiles_per_row + col / kTileCols;
   const int64_t r = row % kTileRows, c = col % kTileCols;
@@ -129,7 +124,7 @@ RX_MX_HD int64_t swizzled_offset(int64_t row, int64_t col, int64_t scols) {
 // (a multiple of 32) of a contiguous [M, cols] data buffer, cols a multiple of 32:
 // row-major [M, cols/32] (k2D) or swizzled. The fused box kernels (CUDA, its emulation
 // and the CPU twin) all place scales through this one function.
-RX_MX_HD int64_t scale_offset(int64_t first, int64_t cols, int32_t layout) {
+RX_HD int64_t scale_offset(int64_t first, int64_t cols, int32_t layout) {
   if (layout != kSwizzled) return first / kBlock;
   int64_t row, col;
   if (((uint64_t)first | (uint64_t)cols) >> 32 == 0) {  // 64-bit division is a long emulated sequence on GPUs

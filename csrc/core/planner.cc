@@ -6,15 +6,15 @@
 #include <unordered_map>
 #include <utility>
 
-#include "core/check.h"
+#include "common/check.h"
+#include "common/dtype.h"
 #include "core/checked.h"
-#include "kernels/api.h"
+#include "core/mxfp8.h"
 
 namespace rx {
 
 namespace {
 
-constexpr int64_t kLastDimGrain = RX_BOX_MX_GROUP;
 constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
 
 
@@ -24,8 +24,6 @@ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-
-bool is_float(int32_t d) { return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64; }
 
 // Every combination of one segment per dim is one box. `pick` is scratch.
 template <typename Fn>
@@ -57,8 +55,8 @@ void for_each_box(const std::vector<std::vector<Segment>>& segs, std::vector<con
 // Replica choice among the ranks holding a src class (DESIGN section 4, step 2). The
 // aim is pairs: each receiver takes a class from one holder for every tensor of the same
 // layouts, and each holder serves an equal share of the receivers. Spreading receivers
-// over replicas per tensor made every batch of a TP2·DP2 -> TP1·DP4 refit couple all
-// four ranks (2 peers each; 4x H200: ~0.12 ms per batch against ~0.02 with one peer).
+// over replicas per tensor would couple each batch to more peers, and a batch lasts as
+// long as its slowest pair.
 // - The receiver itself when it holds the class (a local copy).
 // - A receiver holding another class of the tensor takes the holder with its own
 //   replica index (its DP group): every class has the same replicas, so each holder
@@ -196,7 +194,7 @@ void for_each_split(std::vector<int64_t>& off, std::vector<int64_t>& size, int64
   int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
   // Cuts inside the last dim fall on multiples of 32 elements (soft limit), so MXFP8
   // blocks stay whole in every box (a fused quantize needs a block in one box).
-  if (d + 1 == nd) step = std::max<int64_t>(kLastDimGrain, step / kLastDimGrain * kLastDimGrain);
+  if (d + 1 == nd) step = std::max<int64_t>(mx::kBlock, step / mx::kBlock * mx::kBlock);
   if (step >= size[d]) return fn(off, size, numel);  // no finer cut allowed (whole MX blocks)
   const int64_t full = size[d], base = off[d];
   for (int64_t lo = 0; lo < full; lo += step) {
@@ -287,7 +285,7 @@ int32_t LayoutTable::find(const std::string& name) const {
 }
 
 int32_t wire_dtype_for(int32_t src_dtype, int32_t dst_dtype) {
-  if (is_float(src_dtype) && is_float(dst_dtype) && rx_dtype_size(dst_dtype) < rx_dtype_size(src_dtype))
+  if (dtype_is_float(src_dtype) && dtype_is_float(dst_dtype) && dtype_size(dst_dtype) < dtype_size(src_dtype))
     return dst_dtype;
   return src_dtype;
 }
@@ -325,7 +323,7 @@ std::vector<std::string> check_tables(const LayoutTable& src, const LayoutTable&
     if (d.shape() != s.shape())
       errors.push_back(detail::format("tensor '", dst.name(i), "': global shape differs between src ",
                                       s.describe(), " and dst ", d.describe()));
-    if (!rx_dtype_castable(s.dtype(), d.dtype()))
+    if (!dtype_castable(s.dtype(), d.dtype()))
       errors.push_back(detail::format(
           "tensor '", dst.name(i), "': cannot convert ", dtype_name(s.dtype()), " to ", dtype_name(d.dtype()),
           ": conversions exist only among float16, bfloat16, float32 and float64 (same bits as Tensor.to); "
@@ -453,7 +451,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
       if (max_batch_bytes <= 0 || op.nbytes <= max_batch_bytes)
         out.push_back(std::move(op));
       else
-        split_op(op, max_batch_bytes, rx_dtype_size(op.wire_dtype), out);
+        split_op(op, max_batch_bytes, dtype_size(op.wire_dtype), out);
     }
     sort_ops(out);
   };
@@ -565,11 +563,11 @@ void for_each_pair(const std::vector<TransferOp>& ops, Fn&& fn) {
 
 // The cut of a pair's ops for k batches: pieces of at most 1 / (2 * fineness) of the
 // share of the pair's smallest batch (0: no cut), so no batch of the pair carries much
-// more than its share: a batch's transfer lasts as long as its busiest pair, and one
-// unsplit op of a few hundred MB (a vocab shard) made one batch of a 4-GPU refit take
-// 6 ms where the others took 1.6. Both ends of a pair hold the same op list and cut it
-// the same way. Never below `floor`: a pair of a few KB (norms) is not worth 4k boxes,
-// and at 2,048 ranks with 90 batches such cuts made 250,000 boxes per rank.
+// more than its share: a batch's transfer lasts as long as its busiest pair, so one
+// unsplit large op (a vocab shard) would stretch its batch. Both ends of a pair hold the
+// same op list and cut it the same way. Never below `floor`: tiny pairs (norms) are not
+// worth thousands of boxes, and at thousands of ranks such cuts would multiply the boxes
+// per rank.
 int64_t pair_limit(int64_t total, int32_t k, bool taper, int64_t floor, int32_t fineness) {
   if (k <= 1) return 0;
   const int64_t parts =
@@ -678,7 +676,7 @@ std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
           placer.place(ops[o].nbytes);
           continue;
         }
-        const int32_t elem = rx_dtype_size(ops[o].wire_dtype);
+        const int32_t elem = dtype_size(ops[o].wire_dtype);
         size = ops[o].mine.size;
         off.assign(size.size(), 0);
         for_each_split(off, size, ops[o].numel, limit, elem,

@@ -1,6 +1,6 @@
 #include "core/relay.h"
 
-#include "kernels/api.h"
+#include "common/dtype.h"
 
 namespace rx {
 
@@ -70,8 +70,8 @@ RelaySplit relay_split(const Layout& src, const Layout& dst) {
     if (best < 0 || ws * best_n < best_share * wn) best = d, best_share = ws, best_n = wn;
   }
   if (dim < 0) dim = best, share = best_share, n = best_n;
-  const int64_t dsz = rx_dtype_size(dst.dtype());
-  const int64_t wsz = rx_dtype_size(wire_dtype_for(src.dtype(), dst.dtype()));
+  const int64_t dsz = dtype_size(dst.dtype());
+  const int64_t wsz = dtype_size(wire_dtype_for(src.dtype(), dst.dtype()));
   // Relay when sum_c (k - j_c) / (k h_c) > C s rho (relay.h), in integers: each term
   // scaled by k * kScale (rounded down: a deterministic, rank-independent comparison).
   constexpr int64_t kScale = int64_t{1} << 20;

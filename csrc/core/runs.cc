@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "core/checked.h"
 
 namespace rx {

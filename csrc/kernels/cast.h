@@ -6,13 +6,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common/dtype.h"
+#include "common/host_device.h"
 #include "kernels/api.h"
-
-#if defined(__CUDACC__)
-#define RX_HD __host__ __device__ __forceinline__
-#else
-#define RX_HD inline
-#endif
 
 namespace rx {
 
@@ -76,10 +72,6 @@ RX_HD float f32_from_f16(uint16_t h) {
     return f32_from_bits(sign | ((uint32_t)(112 - e) << 23) | (mant << 13));
   }
   return f32_from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-RX_HD bool dtype_is_float(int32_t d) {
-  return d == RX_F16 || d == RX_BF16 || d == RX_F32 || d == RX_F64;
 }
 
 // Reads one floating element as float: exact (NaN payloads included) for the 16/32-bit

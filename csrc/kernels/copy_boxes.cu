@@ -561,7 +561,7 @@ __device__ __forceinline__ void run_warp(const rx_box* boxes, const rx_tile* til
 // separate instance: the loop state does not fit the one-pass kernel's 64 registers,
 // and a capped grid does not need that occupancy: the transport caps at half or three
 // quarters of the SMs, one block per SM, so this instance may use up to 255 registers
-// (it needs ~150 with the flat-tile branch; at 128 it spilled). A cap above the SM count
+// (tests/test_cuda_build.py checks it does not spill). A cap above the SM count
 // (RESHARD_EXT_CUDA_MAX_BLOCKS) runs the blocks past one per SM in later waves.
 template <bool kStride>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 1 : kMinBlocksPerSm)

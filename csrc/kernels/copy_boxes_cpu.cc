@@ -2,90 +2,12 @@
 // and the data path of the CPU (gloo) refit.
 #include <string.h>
 
+#include "common/dtype.h"
+#include "core/box.h"
 #include "core/mxfp8.h"
 #include "kernels/api.h"
 #include "kernels/cast.h"
 #include "kernels/digest.h"
-
-extern "C" int32_t rx_dtype_size(int32_t dtype) {
-  switch (dtype) {
-    case RX_U8: case RX_I8: case RX_BOOL: case RX_F8E4M3: case RX_F8E5M2: case RX_F8E8M0:
-      return 1;
-    case RX_I16: case RX_F16: case RX_BF16: case RX_U16:
-      return 2;
-    case RX_I32: case RX_F32: case RX_U32:
-      return 4;
-    case RX_I64: case RX_F64: case RX_U64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
-extern "C" int32_t rx_dtype_castable(int32_t src, int32_t dst) {
-  if (rx_dtype_size(src) == 0 || rx_dtype_size(dst) == 0) return 0;
-  return src == dst || (rx::dtype_is_float(src) && rx::dtype_is_float(dst));
-}
-
-namespace {
-
-// rx_box.digest (api.h): a cast target must be a float the written float converts to;
-// an MX digest needs a BF16 copy whose innermost rows are whole blocks.
-bool digest_valid(const rx_box& b) {
-  if (b.reserved != 0 || (b.digest >> 16) != 0) return false;
-  const int32_t arg = RX_DIGEST_ARG(b.digest);
-  switch (RX_DIGEST_KIND(b.digest)) {
-    case RX_DIGEST_AS_WRITTEN: return arg == 0;
-    case RX_DIGEST_CAST:
-      return b.mode == RX_BOX_COPY && rx::dtype_is_float(b.dst_dtype) && rx::dtype_is_float(arg);
-    case RX_DIGEST_MX:
-      return b.mode == RX_BOX_COPY && b.dst_dtype == RX_BF16 && (arg == rx::mx::kCeil || arg == rx::mx::kFloor) &&
-             b.shape[b.ndim - 1] % RX_BOX_MX_GROUP == 0;
-    default: return false;
-  }
-}
-
-}  // namespace
-
-extern "C" int32_t rx_box_valid(const rx_box* b) {
-  if (b->ndim < 1 || b->ndim > RX_MAX_DIMS) return 0;
-  // Every byte count and offset the kernels and tilers compute from a box must fit 64
-  // bits: its element count times the widest element (8 bytes), and its extent on
-  // either side in bytes.
-  const __int128 kMax = INT64_MAX;
-  __int128 bytes = 8, src_span = 0, dst_span = 0;
-  for (int d = 0; d < b->ndim; ++d) {
-    if (b->shape[d] < 0) return 0;
-    const __int128 n = b->shape[d];
-    const __int128 ss = b->src_stride[d] < 0 ? -static_cast<__int128>(b->src_stride[d]) : b->src_stride[d];
-    const __int128 ds = b->dst_stride[d] < 0 ? -static_cast<__int128>(b->dst_stride[d]) : b->dst_stride[d];
-    bytes *= n;
-    src_span += n * ss;
-    dst_span += n * ds;
-    if (bytes > kMax || src_span > kMax / 8 || dst_span > kMax / 8) return 0;
-  }
-  if (b->mode < 0 || (b->mode >> 24) != 0) return 0;
-  const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode), scales = RX_BOX_SCALES(b->mode);
-  // Scale placement (api.h): only an MX_DATA box with a scale buffer has one.
-  const bool places_scales = kind == RX_BOX_MX_DATA && b->aux != 0;
-  if (!places_scales && (scales != 0 || b->aux != 0 || b->mx_first != 0 || b->mx_cols != 0)) return 0;
-  if (!digest_valid(*b)) return 0;
-  if (kind == RX_BOX_COPY) return b->mode == 0 && rx_dtype_castable(b->src_dtype, b->dst_dtype);
-  if (rounding != rx::mx::kCeil && rounding != rx::mx::kFloor) return 0;
-  if (b->src_dtype != RX_BF16) return 0;
-  const int inner = b->ndim - 1;
-  if (kind == RX_BOX_MX_SCALE) return b->dst_dtype == RX_U8 || b->dst_dtype == RX_F8E8M0;
-  if (kind != RX_BOX_MX_DATA || !(b->dst_dtype == RX_F8E4M3 || b->dst_dtype == RX_U8)) return 0;
-  if (b->src_stride[inner] != 1 || b->dst_stride[inner] != 1 || b->shape[inner] % RX_BOX_MX_GROUP != 0) return 0;
-  if (!places_scales) return 1;
-  // Every block starts on the data buffer's 32-grid, inside one row of K elements.
-  if (scales != rx::mx::k2D && scales != rx::mx::kSwizzled) return 0;
-  if (b->mx_cols <= 0 || b->mx_cols % RX_BOX_MX_GROUP != 0) return 0;
-  if (b->mx_first < 0 || b->mx_first % RX_BOX_MX_GROUP != 0) return 0;
-  for (int d = 0; d < inner; ++d)
-    if (b->dst_stride[d] % RX_BOX_MX_GROUP != 0) return 0;
-  return 1;
-}
 
 namespace {
 
@@ -215,7 +137,7 @@ uint64_t hash_elems(const char* p, int64_t stride, int32_t dtype, int32_t digest
   const int32_t kind = RX_DIGEST_KIND(digest);
   if (kind == RX_DIGEST_MX) {
     uint64_t acc = 0;
-    for (int64_t g = 0; g < n; g += RX_BOX_MX_GROUP) {
+    for (int64_t g = 0; g < n; g += rx::mx::kBlock) {
       const char* b = p + g * stride * 2;
       acc = dg::add(acc, dg::mx_block([&](int j) { return static_cast<uint16_t>(load_bits(b + j * stride * 2, 2)); },
                                       k0 + static_cast<uint64_t>(g), RX_DIGEST_ARG(digest)));
@@ -241,7 +163,7 @@ uint64_t digest_chunk(const rx_box& box, int32_t pass, const char* src, char* ds
   const int inner = box.ndim - 1;
   const int64_t ssi = box.src_stride[inner], dsi = box.dst_stride[inner];
   const int32_t kind = RX_BOX_KIND(box.mode);
-  uint8_t scales[kChunk / RX_BOX_MX_GROUP];
+  uint8_t scales[kChunk / rx::mx::kBlock];
   alignas(16) char tmp[kChunk * 8];
   // What the box writes, as (pointer, stride): dst after a copy, dst itself when only
   // reading it, the source where a same-dtype copy would write its bits unchanged, else a
@@ -268,13 +190,13 @@ uint64_t digest_chunk(const rx_box& box, int32_t pass, const char* src, char* ds
       stride = 1;
     }
   } else if (kind == RX_BOX_MX_DATA && box.aux) {  // RX_PASS_DST: the scales where the blocks put them
-    for (int64_t g = 0; g < n / RX_BOX_MX_GROUP; ++g)
+    for (int64_t g = 0; g < n / rx::mx::kBlock; ++g)
       scales[g] = reinterpret_cast<const uint8_t*>(box.aux)[rx::mx::scale_offset(
-          first + g * RX_BOX_MX_GROUP, box.mx_cols, RX_BOX_SCALES(box.mode))];
+          first + g * rx::mx::kBlock, box.mx_cols, RX_BOX_SCALES(box.mode))];
   }
   uint64_t acc = hash_elems(at, stride, box.dst_dtype, box.digest, k0, n);
   if (kind == RX_BOX_MX_DATA && box.aux)
-    for (int64_t g = 0; g < n / RX_BOX_MX_GROUP; ++g) acc = dg::add(acc, dg::scale(k0 / RX_BOX_MX_GROUP + g, scales[g]));
+    for (int64_t g = 0; g < n / rx::mx::kBlock; ++g) acc = dg::add(acc, dg::scale(k0 / rx::mx::kBlock + g, scales[g]));
   return acc;
 }
 

@@ -10,8 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include "comm/cuda_check.h"
-#include "core/check.h"
+#include "common/check.h"
 #include "kernels/api.h"
 
 namespace rx {

@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/dtype.h"
+#include "core/box.h"
+#include "core/mxfp8.h"
 #include "kernels/api.h"
 
 namespace {
@@ -22,11 +25,11 @@ int64_t box_elems(const rx_box& b) {
 }
 
 // Source bytes one MX item reads: a whole block of BF16 (the work of a lane).
-constexpr int64_t kMxItemBytes = RX_BOX_MX_GROUP * 2;
+constexpr int64_t kMxItemBytes = rx::mx::kBlock * 2;
 
 // Items of an MX box: its blocks (MX_DATA) or its scale bytes (MX_SCALE).
 int64_t mx_items(const rx_box& b) {
-  return RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA ? box_elems(b) / RX_BOX_MX_GROUP : box_elems(b);
+  return RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA ? box_elems(b) / rx::mx::kBlock : box_elems(b);
 }
 
 // The geometry an RX_TILE_FLAT tile carries (api.h).

@@ -3,7 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "python/register.h"
 
 #ifdef RX_WITH_CUDA

@@ -5,13 +5,14 @@
 
 #include <unordered_map>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "core/direct.h"
 #include "core/exec_tables.h"
 #include "core/layout.h"
 #include "core/metadata.h"
 #include "core/planner.h"
 #include "core/relay.h"
+#include "kernels/api.h"
 #include "python/register.h"
 
 namespace py = pybind11;

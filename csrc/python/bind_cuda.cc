@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "core/direct.h"
 #include "kernels/api.h"
 #include "python/register.h"

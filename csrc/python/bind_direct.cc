@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "python/register.h"
 
 #ifdef RX_WITH_CUDA

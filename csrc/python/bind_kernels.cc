@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "kernels/api.h"
 #include "python/register.h"
 
@@ -13,9 +13,6 @@ namespace py = pybind11;
 namespace rx::python {
 
 void register_kernels(py::module_& m) {
-  m.def("dtype_size", &rx_dtype_size, "Bytes per element of an rx dtype code (0 if unknown).");
-  m.def("dtype_castable", [](int32_t s, int32_t d) { return rx_dtype_castable(s, d) != 0; },
-        "Whether boxes may convert dtype s to d.");
   m.attr("MAX_DIMS") = RX_MAX_DIMS;
   m.attr("BOX_BYTES") = sizeof(rx_box);
   m.attr("BOX_COPY") = static_cast<int>(RX_BOX_COPY);

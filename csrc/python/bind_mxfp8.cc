@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "core/mxfp8.h"
 #include "kernels/mxfp8_api.h"
 #include "python/register.h"

@@ -2,7 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "core/check.h"
+#include "common/check.h"
 #include "python/register.h"
 
 #ifdef RX_WITH_NCCL
@@ -16,6 +16,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<rx::ReshardError>(m, "ReshardError", PyExc_RuntimeError);
   py::register_exception<rx::InternalError>(m, "InternalError", PyExc_RuntimeError);
 
+  rx::python::register_common(m);
   rx::python::register_core(m);
   rx::python::register_kernels(m);
   rx::python::register_cuda(m);

@@ -4,8 +4,9 @@
 #include <pybind11/pybind11.h>
 
 namespace rx::python {
+void register_common(pybind11::module_& m);   // the dtype table (bind_common.cc)
 void register_core(pybind11::module_& m);     // layouts, planner, exec tables (bind_core.cc)
-void register_kernels(pybind11::module_& m);  // CPU box copy, dtypes (bind_kernels.cc)
+void register_kernels(pybind11::module_& m);  // CPU box copy and verify (bind_kernels.cc)
 void register_cuda(pybind11::module_& m);     // CUDA kernels and device tables (bind_cuda.cc)
 void register_comm(pybind11::module_& m);     // NCCL communicator (bind_comm.cc)
 void register_mxfp8(pybind11::module_& m);    // MXFP8 scale math and quantize (bind_mxfp8.cc)
