@@ -290,8 +290,7 @@ class CudaTransport:
         def post(b: int) -> None:
             step("pack", b, main, lambda: pack(b, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
-            sends, recvs = self._messages[b]
-            step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
+            step("transfer", b, side, lambda: self._transfer(b, side))
             done.append(side.record_event())
 
         post(0)
@@ -303,12 +302,27 @@ class CudaTransport:
             # front would leave the link idle.
             if b < len(self._copy):
                 step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
-            main.wait_event(done[b])
+            self._landed(b, main, done[b])
             step("unpack", b, main, lambda b=b: unpack(b, cap))
-        # A dead peer or a lost message raises here (bounded by the communicator's
-        # timeout, rx.Options.timeout) instead of hanging the next sync.
-        self.comm.wait(self.comm.timeout)
+            self._unpacked(b, main)
+        # A dead peer or a lost message raises here (bounded by the transport's timeout,
+        # rx.Options.timeout) instead of hanging the next sync.
+        self._drain(main, side)
         return self._finish(timeline, tables, v)
+
+    # The steps of the pipelined run that differ between transports (NvshmemTransport).
+    def _transfer(self, b: int, side: torch.cuda.Stream) -> None:
+        sends, recvs = self._messages[b]
+        self.comm.exchange(sends, recvs, side.cuda_stream, 0)
+
+    def _landed(self, b: int, main: torch.cuda.Stream, done: torch.cuda.Event) -> None:
+        main.wait_event(done)
+
+    def _unpacked(self, b: int, main: torch.cuda.Stream) -> None:
+        pass
+
+    def _drain(self, main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
+        self.comm.wait(self.comm.timeout)
 
     def read_digests(self, tables: Any) -> tuple[np.ndarray, ...]:
         """rx.verify: one launch per side reads every op's source (what it would send) and
