@@ -22,21 +22,27 @@ namespace {
 
 namespace abi = nvshmem_abi;
 
+// Every entry point called: (member, type in nvshmem_abi.h, exported symbol).
+#define RX_NVSHMEM_ENTRY_POINTS(X)                                 \
+  X(init_attr, HostlibInitAttr, "nvshmemx_hostlib_init_attr")      \
+  X(get_uniqueid, GetUniqueId, "nvshmemx_get_uniqueid")            \
+  X(set_uid_args, SetAttrUniqueIdArgs, "nvshmemx_set_attr_uniqueid_args") \
+  X(init_status, InitStatus, "nvshmemx_init_status")               \
+  X(my_pe, IntQuery, "nvshmem_my_pe")                              \
+  X(n_pes, IntQuery, "nvshmem_n_pes")                              \
+  X(malloc, Malloc, "nvshmem_malloc")                              \
+  X(putmem_signal, PutmemSignalOnStream, "nvshmemx_putmem_signal_on_stream") \
+  X(signal_op, SignalOpOnStream, "nvshmemx_signal_op_on_stream")   \
+  X(signal_wait, SignalWaitUntilOnStream, "nvshmemx_signal_wait_until_on_stream") \
+  X(barrier_all, BarrierAll, "nvshmem_barrier_all")                \
+  X(vendor_version, VendorVersion, "nvshmemx_vendor_get_version_info")
+
 struct NvshmemApi {
   void* handle = nullptr;
   std::string path;
-  abi::HostlibInitAttr init_attr = nullptr;
-  abi::GetUniqueId get_uniqueid = nullptr;
-  abi::SetAttrUniqueIdArgs set_uid_args = nullptr;
-  abi::InitStatus init_status = nullptr;
-  abi::IntQuery my_pe = nullptr;
-  abi::IntQuery n_pes = nullptr;
-  abi::Malloc malloc = nullptr;
-  abi::PutmemSignalOnStream putmem_signal = nullptr;
-  abi::SignalOpOnStream signal_op = nullptr;
-  abi::SignalWaitUntilOnStream signal_wait = nullptr;
-  abi::BarrierAll barrier_all = nullptr;
-  abi::VendorVersion vendor_version = nullptr;
+#define RX_NVSHMEM_MEMBER(member, type, symbol) abi::type member = nullptr;
+  RX_NVSHMEM_ENTRY_POINTS(RX_NVSHMEM_MEMBER)
+#undef RX_NVSHMEM_MEMBER
 };
 
 std::mutex g_mutex;
@@ -45,28 +51,11 @@ std::string g_attempts;
 
 // Resolves every entry point from `h`, or names the first one missing.
 std::string resolve(void* h, NvshmemApi* a) {
-  struct Entry {
-    const char* name;
-    void** slot;
-  };
-  const Entry entries[] = {
-      {"nvshmemx_hostlib_init_attr", reinterpret_cast<void**>(&a->init_attr)},
-      {"nvshmemx_get_uniqueid", reinterpret_cast<void**>(&a->get_uniqueid)},
-      {"nvshmemx_set_attr_uniqueid_args", reinterpret_cast<void**>(&a->set_uid_args)},
-      {"nvshmemx_init_status", reinterpret_cast<void**>(&a->init_status)},
-      {"nvshmem_my_pe", reinterpret_cast<void**>(&a->my_pe)},
-      {"nvshmem_n_pes", reinterpret_cast<void**>(&a->n_pes)},
-      {"nvshmem_malloc", reinterpret_cast<void**>(&a->malloc)},
-      {"nvshmemx_putmem_signal_on_stream", reinterpret_cast<void**>(&a->putmem_signal)},
-      {"nvshmemx_signal_op_on_stream", reinterpret_cast<void**>(&a->signal_op)},
-      {"nvshmemx_signal_wait_until_on_stream", reinterpret_cast<void**>(&a->signal_wait)},
-      {"nvshmem_barrier_all", reinterpret_cast<void**>(&a->barrier_all)},
-      {"nvshmemx_vendor_get_version_info", reinterpret_cast<void**>(&a->vendor_version)},
-  };
-  for (const Entry& e : entries) {
-    *e.slot = dlsym(h, e.name);
-    if (*e.slot == nullptr) return e.name;
-  }
+#define RX_NVSHMEM_BIND(member, type, symbol)                       \
+  a->member = reinterpret_cast<abi::type>(dlsym(h, symbol));        \
+  if (a->member == nullptr) return symbol;
+  RX_NVSHMEM_ENTRY_POINTS(RX_NVSHMEM_BIND)
+#undef RX_NVSHMEM_BIND
   return "";
 }
 
