@@ -7,7 +7,7 @@ same bytes, every rank at once), the same-rank bytes and their ratio to a
 device-to-device copy, and the same refit done the way Megatron-Core does it (one
 batch_isend_irecv op per slice, slices made contiguous in Python) as a baseline.
 
-    torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --backend nccl,direct [--verify]
+    torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --backend nccl,direct,nvshmem [--verify]
     torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 [--relay-stages G]  (relay off / on)
 Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
 --backend takes one backend or a comma list (an A/B in one run, same tensors).
@@ -30,6 +30,7 @@ os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1")
 
 import reshard_ext as rx  # noqa: E402
 from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts, total_bytes
+from reshard_ext.execution import BACKENDS  # noqa: E402
 
 from _common import cuda_time as _time, d2d_time, nccl_ceiling, peer_copy_ceiling
 
@@ -179,7 +180,8 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--backend", default="auto",
                     help="rx.plan backend, or a comma list timed one after the other on the same tensors "
-                         "(e.g. nccl,direct); the first one also runs --mxfp8, --trace and --transfers-only")
+                         "(e.g. nccl,direct,nvshmem; choices: " + ",".join(BACKENDS) + "); the first one also "
+                         "runs --mxfp8, --trace and --transfers-only (NCCL only)")
     ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
@@ -208,6 +210,9 @@ def main() -> None:
     dst_l = model_layouts(model, dp_)
     src, dst = _pieces(src_l, rank, random=True), _pieces(dst_l, rank)
     backends = args.backend.split(",")
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        raise SystemExit(f"--backend: unknown {unknown}; choose from {', '.join(BACKENDS)}")
     plans, t_refits = [], []
     for b in backends:
         p = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None, backend=b)
@@ -222,7 +227,7 @@ def main() -> None:
         plan.transport.trace = False
         timeline = plan.transport.last_timeline
 
-    if args.transfers_only and getattr(plan.transport, "comm", None) is not None:
+    if args.transfers_only and plan.backend == "nccl":
         tr = plan.transport
         batches = [tr.transfers(b) for b in range(plan.num_batches)]
 

@@ -21,8 +21,11 @@ __version__: str = str(_C._build_info["version"])
 
 def build_info() -> dict[str, Any]:
     """What the compiled extension contains: version, CUDA kernels (and their arch and
-    runtime linkage), the NCCL transport (and the nccl.h it was built against)."""
-    return dict(_C._build_info)
+    runtime linkage), the NCCL transport (and the nccl.h it was built against), the NVSHMEM
+    transport and the libnvshmem_host it loaded ('' until a plan or `info` loads one)."""
+    from . import _nvshmem
+
+    return dict(_C._build_info, nvshmem_library=_nvshmem.loaded_library())
 
 
 __all__ = [

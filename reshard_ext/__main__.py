@@ -19,7 +19,7 @@ def info_rows() -> list[tuple[str, str]]:
     """(what, value) rows of `info`: what was built, what this process can load and use."""
     import torch
 
-    from . import _nccl, build_info
+    from . import _nccl, _nvshmem, build_info
 
     built = build_info()
     cuda_ok = torch.cuda.is_available()
@@ -31,10 +31,14 @@ def info_rows() -> list[tuple[str, str]]:
         transports.append("torch (CUDA kernels, torch.distributed p2p)")
     if nccl_usable:
         transports.append("nccl (CUDA kernels, C++ NCCL)")
+    nvshmem_runtime = _nvshmem.runtime_status() if built["nvshmem"] else "not built"
+    if built["nvshmem"] and cuda_ok and not nvshmem_runtime.startswith("not"):
+        transports.append("nvshmem (CUDA kernels, NVSHMEM put-with-signal)")
     unusable = []
     if built["cuda"] and not cuda_ok:
         unusable.append("CUDA transports: torch sees no GPU")
-    unusable.append("nvshmem: not implemented yet")
+    if nvshmem_runtime.startswith("not"):
+        unusable.append(f"nvshmem: libnvshmem_host {nvshmem_runtime}")
     return [
         ("reshard_ext", str(built["version"])),
         ("python", f"{platform.python_version()} ({sys.executable})"),
@@ -43,6 +47,8 @@ def info_rows() -> list[tuple[str, str]]:
         ("CUDA devices (run time)", devices or "none"),
         ("NCCL transport (build)", f"yes, nccl.h {built['nccl_headers']}" if built["nccl"] else "no"),
         ("NCCL library (run time)", nccl_runtime),
+        ("NVSHMEM transport (build)", "yes, host API (no headers or device library)" if built["nvshmem"] else "no"),
+        ("NVSHMEM library (run time)", nvshmem_runtime),
         ("transports available", "; ".join(transports)),
         ("not available", "; ".join(unusable)),
     ]

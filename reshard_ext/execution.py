@@ -80,8 +80,15 @@ def _make_transport(backend: str, device: Optional[str], group: Any, options: Op
     if backend not in BACKENDS:
         raise ReshardError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "nvshmem":
-        # In the DESIGN contract, not built yet: every rank reaches this line alike.
-        raise ReshardError("backend 'nvshmem' is not implemented yet; use 'nccl' (or 'auto')")
+        from . import _nvshmem
+
+        _nvshmem.check_group(group)  # what any rank misses (build, CUDA, libnvshmem), on every rank
+        if device not in (None, "cuda"):
+            raise ReshardError(f"backend 'nvshmem' needs CUDA tensors, got {device} tensors")
+        from .transports.nvshmem import NvshmemTransport
+
+        # Collective: a rank without CUDA, the build or libnvshmem raises on every rank.
+        return backend, NvshmemTransport(group, options)
     if backend == "auto":
         if device == "cuda" and _auto_direct(group, options):
             backend = "direct"
@@ -374,8 +381,8 @@ class Plan:
 
 def _timeout_kind(backend: str, transport: Any) -> str:
     """Which environment default bounds an execute's waits (rx.Options.resolved_timeout)."""
-    if backend == "direct":
-        return "direct"
+    if backend in ("direct", "nvshmem"):
+        return backend
     return "nccl" if getattr(transport, "comm", None) is not None else "gloo"
 
 

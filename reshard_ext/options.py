@@ -101,6 +101,8 @@ KNOBS: dict[str, Knob] = {
              "(0: auto, one per two batches of the relayed bytes, 1 to 8; 1: scatter, then forward; alike on every rank)"),
         Knob("RESHARD_EXT_DIRECT_TIMEOUT", 600.0, _seconds,
              "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
+        Knob("RESHARD_EXT_NVSHMEM_TIMEOUT", 600.0, _seconds,
+             "seconds before an NVSHMEM refit raises on a peer that does not signal (never executes, died)"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 4 << 20, _count(0),
              "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
         Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
@@ -227,8 +229,8 @@ class Options:
     def resolved_timeout(self, transport: str) -> float:
         if self.timeout is not None:
             return float(self.timeout)
-        env = {"nccl": "RESHARD_EXT_NCCL_TIMEOUT", "direct": "RESHARD_EXT_DIRECT_TIMEOUT"}.get(transport,
-                                                                                            "RESHARD_EXT_P2P_TIMEOUT")
+        env = {"nccl": "RESHARD_EXT_NCCL_TIMEOUT", "direct": "RESHARD_EXT_DIRECT_TIMEOUT",
+               "nvshmem": "RESHARD_EXT_NVSHMEM_TIMEOUT"}.get(transport, "RESHARD_EXT_P2P_TIMEOUT")
         return float(env_default(env))
 
     def resolved_nccl_register(self) -> bool:

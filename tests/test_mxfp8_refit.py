@@ -275,12 +275,13 @@ def test_refit_one_gpu(where, layout_kind):
 
 
 @pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
-@pytest.mark.parametrize("backend", ["auto", "direct"])
+@pytest.mark.parametrize("backend", ["auto", "direct", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
 def test_refit_matrix_cuda(where, layout_kind, world, backend):
-    """backend "direct": the sender's boxes write (and quantize) straight into the receiver."""
+    """backend "direct": the sender's boxes write (and quantize) straight into the receiver;
+    "nvshmem": the NCCL path's boxes around put-with-signal."""
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):

@@ -1,5 +1,5 @@
-"""GPU refits over NCCL: the same layout matrix as the CPU tests, bit for bit, through
-the C++ NCCL transport and through torch.distributed point-to-point."""
+"""GPU refits: the same layout matrix as the CPU tests, bit for bit, through the C++ NCCL
+transport, torch.distributed point-to-point and the NVSHMEM transport."""
 import pytest
 import torch
 
@@ -27,7 +27,7 @@ def _batched(rank, world, batching, case, backend="nccl", knobs=None):
 
 
 @needs2
-@pytest.mark.parametrize("backend", ["nccl", "torch"])
+@pytest.mark.parametrize("backend", ["nccl", "torch", "nvshmem"])
 @pytest.mark.parametrize("case", ["two", "tp", "uneven_blocks", "casts"])
 @pytest.mark.parametrize("batching", BATCHING)
 def test_matrix_2gpu(case, backend, batching):
@@ -35,10 +35,11 @@ def test_matrix_2gpu(case, backend, batching):
 
 
 @needs4
+@pytest.mark.parametrize("backend", ["nccl", "nvshmem"])
 @pytest.mark.parametrize("case", ["tp", "uneven_blocks", "meshes", "pp_experts", "placement", "casts"])
 @pytest.mark.parametrize("batching", BATCHING)
-def test_matrix_4gpu(case, batching):
-    run_ranks(4, _batched, batching, case, backend="nccl")
+def test_matrix_4gpu(case, batching, backend):
+    run_ranks(4, _batched, batching, case, backend, backend="nccl")
 
 
 def _with_knobs(rank, world, knobs, case, max_batch_bytes):
@@ -115,3 +116,32 @@ def test_rebind_reregisters_2gpu():
 
     for ok in run_ranks(2, _rebind_registered, rx.Options(direct_bytes=1), backend="nccl"):
         assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok
+
+
+@needs2
+def test_nvshmem_rebind_and_verify_2gpu():
+    """NVSHMEM: a rebound destination receives the next refit (the symmetric staging and
+    the peers' offsets stay); the traced pipeline moves the same bytes."""
+    import reshard_ext as rx
+
+    for ok in run_ranks(2, _rebind_registered, None, "nvshmem", backend="nccl"):
+        assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok
+    run_ranks(2, run_case, "tp", "cuda", 512, "nvshmem", rx.Options(trace=True), backend="nccl")
+
+
+def _verified(rank, world, case, backend):
+    import reshard_ext as rx
+
+    def check(plan):
+        for _ in range(3):  # several executes: the put/free counters carry across them
+            rx.execute(plan, verify=True)
+        rx.verify(plan)
+        return plan.backend
+
+    return run_case(rank, world, case, "cuda", 512, backend, None, check)
+
+
+@needs2
+@pytest.mark.parametrize("case", ["tp", "casts"])
+def test_nvshmem_verify_2gpu(case):
+    assert run_ranks(2, _verified, case, "nvshmem", backend="nccl") == ["nvshmem", "nvshmem"]

@@ -24,6 +24,7 @@ PYBIND11_MODULE(_C, m) {
   rx::python::register_mxfp8(m);
   rx::python::register_direct(m);
   rx::python::register_fingerprint(m);
+  rx::python::register_nvshmem(m);
 
   py::dict info;
   info["version"] = RX_VERSION_INFO;
@@ -36,7 +37,9 @@ PYBIND11_MODULE(_C, m) {
 #endif
 #ifdef RX_WITH_CUDA
   info["cudart"] = RX_CUDART_INFO;
+  info["nvshmem"] = true;  // host API, libnvshmem_host loaded at run time
 #else
+  info["nvshmem"] = false;
   info["cudart"] = "";
 #endif
 #ifdef RX_WITH_NCCL

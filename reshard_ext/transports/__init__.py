@@ -5,6 +5,8 @@ carries the bytes.
   cpu    CPU box kernels + torch.distributed point-to-point (gloo)
   torch  CUDA box kernels + torch.distributed point-to-point (any GPU backend)
   nccl   CUDA box kernels + the C++ NCCL communicator on CUDA streams, pipelined
+  direct CUDA IPC writes straight into the receivers' destinations (one host)
+  nvshmem CUDA box kernels + NVSHMEM put-with-signal into symmetric staging, pipelined
 """
 from __future__ import annotations
 

@@ -162,6 +162,7 @@ class CudaTransport:
         self.staging_bytes = 0
         self.nccl_timeout = options.resolved_timeout("nccl")
         self.comm = comm
+        self.nccl = comm is not None  # an NCCL communicator (rebuilt after a failure); NvshmemTransport's is not
         self.trace = options.resolved_trace()
         self.split_copies = options.resolved_split_copies()
         self.max_blocks_override = options.resolved_max_blocks()
@@ -277,7 +278,7 @@ class CudaTransport:
 
         if session.verdict is None:
             self.channel.drain(session)
-            if self.comm is not None:
+            if self.nccl:
                 session.epoch = _nccl.epoch(self.group)
                 session.comm_unusable = not self.comm.usable
             ok = session.status == 0
@@ -285,7 +286,7 @@ class CudaTransport:
         elif session.status == 0:
             pack0()
         verdict = session.verdict
-        if self.comm is not None and (verdict.rebuild or session.comm_unusable):
+        if self.nccl and (verdict.rebuild or session.comm_unusable):
             # Collective over the group: every rank whose communicator failed, and every
             # rank a peer of which says so, builds the next one together.
             self.comm = _nccl.communicator(self.group, self.nccl_timeout, fresh=True)
@@ -372,7 +373,7 @@ class CudaTransport:
                 step("pack", b, main, lambda: pack(b, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
             sends, recvs = messages(b)
-            step("transfer", b, side, lambda: comm.exchange(sends, recvs, side.cuda_stream, 0))
+            step("transfer", b, side, lambda: self._transfer(b, side, sends, recvs))
             done.append(side.record_event())
 
         saved = comm.timeout
@@ -388,12 +389,13 @@ class CudaTransport:
                     # front would leave the link idle.
                     if writes and b < len(self._copy):
                         step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
-                    main.wait_event(done[b])
+                    self._landed(b, main, done[b])
                     if writes:
                         step("unpack", b, main, lambda b=b: unpack(b, cap))
+                    self._unpacked(b, main)
                 # A dead peer or a lost message raises here (bounded by the execute's
                 # timeout) instead of hanging the next sync.
-                comm.wait(session.timeout)
+                self._drain(main, side, session.timeout)
         except ReshardError as e:
             if session.abort.is_set():
                 raise ReshardError("rx.execute was aborted (plan.abort()) during the NCCL transfers; "
@@ -413,6 +415,19 @@ class CudaTransport:
             raise ReshardError(session.error)
         if session.verdict is not None and session.verdict.bad:
             raise ReshardError(session.verdict.message(self.channel.rank) + "\n  (this rank wrote no destination)")
+
+    # The steps of the pipelined run that differ between transports (NvshmemTransport).
+    def _transfer(self, b: int, side: torch.cuda.Stream, sends: list, recvs: list) -> None:
+        self.comm.exchange(sends, recvs, side.cuda_stream, 0)
+
+    def _landed(self, b: int, main: torch.cuda.Stream, done: torch.cuda.Event) -> None:
+        main.wait_event(done)
+
+    def _unpacked(self, b: int, main: torch.cuda.Stream) -> None:
+        pass
+
+    def _drain(self, main: torch.cuda.Stream, side: torch.cuda.Stream, timeout: float) -> None:
+        self.comm.wait(timeout)
 
     def read_digests(self, tables: Any) -> tuple[np.ndarray, ...]:
         """rx.verify: one launch per side reads every op's source (what it would send) and

@@ -1,0 +1,170 @@
+"""The NVSHMEM transport (DESIGN section 4): the NCCL path's pack and unpack kernels
+(casts and MXFP8 fused alike) around NVSHMEM put-with-signal instead of NCCL send/recv.
+
+Staging lives in one symmetric region per plan: per slot a receive and a send buffer of
+the same size on every rank (the largest any rank needs), then the signal words. A batch
+is packed into the local send slot, put into each receiver's receive slot with a signal
+(nvshmemx_putmem_signal_on_stream: NVLink peer copies within a node, the network proxy
+across nodes, the same call); the receiver's stream waits for the signal, unpacks, and
+signals the sender that the slot is free again. Flow control stays on the GPU; the host
+waits once per execute, bounded by RESHARD_EXT_NVSHMEM_TIMEOUT.
+
+Binding is collective the first time (region choice, receive offsets exchanged);
+rebinding tensors later is local, as the region and the offsets do not change.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _C, _nvshmem
+from ..errors import InternalError, ReshardError
+from ..options import Options
+from ..planning import _raise, first_failed_rank
+from .cuda import CudaTransport
+
+_ALIGN = 256
+
+
+def _up(n: int) -> int:
+    return (max(n, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Puts:
+    """Stands in for CudaTransport's communicator (its pipelined path keys on one); the
+    hooks of NvshmemTransport carry the bytes."""
+
+    usable = True
+    timeout = 0.0
+
+    def abort(self) -> None:
+        pass  # NVSHMEM's stream waits cannot be cancelled; they end at RESHARD_EXT_NVSHMEM_TIMEOUT
+
+
+class NvshmemTransport(CudaTransport):
+    def __init__(self, group: Any, options: Options):
+        # collective: every rank raises alike if one cannot run it
+        self.pe_of = _nvshmem.world(group, options.resolved_batch_bytes())
+        super().__init__(group, comm=_Puts(), options=options)
+        self.nccl = False
+        self.group = group
+        self.direct_bytes = 0  # every message is staged: puts land in symmetric memory only
+        self.timeout = options.resolved_timeout("nvshmem")
+        self.collective_bind = True
+        self.puts: Any = None
+        self._region = -1
+        self._layout: tuple[int, int, int, int] = (0, 0, 0, 0)  # (base, slots, recv slot bytes, send slot bytes)
+
+    # --- binding ---------------------------------------------------------------------
+    def bind_plan(self, plan: Any, errors: list[str]) -> None:
+        tables = plan.tables
+        need = (tables.send_buffer_bytes, tables.recv_buffer_bytes, 2 if tables.num_batches > 1 else 1)
+        votes: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(votes, (errors, need, _nvshmem.free_regions()), group=self.group)
+        agreed = [e for v in votes for e in v[0]]
+        if agreed:
+            _raise(agreed)
+        send_b, recv_b = _up(max(v[1][0] for v in votes)), _up(max(v[1][1] for v in votes))
+        slots = max(v[1][2] for v in votes)
+        npes = len(self.pe_of)
+        signal_offset = slots * (recv_b + send_b)
+        self._region, base = _nvshmem.take_region([v[2] for v in votes], signal_offset + 16 * npes)
+        self._layout = (base, slots, recv_b, send_b)
+        # The counters restart with this plan: its signal words are zeroed (in the constructor)
+        # on every rank before any peer can signal.
+        self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device())
+        _C.nvshmem_barrier()
+        failure = None
+        try:
+            self._bind_local(plan)
+            mine = self._receive_offsets(tables)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+            failure, mine = e, {}
+        offsets: list[Any] = [None] * len(votes)
+        dist.all_gather_object(offsets, mine, group=self.group)
+        if failure is None:
+            try:
+                self._set_batches(tables, offsets)
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        failed = first_failed_rank(self.group, failure is not None)
+        if failure is not None:
+            raise failure
+        if failed >= 0:
+            _raise([f"rank {failed} failed to bind its part of the NVSHMEM plan; see that rank's error"])
+        self.collective_bind = False  # rebinding tensors keeps the region and the offsets
+
+    def bind(self, tables: Any) -> tuple[list[int], list[int]]:
+        base, slots, recv_b, send_b = self._layout
+        recv = [base + i * recv_b for i in range(slots)]
+        send = [base + slots * recv_b + i * send_b for i in range(slots)]
+        return send, recv
+
+    def _bind_local(self, plan: Any) -> None:
+        send_bufs, recv_bufs = self.bind(plan.tables)
+        src, dst = plan._bound_refs()
+        plan.tables.bind(src, dst, send_bufs, recv_bufs, self.direct_bytes, plan._mx_receivers)
+        self.prepare(plan.tables)
+
+    def _receive_offsets(self, tables: Any) -> dict[int, list[tuple[int, int, int]]]:
+        """{sender group rank: [(batch, offset in the region, bytes)]} of this rank's messages."""
+        base = self._layout[0]
+        out: dict[int, list[tuple[int, int, int]]] = {}
+        for b in range(tables.num_batches):
+            for peer, ptr, n in tables.messages(b)[1]:
+                if n > 0:
+                    out.setdefault(peer, []).append((b, ptr - base, n))
+        return out
+
+    def _set_batches(self, tables: Any, offsets: list[dict]) -> None:
+        me = dist.get_rank(self.group)
+        base, slots = self._layout[0], self._layout[1]
+        sends: list[list[tuple]] = [[] for _ in range(tables.num_batches)]
+        recvs: list[list[int]] = [[] for _ in range(tables.num_batches)]
+        for b in range(tables.num_batches):
+            out, inc = tables.messages(b)
+            for peer, ptr, n in (m for m in out if m[2] > 0):
+                sends[b].append((peer, ptr, n))
+            recvs[b] = [self.pe_of[peer] for peer, _, n in inc if n > 0]
+        for peer in {p for batch in sends for p, _, _ in batch}:
+            theirs = offsets[peer].get(me, [])
+            ours = [(b, n) for b, batch in enumerate(sends) for p, _, n in batch if p == peer]
+            if [(b, n) for b, _, n in theirs] != ours:
+                raise InternalError(f"NVSHMEM plan: rank {me} sends {ours[:4]}... to rank {peer}, which expects "
+                                       f"{[(b, n) for b, _, n in theirs][:4]}...")
+        table = []
+        for b, batch in enumerate(sends):
+            cursor: dict[int, int] = {}
+            row = []
+            for peer, ptr, n in batch:
+                k = cursor.get(peer, 0)
+                cursor[peer] = k + 1
+                off = [o for bb, o, _ in offsets[peer][me] if bb == b][k]
+                row.append((self.pe_of[peer], ptr, base + off, n, b % slots))
+            table.append(row)
+        self.puts.set_batches(table, recvs)
+
+    def __del__(self) -> None:
+        _nvshmem.release_region(getattr(self, "_region", -1))
+
+    # --- the hooks of CudaTransport.run ---------------------------------------------------
+    def _transfer(self, b: int, side: torch.cuda.Stream, sends: list, recvs: list) -> None:
+        if (sends, recvs) != self._messages[b]:
+            # A peer refused this execute: the puts are fixed per plan, so none are sent.
+            raise ReshardError("NVSHMEM transfer: a peer refused this execute (see its error); "
+                               "the plan's batches cannot run with part of its peers")
+        self.puts.send(b, side.cuda_stream)
+
+    def _landed(self, b: int, main: torch.cuda.Stream, done: torch.cuda.Event) -> None:
+        main.wait_event(done)  # our own put of b read the send slot the pack of b + 2 rewrites
+        self.puts.wait(b, main.cuda_stream)
+
+    def _unpacked(self, b: int, main: torch.cuda.Stream) -> None:
+        self.puts.release(b, main.cuda_stream)
+
+    def _drain(self, main: torch.cuda.Stream, side: torch.cuda.Stream, timeout: float) -> None:
+        main.wait_stream(side)
+        self.puts.wait_idle(main.cuda_stream, timeout)
+
