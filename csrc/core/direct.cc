@@ -75,6 +75,25 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
   }
 }
 
+EngineBatches batch_engines(const std::vector<EngineCopy>& copies) {
+  EngineBatches out;
+  for (const EngineCopy& c : copies) {
+    if (c.height != 1) {
+      out.pitched.push_back(c);
+      continue;
+    }
+    EngineCopy* last = out.runs.empty() ? nullptr : &out.runs.back();
+    if (last != nullptr && last->src + static_cast<uint64_t>(last->width) == c.src &&
+        last->dst + static_cast<uint64_t>(last->width) == c.dst) {
+      last->width += c.width;
+      last->spitch = last->dpitch = last->width;
+    } else {
+      out.runs.push_back(c);
+    }
+  }
+  return out;
+}
+
 std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
   const int64_t elem = rx_dtype_size(box.dst_dtype);
   int64_t lo = 0, hi = 0;  // byte offsets from box.dst of the first and one past the last element
