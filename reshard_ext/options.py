@@ -101,6 +101,8 @@ KNOBS: dict[str, Knob] = {
              "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_BATCH", True, _flag,
              "direct copy-engine copies go in one batched call per stream (CUDA 12.8+; 0: one call per copy)"),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", 1, _count(1),
+             "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 1 << 20, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
@@ -161,6 +163,8 @@ class Options:
       (RESHARD_EXT_DIRECT_ENGINE_BYTES).
     - direct_engine_batch: the copy-engine copies of a direct execute go in one batched
       call per stream where CUDA has it (RESHARD_EXT_DIRECT_ENGINE_BATCH).
+    - direct_engine_streams: streams the direct copy-engine copies are spread over, in
+      parts of about equal bytes (RESHARD_EXT_DIRECT_ENGINE_STREAMS).
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
@@ -182,6 +186,7 @@ class Options:
     relay: Optional[bool] = None
     direct_engine_bytes: Optional[int] = None
     direct_engine_batch: Optional[bool] = None
+    direct_engine_streams: Optional[int] = None
     direct_local_engine_bytes: Optional[int] = None
     direct_local_blocks: Optional[int] = None
     direct_ipc: Optional[bool] = None
@@ -200,6 +205,7 @@ class Options:
             "relay": (bool, lambda v: True, "a bool"),
             "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_engine_batch": (bool, lambda v: True, "a bool"),
+            "direct_engine_streams": (int, lambda v: v >= 1, "an integer >= 1"),
             "direct_local_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_local_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_ipc": (bool, lambda v: True, "a bool"),
@@ -260,6 +266,11 @@ class Options:
         if self.direct_engine_batch is not None:
             return self.direct_engine_batch
         return bool(env_default("RESHARD_EXT_DIRECT_ENGINE_BATCH"))
+
+    def resolved_direct_engine_streams(self) -> int:
+        if self.direct_engine_streams is not None:
+            return self.direct_engine_streams
+        return int(env_default("RESHARD_EXT_DIRECT_ENGINE_STREAMS"))
 
     def resolved_direct_local_engine_bytes(self) -> int:
         if self.direct_local_engine_bytes is not None:

@@ -72,6 +72,7 @@ class _Exec:
 
     def __init__(self, boxes: bytes, local: bytes, options: Any, receivers: list[int], senders: list[int]):
         self.engine, self.kernel = _C.split_engines(boxes, options.resolved_direct_engine_bytes())
+        self.streams = _C.spread_engines(self.engine, options.resolved_direct_engine_streams())
         self.local_engine, self.local_kernel = _C.split_engines(local, options.resolved_direct_local_engine_bytes())
         self.receivers, self.senders = receivers, senders
         self.token = torch.zeros(1)
@@ -91,7 +92,8 @@ class _Exec:
         run_engine(self.local_engine)  # the same-rank copies go first, as on the GPU
         _C.copy_boxes_cpu(self.local_kernel)
         self._signal(self.senders, self.receivers, _READY)  # my destinations are free; wait for theirs
-        run_engine(self.engine)
+        for part in self.streams:
+            run_engine(part)
         _C.copy_boxes_cpu(self.kernel)
 
     def end(self, stream: int) -> None:

@@ -34,11 +34,12 @@ def run_engine(copies: list[tuple]) -> tuple[int, int]:
 
 def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], engine_bytes: int = 1 << 20,
              max_batch_bytes: int = 0, transform: Any = None, stats: dict | None = None,
-             local_engine_bytes: int | None = None) -> None:
+             local_engine_bytes: int | None = None, engine_streams: int = 1) -> None:
     """Runs one refit of per-rank entries {name: (tensor, layout)} (CPU tensors) with the
     pairs in `direct` (as (low, high) rank pairs) direct and the others over "NCCL".
     local_engine_bytes: the same-rank copies of ranks without "NCCL" pairs are split as
-    DirectExec splits them (copy engine / kernel) instead of the inner transport's copy."""
+    DirectExec splits them (copy engine / kernel) instead of the inner transport's copy.
+    engine_streams: the copy-engine copies are spread over that many streams first."""
     world = len(src)
     rewritten = [(_rewrite(transform, "src", src[r]), _rewrite(transform, "dst", dst[r])) for r in range(world)]
     src_w = [s for (s, _), _ in rewritten]
@@ -96,7 +97,10 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
                 stats["local_engine"] += len(copies)
                 stats["local_kernel"] += len(kernel) // _C.BOX_BYTES
         copies, kernel = _C.split_engines(t.direct_boxes(), engine_bytes)
-        runs, pitched = run_engine(copies)
+        runs = pitched = 0
+        for part in _C.spread_engines(copies, engine_streams):
+            n_runs, n_pitched = run_engine(part)
+            runs, pitched = runs + n_runs, pitched + n_pitched
         _C.copy_boxes_cpu(kernel)
         if stats is not None:
             stats["engine"] += len(copies)

@@ -132,6 +132,19 @@ def test_batch_engines_merges_runs_adjacent_on_both_sides():
     assert _C.batch_engines([]) == ([], [])
 
 
+def test_spread_engines_balances_bytes_and_cuts_at_rows():
+    """Copies spread over n streams: every byte once, in order, total/n per stream; a
+    pitched copy is cut at a row, a run at a byte."""
+    pitched, run = (0, 100, 10_000, 200, 100, 30), (50_000, 3000, 60_000, 3000, 3000, 1)
+    assert _C.spread_engines([pitched, run], 3) == [
+        [(0, 100, 10_000, 200, 100, 20)],
+        [(2000, 100, 14_000, 200, 100, 10), (50_000, 1000, 60_000, 1000, 1000, 1)],
+        [(51_000, 2000, 61_000, 2000, 2000, 1)],
+    ]
+    assert _C.spread_engines([pitched, run], 1) == [[pitched, run]]
+    assert _C.spread_engines([], 4) == [[], [], [], []]
+
+
 def _carved(entries: list[dict]) -> list[dict]:
     """The same entries, each rank's tensors moved (values kept) into one buffer in name
     order, as a caching allocator places tensors allocated one after another."""
@@ -151,21 +164,23 @@ def _carved(entries: list[dict]) -> list[dict]:
     return out
 
 
+@pytest.mark.parametrize("engine_streams", [1, 3])
 @pytest.mark.parametrize("local_engine_bytes", [0, 1, 4096])
 @pytest.mark.parametrize("engine_bytes", [0, 1, 4096])
 @pytest.mark.parametrize("world", [2, 4])
-def test_many_boxes_every_path_is_exact(world, engine_bytes, local_engine_bytes):
+def test_many_boxes_every_path_is_exact(world, engine_bytes, local_engine_bytes, engine_streams):
     """Hundreds of boxes over the copy engines (batched, adjacent runs merged), the kernel
     and the same-rank split of DirectExec, mixed by the thresholds, bit for bit."""
     src, dst, logical = make_entries(CASES["many_boxes"](world), world, seed=11)
     src, dst = _carved(src), _carved(dst)
     stats: dict = {}
-    simulate(src, dst, all_pairs(world), engine_bytes, stats=stats, local_engine_bytes=local_engine_bytes)
+    simulate(src, dst, all_pairs(world), engine_bytes, stats=stats, local_engine_bytes=local_engine_bytes,
+             engine_streams=engine_streams)
     _check(dst, logical)
     assert stats["kernel"] > 0, stats  # casts always take the kernel
     assert (stats["engine"] > 0) == (engine_bytes > 0) and (stats["local_engine"] > 0) == (local_engine_bytes > 0)
     assert stats["local_kernel"] > 0, stats
-    if engine_bytes == 1:  # a source rank's consecutive experts land adjacent: merged into fewer runs
+    if engine_bytes == 1 and engine_streams == 1:  # a rank's consecutive experts land adjacent: fewer runs
         assert stats["runs"] < stats["engine"] - stats["pitched"], stats
 
 

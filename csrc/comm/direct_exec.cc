@@ -205,7 +205,8 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   std::vector<EngineCopy> engine, local_engine;
   table_ = DeviceBoxTable(kernel_boxes(boxes, config_.engine_bytes, &engine));
   local_table_ = DeviceBoxTable(kernel_boxes(local, config_.local_engine_bytes, &local_engine));
-  engine_ = EngineQueue(engine, config_.batch);
+  for (const std::vector<EngineCopy>& part : spread_engines(engine, config_.engine_streams))
+    engines_.emplace_back(part, config_.batch);
   local_engine_ = EngineQueue(local_engine, config_.batch);
   for (int32_t r : receivers_) {
     RX_HOST_ASSERT(sig_->attached(r), "DirectExec: receiver ", r, " not attached");
@@ -217,11 +218,22 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   int lowest = 0, highest = 0;
   RX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
   // High priority, like the NCCL side stream: the link is the refit's critical path.
-  RX_CUDA_CHECK(cudaStreamCreateWithPriority(&ce_, cudaStreamNonBlocking, highest));
+  ces_.resize(engines_.size(), nullptr);
+  ce_done_.resize(engines_.size(), nullptr);
+  for (size_t k = 0; k < ces_.size(); ++k) {
+    RX_CUDA_CHECK(cudaStreamCreateWithPriority(&ces_[k], cudaStreamNonBlocking, highest));
+    RX_CUDA_CHECK(cudaEventCreateWithFlags(&ce_done_[k], cudaEventDisableTiming));
+  }
   RX_CUDA_CHECK(cudaStreamCreateWithPriority(&sm_, cudaStreamNonBlocking, highest));
   RX_CUDA_CHECK(cudaStreamCreateWithFlags(&local_ce_, cudaStreamNonBlocking));
-  for (cudaEvent_t* e : {&start_, &ce_done_, &sent_, &local_done_, &end_})
+  for (cudaEvent_t* e : {&start_, &sent_, &local_done_, &end_})
     RX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+}
+
+int64_t DirectExec::num_engine_copies() const {
+  int64_t n = 0;
+  for (const EngineQueue& q : engines_) n += q.num_copies();
+  return n;
 }
 
 void DirectExec::upload(void* dev, cudaStream_t stream) {
@@ -231,9 +243,13 @@ void DirectExec::upload(void* dev, cudaStream_t stream) {
 
 DirectExec::~DirectExec() {
   // Work still queued keeps the streams and events alive: CUDA defers their release.
-  for (cudaEvent_t e : {start_, ce_done_, sent_, local_done_, end_})
+  for (cudaEvent_t e : {start_, sent_, local_done_, end_})
     if (e != nullptr) cudaEventDestroy(e);
-  for (cudaStream_t s : {ce_, sm_, local_ce_})
+  for (cudaEvent_t e : ce_done_)
+    if (e != nullptr) cudaEventDestroy(e);
+  for (cudaStream_t s : {sm_, local_ce_})
+    if (s != nullptr) cudaStreamDestroy(s);
+  for (cudaStream_t s : ces_)
     if (s != nullptr) cudaStreamDestroy(s);
   cudaGetLastError();
 }
@@ -287,12 +303,16 @@ void DirectExec::begin_steps(cudaStream_t main) {
       backoff.pause();
     }
   }
-  RX_CUDA_CHECK(cudaStreamWaitEvent(ce_, start_, 0));
   RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, start_, 0));
-  engine_.issue(ce_);
+  for (size_t k = 0; k < ces_.size(); ++k) {
+    RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[k], start_, 0));
+    engines_[k].issue(ces_[k]);
+  }
   table_.launch(sm_, 0);
-  RX_CUDA_CHECK(cudaEventRecord(ce_done_, ce_));
-  RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_, 0));
+  for (size_t k = 0; k < ces_.size(); ++k) {
+    RX_CUDA_CHECK(cudaEventRecord(ce_done_[k], ces_[k]));
+    RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_[k], 0));
+  }
   RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()), seq_, sm_));
   RX_CUDA_CHECK(cudaEventRecord(sent_, sm_));
 }

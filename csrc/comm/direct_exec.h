@@ -119,6 +119,7 @@ struct DirectConfig {
   int64_t engine_bytes = 0;        // split_engines threshold of the boxes written into peers (0: kernel only)
   int64_t local_engine_bytes = 0;  // ... of the same-rank copies it runs (0: kernel only)
   int32_t local_blocks = 0;        // grid cap of the same-rank kernel (0: none)
+  int32_t engine_streams = 1;      // streams the peer copy-engine copies are spread over (spread_engines)
   bool batch = true;               // batched copy-engine calls where available
 };
 
@@ -141,11 +142,11 @@ class DirectExec {
   // The kernels' box tables: bytes of device memory upload() fills (16-byte aligned).
   int64_t table_bytes() const { return local_offset() + local_table_.bytes_needed(); }
   void upload(void* dev, cudaStream_t stream);
-  int64_t num_engine_copies() const { return engine_.num_copies(); }
+  int64_t num_engine_copies() const;
   int64_t num_kernel_boxes() const { return table_.num_boxes(); }
   int64_t num_local_engine_copies() const { return local_engine_.num_copies(); }
   int64_t num_local_kernel_boxes() const { return local_table_.num_boxes(); }
-  const std::string& engine_mode() const { return engine_.mode(); }
+  const std::string& engine_mode() const { return engines_.front().mode(); }
 
   // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream, and the
   // same-rank copies. Throws ReshardError when a receiver is not ready within the timeout.
@@ -164,13 +165,16 @@ class DirectExec {
 
   std::shared_ptr<DirectSignals> sig_;
   DirectConfig config_;
-  EngineQueue engine_, local_engine_;
+  std::vector<EngineQueue> engines_;  // one per stream of ces_
+  EngineQueue local_engine_;
   DeviceBoxTable table_, local_table_;
   std::vector<int32_t> receivers_, senders_;
   std::vector<uint64_t> done_words_, wait_words_;
   double timeout_s_;
-  cudaStream_t ce_ = nullptr, sm_ = nullptr, local_ce_ = nullptr;
-  cudaEvent_t start_ = nullptr, ce_done_ = nullptr, sent_ = nullptr, local_done_ = nullptr, end_ = nullptr;
+  std::vector<cudaStream_t> ces_;
+  std::vector<cudaEvent_t> ce_done_;
+  cudaStream_t sm_ = nullptr, local_ce_ = nullptr;
+  cudaEvent_t start_ = nullptr, sent_ = nullptr, local_done_ = nullptr, end_ = nullptr;
   uint64_t seq_ = 0;
   std::string error_;
 };

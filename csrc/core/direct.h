@@ -49,6 +49,11 @@ struct EngineBatches {
 };
 EngineBatches batch_engines(const std::vector<EngineCopy>& copies);
 
+// Spreads copies over `n` lists of about equal bytes, in order, cutting a copy that would
+// overfill a list at a byte (run) or row (pitched) boundary, so that `n` streams keep as
+// many copy engines busy. n <= 1: one list holding the copies as they are.
+std::vector<std::vector<EngineCopy>> spread_engines(const std::vector<EngineCopy>& copies, int n);
+
 // [lo, hi): the bytes of dst memory a box's elements span (MX scales, written at aux, are
 // not included). Empty boxes give lo == hi.
 std::pair<uint64_t, uint64_t> dst_span(const rx_box& box);

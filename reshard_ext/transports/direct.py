@@ -130,7 +130,8 @@ class CudaDevice:
         """(the per-execute steps, the device memory of its kernel tables)."""
         ex = _C.DirectExec(signals, boxes, local, options.resolved_direct_engine_bytes(),
                            options.resolved_direct_local_engine_bytes(), options.resolved_direct_local_blocks(),
-                           options.resolved_direct_engine_batch(), receivers, senders, timeout)
+                           options.resolved_direct_engine_batch(), options.resolved_direct_engine_streams(),
+                           receivers, senders, timeout)
         table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
         ex.upload(table.data_ptr(), torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()  # execute may run on another stream
