@@ -398,19 +398,20 @@ def test_engines_and_kernel_2gpu(case, engine_bytes):
               backend="nccl")
 
 
-# (peer engine threshold, same-rank engine threshold, batched calls, same-rank kernel grid cap)
+# (peer engine threshold, same-rank engine threshold, batched calls, same-rank kernel grid cap, engine streams)
 PATHS = {
-    "kernel_only": (0, 0, True, 0),
-    "engines_batched": (1, 1, True, 0),
-    "engines_per_copy": (1, 1, False, 0),
-    "mixed_capped": (4096, 4096, True, 2),
+    "kernel_only": (0, 0, True, 0, 1),
+    "engines_batched": (1, 1, True, 0, 1),
+    "engines_per_copy": (1, 1, False, 0, 1),
+    "engines_3_streams": (1, 1, True, 0, 3),
+    "mixed_capped": (4096, 4096, True, 2, 2),
 }
 
 
 def _paths_gpu(rank, world, path, optout=-1):
-    engine, local, batch, blocks = PATHS[path]
+    engine, local, batch, blocks, streams = PATHS[path]
     options = rx.Options(direct_engine_bytes=engine, direct_local_engine_bytes=local, direct_engine_batch=batch,
-                         direct_local_blocks=blocks, relay=False)
+                         direct_local_blocks=blocks, direct_engine_streams=streams, relay=False)
     if rank == optout:
         options = options.replace(direct_ipc=False)
     got = run_case(rank, world, "many_boxes", "cuda", None, "direct", options, _paths_of)
@@ -445,7 +446,7 @@ def test_small_boxes_and_batched_engines_4gpu(path):
 
 
 def _paths_check(world, path):
-    engine, local, batch, _ = PATHS[path]
+    engine, local, batch, _, _ = PATHS[path]
     for rank, ((own, n_engine, n_kernel, n_local_engine, n_local_kernel, nccl), mode) in enumerate(
             run_ranks(world, _paths_gpu, path, backend="nccl")):
         assert own and nccl == [] and n_kernel > 0 and n_local_kernel > 0, (rank, path)
