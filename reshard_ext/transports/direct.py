@@ -367,7 +367,13 @@ class DirectTransport:
     def summary(self) -> str:
         d, n = self.direct_peers, self.nccl_peers
         via = "NCCL" if getattr(self.inner, "comm", None) is not None else "point-to-point"
-        return f"direct with ranks {d or 'none'}; {via} with ranks {n or 'none'}"
+        ex = self.exec
+        how = ""
+        if ex is not None:
+            how = (f" ({ex.num_engine_copies} copy-engine copies {getattr(ex, 'engine_mode', '')}, "
+                   f"{ex.num_kernel_boxes} kernel boxes; same-rank here: {ex.num_local_engine_copies} copy-engine, "
+                   f"{ex.num_local_kernel_boxes} kernel)")
+        return f"direct with ranks {d or 'none'}{how}; {via} with ranks {n or 'none'}"
 
     # --- every execute ------------------------------------------------------------------
     def run(self, tables: Any, verify: bool = False) -> Any:
