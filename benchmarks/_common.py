@@ -69,6 +69,30 @@ def nccl_ceiling(plan: Any, iters: int, register: bool = False) -> float:
             comm.deregister_buffer(h)
 
 
+def hbm_per_byte(plan: Any) -> float:
+    """HBM bytes this rank's GPU reads and writes per byte landing in its destinations, from
+    the plan (0 for a plan without tables, e.g. a relay's two phases): a same-rank copy
+    reads and writes each byte (2); a byte sent is read once at the source and a byte
+    received written once at the destination (direct writes, and NCCL messages from / into
+    the tensors themselves); a staged byte is also written into and read back from a
+    staging buffer at its end (2 more). NCCL's own FIFOs (unregistered transfers) are not
+    counted."""
+    tables = getattr(plan, "tables", None)
+    if tables is None:
+        return 0.0
+    tr = plan.transport
+    inner = getattr(tr, "inner", None) or tr
+    bufs = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in getattr(inner, "send", []) + getattr(inner, "recv", [])]
+    staged = 0
+    for b in range(tables.num_batches):
+        sends, recvs = tables.messages(b)
+        staged += sum(n for _, ptr, n in sends + recvs if any(lo <= ptr < hi for lo, hi in bufs))
+    local = tables.copy_total
+    delivered = local + plan.bytes_received
+    touched = 2 * local + plan.bytes_sent + plan.bytes_received + 2 * staged
+    return touched / delivered if delivered else 0.0
+
+
 def d2d_time(nbytes: int, iters: int) -> float:
     """Seconds for a device-to-device copy of nbytes (0 for none)."""
     if nbytes <= 0:

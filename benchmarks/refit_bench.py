@@ -4,13 +4,15 @@ Per rank: the bytes that must cross the links, time, GB/s and the ratio to the l
 ceiling measured in the same run (the faster of an NCCL send/recv of exactly the same
 byte counts between the same peers, no pack/unpack, and copy-engine peer copies of the
 same bytes, every rank at once), the same-rank bytes and their ratio to a
-device-to-device copy, and the same refit done the way Megatron-Core does it (one
+device-to-device copy, the HBM bytes the GPU touches per byte delivered (from the plan,
+per backend), and the same refit done the way Megatron-Core does it (one
 batch_isend_irecv op per slice, slices made contiguous in Python) as a baseline.
 
     torchrun --nproc-per-node 2 benchmarks/refit_bench.py --case tp2-tp1 --backend nccl,direct,nvshmem [--verify]
     torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 [--relay-stages G]  (relay off / on)
 Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
---backend takes one backend or a comma list (an A/B in one run, same tensors).
+--backend takes one backend or a comma list (an A/B in one run, same tensors); --variants
+adds rx.Options variants to that A/B (e.g. the direct transport's knobs).
 --verify adds a column: the same refit with rx.execute(plan, verify=True) (digests in
 the kernels, their exchange and the agreement included), timed in the same run, and its
 cost relative to the plain refit.
@@ -32,7 +34,7 @@ import reshard_ext as rx  # noqa: E402
 from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts, total_bytes
 from reshard_ext.execution import BACKENDS  # noqa: E402
 
-from _common import cuda_time as _time, d2d_time, nccl_ceiling, peer_copy_ceiling
+from _common import cuda_time as _time, d2d_time, hbm_per_byte, nccl_ceiling, peer_copy_ceiling
 
 MOE_SMALL = ModelShape(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, vocab=151936,
                        experts=64, moe_ffn=384, first_dense_layers=0)
@@ -111,6 +113,20 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
     return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters), t_verify
 
 
+def _options(variant: str) -> rx.Options:
+    """rx.Options from 'field=value,...' (true/false for flags, integers with K/M/G)."""
+    kw: dict = {}
+    for item in filter(None, variant.split(",")):
+        name, value = item.split("=", 1)
+        low = value.strip().lower()
+        if low in ("true", "false"):
+            kw[name.strip()] = low == "true"
+        else:
+            scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(low[-1:], 1)
+            kw[name.strip()] = int(low[:-1] if scale > 1 else low) * scale
+    return rx.Options(**kw)
+
+
 def _pieces(layouts: dict, rank: int, random: bool = False) -> dict:
     """{name: (this rank's piece on the GPU, layout)}: random values, or uninitialised."""
     out = {}
@@ -182,6 +198,10 @@ def main() -> None:
                     help="rx.plan backend, or a comma list timed one after the other on the same tensors "
                          "(e.g. nccl,direct,nvshmem; choices: " + ",".join(BACKENDS) + "); the first one also "
                          "runs --mxfp8, --trace and --transfers-only (NCCL only)")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated rx.Options variants, each timed with every backend on the same tensors "
+                         "(an A/B in one run), e.g. ';direct_local_engine_bytes=0;direct_engine_batch=false' "
+                         "(an empty variant = the defaults)")
     ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
@@ -213,9 +233,11 @@ def main() -> None:
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         raise SystemExit(f"--backend: unknown {unknown}; choose from {', '.join(BACKENDS)}")
+    runs = [(b, v) for b in args.backend.split(",") for v in (args.variants.split(";") if args.variants else [""])]
+    backends = [b + (f"[{v}]" if v else "") for b, v in runs]
     plans, t_refits = [], []
-    for b in backends:
-        p = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None, backend=b)
+    for b, v in runs:
+        p = rx.plan(src, dst, max_batch_bytes=(args.max_batch_mb << 20) or None, backend=b, options=_options(v))
         plans.append(p)
         t_refits.append(_time(lambda p=p: rx.execute(p), args.iters))
     plan, t_refit = plans[0], t_refits[0]
@@ -251,7 +273,8 @@ def main() -> None:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_link, t_d2d, t_base, plan.num_ops,
-           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verify, t_refits, [p.routes for p in plans])
+           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verify, t_refits, [p.routes for p in plans],
+           [hbm_per_byte(p) for p in plans])
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -259,9 +282,9 @@ def main() -> None:
               f"batches {plan.num_batches}, backend {backends[0]}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
               f"{'link ms':>8} {'vs ceil':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7} "
-              f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7}" +
+              f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7} {'hbm/B':>5}" +
               (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, _, _, t_n, t_c, tv, *_ in rows:
+        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, _, _, t_n, t_c, tv, *_, hbm in rows:
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
             ceil = max(tn, td)  # link and local copies run concurrently: the slower is the floor
@@ -271,26 +294,29 @@ def main() -> None:
             cost = f" {1e3 * tv:9.2f} {100 * (tv / t - 1):+5.1f}%" if args.verify and t else ""
             print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * t:9.2f} {gbs:9.1f} "
                   f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_} {1e3 * tnr:11.2f} {vr} "
-                  f"{1e3 * t_n:8.2f} {1e3 * t_c:7.2f}{cost}")
+                  f"{1e3 * t_n:8.2f} {1e3 * t_c:7.2f} {hbm[0]:5.2f}{cost}")
         print("link = the faster of NCCL send/recv of the same bytes (nccl) and copy-engine peer copies of them "
               "(ce), every rank at once; vs ceil = max(link, D2D copy of the local bytes) / refit time "
-              "(1.00 = at the ceiling); "
+              "(1.00 = at the ceiling); hbm/B = HBM bytes read + written on the GPU per byte landing in its "
+              "destinations, from the plan (same-rank copies 2, direct writes and unstaged messages 1 per end, "
+              "staging 2 more per end); "
               "speedup = megatron-style time / refit time; nccl reg = the same send/recv between buffers "
               "registered with ncclCommRegister (NCCL's zero-copy intra-node path)")
         if len(backends) > 1:
             print(f"\n-- backends on the same tensors (refit ms, vs ceil; pairs of rank 0: "
-                  f"{'; '.join(f'{b}: {p}' for b, p in zip(backends, rows[0][-1]))})")
-            print(f"{'rank':>4} " + " ".join(f"{b + ' ms':>12} {'vs ceil':>7}" for b in backends))
+                  f"{'; '.join(f'{b}: {p}' for b, p in zip(backends, rows[0][-2]))})")
+            print(f"{'rank':>4} " + " ".join(f"{b + ' ms':>12} {'vs ceil':>7} {'hbm/B':>5}" for b in backends))
             for r, _, _, _, _, tn, td, *rest in rows:
                 ceil = max(tn, td)
-                cells = [f"{1e3 * t:12.2f} {(ceil / t if ceil and t else 0):7.2f}" for t in rest[-2]]
+                cells = [f"{1e3 * t:12.2f} {(ceil / t if ceil and t else 0):7.2f} {h:5.2f}"
+                         for t, h in zip(rest[-3], rest[-1])]
                 print(f"{r:4d} " + " ".join(cells))
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
                   f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}" +
                   (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv), _, _, _, _, _, _ in rows:  # noqa: B007
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv), _, _, _, _, _, _, _ in rows:  # noqa: B007
                 other = sent - conv_bf16  # bytes of tensors that travel unconverted
                 conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
@@ -298,7 +324,7 @@ def main() -> None:
                 cost = f" {1e3 * mx_tv:9.2f} {100 * (mx_tv / mx_t - 1):+5.1f}%" if args.verify and mx_t else ""
                 print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
                       f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}{cost}")
-        for r, *_, timeline, _, _, _, _, _ in rows:
+        for r, *_, timeline, _, _, _, _, _, _ in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")
     dist.destroy_process_group()

@@ -103,8 +103,17 @@ KNOBS: dict[str, Knob] = {
              "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
         Knob("RESHARD_EXT_NVSHMEM_TIMEOUT", 600.0, _seconds,
              "seconds before an NVSHMEM refit raises on a peer that does not signal (never executes, died)"),
-        Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 4 << 20, _count(0),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 1 << 20, _count(0),
              "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_BATCH", True, _flag,
+             "direct copy-engine copies go in one batched call per stream (CUDA 12.8+; 0: one call per copy)"),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", 1, _count(1),
+             "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them"),
+        Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 1 << 20, _count(0),
+             "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
+             "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
+        Knob("RESHARD_EXT_DIRECT_LOCAL_BLOCKS", 0, _count(0),
+             "grid cap of the same-rank copy kernel beside direct writes (0: no cap)"),
         Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
              "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
         Knob("RESHARD_EXT_AUTO_DIRECT", False, _flag,
@@ -163,6 +172,14 @@ class Options:
     - direct_engine_bytes: direct boxes at least this big with contiguous rows of >= 512 B
       go through the copy engines, the others through the box kernel; 0: kernel only
       (RESHARD_EXT_DIRECT_ENGINE_BYTES).
+    - direct_engine_batch: the copy-engine copies of a direct execute go in one batched
+      call per stream where CUDA has it (RESHARD_EXT_DIRECT_ENGINE_BATCH).
+    - direct_engine_streams: streams the direct copy-engine copies are spread over, in
+      parts of about equal bytes (RESHARD_EXT_DIRECT_ENGINE_STREAMS).
+    - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
+      least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
+      writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
+    - direct_local_blocks: grid cap of that same-rank kernel, 0 for none (RESHARD_EXT_DIRECT_LOCAL_BLOCKS).
     - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
       (RESHARD_EXT_DIRECT_IPC).
     - auto_direct: backend "auto" uses the direct transport where it can (RESHARD_EXT_AUTO_DIRECT;
@@ -183,6 +200,10 @@ class Options:
     relay: Optional[bool] = None
     relay_stages: Optional[int] = None
     direct_engine_bytes: Optional[int] = None
+    direct_engine_batch: Optional[bool] = None
+    direct_engine_streams: Optional[int] = None
+    direct_local_engine_bytes: Optional[int] = None
+    direct_local_blocks: Optional[int] = None
     direct_ipc: Optional[bool] = None
     auto_direct: Optional[bool] = None
     check_storage: Optional[bool] = None
@@ -200,6 +221,10 @@ class Options:
             "relay": (bool, lambda v: True, "a bool"),
             "relay_stages": (int, lambda v: v >= 0, "an integer >= 0 (0: auto)"),
             "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
+            "direct_engine_batch": (bool, lambda v: True, "a bool"),
+            "direct_engine_streams": (int, lambda v: v >= 1, "an integer >= 1"),
+            "direct_local_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
+            "direct_local_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_ipc": (bool, lambda v: True, "a bool"),
             "auto_direct": (bool, lambda v: True, "a bool"),
             "check_storage": (bool, lambda v: True, "a bool"),
@@ -258,6 +283,26 @@ class Options:
         if self.direct_engine_bytes is not None:
             return self.direct_engine_bytes
         return int(env_default("RESHARD_EXT_DIRECT_ENGINE_BYTES"))
+
+    def resolved_direct_engine_batch(self) -> bool:
+        if self.direct_engine_batch is not None:
+            return self.direct_engine_batch
+        return bool(env_default("RESHARD_EXT_DIRECT_ENGINE_BATCH"))
+
+    def resolved_direct_engine_streams(self) -> int:
+        if self.direct_engine_streams is not None:
+            return self.direct_engine_streams
+        return int(env_default("RESHARD_EXT_DIRECT_ENGINE_STREAMS"))
+
+    def resolved_direct_local_engine_bytes(self) -> int:
+        if self.direct_local_engine_bytes is not None:
+            return self.direct_local_engine_bytes
+        return int(env_default("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES"))
+
+    def resolved_direct_local_blocks(self) -> int:
+        if self.direct_local_blocks is not None:
+            return self.direct_local_blocks
+        return int(env_default("RESHARD_EXT_DIRECT_LOCAL_BLOCKS"))
 
     def resolved_direct_ipc(self) -> bool:
         return self.direct_ipc if self.direct_ipc is not None else bool(env_default("RESHARD_EXT_DIRECT_IPC"))

@@ -168,6 +168,31 @@ def case_relay(world: int) -> Spec:
     }
 
 
+def case_many_boxes(world: int) -> Spec:
+    """Many small boxes beside large ones, the direct transport's paths mixed (EP -> all:
+    blocks of consecutive experts per source rank, as Megatron places them, so the pieces
+    a rank sends are adjacent when allocated in order): whole-tensor runs, TP column
+    slices (pitched rows of >= 512 B), row slices, tiny tensors and casts."""
+    ranks = list(range(world))
+    out: Spec = {}
+    n = 48
+    for i in range(n):
+        shape = (8, 64)
+        out[f"experts.{i:03d}"] = (shape, F32, L(shape, F32, [i * world // n], [Replicate()]), F32,
+                                   L(shape, F32, ranks, [Replicate()]))
+    for i in range(40):
+        out[f"tiny.{i:03d}"] = ((3,), F32, L((3,), F32, [i % world], [Replicate()]), F32,
+                                L((3,), F32, ranks, [Replicate()]))
+    for i in range(4):
+        out[f"tp.col.{i}"] = ((16, 512), F32, L((16, 512), F32, ranks, [Shard(1)]), F32,
+                              L((16, 512), F32, ranks[::-1], [Replicate()]))
+        out[f"tp.row.{i}"] = ((32, 64), BF16, L((32, 64), BF16, ranks, [Shard(0)]), BF16,
+                              L((32, 64), BF16, ranks, [Replicate()]))
+        out[f"cast.{i}"] = ((8, 128), BF16, L((8, 128), BF16, ranks, [Shard(1)]), F32,
+                            L((8, 128), F32, ranks, [Replicate()]))
+    return out
+
+
 CASES: dict[str, Callable[[int], Spec]] = {
     "two": case_two,
     "tp": case_tp,
@@ -177,6 +202,7 @@ CASES: dict[str, Callable[[int], Spec]] = {
     "placement": case_placement,
     "casts": case_casts,
     "relay": case_relay,
+    "many_boxes": case_many_boxes,
 }
 
 

@@ -9,7 +9,6 @@ process groups on machines without GPUs:
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import uuid
@@ -71,10 +70,15 @@ class _Mapping:
 class _Exec:
     """The ready / write / done steps of DirectExec, with gloo messages as the signals."""
 
-    def __init__(self, boxes: bytes, engine_bytes: int, receivers: list[int], senders: list[int]):
-        self.engine, self.kernel = _C.split_engines(boxes, engine_bytes)
+    def __init__(self, boxes: bytes, local: bytes, options: Any, receivers: list[int], senders: list[int]):
+        self.engine, self.kernel = _C.split_engines(boxes, options.resolved_direct_engine_bytes())
+        self.streams = _C.spread_engines(self.engine, options.resolved_direct_engine_streams())
+        self.local_engine, self.local_kernel = _C.split_engines(local, options.resolved_direct_local_engine_bytes())
         self.receivers, self.senders = receivers, senders
         self.token = torch.zeros(1)
+        self.num_engine_copies, self.num_kernel_boxes = len(self.engine), len(self.kernel) // _C.BOX_BYTES
+        self.num_local_engine_copies = len(self.local_engine)
+        self.num_local_kernel_boxes = len(self.local_kernel) // _C.BOX_BYTES
 
     def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
         reqs = [dist.isend(self.token, p, tag=tag) for p in to]
@@ -83,10 +87,13 @@ class _Exec:
             r.wait()
 
     def begin(self, stream: int) -> None:
+        from _direct_sim import run_engine
+
+        run_engine(self.local_engine)  # the same-rank copies go first, as on the GPU
+        _C.copy_boxes_cpu(self.local_kernel)
         self._signal(self.senders, self.receivers, _READY)  # my destinations are free; wait for theirs
-        for dst, dpitch, src, spitch, width, height in self.engine:
-            for row in range(height):
-                ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+        for part in self.streams:
+            run_engine(part)
         _C.copy_boxes_cpu(self.kernel)
 
     def end(self, stream: int) -> None:
@@ -116,9 +123,9 @@ class FakeDevice:
     def open(self, handle: bytes) -> Any:
         return _Mapping(handle)
 
-    def executor(self, signals: Any, boxes: bytes, engine_bytes: int, receivers: list[int], senders: list[int],
-                 timeout: float) -> tuple[Any, Any]:
-        return _Exec(boxes, engine_bytes, receivers, senders), None
+    def executor(self, signals: Any, boxes: bytes, local: bytes, options: Any, receivers: list[int],
+                 senders: list[int], timeout: float) -> tuple[Any, Any]:
+        return _Exec(boxes, local, options, receivers, senders), None
 
     def transport(self, group: Any, options: Any, register: bool, nccl: bool) -> Any:
         return CpuTransport(group, options)

@@ -22,16 +22,24 @@ def _table(entries: list[dict]) -> Any:
     return _C.LayoutTable([(n, layout._c) for e in entries for n, (_, layout) in e.items()])
 
 
-def _run_engine(copies: list[tuple]) -> None:
-    for dst, dpitch, src, spitch, width, height in copies:
+def run_engine(copies: list[tuple]) -> tuple[int, int]:
+    """Runs split_engines' copies as DirectExec submits them (batch_engines: runs, adjacent
+    ones merged, and pitched copies), as row memmoves; returns (runs, pitched) submitted."""
+    runs, pitched = _C.batch_engines(copies)
+    for dst, dpitch, src, spitch, width, height in runs + pitched:
         for row in range(height):
             ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+    return len(runs), len(pitched)
 
 
 def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], engine_bytes: int = 1 << 20,
-             max_batch_bytes: int = 0, transform: Any = None, stats: dict | None = None) -> None:
+             max_batch_bytes: int = 0, transform: Any = None, stats: dict | None = None,
+             local_engine_bytes: int | None = None, engine_streams: int = 1) -> None:
     """Runs one refit of per-rank entries {name: (tensor, layout)} (CPU tensors) with the
-    pairs in `direct` (as (low, high) rank pairs) direct and the others over "NCCL"."""
+    pairs in `direct` (as (low, high) rank pairs) direct and the others over "NCCL".
+    local_engine_bytes: the same-rank copies of ranks without "NCCL" pairs are split as
+    DirectExec splits them (copy engine / kernel) instead of the inner transport's copy.
+    engine_streams: the copy-engine copies are spread over that many streams first."""
     world = len(src)
     rewritten = [(_rewrite(transform, "src", src[r]), _rewrite(transform, "dst", dst[r])) for r in range(world)]
     src_w = [s for (s, _), _ in rewritten]
@@ -73,18 +81,32 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
     if stats is not None:
         stats.update(batches=k, staging=[t.send_buffer_bytes + t.recv_buffer_bytes for t in tables],
                      direct_ops=[tuple(t.num_direct_ops) for t in tables], ops=[tuple(t.num_ops) for t in tables],
-                     engine=0, kernel=0)
+                     engine=0, kernel=0, runs=0, pitched=0, local_engine=0, local_kernel=0)
     for (_, src_steps), (_, dst_steps) in rewritten:  # steps: (before, after)
         for step in src_steps[0] + dst_steps[0]:
             step()
     for r in range(world):
-        tables[r].run_copies_cpu()
-        copies, kernel = _C.split_engines(tables[r].direct_boxes(), engine_bytes)
-        _run_engine(copies)
+        t = tables[r]
+        if local_engine_bytes is None or t.send_total or t.recv_total:
+            t.run_copies_cpu()
+        else:
+            copies, kernel = _C.split_engines(t.copy_boxes(), local_engine_bytes)
+            run_engine(copies)
+            _C.copy_boxes_cpu(kernel)
+            if stats is not None:
+                stats["local_engine"] += len(copies)
+                stats["local_kernel"] += len(kernel) // _C.BOX_BYTES
+        copies, kernel = _C.split_engines(t.direct_boxes(), engine_bytes)
+        runs = pitched = 0
+        for part in _C.spread_engines(copies, engine_streams):
+            n_runs, n_pitched = run_engine(part)
+            runs, pitched = runs + n_runs, pitched + n_pitched
         _C.copy_boxes_cpu(kernel)
         if stats is not None:
             stats["engine"] += len(copies)
             stats["kernel"] += len(kernel) // _C.BOX_BYTES
+            stats["runs"] += runs
+            stats["pitched"] += pitched
     for b in range(k):
         for r in range(world):
             tables[r].run_pack_cpu(b)

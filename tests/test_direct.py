@@ -18,7 +18,7 @@ from _direct_sim import all_pairs, make_entries, simulate
 from _dist import run_ranks
 
 import reshard_ext as rx
-from reshard_ext import Layout, Mesh, Replicate, Shard
+from reshard_ext import _C, Layout, Mesh, Replicate, Shard
 from reshard_ext.transports.direct import RankInfo, agree, candidate_pairs, peers_of
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -114,6 +114,74 @@ def test_split_engines_geometry():
     stats: dict = {}
     simulate(src, dst, all_pairs(2), engine_bytes=1 << 30, stats=stats)  # above every box: kernel only
     assert stats["engine"] == 0 and stats["kernel"] == 8, stats
+
+
+def test_batch_engines_merges_runs_adjacent_on_both_sides():
+    """Runs that continue each other on both sides become one copy; a run adjacent on one
+    side only stays apart; pitched copies pass as they are, in order."""
+
+    def run(dst: int, src: int, n: int) -> tuple:
+        return (dst, n, src, n, n, 1)
+
+    pitched = (5000, 64, 9000, 128, 64, 4)
+    copies = [run(100, 1000, 16), run(116, 1016, 8), run(124, 1100, 8), pitched, run(200, 2000, 4),
+              run(204, 2004, 4), run(300, 2008, 4)]
+    runs, pitched_out = _C.batch_engines(copies)
+    assert runs == [run(100, 1000, 24), run(124, 1100, 8), run(200, 2000, 8), run(300, 2008, 4)], runs
+    assert pitched_out == [pitched]
+    assert _C.batch_engines([]) == ([], [])
+
+
+def test_spread_engines_balances_bytes_and_cuts_at_rows():
+    """Copies spread over n streams: every byte once, in order, total/n per stream; a
+    pitched copy is cut at a row, a run at a byte."""
+    pitched, run = (0, 100, 10_000, 200, 100, 30), (50_000, 3000, 60_000, 3000, 3000, 1)
+    assert _C.spread_engines([pitched, run], 3) == [
+        [(0, 100, 10_000, 200, 100, 20)],
+        [(2000, 100, 14_000, 200, 100, 10), (50_000, 1000, 60_000, 1000, 1000, 1)],
+        [(51_000, 2000, 61_000, 2000, 2000, 1)],
+    ]
+    assert _C.spread_engines([pitched, run], 1) == [[pitched, run]]
+    assert _C.spread_engines([], 4) == [[], [], [], []]
+
+
+def _carved(entries: list[dict]) -> list[dict]:
+    """The same entries, each rank's tensors moved (values kept) into one buffer in name
+    order, as a caching allocator places tensors allocated one after another."""
+    out = []
+    for rank_entries in entries:
+        names = sorted(rank_entries)
+        sizes = [rank_entries[n][0].numel() * rank_entries[n][0].element_size() for n in names]
+        buf = torch.empty(sum(-(-b // 16) * 16 for b in sizes), dtype=torch.uint8)
+        carved, at = {}, 0
+        for n, b in zip(names, sizes):
+            t, layout = rank_entries[n]
+            view = buf[at:at + b].view(t.dtype).view(t.shape) if b else t.clone()
+            view.copy_(t)
+            carved[n] = (view, layout)
+            at += -(-b // 16) * 16
+        out.append(carved)
+    return out
+
+
+@pytest.mark.parametrize("engine_streams", [1, 3])
+@pytest.mark.parametrize("local_engine_bytes", [0, 1, 4096])
+@pytest.mark.parametrize("engine_bytes", [0, 1, 4096])
+@pytest.mark.parametrize("world", [2, 4])
+def test_many_boxes_every_path_is_exact(world, engine_bytes, local_engine_bytes, engine_streams):
+    """Hundreds of boxes over the copy engines (batched, adjacent runs merged), the kernel
+    and the same-rank split of DirectExec, mixed by the thresholds, bit for bit."""
+    src, dst, logical = make_entries(CASES["many_boxes"](world), world, seed=11)
+    src, dst = _carved(src), _carved(dst)
+    stats: dict = {}
+    simulate(src, dst, all_pairs(world), engine_bytes, stats=stats, local_engine_bytes=local_engine_bytes,
+             engine_streams=engine_streams)
+    _check(dst, logical)
+    assert stats["kernel"] > 0, stats  # casts always take the kernel
+    assert (stats["engine"] > 0) == (engine_bytes > 0) and (stats["local_engine"] > 0) == (local_engine_bytes > 0)
+    assert stats["local_kernel"] > 0, stats
+    if engine_bytes == 1 and engine_streams == 1:  # a rank's consecutive experts land adjacent: fewer runs
+        assert stats["runs"] < stats["engine"] - stats["pitched"], stats
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -218,6 +286,50 @@ def test_transport_unattachable_signals_fall_back():
         assert direct == [] and nccl == [1 - rank], (rank, direct, nccl)
 
 
+def _paths_of(plan) -> tuple:
+    t = plan.transport
+    ex = t.exec
+    if ex is None:
+        return None
+    return (t.owns_copies, ex.num_engine_copies, ex.num_kernel_boxes, ex.num_local_engine_copies,
+            ex.num_local_kernel_boxes, t.nccl_peers)
+
+
+def _fake_paths(rank, world, options, optout=-1):
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    if rank == optout:
+        options = options.replace(direct_ipc=False)
+    try:
+        return run_case(rank, world, "many_boxes", "cpu", None, "direct", options, _paths_of, alloc=shared_poison)
+    finally:
+        release_shared()
+
+
+@pytest.mark.parametrize("local_engine_bytes", [0, 1])
+@pytest.mark.parametrize("engine_bytes", [0, 4096])
+def test_transport_runs_same_rank_copies_beside_direct_writes(engine_bytes, local_engine_bytes):
+    """A rank whose peers are all direct hands its same-rank copies to the executor (split
+    between a copy engine and the kernel); the refit stays exact over two executes."""
+    options = rx.Options(direct_engine_bytes=engine_bytes, direct_local_engine_bytes=local_engine_bytes)
+    for own, engine, kernel, local_engine, local_kernel, nccl in run_ranks(2, _fake_paths, options):
+        assert own and nccl == [] and kernel > 0 and local_kernel > 0
+        assert (engine > 0) == (engine_bytes > 0) and (local_engine > 0) == (local_engine_bytes > 0)
+
+
+def test_transport_ranks_with_nccl_pairs_keep_their_copies():
+    """Rank 3 opts out: every rank then has a pair over the other transport, which keeps
+    running the same-rank copies under its batches."""
+    options = rx.Options(direct_local_engine_bytes=1, relay=False)  # one plan, not a relay's two
+    for rank, got in enumerate(run_ranks(4, _fake_paths, options, 3)):
+        if rank == 3:
+            assert got is None, got
+        else:
+            own, _, _, local_engine, local_kernel, nccl = got
+            assert not own and nccl == [3] and local_engine == local_kernel == 0, (rank, got)
+
+
 def _fake_rebind(rank, world, bad_rank):
     """Collective rebind of the destinations onto new shared tensors; then a rebind that is
     wrong on `bad_rank` raises on every rank (no rank left waiting)."""
@@ -284,6 +396,75 @@ def test_engines_and_kernel_2gpu(case, engine_bytes):
     """Every eligible box on the copy engines (1), or none (0: the kernel stores into the peer)."""
     run_ranks(2, run_case, case, "cuda", None, "direct", rx.Options(direct_engine_bytes=engine_bytes),
               backend="nccl")
+
+
+# (peer engine threshold, same-rank engine threshold, batched calls, same-rank kernel grid cap, engine streams)
+PATHS = {
+    "kernel_only": (0, 0, True, 0, 1),
+    "engines_batched": (1, 1, True, 0, 1),
+    "engines_per_copy": (1, 1, False, 0, 1),
+    "engines_3_streams": (1, 1, True, 0, 3),
+    "mixed_capped": (4096, 4096, True, 2, 2),
+}
+
+
+def _paths_gpu(rank, world, path, optout=-1):
+    engine, local, batch, blocks, streams = PATHS[path]
+    options = rx.Options(direct_engine_bytes=engine, direct_local_engine_bytes=local, direct_engine_batch=batch,
+                         direct_local_blocks=blocks, direct_engine_streams=streams, relay=False)
+    if rank == optout:
+        options = options.replace(direct_ipc=False)
+    got = run_case(rank, world, "many_boxes", "cuda", None, "direct", options, _paths_of)
+    return got, _engine_mode(rank, world, options)
+
+
+def _engine_mode(rank, world, options):
+    """engine_mode of a small plan of whole tensors from rank 0 to the others."""
+    sl = Layout((4, 256), F32, Mesh([0]), [Replicate()])
+    dl = Layout((4, 256), F32, Mesh(list(range(world))), [Replicate()])
+    src = {f"w{i}": (torch.randn(4, 256, device="cuda"), sl) for i in range(3)} if rank == 0 else {}
+    dst = {f"w{i}": (torch.zeros(4, 256, device="cuda"), dl) for i in range(3)}
+    p = rx.plan(src, dst, backend="direct", options=options)
+    rx.execute(p)
+    torch.cuda.synchronize()
+    ex = p.transport.exec
+    return ex.engine_mode if rank == 0 and ex is not None else ""
+
+
+@needs2
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_small_boxes_and_batched_engines_2gpu(path):
+    """Hundreds of tiny boxes in the kernel, batched (or per-copy) copy-engine runs and
+    pitched copies, same-rank copies on a copy engine or a capped kernel: bit for bit."""
+    _paths_check(2, path)
+
+
+@needs4
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_small_boxes_and_batched_engines_4gpu(path):
+    _paths_check(4, path)
+
+
+def _paths_check(world, path):
+    engine, local, batch, _, _ = PATHS[path]
+    for rank, ((own, n_engine, n_kernel, n_local_engine, n_local_kernel, nccl), mode) in enumerate(
+            run_ranks(world, _paths_gpu, path, backend="nccl")):
+        assert own and nccl == [] and n_kernel > 0 and n_local_kernel > 0, (rank, path)
+        assert (n_engine > 0) == (engine > 0) and (n_local_engine > 0) == (local > 0), (rank, path)
+        if rank == 0 and engine:
+            assert mode == ("batched" if batch else "per copy"), mode
+
+
+@needs4
+def test_small_boxes_beside_nccl_pairs_4gpu():
+    """Rank 3 opts out: the others' direct writes (batched engines, tiny boxes in the
+    kernel) run beside NCCL pairs, which keep the same-rank copies; bit for bit."""
+    for rank, (got, _) in enumerate(run_ranks(4, _paths_gpu, "engines_batched", 3, backend="nccl")):
+        if rank == 3:
+            assert got is None, got
+        else:
+            own, n_engine, n_kernel, n_local_engine, _, nccl = got
+            assert not own and nccl == [3] and n_engine > 0 and n_kernel > 0 and n_local_engine == 0, (rank, got)
 
 
 @needs4

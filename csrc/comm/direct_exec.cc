@@ -4,6 +4,7 @@
 #ifdef RX_WITH_CUDA
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/check.h"
 #include "comm/host_wait.h"
@@ -20,7 +21,115 @@ std::vector<rx_box> kernel_boxes(const std::vector<rx_box>& boxes, int64_t engin
   return kernel;
 }
 
+void* as_ptr(uint64_t a) { return reinterpret_cast<void*>(static_cast<uintptr_t>(a)); }
+
+// Batched copies need the 12.8 runtime API (built against) and a 12.8 driver (run on).
+bool batch_available(std::string* why) {
+#if CUDART_VERSION >= 12080
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) {
+    cudaGetLastError();
+    *why = "the driver version is unknown";
+    return false;
+  }
+  if (driver < 12080) {
+    *why = detail::format("the driver supports CUDA ", driver / 1000, ".", driver % 1000 / 10, " (12.8 needed)");
+    return false;
+  }
+  return true;
+#else
+  *why = "built against a CUDA runtime older than 12.8";
+  return false;
+#endif
+}
+
 }  // namespace
+
+EngineQueue::EngineQueue(const std::vector<EngineCopy>& copies, bool batch) {
+  EngineBatches b = batch_engines(copies);
+  runs_ = std::move(b.runs);
+  pitched_ = std::move(b.pitched);
+  if (!batch || num_copies() == 0) return;
+  std::string why;
+  if (!batch_available(&why)) {
+    mode_ = "per copy (" + why + ")";
+    return;
+  }
+#if CUDART_VERSION >= 12080
+  for (const EngineCopy& c : runs_) {
+    dsts_.push_back(as_ptr(c.dst));
+    srcs_.push_back(as_ptr(c.src));
+    sizes_.push_back(static_cast<size_t>(c.width));
+  }
+  std::vector<cudaMemcpy3DBatchOp> ops(pitched_.size());
+  for (size_t i = 0; i < pitched_.size(); ++i) {
+    const EngineCopy& c = pitched_[i];
+    cudaMemcpy3DBatchOp op{};
+    op.src.type = op.dst.type = cudaMemcpyOperandTypePointer;
+    op.src.op.ptr.ptr = as_ptr(c.src);
+    op.src.op.ptr.rowLength = static_cast<size_t>(c.spitch);  // elements of one byte
+    op.dst.op.ptr.ptr = as_ptr(c.dst);
+    op.dst.op.ptr.rowLength = static_cast<size_t>(c.dpitch);
+    op.extent.width = static_cast<size_t>(c.width);  // bytes
+    op.extent.height = static_cast<size_t>(c.height);
+    op.extent.depth = 1;
+    op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources are written by earlier work on the stream
+    ops[i] = op;
+  }
+  ops3d_.resize(ops.size() * sizeof(cudaMemcpy3DBatchOp));
+  if (!ops.empty()) std::memcpy(ops3d_.data(), ops.data(), ops3d_.size());
+  batch_ = true;
+  mode_ = "batched";
+#endif
+}
+
+void EngineQueue::issue_each(cudaStream_t stream) {
+  for (const EngineCopy& c : runs_)
+    RX_CUDA_CHECK(cudaMemcpyAsync(as_ptr(c.dst), as_ptr(c.src), static_cast<size_t>(c.width), cudaMemcpyDefault,
+                                  stream));
+  for (const EngineCopy& c : pitched_)
+    RX_CUDA_CHECK(cudaMemcpy2DAsync(as_ptr(c.dst), static_cast<size_t>(c.dpitch), as_ptr(c.src),
+                                    static_cast<size_t>(c.spitch), static_cast<size_t>(c.width),
+                                    static_cast<size_t>(c.height), cudaMemcpyDefault, stream));
+}
+
+cudaError_t EngineQueue::issue_batched(cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t first = 0;
+  auto* ops = reinterpret_cast<cudaMemcpy3DBatchOp*>(ops3d_.data());
+  cudaError_t e = cudaSuccess;
+#if CUDART_VERSION >= 13000
+  if (!runs_.empty()) e = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), runs_.size(), &attr, &first,
+                                               1, stream);
+  if (e == cudaSuccess && !pitched_.empty()) e = cudaMemcpy3DBatchAsync(pitched_.size(), ops, 0, stream);
+#else
+  size_t fail = 0;
+  if (!runs_.empty())
+    e = cudaMemcpyBatchAsync(dsts_.data(), const_cast<void**>(srcs_.data()), sizes_.data(), runs_.size(), &attr,
+                             &first, 1, &fail, stream);
+  if (e == cudaSuccess && !pitched_.empty()) e = cudaMemcpy3DBatchAsync(pitched_.size(), ops, &fail, 0, stream);
+#endif
+  return e;
+#else
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
+void EngineQueue::issue(cudaStream_t stream) {
+  if (batch_) {
+    const cudaError_t e = issue_batched(stream);
+    if (e == cudaSuccess) return;
+    // A refused batch enqueues nothing; copying a box twice (if part of it ran) writes the
+    // same bytes. An error left by earlier work raises in the calls below.
+    cudaGetLastError();
+    batch_ = false;
+    mode_ = detail::format("per copy (the batched call failed: ", cudaGetErrorString(e), ")");
+  }
+  issue_each(stream);
+}
 
 DirectSignals::DirectSignals(int rank, int world, int device) : rank_(rank), world_(world), device_(device) {
   RX_USER_CHECK(world >= 1 && rank >= 0 && rank < world, "direct transport: rank ", rank, " not in a group of ",
@@ -84,14 +193,20 @@ uint64_t DirectSignals::peer_ready(int peer) const {
 }
 
 DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
-                       int64_t engine_bytes, std::vector<int32_t> receivers, std::vector<int32_t> senders,
-                       double timeout_s)
+                       const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
+                       std::vector<int32_t> senders, double timeout_s)
     : sig_(std::move(signals)),
-      table_(kernel_boxes(boxes, engine_bytes, &engine_)),
+      config_(config),
       receivers_(std::move(receivers)),
       senders_(std::move(senders)),
       timeout_s_(timeout_s) {
   RX_HOST_ASSERT(sig_ != nullptr, "DirectExec: no signals");
+  std::vector<EngineCopy> engine, local_engine;
+  table_ = DeviceBoxTable(kernel_boxes(boxes, config_.engine_bytes, &engine));
+  local_table_ = DeviceBoxTable(kernel_boxes(local, config_.local_engine_bytes, &local_engine));
+  for (const std::vector<EngineCopy>& part : spread_engines(engine, config_.engine_streams))
+    engines_.emplace_back(part, config_.batch);
+  local_engine_ = EngineQueue(local_engine, config_.batch);
   for (int32_t r : receivers_) {
     RX_HOST_ASSERT(sig_->attached(r), "DirectExec: receiver ", r, " not attached");
     done_words_.push_back(sig_->peer_flag(r));
@@ -102,17 +217,38 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   int lowest = 0, highest = 0;
   RX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
   // High priority, like the NCCL side stream: the link is the refit's critical path.
-  RX_CUDA_CHECK(cudaStreamCreateWithPriority(&ce_, cudaStreamNonBlocking, highest));
+  ces_.resize(engines_.size(), nullptr);
+  ce_done_.resize(engines_.size(), nullptr);
+  for (size_t k = 0; k < ces_.size(); ++k) {
+    RX_CUDA_CHECK(cudaStreamCreateWithPriority(&ces_[k], cudaStreamNonBlocking, highest));
+    RX_CUDA_CHECK(cudaEventCreateWithFlags(&ce_done_[k], cudaEventDisableTiming));
+  }
   RX_CUDA_CHECK(cudaStreamCreateWithPriority(&sm_, cudaStreamNonBlocking, highest));
-  for (cudaEvent_t* e : {&start_, &ce_done_, &sent_, &end_})
+  RX_CUDA_CHECK(cudaStreamCreateWithFlags(&local_ce_, cudaStreamNonBlocking));
+  for (cudaEvent_t* e : {&start_, &sent_, &local_done_, &end_})
     RX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+}
+
+int64_t DirectExec::num_engine_copies() const {
+  int64_t n = 0;
+  for (const EngineQueue& q : engines_) n += q.num_copies();
+  return n;
+}
+
+void DirectExec::upload(void* dev, cudaStream_t stream) {
+  table_.upload(dev, stream);
+  local_table_.upload(static_cast<char*>(dev) + local_offset(), stream);
 }
 
 DirectExec::~DirectExec() {
   // Work still queued keeps the streams and events alive: CUDA defers their release.
-  for (cudaEvent_t e : {start_, ce_done_, sent_, end_})
+  for (cudaEvent_t e : {start_, sent_, local_done_, end_})
     if (e != nullptr) cudaEventDestroy(e);
-  for (cudaStream_t s : {ce_, sm_})
+  for (cudaEvent_t e : ce_done_)
+    if (e != nullptr) cudaEventDestroy(e);
+  for (cudaStream_t s : {sm_, local_ce_})
+    if (s != nullptr) cudaStreamDestroy(s);
+  for (cudaStream_t s : ces_)
     if (s != nullptr) cudaStreamDestroy(s);
   cudaGetLastError();
 }
@@ -144,6 +280,15 @@ void DirectExec::begin_steps(cudaStream_t main) {
     const uint64_t ready = sig_->ready_device();
     RX_CUDA_CHECK(rx_signal_store_cuda(&ready, 1, seq_, main));
   }
+  // From here on the sources are ready and this rank's destinations free: the same-rank
+  // copies start now, before the host waits for the receivers below.
+  RX_CUDA_CHECK(cudaEventRecord(start_, main));
+  if (local_engine_.num_copies() > 0) {
+    RX_CUDA_CHECK(cudaStreamWaitEvent(local_ce_, start_, 0));
+    local_engine_.issue(local_ce_);
+    RX_CUDA_CHECK(cudaEventRecord(local_done_, local_ce_));
+  }
+  local_table_.launch(main, config_.local_blocks);
   if (receivers_.empty()) return;
   const auto deadline = deadline_after(timeout_s_);
   Backoff backoff(50);
@@ -157,22 +302,16 @@ void DirectExec::begin_steps(cudaStream_t main) {
       backoff.pause();
     }
   }
-  RX_CUDA_CHECK(cudaEventRecord(start_, main));
-  RX_CUDA_CHECK(cudaStreamWaitEvent(ce_, start_, 0));
   RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, start_, 0));
-  for (const EngineCopy& c : engine_) {
-    void* dst = reinterpret_cast<void*>(static_cast<uintptr_t>(c.dst));
-    const void* src = reinterpret_cast<const void*>(static_cast<uintptr_t>(c.src));
-    if (c.height == 1)
-      RX_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(c.width), cudaMemcpyDefault, ce_));
-    else
-      RX_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(c.dpitch), src, static_cast<size_t>(c.spitch),
-                                      static_cast<size_t>(c.width), static_cast<size_t>(c.height), cudaMemcpyDefault,
-                                      ce_));
+  for (size_t k = 0; k < ces_.size(); ++k) {
+    RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[k], start_, 0));
+    engines_[k].issue(ces_[k]);
   }
   table_.launch(sm_, 0);
-  RX_CUDA_CHECK(cudaEventRecord(ce_done_, ce_));
-  RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_, 0));
+  for (size_t k = 0; k < ces_.size(); ++k) {
+    RX_CUDA_CHECK(cudaEventRecord(ce_done_[k], ces_[k]));
+    RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_[k], 0));
+  }
   RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()), seq_, sm_));
   RX_CUDA_CHECK(cudaEventRecord(sent_, sm_));
 }
@@ -181,6 +320,7 @@ void DirectExec::end_steps(cudaStream_t main) {
   DeviceGuard guard(sig_->device());
   // The caller's later work may overwrite the sources: it waits for the sends.
   if (!receivers_.empty()) RX_CUDA_CHECK(cudaStreamWaitEvent(main, sent_, 0));
+  if (local_engine_.num_copies() > 0) RX_CUDA_CHECK(cudaStreamWaitEvent(main, local_done_, 0));
   if (!senders_.empty()) {
     const double ns = std::min(timeout_s_, 1e7) * 1e9;
     RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()), seq_,

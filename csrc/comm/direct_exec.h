@@ -7,10 +7,12 @@
 //   1. as a receiver, its stream stores "ready = n" into its own shared page: from that
 //      point of the caller's stream its destinations are idle (the refit's contract:
 //      nothing else reads or writes them until execute returns);
-//   2. as a sender, its host waits (bounded) until each receiver's page says ready >= n,
-//      then enqueues its copies and kernel on side streams after the work already on the
-//      caller's stream (the sources are ready), and then stores "done = n" into each
-//      receiver's flag word (in the receiver's GPU memory, through IPC);
+//   2. its same-rank copies (when it runs them) start at once, on a copy engine and its
+//      kernel; as a sender, its host waits (bounded) until each receiver's page says
+//      ready >= n, then enqueues its copies (batched calls) and kernel on side streams
+//      after the work already on the caller's stream (the sources are ready), and then
+//      stores "done = n" into each receiver's flag word (in the receiver's GPU memory,
+//      through IPC);
 //   3. as a receiver, its stream waits (a bounded spin kernel) for done >= n from every
 //      sender; the caller's stream waits for its own sends; the host waits for that point
 //      (bounded) and raises if a peer never signalled.
@@ -86,27 +88,68 @@ class DirectSignals {
   uint64_t seq_ = 0;
 };
 
+// Copy-engine copies prepared once (at bind time) for one stream: issue() only submits
+// them, one batched call per kind (cudaMemcpyBatchAsync for runs, cudaMemcpy3DBatchAsync
+// for pitched copies) where the CUDA runtime and driver have it (12.8+), else (or once a
+// batched call is refused) one call per copy.
+class EngineQueue {
+ public:
+  EngineQueue() = default;
+  EngineQueue(const std::vector<EngineCopy>& copies, bool batch);
+  void issue(cudaStream_t stream);
+  int64_t num_copies() const { return static_cast<int64_t>(runs_.size() + pitched_.size()); }
+  // "batched", "per copy", or "per copy (why the batched calls are not used)".
+  const std::string& mode() const { return mode_; }
+
+ private:
+  void issue_each(cudaStream_t stream);
+  cudaError_t issue_batched(cudaStream_t stream);
+  std::vector<EngineCopy> runs_, pitched_;
+  bool batch_ = false;
+  std::string mode_ = "per copy";
+  // The batched calls' arguments, built once.
+  std::vector<void*> dsts_;
+  std::vector<const void*> srcs_;
+  std::vector<size_t> sizes_;
+  std::vector<char> ops3d_;  // cudaMemcpy3DBatchOp records (opaque here: the header is CUDA 12.8+)
+};
+
+// How DirectExec carries its boxes (rx.Options fields of the direct transport).
+struct DirectConfig {
+  int64_t engine_bytes = 0;        // split_engines threshold of the boxes written into peers (0: kernel only)
+  int64_t local_engine_bytes = 0;  // ... of the same-rank copies it runs (0: kernel only)
+  int32_t local_blocks = 0;        // grid cap of the same-rank kernel (0: none)
+  int32_t engine_streams = 1;      // streams the peer copy-engine copies are spread over (spread_engines)
+  bool batch = true;               // batched copy-engine calls where available
+};
+
 // One bound plan's direct work on one rank: the sends as copy-engine copies and a box
-// kernel table, and the pairs to signal. Built at bind time; begin/end per execute.
+// kernel table, the same-rank copies when it is given them (a rank with no NCCL pair:
+// then nothing else runs beside the direct writes), and the pairs to signal. Built at
+// bind time; begin/end per execute.
 class DirectExec {
  public:
-  // boxes: every direct send's box (addresses in this process); engine_bytes: the
-  // split_engines threshold. receivers / senders: the peers this rank writes to / that
-  // write to it directly, all attached in `signals`.
-  DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes, int64_t engine_bytes,
-             std::vector<int32_t> receivers, std::vector<int32_t> senders, double timeout_s);
+  // boxes: every direct send's box (addresses in this process); local: same-rank copies
+  // to run beside them (may be empty). receivers / senders: the peers this rank writes to
+  // / that write to it directly, all attached in `signals`.
+  DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
+             const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
+             std::vector<int32_t> senders, double timeout_s);
   ~DirectExec();
   DirectExec(const DirectExec&) = delete;
   DirectExec& operator=(const DirectExec&) = delete;
 
-  // The kernel's box table: bytes of device memory upload() fills (16-byte aligned).
-  int64_t table_bytes() const { return table_.bytes_needed(); }
-  void upload(void* dev, cudaStream_t stream) { table_.upload(dev, stream); }
-  int64_t num_engine_copies() const { return static_cast<int64_t>(engine_.size()); }
+  // The kernels' box tables: bytes of device memory upload() fills (16-byte aligned).
+  int64_t table_bytes() const { return local_offset() + local_table_.bytes_needed(); }
+  void upload(void* dev, cudaStream_t stream);
+  int64_t num_engine_copies() const;
   int64_t num_kernel_boxes() const { return table_.num_boxes(); }
+  int64_t num_local_engine_copies() const { return local_engine_.num_copies(); }
+  int64_t num_local_kernel_boxes() const { return local_table_.num_boxes(); }
+  const std::string& engine_mode() const { return engines_.front().mode(); }
 
-  // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream. Throws
-  // ReshardError when a receiver is not ready within the timeout.
+  // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream, and the
+  // same-rank copies. Throws ReshardError when a receiver is not ready within the timeout.
   void begin(cudaStream_t main);
   // Step 3; returns once the refit's direct part is complete on `main`'s timeline.
   void end(cudaStream_t main);
@@ -118,17 +161,21 @@ class DirectExec {
   void guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main);
   void begin_steps(cudaStream_t main);
   void end_steps(cudaStream_t main);
+  int64_t local_offset() const { return (table_.bytes_needed() + 255) / 256 * 256; }
 
   std::shared_ptr<DirectSignals> sig_;
-  std::vector<EngineCopy> engine_;
-  DeviceBoxTable table_;
+  DirectConfig config_;
+  std::vector<EngineQueue> engines_;  // one per stream of ces_
+  EngineQueue local_engine_;
+  DeviceBoxTable table_, local_table_;
   std::vector<int32_t> receivers_, senders_;
   std::vector<uint64_t> done_words_, wait_words_;
   double timeout_s_;
-  cudaStream_t ce_ = nullptr, sm_ = nullptr;
-  cudaEvent_t start_ = nullptr, ce_done_ = nullptr, sent_ = nullptr, end_ = nullptr;
+  std::vector<cudaStream_t> ces_;
+  std::vector<cudaEvent_t> ce_done_;
+  cudaStream_t sm_ = nullptr, local_ce_ = nullptr;
+  cudaEvent_t start_ = nullptr, sent_ = nullptr, local_done_ = nullptr, end_ = nullptr;
   uint64_t seq_ = 0;
-  bool uploaded_ = false;
   std::string error_;
 };
 

@@ -76,6 +76,64 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
   }
 }
 
+EngineBatches batch_engines(const std::vector<EngineCopy>& copies) {
+  EngineBatches out;
+  for (const EngineCopy& c : copies) {
+    if (c.height != 1) {
+      out.pitched.push_back(c);
+      continue;
+    }
+    EngineCopy* last = out.runs.empty() ? nullptr : &out.runs.back();
+    if (last != nullptr && last->src + static_cast<uint64_t>(last->width) == c.src &&
+        last->dst + static_cast<uint64_t>(last->width) == c.dst) {
+      last->width += c.width;
+      last->spitch = last->dpitch = last->width;
+    } else {
+      out.runs.push_back(c);
+    }
+  }
+  return out;
+}
+
+std::vector<std::vector<EngineCopy>> spread_engines(const std::vector<EngineCopy>& copies, int n) {
+  n = std::max(n, 1);
+  std::vector<std::vector<EngineCopy>> out(static_cast<size_t>(n));
+  int64_t total = 0;
+  for (const EngineCopy& c : copies) total += c.width * c.height;
+  const int64_t share = (total + n - 1) / n;
+  size_t i = 0;
+  int64_t filled = 0;
+  for (EngineCopy c : copies) {
+    while (c.width > 0 && c.height > 0) {
+      const bool last = i + 1 == out.size();
+      const int64_t room = share - filled;
+      const int64_t bytes = c.width * c.height;
+      if (last || bytes <= room) {
+        out[i].push_back(c);
+        filled += bytes;
+        break;
+      }
+      EngineCopy head = c;
+      if (c.height == 1) {
+        head.width = head.spitch = head.dpitch = room;
+        c.width -= room;
+        c.spitch = c.dpitch = c.width;
+        c.src += static_cast<uint64_t>(room);
+        c.dst += static_cast<uint64_t>(room);
+      } else {
+        head.height = room / c.width;
+        c.height -= head.height;
+        c.src += static_cast<uint64_t>(head.height * c.spitch);
+        c.dst += static_cast<uint64_t>(head.height * c.dpitch);
+      }
+      if (head.width > 0 && head.height > 0) out[i].push_back(head);
+      ++i;
+      filled = 0;
+    }
+  }
+  return out;
+}
+
 std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
   const int64_t elem = dtype_size(box.dst_dtype);
   int64_t lo = 0, hi = 0;  // byte offsets from box.dst of the first and one past the last element

@@ -39,6 +39,21 @@ struct EngineCopy {
 void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vector<EngineCopy>* engine,
                    std::vector<rx_box>* kernel);
 
+// Copy-engine copies as the executor submits them: contiguous runs (height 1) and pitched
+// 2-D copies, each in the order given. A run that continues the previous run on both
+// sides (its src and dst start where that one's end) is merged into it: adjacent tensors,
+// as a caching allocator hands them out, then cost one copy (a batch has no order, and
+// no two copies of a plan write the same bytes).
+struct EngineBatches {
+  std::vector<EngineCopy> runs, pitched;
+};
+EngineBatches batch_engines(const std::vector<EngineCopy>& copies);
+
+// Spreads copies over `n` lists of about equal bytes, in order, cutting a copy that would
+// overfill a list at a byte (run) or row (pitched) boundary, so that `n` streams keep as
+// many copy engines busy. n <= 1: one list holding the copies as they are.
+std::vector<std::vector<EngineCopy>> spread_engines(const std::vector<EngineCopy>& copies, int n);
+
 // [lo, hi): the bytes of dst memory a box's elements span (MX scales, written at aux, are
 // not included). Empty boxes give lo == hi.
 std::pair<uint64_t, uint64_t> dst_span(const rx_box& box);

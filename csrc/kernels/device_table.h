@@ -19,6 +19,7 @@ class DeviceBoxTable {
  public:
   // tile_bytes <= 0: chosen from the table's total (rx_plan_tiles). flat = false clears
   // RX_TILE_FLAT, so every tile reads its box (the kernel's general path, for A/B runs).
+  DeviceBoxTable() : DeviceBoxTable(std::vector<rx_box>{}) {}
   explicit DeviceBoxTable(const std::vector<rx_box>& boxes, int64_t tile_bytes = 0, bool flat = true)
       : num_boxes_(static_cast<int64_t>(boxes.size())) {
     const int64_t n = rx_plan_tiles(boxes.data(), num_boxes_, tile_bytes, nullptr, 0);

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "common/check.h"
@@ -71,6 +72,34 @@ void register_cuda(py::module_& m) {
       py::arg("boxes"), py::arg("min_bytes"),
       "The direct transport's split of a box table: ([(dst, dpitch, src, spitch, width, height)] copy-engine "
       "copies, the other boxes as a table).");
+  using CopyTuple = std::tuple<uint64_t, int64_t, uint64_t, int64_t, int64_t, int64_t>;
+  auto copies_in = [](const std::vector<CopyTuple>& copies) {
+    std::vector<EngineCopy> in;
+    for (const auto& [dst, dpitch, src, spitch, width, height] : copies)
+      in.push_back(EngineCopy{dst, src, dpitch, spitch, width, height});
+    return in;
+  };
+  auto copies_out = [](const std::vector<EngineCopy>& v) {
+    py::list l;
+    for (const EngineCopy& c : v) l.append(py::make_tuple(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height));
+    return l;
+  };
+  m.def(
+      "batch_engines",
+      [=](const std::vector<CopyTuple>& copies) {
+        const EngineBatches b = batch_engines(copies_in(copies));
+        return py::make_tuple(copies_out(b.runs), copies_out(b.pitched));
+      },
+      py::arg("copies"),
+      "split_engines' copies as the executor submits them: (runs, pitched), adjacent runs merged.");
+  m.def(
+      "spread_engines",
+      [=](const std::vector<CopyTuple>& copies, int n) {
+        py::list out;
+        for (const auto& part : spread_engines(copies_in(copies), n)) out.append(copies_out(part));
+        return out;
+      },
+      py::arg("copies"), py::arg("n"), "split_engines' copies spread over n streams of about equal bytes.");
   m.def(
       "dst_spans",
       [](const py::buffer& table) {

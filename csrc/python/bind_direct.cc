@@ -103,16 +103,31 @@ void register_direct(py::module_& m) {
       .def("attached", &DirectSignals::attached, py::arg("peer"));
 
   py::class_<DirectExec, std::shared_ptr<DirectExec>>(m, "DirectExec")
-      .def(py::init([](std::shared_ptr<DirectSignals> sig, const py::bytes& boxes, int64_t engine_bytes,
-                       std::vector<int32_t> receivers, std::vector<int32_t> senders, double timeout_s) {
-             return std::make_shared<DirectExec>(std::move(sig), boxes_of(boxes), engine_bytes, std::move(receivers),
-                                                 std::move(senders), timeout_s);
+      .def(py::init([](std::shared_ptr<DirectSignals> sig, const py::bytes& boxes, const py::bytes& local,
+                       int64_t engine_bytes, int64_t local_engine_bytes, int32_t local_blocks, bool batch,
+                       int32_t engine_streams, std::vector<int32_t> receivers, std::vector<int32_t> senders,
+                       double timeout_s) {
+             DirectConfig config;
+             config.engine_bytes = engine_bytes;
+             config.local_engine_bytes = local_engine_bytes;
+             config.local_blocks = local_blocks;
+             config.batch = batch;
+             config.engine_streams = engine_streams;
+             return std::make_shared<DirectExec>(std::move(sig), boxes_of(boxes), boxes_of(local), config,
+                                                 std::move(receivers), std::move(senders), timeout_s);
            }),
-           py::arg("signals"), py::arg("boxes"), py::arg("engine_bytes"), py::arg("receivers"), py::arg("senders"),
-           py::arg("timeout_s"))
+           py::arg("signals"), py::arg("boxes"), py::arg("local"), py::arg("engine_bytes"),
+           py::arg("local_engine_bytes"), py::arg("local_blocks"), py::arg("batch"), py::arg("engine_streams"),
+           py::arg("receivers"),
+           py::arg("senders"), py::arg("timeout_s"),
+           "boxes: the direct sends; local: same-rank copies it runs beside them (b'' for none).")
       .def_property_readonly("table_bytes", &DirectExec::table_bytes)
       .def_property_readonly("num_engine_copies", &DirectExec::num_engine_copies)
       .def_property_readonly("num_kernel_boxes", &DirectExec::num_kernel_boxes)
+      .def_property_readonly("num_local_engine_copies", &DirectExec::num_local_engine_copies)
+      .def_property_readonly("num_local_kernel_boxes", &DirectExec::num_local_kernel_boxes)
+      .def_property_readonly("engine_mode", &DirectExec::engine_mode,
+                             "'batched', 'per copy', or 'per copy (why the batched calls are not used)'.")
       .def_property_readonly("error", &DirectExec::error)
       .def(
           "upload",

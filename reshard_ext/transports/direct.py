@@ -3,7 +3,9 @@
 On one host, a sender writes each box straight from its source tensor into the receiver's
 destination tensor through a CUDA IPC mapping of the receiver's memory: no staging at
 either end, no pack, no unpack. Large boxes with contiguous rows go through the copy
-engines, the rest through one launch of the box kernel; same-rank copies run beside them.
+engines (batched calls), the rest through one launch of the box kernel; same-rank copies
+run beside them (on a rank without NCCL pairs: a copy engine for large ones, the kernel
+for the rest, issued before the host waits for the receivers).
 Completion reaches the receiver on the GPU (csrc/comm/direct_exec.h has the protocol).
 
 A pair of ranks goes direct when both are on one host in different processes, both are
@@ -124,10 +126,13 @@ class CudaDevice:
     def open(self, handle: bytes) -> Any:
         return _C.IpcMapping(handle)
 
-    def executor(self, signals: Any, boxes: bytes, engine_bytes: int, receivers: list[int], senders: list[int],
-                 timeout: float) -> tuple[Any, Any]:
-        """(the per-execute steps, the device memory of its kernel table)."""
-        ex = _C.DirectExec(signals, boxes, engine_bytes, receivers, senders, timeout)
+    def executor(self, signals: Any, boxes: bytes, local: bytes, options: Options, receivers: list[int],
+                 senders: list[int], timeout: float) -> tuple[Any, Any]:
+        """(the per-execute steps, the device memory of its kernel tables)."""
+        ex = _C.DirectExec(signals, boxes, local, options.resolved_direct_engine_bytes(),
+                           options.resolved_direct_local_engine_bytes(), options.resolved_direct_local_blocks(),
+                           options.resolved_direct_engine_batch(), options.resolved_direct_engine_streams(),
+                           receivers, senders, timeout)
         table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
         ex.upload(table.data_ptr(), torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()  # execute may run on another stream
@@ -161,7 +166,6 @@ class DirectTransport:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = options.resolved_timeout("direct")
-        self.engine_bytes = options.resolved_direct_engine_bytes()
         self.device = device if device is not None else CudaDevice()
         self.signals: Any = None
         self._why_not = ""
@@ -179,6 +183,7 @@ class DirectTransport:
         self._maps: list[Any] = []
         self._table: torch.Tensor | None = None
         self.staging_bytes = 0  # of the NCCL pairs' batches (none when every pair is direct)
+        self.owns_copies = False  # the executor runs the same-rank copies (this rank has no NCCL pair)
         self.direct_bytes = 0  # Transport protocol; the inner transport's cut is used
         # Execute headers go to every peer, direct or NCCL, on the group's host channel.
         self.channel = channel_of(group)
@@ -353,9 +358,13 @@ class DirectTransport:
         self.peers = sorted(set(receivers) | set(senders) | set(self.inner.peers))
         self._broken = ""
         self.exec, self._table = None, None
+        # Without NCCL pairs nothing else runs beside the direct writes: the executor takes
+        # the same-rank copies too, on a copy engine or its kernel (rx.Options.direct_local_*).
+        self.owns_copies = bool(receivers or senders) and not (tables.send_total or tables.recv_total)
         if receivers or senders:
-            self.exec, self._table = self.device.executor(self.signals, boxes, self.engine_bytes, receivers, senders,
-                                                          self.timeout)
+            local = tables.copy_boxes() if self.owns_copies else b""
+            self.exec, self._table = self.device.executor(self.signals, boxes, local, self.options, receivers,
+                                                          senders, self.timeout)
 
     # --- diagnostics --------------------------------------------------------------------
     @property
@@ -365,7 +374,13 @@ class DirectTransport:
     def summary(self) -> str:
         d, n = self.direct_peers, self.nccl_peers
         via = "NCCL" if getattr(self.inner, "comm", None) is not None else "point-to-point"
-        return f"direct with ranks {d or 'none'}; {via} with ranks {n or 'none'}"
+        ex = self.exec
+        how = ""
+        if ex is not None:
+            how = (f" ({ex.num_engine_copies} copy-engine copies {getattr(ex, 'engine_mode', '')}, "
+                   f"{ex.num_kernel_boxes} kernel boxes; same-rank here: {ex.num_local_engine_copies} copy-engine, "
+                   f"{ex.num_local_kernel_boxes} kernel)")
+        return f"direct with ranks {d or 'none'}{how}; {via} with ranks {n or 'none'}"
 
     # --- every execute ------------------------------------------------------------------
     def abort(self) -> None:
@@ -397,7 +412,7 @@ class DirectTransport:
         stream = self.device.stream()
         try:
             self.exec.begin(stream)
-            digests = self.inner.run(tables, session, verify)
+            digests = None if self.owns_copies else self.inner.run(tables, session, verify)
             self.exec.end(stream)
         except ReshardError as e:
             # The ranks of a direct pair no longer agree on its sequence: rebinding
