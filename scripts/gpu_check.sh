@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify]
+#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host]
 #   (default: build tests sanitize bench). The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -35,11 +35,21 @@ if has build; then
 fi
 export PYTHONPATH="$PWD"
 
+if has smoke; then
+  step "GPU smoke: one case per backend (2 GPUs), then the trust tests"
+  (cd tests && timeout 400 python3 -m pytest -q -p no:warnings -rs -x \
+      "test_refit_gpu.py::test_matrix_2gpu" -k "tp and None and not uneven" test_trust_gpu.py \
+      2>&1 | tee "$OUT/smoke.log" | tail -15)
+  (cd tests && timeout 200 python3 -m pytest -q -p no:warnings -rs test_direct.py -k "small_boxes and 2gpu" \
+      2>&1 | tee -a "$OUT/smoke.log" | tail -6)
+fi
+
 if has tests; then
   step "GPU tests"
   (cd tests && timeout 520 python3 -m pytest -q -p no:warnings -rs --durations=15 \
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py \
-      test_verify.py test_relay.py test_direct.py test_package.py -k "not mypy" \
+      test_verify.py test_relay.py test_direct.py test_package.py test_trust_gpu.py test_swap.py test_swap_fingerprint.py \
+      test_nvshmem.py -k "not mypy" \
       2>&1 | tee "$OUT/tests.log" | tail -25)
 fi
 
@@ -130,6 +140,25 @@ if has relay && [ "$ngpu" -ge 4 ]; then
     timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 --iters 10 \
         --relay-stages "$g" 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -10
   done
+fi
+
+if has nvshmem && [ "$ngpu" -ge 2 ]; then
+  export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120 RESHARD_EXT_NVSHMEM_TIMEOUT=120
+  for n in 2 4; do
+    [ "$ngpu" -ge $n ] || continue
+    for c in tp2-tp1 moe-ep2-ep1; do
+      step "refit_bench $c, nccl vs direct vs nvshmem on $n GPUs"
+      timeout 300 torchrun --standalone --nproc-per-node $n benchmarks/refit_bench.py --case "$c" --backend nccl,direct,nvshmem \
+        --no-baseline 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/backends_bench.log" | tail -16
+    done
+  done
+fi
+
+if has host && [ "$ngpu" -ge 2 ]; then
+  step "host time: execute of a 10,000-tensor plan, warm swap vs execute, 1,000 executes / plans"
+  timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
+  timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/swap_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
+  timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/churn_bench.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
 fi
 
 if has verify && [ "$ngpu" -ge 2 ]; then
