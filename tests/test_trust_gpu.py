@@ -123,14 +123,14 @@ def test_replaced_storage_2gpu():
 
 
 def _staging_bound(rank: int, world: int):
-    p, out, want = _plan(rank, world, seed=6, max_batch_bytes=1 << 20)
+    p, out, want = _plan(rank, world, seed=6, max_batch_bytes=1 << 18)
     rx.execute(p)
     return p.staging_bytes, p.num_batches, _ok(out, want)
 
 
 def test_max_batch_bytes_bounds_pipelined_staging_2gpu():
     for staging, batches, ok in run_ranks(2, _staging_bound, backend="nccl"):
-        assert ok and batches > 1 and staging <= 1 << 20
+        assert ok and batches > 1 and staging <= 1 << 18  # 256 KiB each way per rank: several batches
 
 
 def _churn(rank: int, world: int, n: int):

@@ -289,6 +289,7 @@ class CudaTransport:
         if self.nccl and (verdict.rebuild or session.comm_unusable):
             # Collective over the group: every rank whose communicator failed, and every
             # rank a peer of which says so, builds the next one together.
+            self._registered = []  # the old communicator's registrations went with it
             self.comm = _nccl.communicator(self.group, self.nccl_timeout, fresh=True)
             if self.register:
                 self._register()
