@@ -109,7 +109,7 @@ KNOBS: dict[str, Knob] = {
              "direct copy-engine copies go in one batched call per stream (CUDA 12.8+; 0: one call per copy)"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", 1, _count(1),
              "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them"),
-        Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 1 << 20, _count(0),
+        Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_BLOCKS", 0, _count(0),
