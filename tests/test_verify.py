@@ -137,6 +137,35 @@ def test_passes_and_foldings_agree(backend, casts):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+def test_digest_counts_ordinals_not_addresses(backend, dtype):
+    """A 1-D run at every misalignment modulo 16 bytes (the kernel reads its body as
+    16-byte items from an aligned base and its first ordinal from the offset; src and
+    dst equally misaligned or not): every pass gives the digest of the aligned run."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    n = 16 * 37 // es + 3  # head, body and tail items
+    g = torch.Generator().manual_seed(17)
+    values = torch.randint(0, 256, (n * es,), dtype=torch.uint8, generator=g)
+
+    def run_at(src_off: int, dst_off: int) -> bytes:
+        return lambda b: table([(b["src"].data_ptr() + src_off, b["dst"].data_ptr() + dst_off, (n,), (1,), (1,),
+                                 code_of(dtype), code_of(dtype))])
+
+    def bufs_at(src_off: int) -> dict:
+        src = torch.zeros(n * es + 32, dtype=torch.uint8)
+        src[src_off:src_off + n * es] = values
+        return {"src": src, "dst": torch.zeros(n * es + 32, dtype=torch.uint8)}
+
+    want = digests("twin", run_at(0, 0), bufs_at(0), "src")
+    for src_off in range(0, 16, es):
+        for dst_off in {src_off, (src_off + es) % 16}:
+            bufs = bufs_at(src_off)
+            for pass_ in ("copy", "dst", "src"):
+                assert digests(backend, run_at(src_off, dst_off), bufs, pass_) == want, (src_off, dst_off, pass_)
+            assert torch.equal(bufs["dst"][dst_off:dst_off + n * es], values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_cast_digest_matches_the_receivers_cast(backend):
     """A sender packs BF16 (the narrower wire); the receiver widens to fp32 on unpack. The
     pack box digested as fp32 (RX_DIGEST_CAST) equals the unpack box's digest, and differs
@@ -304,6 +333,65 @@ def test_execute_verify_catches_corruption_in_transit(direct):
         assert len(errors) == 2, errors
         assert "rx.execute(verify=True)" in errors[0] and "'x'[0:64, 0:32]" in errors[0], errors[0]
         assert "from rank 0 to rank 1" in errors[0], errors[0]
+
+
+def _corrupt_one_round(rank, world, which):
+    """A 2 MiB tensor moved as one direct message, cut into verify rounds: the rounds
+    tile each message exactly (aligned pieces, in order); a clean verified refit passes
+    bit for bit; then rank 1 flips a bit in what lands in one round only (`which`: the
+    first or the last round with a piece), and verify names the tensor."""
+    from reshard_ext.transports.cpu import VERIFY_ROUNDS
+
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(1024, 512, generator=g)
+    s = rx.Layout((1024, 512), torch.float32, rx.Mesh([0]), [rx.Replicate()])
+    d = rx.Layout((1024, 512), torch.float32, rx.Mesh([1]), [rx.Replicate()])
+    dst = torch.zeros(1024, 512)
+    plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {}, {"x": (dst, d)} if rank == 1 else {},
+                   options=rx.Options(direct_bytes=1))
+    tables = plan.tables
+    for b in range(tables.num_batches):
+        for side in (0, 1):
+            pieces = [m for r in range(VERIFY_ROUNDS) for m in tables.round_messages(b, r, VERIFY_ROUNDS)[side]]
+            for peer in {m[0] for m in tables.messages(b)[side]}:
+                whole = [m for m in tables.messages(b)[side] if m[0] == peer]
+                mine = [m for m in pieces if m[0] == peer]
+                assert sum(m[2] for m in mine) == sum(m[2] for m in whole)
+                assert len(mine) >= 4, "a 2 MiB message must be cut into several rounds"
+                at = iter(mine)
+                for _, ptr, n in whole:  # each message is its pieces, in order, cut at aligned offsets
+                    end = ptr
+                    while end < ptr + n:
+                        _, p, m = next(at)
+                        assert p == end and (p - ptr) % 16384 == 0
+                        end += m
+                    assert end == ptr + n
+    rx.execute(plan, verify=True)
+    if rank == 1:
+        assert torch.equal(dst, full)
+        finish = plan.transport.p2p.finish
+        calls = []
+
+        def corrupting_finish(reqs, ops):
+            finish(reqs, ops)
+            calls.append(ops)
+            if ops and (len(calls) == 1 if which == "first" else len(calls) == VERIFY_ROUNDS):
+                for op in ops:
+                    if op.op is torch.distributed.irecv:
+                        op.tensor.view(-1)[7] ^= 4
+
+        plan.transport.p2p.finish = corrupting_finish
+    try:
+        rx.execute(plan, verify=True)
+    except rx.ReshardError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_execute_verify_catches_corruption_in_one_round(which):
+    for msg in run_ranks(2, _corrupt_one_round, which):
+        assert msg is not None and "'x'[0:1024, 0:512]" in msg and "from rank 0 to rank 1" in msg, msg
 
 
 def _idle_and_empty(rank, world):

@@ -183,7 +183,64 @@ bool same_memory(const rx_box& b) {
   return true;
 }
 
+// Bytes [begin, end) of a message that round r of `rounds` carries: the message starts
+// at byte `at` of its peer's stream of `total` bytes and has n bytes (ExecTables::
+// round_messages).
+std::pair<int64_t, int64_t> round_piece(int64_t at, int64_t n, int64_t total, int32_t r, int32_t rounds) {
+  const auto cut = [&](int32_t q) -> int64_t {
+    if (q >= rounds) return n;
+    const int64_t whole = total / rounds * q + total % rounds * q / rounds;  // floor(total q / rounds), no overflow
+    return std::clamp<int64_t>((whole - at) / ExecTables::kRoundAlign * ExecTables::kRoundAlign, 0, n);
+  };
+  return {r <= 0 ? 0 : cut(r), cut(r + 1)};
+}
+
+// Calls fn(message, begin, end) for the nonempty piece of each message in round r.
+template <typename Fn>
+void for_each_piece(const std::vector<Message>& msgs, int32_t r, int32_t rounds, Fn fn) {
+  RX_HOST_ASSERT(rounds >= 1 && r >= 0 && r < rounds, "bad verify round");
+  std::unordered_map<int32_t, int64_t> total, at;
+  for (const Message& m : msgs) total[m.peer] += m.bytes;
+  for (const Message& m : msgs) {
+    int64_t& off = at[m.peer];
+    const auto [begin, end] = round_piece(off, m.bytes, total[m.peer], r, rounds);
+    if (begin < end) fn(m, begin, end);
+    off += m.bytes;
+  }
+}
+
 }  // namespace
+
+std::vector<Message> ExecTables::round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const {
+  std::vector<Message> out;
+  for_each_piece(send ? send_msgs_[b] : recv_msgs_[b], r, rounds, [&](const Message& m, int64_t begin, int64_t end) {
+    out.push_back({m.peer, m.ptr + static_cast<uint64_t>(begin), end - begin});
+  });
+  return out;
+}
+
+std::vector<rx_box> ExecTables::direct_recv_round(int32_t b, int32_t r, int32_t rounds) const {
+  std::vector<rx_box> out;
+  for (int32_t op : direct_recvs_[b]) {
+    rx_box box = recv_boxes_[static_cast<size_t>(op)];
+    box.shape[0] = 0;  // no piece in this round unless one is found below
+    out.push_back(box);
+  }
+  // A direct receive's message is the one at its box's dst (cut_messages).
+  std::unordered_map<uint64_t, size_t> at;
+  for (size_t j = 0; j < out.size(); ++j) at[out[j].dst] = j;
+  for_each_piece(recv_msgs_[b], r, rounds, [&](const Message& m, int64_t begin, int64_t end) {
+    const auto it = at.find(m.ptr);
+    if (it == at.end()) return;  // a staging message
+    rx_box& box = out[it->second];
+    const int64_t es = rx_dtype_size(box.dst_dtype);
+    box.src += static_cast<uint64_t>(begin);
+    box.dst += static_cast<uint64_t>(begin);
+    box.shape[0] = (end - begin) / es;
+    box.mx_first = begin / es;
+  });
+  return out;
+}
 
 std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
   RX_USER_CHECK(parts >= 1, "copies_split: parts must be >= 1, got ", parts);

@@ -127,6 +127,19 @@ class ExecTables {
   const std::vector<int32_t>& direct_sends(int32_t b) const { return direct_sends_[b]; }
   const std::vector<int32_t>& direct_recvs(int32_t b) const { return direct_recvs_[b]; }
 
+  // Verified refits move batch b in `rounds` rounds, so that the receiver digests the
+  // direct receives that landed in round r while round r + 1 moves (a direct message
+  // has no unpack to hash in). Round r carries bytes [floor(T r / rounds),
+  // floor(T (r + 1) / rounds)) of each peer's stream of T bytes (its messages in
+  // order), cut inside a message only at multiples of kRoundAlign from its start: both
+  // ends cut alike, since only the sizes decide. round_messages: the pieces of round r;
+  // direct_recv_round: aligned with direct_recvs(b), the piece of each direct receive
+  // that lands in round r as a 1-D box (shape 0 where none does) whose ordinals go on
+  // from the op's (rx_box.mx_first, api.h).
+  static constexpr int64_t kRoundAlign = 16384;  // a multiple of 32 elements of every size (MX blocks)
+  std::vector<Message> round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const;
+  std::vector<rx_box> direct_recv_round(int32_t b, int32_t r, int32_t rounds) const;
+
  private:
   std::shared_ptr<const RankPlan> plan_;
   std::vector<int32_t> src_used_, dst_used_;

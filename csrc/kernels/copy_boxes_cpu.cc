@@ -40,7 +40,7 @@ bool digest_valid(const rx_box& b) {
       return b.mode == RX_BOX_COPY && rx::dtype_is_float(b.dst_dtype) && rx::dtype_is_float(arg);
     case RX_DIGEST_MX:
       return b.mode == RX_BOX_COPY && b.dst_dtype == RX_BF16 && (arg == rx::mx::kCeil || arg == rx::mx::kFloor) &&
-             b.shape[b.ndim - 1] % RX_BOX_MX_GROUP == 0;
+             b.shape[b.ndim - 1] % RX_BOX_MX_GROUP == 0 && b.mx_first % RX_BOX_MX_GROUP == 0;
     default: return false;
   }
 }
@@ -55,7 +55,9 @@ extern "C" int32_t rx_box_valid(const rx_box* b) {
   const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode), scales = RX_BOX_SCALES(b->mode);
   // Scale placement (api.h): only an MX_DATA box with a scale buffer has one.
   const bool places_scales = kind == RX_BOX_MX_DATA && b->aux != 0;
-  if (!places_scales && (scales != 0 || b->aux != 0 || b->mx_first != 0 || b->mx_cols != 0)) return 0;
+  const bool first_ordinal = kind == RX_BOX_COPY && b->mx_first >= 0;  // api.h: a piece's first ordinal
+  if (!places_scales && (scales != 0 || b->aux != 0 || (b->mx_first != 0 && !first_ordinal) || b->mx_cols != 0))
+    return 0;
   if (!digest_valid(*b)) return 0;
   if (kind == RX_BOX_COPY) return b->mode == 0 && rx_dtype_castable(b->src_dtype, b->dst_dtype);
   if (rounding != rx::mx::kCeil && rounding != rx::mx::kFloor) return 0;
@@ -278,6 +280,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
     const int64_t n = box.shape[inner];
     int64_t idx[RX_MAX_DIMS] = {0};
     const int64_t rows = count / n;
+    const int64_t ordinal = box.mode == RX_BOX_COPY ? box.mx_first : 0;  // api.h
     uint64_t acc = 0;
     for (int64_t r = 0; r < rows; ++r) {
       int64_t so = 0, doff = 0;
@@ -291,7 +294,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
         // MX_DATA dst elements are bytes: the row starts at data element mx_first + doff.
         for (int64_t c = 0; c < n; c += kChunk)
           acc = dg::add(acc, digest_chunk(box, pass, src + c * box.src_stride[inner] * ss, dst + c * box.dst_stride[inner] * ds,
-                                          box.mx_first + doff + c, static_cast<uint64_t>(r * n + c),
+                                          box.mx_first + doff + c, static_cast<uint64_t>(ordinal + r * n + c),
                                           n - c < kChunk ? n - c : kChunk));
       } else if (box.mode == RX_BOX_COPY) {
         copy_row(src, box.src_stride[inner], box.src_dtype, dst, box.dst_stride[inner], box.dst_dtype, n);

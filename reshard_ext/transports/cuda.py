@@ -15,6 +15,10 @@ from ..options import Options, set_process_env_default
 from .p2p import P2PExchange
 
 _ALIGN = 256
+# A verified execute moves each batch in this many rounds (ExecTables::round_messages), so
+# that the digest of what landed in a round overlaps the next round's transfer and only
+# the last round's is serial. Every rank must use the same number.
+VERIFY_ROUNDS = 8
 
 _log = logging.getLogger("reshard_ext")
 
@@ -240,13 +244,19 @@ class CudaTransport:
         pack box: their sources are read), the unpack and the direct receives (their
         destinations are read once they landed)."""
         if self._verify is None:
-            parts = []
+            parts, rounds = [], []
             for b in range(tables.num_batches):
                 direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)), _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
                 parts += [(self._pack[b], "send", tables.pack_ops(b)), (direct[0], "send", tables.direct_sends(b)),
                           (self._unpack[b], "recv", tables.unpack_ops(b)), (direct[1], "recv", tables.direct_recvs(b))]
-            self._verify_blob = _upload([t for t, kind, _ in parts[1::2]])
+                # the pieces of the direct receives per round: they add into part 4b+3's slots
+                rounds.append([_C.DeviceBoxTable(tables.direct_recv_round_boxes(b, r, VERIFY_ROUNDS))
+                               for r in range(VERIFY_ROUNDS)])
+            self._verify_blob = _upload([t for t, kind, _ in parts[1::2]] + [t for per in rounds for t in per])
             self._verify = _Digests(parts)
+            self._verify_rounds = rounds
+            self._round_messages = [[tables.round_messages(b, r, VERIFY_ROUNDS) for r in range(VERIFY_ROUNDS)]
+                                    for b in range(tables.num_batches)]
         return self._verify
 
     def run(self, tables: Any, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -266,33 +276,59 @@ class CudaTransport:
                 self._pack[b].launch(s, cap)
                 return
             self._pack[b].launch(s, cap, *v.args(4 * b, _C.PASS_COPY))
-            v.tables[4 * b + 1].launch(s, cap, *v.args(4 * b + 1, _C.PASS_SRC))
+
+        def digest_direct_sends(b: int, cap: int = 0) -> None:
+            if v is not None:  # direct messages have no pack: read their sources (read-only)
+                v.tables[4 * b + 1].launch(s, cap, *v.args(4 * b + 1, _C.PASS_SRC))
 
         def unpack(b: int, cap: int = 0) -> None:
             if v is None:
                 self._unpack[b].launch(s, cap)
                 return
             self._unpack[b].launch(s, cap, *v.args(4 * b + 2, _C.PASS_COPY))
-            v.tables[4 * b + 3].launch(s, cap, *v.args(4 * b + 3, _C.PASS_DST))
+            if self.p2p is not None:  # no rounds: the direct receives are read once all landed
+                v.tables[4 * b + 3].launch(s, cap, *v.args(4 * b + 3, _C.PASS_DST))
 
         if self.comm is None or not self._moves:  # torch p2p, or only same-rank copies
             for i, c in enumerate(self._copy):
                 step("copy", i, main, lambda c=c: c.launch(s))
             for b in range(k if self.p2p is not None else 0):  # torch.distributed p2p: no overlap
                 step("pack", b, main, lambda b=b: pack(b))
+                digest_direct_sends(b)
                 self.p2p.run(self._p2p_ops[b])
                 step("unpack", b, main, lambda b=b: unpack(b))
             return self._finish(timeline, tables, v)
         side = self.side
         cap = self.max_blocks
         done: list[torch.cuda.Event] = []
+        landed: list[list[torch.cuda.Event]] = []  # verify: per batch, the end of each round
 
         def post(b: int) -> None:
             step("pack", b, main, lambda: pack(b, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
-            sends, recvs = self._messages[b]
-            step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
-            done.append(side.record_event())
+            if v is None:
+                sends, recvs = self._messages[b]
+                step("transfer", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
+                done.append(side.record_event())
+                return
+            landed.append([])
+            for r, (sends, recvs) in enumerate(self._round_messages[b]):
+                if sends or recvs:
+                    step(f"transfer r{r}", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
+                landed[b].append(side.record_event())
+            done.append(landed[b][-1])
+            # After the transfer is posted, not before: the sources of direct messages are
+            # hashed while NCCL reads them, off the transfer's critical path.
+            step("digest", b, main, lambda: digest_direct_sends(b, cap))
+
+        def digest_direct_recvs(b: int) -> None:
+            # Each round's pieces as soon as they landed, under the next round's transfer;
+            # only the last round of the last batch runs alone, so at full width.
+            for r, table in enumerate(self._verify_rounds[b]):
+                main.wait_event(landed[b][r])
+                last = b + 1 == k and r + 1 == len(landed[b])
+                step(f"digest r{r}", b, main,
+                     lambda: table.launch(s, 0 if last else cap, *v.args(4 * b + 3, _C.PASS_DST)))
 
         post(0)
         for b in range(k):
@@ -303,6 +339,8 @@ class CudaTransport:
             # front would leave the link idle.
             if b < len(self._copy):
                 step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
+            if v is not None:
+                digest_direct_recvs(b)
             main.wait_event(done[b])
             step("unpack", b, main, lambda b=b: unpack(b, cap))
         # A dead peer or a lost message raises here (bounded by the communicator's
