@@ -166,6 +166,34 @@ def test_digest_counts_ordinals_not_addresses(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", ["as written", "cast", "mx"])
+def test_pieces_add_up_to_the_whole(backend, spec):
+    """A run cut into pieces whose first ordinal is rx_box.mx_first (the verify rounds of
+    direct receives): their digests add up (digest::add) to the whole run's, and the
+    same pieces with ordinals from 0 do not."""
+    n, cuts = 8192 * 3, [0, 8192, 8192 + 2048, 3 * 8192]
+    x = make_case("wide", rows=1, cols=n, seed=9).view(-1)
+    bufs = {"x": x, "y": torch.zeros_like(x)}
+    digest = {"as written": 0, "cast": int(_C.DIGEST_CAST) | code_of(torch.float32) << 8,
+              "mx": int(_C.DIGEST_MX) | int(_C.MX_ROUND_CEIL) << 8}[spec]
+
+    def run(b, first_ordinals=True):
+        rows = [(b["x"].data_ptr() + 2 * a, b["y"].data_ptr() + 2 * a, (e - a,), (1,), (1,), BF16, BF16, 0, 0,
+                 a if first_ordinals else 0, 0) for a, e in zip(cuts, cuts[1:])]
+        return with_digest(table(rows), [digest] * len(rows))
+
+    def added(ds):
+        lo = sum(d & 0xFFFFFFFF for d in ds) & 0xFFFFFFFF
+        hi = sum(d >> 32 for d in ds) & 0xFFFFFFFF
+        return lo | hi << 32
+
+    whole_run = digests("twin", lambda b: with_digest(whole(b["x"], b["y"]), [digest]), dict(bufs), "src")[0]
+    for pass_ in ("src", "copy", "dst"):
+        assert added(digests(backend, run, bufs, pass_)) == whole_run, pass_
+    assert added(digests(backend, lambda b: run(b, False), bufs, "src")) != whole_run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_cast_digest_matches_the_receivers_cast(backend):
     """A sender packs BF16 (the narrower wire); the receiver widens to fp32 on unpack. The
     pack box digested as fp32 (RX_DIGEST_CAST) equals the unpack box's digest, and differs

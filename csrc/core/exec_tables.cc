@@ -136,10 +136,10 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
       const int64_t tensor_stride = staging_is_dst ? box.src_stride[0] : box.dst_stride[0];
       const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.mode == RX_BOX_COPY;
       if (flat) {
-        out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes});
+        out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes, true});
         direct.push_back(index[i]);
       } else {
-        out.push_back({op.peer, staging, op.nbytes});
+        out.push_back({op.peer, staging, op.nbytes, true});
         keep(i);
       }
       continue;
@@ -183,29 +183,25 @@ bool same_memory(const rx_box& b) {
   return true;
 }
 
-// Bytes [begin, end) of a message that round r of `rounds` carries: the message starts
-// at byte `at` of its peer's stream of `total` bytes and has n bytes (ExecTables::
+// Bytes [begin, end) of message m that round r of `rounds` carries (ExecTables::
 // round_messages).
-std::pair<int64_t, int64_t> round_piece(int64_t at, int64_t n, int64_t total, int32_t r, int32_t rounds) {
+std::pair<int64_t, int64_t> round_piece(const Message& m, int32_t r, int32_t rounds) {
+  if (!m.own) return {0, r == 0 ? m.bytes : 0};
   const auto cut = [&](int32_t q) -> int64_t {
-    if (q >= rounds) return n;
-    const int64_t whole = total / rounds * q + total % rounds * q / rounds;  // floor(total q / rounds), no overflow
-    return std::clamp<int64_t>((whole - at) / ExecTables::kRoundAlign * ExecTables::kRoundAlign, 0, n);
+    if (q >= rounds) return m.bytes;
+    const int64_t at = m.bytes / rounds * q + m.bytes % rounds * q / rounds;  // floor(n q / rounds), no overflow
+    return at / ExecTables::kRoundAlign * ExecTables::kRoundAlign;
   };
-  return {r <= 0 ? 0 : cut(r), cut(r + 1)};
+  return {cut(r), cut(r + 1)};
 }
 
 // Calls fn(message, begin, end) for the nonempty piece of each message in round r.
 template <typename Fn>
 void for_each_piece(const std::vector<Message>& msgs, int32_t r, int32_t rounds, Fn fn) {
   RX_HOST_ASSERT(rounds >= 1 && r >= 0 && r < rounds, "bad verify round");
-  std::unordered_map<int32_t, int64_t> total, at;
-  for (const Message& m : msgs) total[m.peer] += m.bytes;
   for (const Message& m : msgs) {
-    int64_t& off = at[m.peer];
-    const auto [begin, end] = round_piece(off, m.bytes, total[m.peer], r, rounds);
+    const auto [begin, end] = round_piece(m, r, rounds);
     if (begin < end) fn(m, begin, end);
-    off += m.bytes;
   }
 }
 

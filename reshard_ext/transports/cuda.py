@@ -314,7 +314,8 @@ class CudaTransport:
             landed.append([])
             for r, (sends, recvs) in enumerate(self._round_messages[b]):
                 if sends or recvs:
-                    step(f"transfer r{r}", b, side, lambda: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
+                    step(f"transfer r{r}", b, side,
+                         lambda sends=sends, recvs=recvs: self.comm.exchange(sends, recvs, side.cuda_stream, 0))
                 landed[b].append(side.record_event())
             done.append(landed[b][-1])
             # After the transfer is posted, not before: the sources of direct messages are
@@ -328,7 +329,7 @@ class CudaTransport:
                 main.wait_event(landed[b][r])
                 last = b + 1 == k and r + 1 == len(landed[b])
                 step(f"digest r{r}", b, main,
-                     lambda: table.launch(s, 0 if last else cap, *v.args(4 * b + 3, _C.PASS_DST)))
+                     lambda t=table, c=0 if last else cap: t.launch(s, c, *v.args(4 * b + 3, _C.PASS_DST)))
 
         post(0)
         for b in range(k):
