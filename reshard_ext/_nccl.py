@@ -6,7 +6,6 @@ with the reason when the transport cannot be used.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from typing import Iterable, Optional, Sequence
@@ -15,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._libfiles import library_files
 from .errors import ReshardError
-from .options import env_default, external_env, skip_nccl_check
+from .options import env_default, skip_nccl_check
 
 # Set to 1 to run with a libnccl different from torch's (at your own risk).
 _SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
@@ -36,17 +36,7 @@ def available() -> bool:
 def library_candidates() -> list[str]:
     """Where libnccl.so.2 may be, after the one already in the process (torch's): NCCL_HOME,
     then the nvidia-nccl wheel beside torch."""
-    out = []
-    home = external_env("NCCL_HOME")
-    if home:
-        out += [os.path.join(home, "lib", "libnccl.so.2"), os.path.join(home, "lib64", "libnccl.so.2")]
-    try:
-        spec = importlib.util.find_spec("nvidia.nccl")
-    except (ImportError, ValueError):
-        spec = None
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        out.append(os.path.join(root, "lib", "libnccl.so.2"))
-    return [p for p in out if os.path.exists(p)]
+    return library_files("NCCL_HOME", "nvidia.nccl", "libnccl.so.2")
 
 
 def load_library() -> str:

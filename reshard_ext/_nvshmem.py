@@ -7,16 +7,15 @@ every rank of the group, naming the ranks and what they miss, before anything mo
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _C
+from ._libfiles import library_files
 from .errors import ReshardError
-from .options import external_env, set_process_env_default
+from .options import set_process_env_default
 
 _SONAME = "libnvshmem_host.so.3"
 _WORLD: tuple[int, ...] | None = None  # global ranks of the NVSHMEM world, in PE order
@@ -30,17 +29,7 @@ def available() -> bool:
 def library_candidates() -> list[str]:
     """Where libnvshmem_host may be, after one already in the process: NVSHMEM_HOME, then
     the nvidia-nvshmem wheel beside torch."""
-    out = []
-    home = external_env("NVSHMEM_HOME")
-    if home:
-        out += [os.path.join(home, d, _SONAME) for d in ("lib", "lib64")]
-    try:
-        spec = importlib.util.find_spec("nvidia.nvshmem")
-    except (ImportError, ValueError):
-        spec = None
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        out.append(os.path.join(root, "lib", _SONAME))
-    return [p for p in out if os.path.exists(p)]
+    return library_files("NVSHMEM_HOME", "nvidia.nvshmem", _SONAME)
 
 
 def load_library() -> str:
