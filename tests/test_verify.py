@@ -14,6 +14,8 @@ Three layers:
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -179,7 +181,7 @@ def test_pieces_add_up_to_the_whole(backend, spec):
 
     def run(b, first_ordinals=True):
         rows = [(b["x"].data_ptr() + 2 * a, b["y"].data_ptr() + 2 * a, (e - a,), (1,), (1,), BF16, BF16, 0, 0,
-                 a if first_ordinals else 0, 0) for a, e in zip(cuts, cuts[1:])]
+                 a if first_ordinals else 0, 0) for a, e in itertools.pairwise(cuts)]
         return with_digest(table(rows), [digest] * len(rows))
 
     whole_run = digests("twin", lambda b: with_digest(whole(b["x"], b["y"]), [digest]), dict(bufs), "src")[0]
@@ -469,6 +471,56 @@ def _direct_cuda(rank, world):
 @NEEDS_2_GPUS
 def test_verified_direct_messages_cuda():
     run_ranks(2, verified, _direct_cuda, backend="nccl")
+
+
+def _corrupt_one_round_cuda(rank, world, which):
+    """NCCL: a 2 MiB tensor moved as one direct message, in verify rounds. A clean
+    verified refit passes bit for bit; then rank 1 flips a bit of what lands in one round
+    only (the first or the last), right after that round's transfer on its stream, and
+    verify names the tensor on both ranks."""
+    dev = torch.device("cuda", rank)
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(1024, 512, generator=g).to(dev)
+    s = rx.Layout((1024, 512), torch.float32, rx.Mesh([0]), [rx.Replicate()])
+    d = rx.Layout((1024, 512), torch.float32, rx.Mesh([1]), [rx.Replicate()])
+    dst = torch.zeros(1024, 512, device=dev)
+    plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {}, {"x": (dst, d)} if rank == 1 else {},
+                   options=rx.Options(direct_bytes=1 << 20))
+    rx.execute(plan, verify=True)
+    hit = []
+    if rank == 1:
+        assert torch.equal(dst, full.to(dev))
+        transfer = plan.transport._transfer
+        begin, end = dst.data_ptr(), dst.data_ptr() + dst.numel() * 4
+
+        def corrupting_transfer(b, side, sends, recvs):
+            transfer(b, side, sends, recvs)
+            for _, ptr, n in recvs:
+                if begin <= ptr < end and (ptr == begin if which == "first" else ptr + n == end):
+                    assert n < end - begin, "the direct message was not cut into rounds"
+                    with torch.cuda.stream(side):
+                        dst.view(torch.int32).view(-1)[(ptr - begin) // 4 + 7] ^= 4
+                    hit.append(ptr)
+
+        plan.transport._transfer = corrupting_transfer
+    try:
+        rx.execute(plan, verify=True)
+    except rx.ReshardError as e:
+        return str(e), hit
+    finally:
+        if rank == 1:
+            del plan.transport._transfer
+    return None, hit
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_execute_verify_catches_corruption_in_one_round_cuda(which):
+    results = run_ranks(2, _corrupt_one_round_cuda, which, backend="nccl")
+    assert len(results[1][1]) == 1, results
+    for msg, _ in results:
+        assert msg is not None and "'x'[0:1024, 0:512]" in msg and "from rank 0 to rank 1" in msg, msg
 
 
 @pytest.mark.gpu
