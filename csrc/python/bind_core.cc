@@ -297,7 +297,9 @@ void register_core(py::module_& m) {
         return py::make_tuple(s, rv);
       }, "messages(b) of verify round r of `rounds` (ExecTables::round_messages)")
       .def("direct_recv_round_boxes",
-           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds) { return boxes_bytes(t.direct_recv_round(b, r, rounds)); },
+           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds) {
+             return boxes_bytes(t.direct_recv_round(b, r, rounds));
+           },
            "Aligned with direct_recvs(b): the piece of each direct receive landing in verify round r")
       .def("digest_direct_recv_round_cpu",
            [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, py::array_t<uint64_t>& recv) {
@@ -366,13 +368,12 @@ void register_core(py::module_& m) {
            },
            "Digests the send ops of batch b that travel as direct messages (reading their source) into send[op]")
       .def("run_unpack_cpu_verified",
-           [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& recv, bool direct) {
+           [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& recv) {
              digest_cpu(t.unpack(b), RX_PASS_COPY, t.unpack_ops(b), recv);
-             if (direct) digest_cpu(pick(t.recv_boxes(), t.direct_recvs(b)), RX_PASS_DST, t.direct_recvs(b), recv);
+             digest_cpu(pick(t.recv_boxes(), t.direct_recvs(b)), RX_PASS_DST, t.direct_recvs(b), recv);
            },
-           py::arg("b"), py::arg("recv"), py::arg("direct") = true,
-           "run_unpack_cpu, digesting each recv op (unpacked ones as they are written, and with `direct` the direct "
-           "ones by reading where they landed) into recv[op]")
+           "run_unpack_cpu, digesting each recv op (unpacked ones as they are written, direct ones by reading "
+           "where they landed) into recv[op]")
       .def("read_digests_cpu",
            [](const ExecTables& t, py::array_t<uint64_t>& send, py::array_t<uint64_t>& recv,
               py::array_t<uint64_t>& copy_src, py::array_t<uint64_t>& copy_dst) {
