@@ -18,7 +18,7 @@ bool digest_valid(const rx_box& b) {
       return b.mode == RX_BOX_COPY && rx::dtype_is_float(b.dst_dtype) && rx::dtype_is_float(arg);
     case RX_DIGEST_MX:
       return b.mode == RX_BOX_COPY && b.dst_dtype == RX_BF16 && (arg == rx::mx::kCeil || arg == rx::mx::kFloor) &&
-             b.shape[b.ndim - 1] % rx::mx::kBlock == 0;
+             b.shape[b.ndim - 1] % rx::mx::kBlock == 0 && b.mx_first % rx::mx::kBlock == 0;
     default: return false;
   }
 }
@@ -46,7 +46,9 @@ extern "C" int32_t rx_box_valid(const rx_box* b) {
   const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode), scales = RX_BOX_SCALES(b->mode);
   // Scale placement (box.h): only an MX_DATA box with a scale buffer has one.
   const bool places_scales = kind == RX_BOX_MX_DATA && b->aux != 0;
-  if (!places_scales && (scales != 0 || b->aux != 0 || b->mx_first != 0 || b->mx_cols != 0)) return 0;
+  const bool first_ordinal = kind == RX_BOX_COPY && b->mx_first >= 0;  // box.h: a piece's first verify ordinal
+  if (!places_scales && (scales != 0 || b->aux != 0 || (b->mx_first != 0 && !first_ordinal) || b->mx_cols != 0))
+    return 0;
   if (!digest_valid(*b)) return 0;
   if (kind == RX_BOX_COPY) return b->mode == 0 && rx::dtype_castable(b->src_dtype, b->dst_dtype);
   if (rounding != rx::mx::kCeil && rounding != rx::mx::kFloor) return 0;

@@ -14,7 +14,9 @@ extern "C" {
 #define RX_MAX_DIMS 6
 
 // What a box does with its elements (rx_box.mode = kind | rounding << 8 | scales << 16).
-//   RX_BOX_COPY: copy, casting between floating types (mode 0, no MX fields).
+//   RX_BOX_COPY: copy, casting between floating types (mode 0, no MX fields but
+//     mx_first: the verify ordinal of the box's first element, >= 0, for a piece of a
+//     larger box digested piece by piece (kernels/digest.h); else 0).
 //   RX_BOX_MX_DATA: MXFP8 quantize fused into the copy (src BF16, dst E4M3 or uint8
 //     bytes). The innermost dim has unit stride on both sides and an extent that is a
 //     multiple of the MX block (32, rx::mx::kBlock); each run of 32 innermost elements is one MX block
@@ -57,7 +59,7 @@ typedef struct rx_box {
   int32_t dst_dtype;
   int32_t mode;       // rx_box_kind | rounding << 8 | scales << 16
   uint64_t aux;       // RX_BOX_MX_DATA: the scale buffer (its byte 0), or 0
-  int64_t mx_first;   // ... with aux: element offset of dst in its contiguous data buffer
+  int64_t mx_first;   // ... with aux: element offset of dst in its contiguous data buffer; COPY: first ordinal
   int64_t mx_cols;    // ... with aux: that buffer's row length K (elements)
   int32_t digest;     // verify only: how the receiver holds what the box writes (RX_DIGEST_*)
   int32_t reserved;   // 0

@@ -150,7 +150,9 @@ struct Dg {
   int32_t dtype;  // the elements as written: the box's dst dtype ...
   int32_t size;   // ... and its size
   int32_t spec;   // rx_box.digest
+  int32_t shift;  // log2(size): an item's first ordinal without a 64-bit division
   int64_t delta;  // bytes from a copy item's unit-aligned base to the box's first element
+  int64_t first;  // the ordinal of the box's first element (a COPY box's mx_first, api.h)
 };
 
 // Adds the term of one element as written (`bits` of dg.dtype) at ordinal k.
@@ -178,30 +180,58 @@ RX_LANE void words_of(unsigned long long v, uint32_t* w) {
 template <typename T>
 RX_LANE void words_of(T v, uint32_t* w) { w[0] = v; }
 
-// The ES-byte elements of one N-byte item whose first element has ordinal k (every
-// index a constant, so the words stay in registers).
+// Element j (ES bytes, zero-extended) of an item's little-endian words; j a constant,
+// so the words stay in registers.
+template <int ES>
+RX_LANE uint64_t element_bits(const uint32_t* w, int j) {
+  const int byte = j * ES;
+  if (ES == 8) return w[byte / 4] | static_cast<uint64_t>(w[byte / 4 + (ES == 8 ? 1 : 0)]) << 32;
+  return ES == 4 ? w[byte / 4] : (w[byte / 4] >> (8 * (byte % 4))) & (ES == 2 ? 0xffffu : 0xffu);
+}
+
+// The ES-byte elements of one N-byte item whose first element has ordinal k.
 template <int ES, int N>
 RX_LANE void hash_words(Dg& dg, const uint32_t* w, uint64_t k) {
 #pragma unroll
-  for (int j = 0; j < N / ES; ++j) {
-    const int byte = j * ES;
-    uint64_t bits;
-    if (ES == 8)
-      bits = w[byte / 4] | static_cast<uint64_t>(w[byte / 4 + (ES == 8 ? 1 : 0)]) << 32;
-    else
-      bits = ES == 4 ? w[byte / 4] : (w[byte / 4] >> (8 * (byte % 4))) & (ES == 2 ? 0xffffu : 0xffu);
-    hash_element(dg, k + j, bits);
-  }
+  for (int j = 0; j < N / ES; ++j) hash_element(dg, k + j, element_bits<ES>(w, j));
 }
 
-// The elements of item i (sizeof(T) bytes) of a same-dtype copy.
+// hash_words of elements kept as written (RX_DIGEST_AS_WRITTEN), the hot path of a
+// verified refit: one key() per item, then one add per element (digest::keyed), summed
+// in two 32-bit words. Falls back where the ordinal's low word wraps inside the item.
+template <int ES, int N>
+RX_LANE void hash_words_as_written(Dg& dg, const uint32_t* w, uint64_t k) {
+  constexpr int M = N / ES;
+  if ((k & 0xffffffffu) + (M - 1) > 0xffffffffu) {
+    hash_words<ES, N>(dg, w, k);
+    return;
+  }
+  const uint32_t kk = digest::key(k);
+  uint64_t acc = 0;
+#pragma unroll
+  for (int j = 0; j < M; ++j)
+    acc = digest::add(acc, digest::keyed(kk + static_cast<uint32_t>(j) * digest::kKeyLo, element_bits<ES>(w, j), ES));
+  dg.acc = digest::add(dg.acc, acc);
+}
+
+// The elements of item i (sizeof(T) bytes) of a same-dtype copy. Items are unit-aligned
+// and every unit byte from the box's first element on is the box's, so i * N >= delta.
 template <typename T>
 RX_LANE void hash_item(Dg& dg, T v, int64_t i) {
   constexpr int N = static_cast<int>(sizeof(T));
   uint32_t w[N >= 4 ? N / 4 : 1];
   words_of(v, w);
-  const uint64_t k = static_cast<uint64_t>((i * N - dg.delta) / dg.size);
-  switch (dg.size) {  // the unit is a multiple of the element
+  const uint64_t k = (static_cast<uint64_t>(i * N - dg.delta) >> dg.shift) + static_cast<uint64_t>(dg.first);
+  if (RX_DIGEST_KIND(dg.spec) == RX_DIGEST_AS_WRITTEN) {
+    switch (dg.size) {  // the unit is a multiple of the element
+      case 1: hash_words_as_written<1, N>(dg, w, k); break;
+      case 2: if constexpr (N >= 2) hash_words_as_written<2, N>(dg, w, k); break;
+      case 4: if constexpr (N >= 4) hash_words_as_written<4, N>(dg, w, k); break;
+      default: if constexpr (N >= 8) hash_words_as_written<8, N>(dg, w, k); break;
+    }
+    return;
+  }
+  switch (dg.size) {
     case 1: hash_words<1, N>(dg, w, k); break;
     case 2: if constexpr (N >= 2) hash_words<2, N>(dg, w, k); break;
     case 4: if constexpr (N >= 4) hash_words<4, N>(dg, w, k); break;
@@ -284,7 +314,7 @@ RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_ti
     if (P != RX_PASS_NONE) {
 #pragma unroll
       for (int k = 0; k < U; ++k)
-        if (ok[k]) hash_element(dg, static_cast<uint64_t>(i + k * kWarp), raw[k]);
+        if (ok[k]) hash_element(dg, static_cast<uint64_t>(dg.first + i + k * kWarp), raw[k]);
     }
   }
 }
@@ -299,6 +329,24 @@ RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
     w[k] = static_cast<uint32_t>(load_item<unsigned short>(p + 16 * c + 4 * k)) |
            static_cast<uint32_t>(load_item<unsigned short>(p + 16 * c + 4 * k + 2)) << 16;
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The shared exponent of the BF16 block at `from` (load_chunk's `wide`).
+RX_LANE uint8_t block_exponent(const char* from, bool wide, int32_t rounding) {
+  uint32_t amax = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint4 v = load_chunk(from, c, wide);
+    amax = max(amax, max(max(mx::word_amax(v.x), mx::word_amax(v.y)), max(mx::word_amax(v.z), mx::word_amax(v.w))));
+  }
+  return mx::scale_exponent(amax, rounding);
+}
+
+// Half h (16 elements) of the BF16 block at `from` as E4M3 under scale e: 16 bytes.
+RX_LANE uint4 quantize_half(const char* from, int h, bool wide, uint8_t e) {
+  const uint4 u = load_chunk(from, 2 * h, wide), v = load_chunk(from, 2 * h + 1, wide);
+  return make_uint4(mx::quantize_words(u.x, u.y, e), mx::quantize_words(u.z, u.w, e), mx::quantize_words(v.x, v.y, e),
+                    mx::quantize_words(v.z, v.w, e));
 }
 
 // 16 bytes at p: one load where aligned, else byte loads.
@@ -352,13 +400,7 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
       continue;
     }
     const bool wide_in = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
-    uint32_t amax = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint4 v = load_chunk(from, c, wide_in);
-      amax = max(amax, max(max(mx::word_amax(v.x), mx::word_amax(v.y)), max(mx::word_amax(v.z), mx::word_amax(v.w))));
-    }
-    const uint8_t e = mx::scale_exponent(amax, rounding);
+    const uint8_t e = block_exponent(from, wide_in, rounding);
     if (!data) {
       if (kStore) store_item<unsigned char>(to, e);
       if (P != RX_PASS_NONE) hash_element(dg, ord, e);
@@ -370,9 +412,7 @@ RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
     const bool wide_out = (reinterpret_cast<uintptr_t>(to) & 15u) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4 u = load_chunk(from, 2 * h, wide_in), v = load_chunk(from, 2 * h + 1, wide_in);
-      const uint4 q = make_uint4(mx::quantize_words(u.x, u.y, e), mx::quantize_words(u.z, u.w, e),
-                                 mx::quantize_words(v.x, v.y, e), mx::quantize_words(v.z, v.w, e));
+      const uint4 q = quantize_half(from, h, wide_in, e);
       if (P != RX_PASS_NONE) hash_data16(dg, 32 * ord + 16 * h, q);
       if (!kStore) continue;
       if (wide_out) {
@@ -462,17 +502,26 @@ RX_LANE void mx_digest_items(const rx_box& b, const rx_tile& t, W& w, int64_t i,
   for (; i < end; i += kWarp) {
     const char* at = base + (kDst ? w.dst_off() : w.src_off());
     w.advance();
-    const int64_t k0 = t.unit ? (i * t.unit - dg.delta) / size : i;
+    const int64_t k0 = dg.first + (t.unit ? (i * t.unit - dg.delta) / size : i);
     for (int j = 0; j < per; ++j) {
       if ((k0 + j) % mx::kBlock != 0) continue;
       const char* p = at + j * size;
+      const uint64_t k = static_cast<uint64_t>(k0 + j);
+      if (dtype == RX_BF16 && stride == 2) {  // a contiguous block: as mx_items reads it
+        const bool wide = (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+        const uint8_t e = block_exponent(p, wide, rounding);
+        dg.acc = digest::add(dg.acc, digest::scale(k / mx::kBlock, e));
+        hash_data16(dg, k, quantize_half(p, 0, wide, e));
+        hash_data16(dg, k + 16, quantize_half(p, 1, wide, e));
+        continue;
+      }
       const auto load = [&](int m) -> uint16_t {
         const char* e = p + m * stride;
         const uint64_t raw = size == 2 ? load_item<unsigned short>(e)
                                        : (size == 4 ? load_item<unsigned int>(e) : load_item<unsigned long long>(e));
         return static_cast<uint16_t>(dtype == RX_BF16 ? raw : convert_bits(raw, dtype, RX_BF16));
       };
-      dg.acc = digest::add(dg.acc, digest::mx_block(load, static_cast<uint64_t>(k0 + j), rounding));
+      dg.acc = digest::add(dg.acc, digest::mx_block(load, k, rounding));
     }
   }
 }
@@ -493,6 +542,8 @@ RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g, Dg& dg)
     dg.dtype = b.dst_dtype;
     dg.size = t.dst_size;
     dg.spec = b.digest;
+    dg.shift = dg.size == 8 ? 3 : (dg.size == 4 ? 2 : (dg.size == 2 ? 1 : 0));
+    dg.first = b.mode == RX_BOX_COPY ? b.mx_first : 0;
     dg.delta = t.unit ? static_cast<int64_t>(b.src & static_cast<uint64_t>(t.unit - 1)) : 0;
   }
   if (b.mode != RX_BOX_COPY) {

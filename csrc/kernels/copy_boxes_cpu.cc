@@ -213,6 +213,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
     const int64_t n = box.shape[inner];
     int64_t idx[RX_MAX_DIMS] = {0};
     const int64_t rows = count / n;
+    const int64_t ordinal = box.mode == RX_BOX_COPY ? box.mx_first : 0;  // core/box.h
     uint64_t acc = 0;
     for (int64_t r = 0; r < rows; ++r) {
       int64_t so = 0, doff = 0;
@@ -226,7 +227,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
         // MX_DATA dst elements are bytes: the row starts at data element mx_first + doff.
         for (int64_t c = 0; c < n; c += kChunk)
           acc = dg::add(acc, digest_chunk(box, pass, src + c * box.src_stride[inner] * ss, dst + c * box.dst_stride[inner] * ds,
-                                          box.mx_first + doff + c, static_cast<uint64_t>(r * n + c),
+                                          box.mx_first + doff + c, static_cast<uint64_t>(ordinal + r * n + c),
                                           n - c < kChunk ? n - c : kChunk));
       } else if (box.mode == RX_BOX_COPY) {
         copy_row(src, box.src_stride[inner], box.src_dtype, dst, box.dst_stride[inner], box.dst_dtype, n);
