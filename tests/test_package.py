@@ -81,6 +81,16 @@ def test_user_script_passes_mypy_strict(tmp_path: Path) -> None:
     assert r.returncode == 1 and 'incompatible type "int"; expected "Plan"' in r.stdout, r.stdout
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None, reason="needs Linux and nm")
+def test_extension_exports_only_its_init_function() -> None:
+    # Exported std:: or rx symbols could interpose on (or be interposed by) torch's copies.
+    so = rx._C.__file__
+    assert so is not None
+    out = subprocess.run(["nm", "-D", "--defined-only", so], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert names == ["PyInit__C"], names[:20]
+
+
 def test_exceptions_print_under_the_package_name() -> None:
     try:
         raise rx.ReshardError("boom")
