@@ -5,15 +5,14 @@ from typing import Any
 
 import torch  # noqa: F401  (loads torch's CUDA/NCCL libraries before the extension)
 
-from . import _C
+from . import _C, adapters, merged, relay
 from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
 from .options import Options
-from . import adapters, merged, relay
-from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
 from .planning import RankPlan, TransferOp, local_plan
+from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
 from .transforms import Rewrite, Transform
 
 __version__: str = str(_C._build_info["version"])
@@ -30,6 +29,7 @@ def build_info() -> dict[str, Any]:
 
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
-    "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp", "MXFP8",
+    "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
+    "MXFP8",
     "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
 ]

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import ReshardError
 from .collectives import first_failed_rank
+from .errors import ReshardError
 from .transports.p2p import P2PExchange
 
 _MAX_LISTED = 20

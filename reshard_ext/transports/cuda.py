@@ -4,7 +4,7 @@ comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ def registration_vote(options: Options) -> bool:
     return set_process_env_default("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
 
 
-def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: Optional[int] = None) -> int:
+def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: int | None = None) -> int:
     """Grid cap of the kernels beside transfers: at full width they take HBM bandwidth and
     SM slots in bursts from NCCL's kernels. Half the SMs on ranks that send and receive,
     three quarters where same-rank copies outweigh the transfers by >10% (the kernels then
@@ -130,7 +130,7 @@ class _Digests:
         return tuple(out)
 
 
-def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> "CudaTransport":
+def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> CudaTransport:
     if not torch.cuda.is_available():
         raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
     if not _C._build_info["cuda"]:
@@ -153,7 +153,7 @@ class CudaTransport:
     side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
     staging); the caller's stream waits for the last transfer before its unpack."""
 
-    def __init__(self, group: Any, comm: Optional[Any], options: Options, register: bool = False):
+    def __init__(self, group: Any, comm: Any | None, options: Options, register: bool = False):
         self.group = group
         # Execute headers travel on the group's host channel, so that ranks agree on the
         # plan before any NCCL call (a mismatched NCCL send/recv cannot be taken back).
@@ -161,7 +161,7 @@ class CudaTransport:
         self.peers: list[int] = []
         self.staging_bytes = 0
         self.nccl_timeout = options.resolved_timeout("nccl")
-        self.comm = comm
+        self.comm: Any = comm  # None: torch.distributed p2p (self.p2p) moves the data
         self.nccl = comm is not None  # an NCCL communicator (rebuilt after a failure); NvshmemTransport's is not
         self.trace = options.resolved_trace()
         self.split_copies = options.resolved_split_copies()
@@ -204,8 +204,8 @@ class CudaTransport:
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
         host += [_C.DeviceBoxTable(tables.unpack_boxes(b)) for b in range(tables.num_batches)]
         self._blob = _upload(host)
-        self._verify: Optional[_Digests] = None  # built by the first verified execute
-        self._read: Optional[_Digests] = None    # ... and by the first rx.verify
+        self._verify: _Digests | None = None  # built by the first verified execute
+        self._read: _Digests | None = None    # ... and by the first rx.verify
         nc = len(copy_parts)
         # A plan that moves nothing between ranks runs its copies alone, uncapped, with no
         # NCCL call or host wait (decided here, once, not per execute).
@@ -257,7 +257,8 @@ class CudaTransport:
         if self._verify is None:
             parts = []
             for b in range(tables.num_batches):
-                direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)), _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
+                direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)),
+                          _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
                 parts += [(self._pack[b], "send", tables.pack_ops(b)), (direct[0], "send", tables.direct_sends(b)),
                           (self._unpack[b], "recv", tables.unpack_ops(b)), (direct[1], "recv", tables.direct_recvs(b))]
             self._verify_blob = _upload([t for t, kind, _ in parts[1::2]])
@@ -286,6 +287,7 @@ class CudaTransport:
         elif session.status == 0:
             pack0()
         verdict = session.verdict
+        assert verdict is not None  # exchange_headers set it
         if self.nccl and (verdict.rebuild or session.comm_unusable):
             # Collective over the group: every rank whose communicator failed, and every
             # rank a peer of which says so, builds the next one together.
@@ -297,7 +299,7 @@ class CudaTransport:
         good = set(self.peers) - set(verdict.bad) if ok else set()
         return good, ok and not verdict.bad
 
-    def run(self, tables: Any, session: Session, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    def run(self, tables: Any, session: Session, verify: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """verify: the pack and unpack launches also digest every op (one more launch per
         batch for the ops that travel as direct messages); returns (send, recv) digests."""
         main = torch.cuda.current_stream()
@@ -329,8 +331,10 @@ class CudaTransport:
                 step("copy", i, main, lambda c=c: c.launch(s))
             return self._finish(timeline, tables, v)
         if self.comm is None:  # torch.distributed p2p: no overlap
+            p2p = self.p2p
+            assert p2p is not None  # made where there is no communicator
             good, writes = self._agree(tables, session, lambda: step("pack", 0, main, lambda: pack(0)))
-            group_of = {self.p2p.global_rank(p) for p in good}
+            group_of = {p2p.global_rank(p) for p in good}
             if writes:
                 for i, c in enumerate(self._copy):  # after the first pack: it may read what they write
                     step("copy", i, main, lambda c=c: c.launch(s))
@@ -339,13 +343,14 @@ class CudaTransport:
                     step("pack", b, main, lambda b=b: pack(b))
                 if session.abort.is_set():
                     raise ReshardError("rx.execute was aborted (plan.abort()) between batches")
-                self.p2p.run([op for op in self._p2p_ops[b] if op.peer in group_of], session.timeout)
+                p2p.run([op for op in self._p2p_ops[b] if op.peer in group_of], session.timeout)
                 if writes:
                     step("unpack", b, main, lambda b=b: unpack(b))
             result = self._finish(timeline, tables, v)
             self._raise(session)
             return result
         side = self.side
+        assert side is not None  # made with the communicator
         cap = self.max_blocks
         done: list[torch.cuda.Event] = []
         scratch: list[torch.Tensor] = []
@@ -449,7 +454,7 @@ class CudaTransport:
         return r.collect(("send", "recv", "copy_src", "copy_dst"),
                          {"send": sends, "recv": recvs, "copy_src": copies_n, "copy_dst": copies_n})
 
-    def _finish(self, timeline: Optional[_Timeline], tables: Any, v: Optional[_Digests]) -> Any:
+    def _finish(self, timeline: _Timeline | None, tables: Any, v: _Digests | None) -> Any:
         if timeline is not None:
             self.last_timeline = timeline.report()
         if v is None:
