@@ -1,19 +1,32 @@
 """reshard_ext: move model weights between parallel layouts (training -> inference refit)."""
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any
 
 import torch  # noqa: F401  (loads torch's CUDA/NCCL libraries before the extension)
 
-from . import _C
+try:
+    from . import _C
+except ImportError:
+    if importlib.util.find_spec(f"{__name__}._C") is not None:
+        raise  # built, but it does not load: the loader's message says why
+    # The bare `from . import _C` would say "partially initialized module ... circular import".
+    raise ImportError(
+        f"reshard_ext's compiled extension _C is not built: Python imported the uncompiled sources in "
+        f"{os.path.dirname(__file__)}. Install the package (python -m pip install .) and import it from "
+        "another folder (these sources shadow an installed copy), or build it in place for development "
+        "(scripts/dev_build.sh OFF)") from None
+
+from . import adapters, merged, relay
 from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
 from .options import Options
-from . import adapters, merged, relay
-from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
 from .planning import RankPlan, TransferOp, local_plan
+from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
 from .transforms import Rewrite, Transform
 
 __version__: str = str(_C._build_info["version"])
@@ -30,6 +43,7 @@ def build_info() -> dict[str, Any]:
 
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
-    "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp", "MXFP8",
+    "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
+    "MXFP8",
     "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
 ]

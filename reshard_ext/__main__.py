@@ -6,7 +6,8 @@ import importlib.util
 import json
 import platform
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def _package_version() -> str:
@@ -43,7 +44,8 @@ def info_rows() -> list[tuple[str, str]]:
         ("reshard_ext", str(built["version"])),
         ("python", f"{platform.python_version()} ({sys.executable})"),
         ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
-        ("CUDA kernels (build)", f"yes, arch {built['cuda_arch']}, cudart {built['cudart']}" if built["cuda"] else "no"),
+        ("CUDA kernels (build)",
+         f"yes, arch {built['cuda_arch']}, cudart {built['cudart']}" if built["cuda"] else "no"),
         ("CUDA devices (run time)", devices or "none"),
         ("NCCL transport (build)", f"yes, nccl.h {built['nccl_headers']}" if built["nccl"] else "no"),
         ("NCCL library (run time)", nccl_runtime),
@@ -71,7 +73,7 @@ def _demo(args: argparse.Namespace) -> int:
     return demo(world=args.world, timeout_s=args.timeout, fail_rank=args.fail_rank)
 
 
-def _simulator() -> Optional[Any]:
+def _simulator() -> Any | None:
     if importlib.util.find_spec(f"{__package__}.simulate") is None:
         return None
     return importlib.import_module(f"{__package__}.simulate")
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ _SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
 
 Transfer = tuple[int, int, int]  # (peer group rank, device pointer, bytes)
 
-_COMMS: dict[tuple[tuple[int, ...], int], "_C.NcclComm"] = {}
+_COMMS: dict[tuple[tuple[int, ...], int], _C.NcclComm] = {}
 _EPOCHS: dict[tuple[tuple[int, ...], int], int] = {}
 _LIB_CHECKED = False
 
@@ -85,8 +85,8 @@ def _fmt(version: Sequence[int]) -> str:
     return ".".join(str(v) for v in version)
 
 
-def nccl_mismatch(ours_path: str, ours_version: Sequence[int], torch_version: Optional[Sequence[int]],
-                  mapped: Iterable[str]) -> Optional[str]:
+def nccl_mismatch(ours_path: str, ours_version: Sequence[int], torch_version: Sequence[int] | None,
+                  mapped: Iterable[str]) -> str | None:
     """Why the extension's libnccl and torch's differ, or None when they are the same.
 
     ours_*: the library the extension loaded; torch_version: torch.cuda.nccl.version()
@@ -110,7 +110,7 @@ def nccl_mismatch(ours_path: str, ours_version: Sequence[int], torch_version: Op
             f"building. Set {_SKIP_LIB_CHECK_ENV}=1 to skip this check.")
 
 
-def _torch_nccl_version() -> Optional[tuple[int, ...]]:
+def _torch_nccl_version() -> tuple[int, ...] | None:
     try:
         v = torch.cuda.nccl.version()
     except Exception:  # CPU torch, or torch built without NCCL
@@ -140,15 +140,15 @@ def check_nccl_library() -> None:
 
 # --- communicators -----------------------------------------------------------------------
 
-def epoch(group: Optional[dist.ProcessGroup] = None) -> int:
+def epoch(group: dist.ProcessGroup | None = None) -> int:
     """How many communicators of `group` (on the current device) this process created:
     ranks that created them together agree on it."""
     group = group if group is not None else dist.group.WORLD
     return _EPOCHS.get((tuple(dist.get_process_group_ranks(group)), torch.cuda.current_device()), 0)
 
 
-def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None,
-                 fresh: bool = False) -> "_C.NcclComm":
+def communicator(group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
+                 fresh: bool = False) -> _C.NcclComm:
     """The NCCL communicator of `group` (default WORLD) on the current CUDA device.
 
     Collective over `group` the first time (and after a failure); cached afterwards by the
@@ -194,8 +194,8 @@ def communicator(group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[
     return comm
 
 
-def exchange(comm: "_C.NcclComm", sends: Iterable[Transfer], recvs: Iterable[Transfer],
-             stream: Optional[torch.cuda.Stream] = None, on_side_stream: bool = True) -> None:
+def exchange(comm: _C.NcclComm, sends: Iterable[Transfer], recvs: Iterable[Transfer],
+             stream: torch.cuda.Stream | None = None, on_side_stream: bool = True) -> None:
     """One grouped send/recv of byte ranges, ordered after the work already on `stream`
     (default: the current stream), which waits for it. With on_side_stream the transfer
     runs on the communicator's own stream (see side_stream()), so later work on `stream`
@@ -204,7 +204,7 @@ def exchange(comm: "_C.NcclComm", sends: Iterable[Transfer], recvs: Iterable[Tra
     comm.exchange(list(sends), list(recvs), stream.cuda_stream, comm.side_stream if on_side_stream else 0)
 
 
-def side_stream(comm: "_C.NcclComm") -> torch.cuda.ExternalStream:
+def side_stream(comm: _C.NcclComm) -> torch.cuda.ExternalStream:
     """The communicator's stream as a torch stream: `t.record_stream(side_stream(comm))`
     for a buffer freed while a transfer may still read or write it."""
     return torch.cuda.ExternalStream(comm.side_stream, device=torch.device("cuda", comm.device))

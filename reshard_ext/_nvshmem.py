@@ -36,7 +36,8 @@ def load_library() -> str:
     """Loads libnvshmem_host (once) and returns its file; ReshardError if none."""
     if not available():
         raise ReshardError("reshard_ext was built without CUDA, so without the NVSHMEM transport "
-                           "(rx.build_info()['nvshmem'] is False); rebuild with RESHARD_EXT_CUDA=ON or use backend='nccl'")
+                           "(rx.build_info()['nvshmem'] is False); rebuild with RESHARD_EXT_CUDA=ON "
+                           "or use backend='nccl'")
     return str(_C.nvshmem_load(library_candidates()))
 
 

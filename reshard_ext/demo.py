@@ -35,14 +35,18 @@ def _refit(rank: int, world: int, port: int, timeout_s: float, fail_rank: int) -
         raise RuntimeError(f"injected failure on rank {rank} (demo --fail-rank)")
     src_layouts = model_layouts(TINY_LLAMA, Parallel(tp=2, pp=2))
     dst_layouts = model_layouts(TINY_LLAMA, Parallel(tp=4))
-    src, dst, logical = {}, {}, {}
+    src: dict[str, Any] = {}
+    dst: dict[str, tuple[torch.Tensor, rx.Layout]] = {}
+    logical = {}
     for name, layout in src_layouts.items():
         g = logical[name] = _global(name, layout.shape, layout.dtype)
         if rank in layout.mesh:
             src[name] = (layout.local_part(g, rank), layout)
     for name, layout in dst_layouts.items():
         if rank in layout.mesh:
-            dst[name] = (torch.full(layout.local_shape(rank), float("nan"), dtype=layout.dtype), layout)
+            shape = layout.local_shape(rank)
+            assert shape is not None  # rank is in the mesh
+            dst[name] = (torch.full(shape, float("nan"), dtype=layout.dtype), layout)
 
     t0 = time.perf_counter()
     plan = rx.plan(src, dst, options=rx.Options(timeout=timeout_s))
@@ -53,8 +57,12 @@ def _refit(rank: int, world: int, port: int, timeout_s: float, fail_rank: int) -
         t0 = time.perf_counter()
         rx.execute(plan)
         times.append(time.perf_counter() - t0)
-    wrong = [n for n, (t, lay) in dst.items()
-             if not torch.equal(t.view(torch.int16), lay.local_part(logical[n], rank).view(torch.int16))]
+    wrong = []
+    for n, (t, lay) in dst.items():
+        want = lay.local_part(logical[n], rank)
+        assert want is not None  # rank is in the mesh
+        if not torch.equal(t.view(torch.int16), want.view(torch.int16)):
+            wrong.append(n)
     row = (rank, len(src), len(dst), sum(plan.num_ops), plan.bytes_sent, plan_s, statistics.median(times[1:]), wrong)
     dist.destroy_process_group()
     return row
@@ -119,15 +127,18 @@ def main(world: int = WORLD, timeout_s: float = 300.0, fail_rank: int = -1) -> i
         return 1
     for p in procs:
         p.join()
-    print("reshard_ext demo: Llama-shaped bf16 model (4 layers, hidden 256, GQA 8/2, fused QKV blocks, gate/up stride 2)")
+    print("reshard_ext demo: Llama-shaped bf16 model "
+          "(4 layers, hidden 256, GQA 8/2, fused QKV blocks, gate/up stride 2)")
     print(f"refit TP2 x PP2 -> TP4 on {world} CPU processes (gloo)\n")
-    print(f"{'rank':>4} {'src':>4} {'dst':>4} {'boxes':>6} {'sent MB':>8} {'plan ms':>8} {'refit ms':>9} {'GB/s':>6}  check")
+    print(f"{'rank':>4} {'src':>4} {'dst':>4} {'boxes':>6} {'sent MB':>8} {'plan ms':>8} {'refit ms':>9} "
+          f"{'GB/s':>6}  check")
     ok = True
     for rank, ns, nd, boxes, sent, plan_s, refit_s, wrong in rows:
         ok &= not wrong
         gbs = sent / refit_s / 1e9 if refit_s > 0 else 0.0
         status = "ok" if not wrong else f"WRONG: {wrong[:3]}"
-        print(f"{rank:4d} {ns:4d} {nd:4d} {boxes:6d} {sent / 1e6:8.2f} {1e3 * plan_s:8.1f} {1e3 * refit_s:9.2f} {gbs:6.2f}  {status}")
+        print(f"{rank:4d} {ns:4d} {nd:4d} {boxes:6d} {sent / 1e6:8.2f} {1e3 * plan_s:8.1f} {1e3 * refit_s:9.2f} "
+              f"{gbs:6.2f}  {status}")
     total = sum(r[4] for r in rows)
     slowest = max(r[6] for r in rows)
     print(f"\nall ranks: {total / 1e6:.2f} MB across processes, refit {1e3 * slowest:.2f} ms "

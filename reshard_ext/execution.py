@@ -5,7 +5,8 @@ import logging
 import operator
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ log = logging.getLogger("reshard_ext")
 Steps = tuple[list[Callable[[], None]], list[Callable[[], None]]]  # (before, after)
 
 
-def _rewrite(transform: Optional[Transform], side: str, entries: Entries) -> tuple[dict, Steps]:
+def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[dict, Steps]:
     """Applies `transform` to one side's entries (DESIGN section 5)."""
     out = dict(entries)
     before: list[Callable[[], None]] = []
@@ -51,7 +52,7 @@ def _rewrite(transform: Optional[Transform], side: str, entries: Entries) -> tup
 
 
 def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: Any = None,
-          src_dtypes: Optional[list[int]] = None) -> list[tuple]:
+          src_dtypes: list[int] | None = None) -> list[tuple]:
     """TensorRef tuples of `names` (aligned with the tables' src_used or dst_used); a
     Piece binds itself, told (destinations) whether its boxes keep its blocks whole."""
     whole: dict[int, set[int]] = {}
@@ -69,13 +70,13 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
     return out
 
 
-def _staging_depth(backend: str, device: Optional[str]) -> int:
+def _staging_depth(backend: str, device: str | None) -> int:
     """Staging copies of a batch the transport keeps: the NCCL pipeline double-buffers
     (an upper bound where "auto" or "direct" end up on torch point-to-point)."""
     return 2 if device == "cuda" and backend in ("auto", "nccl", "direct") and _C._build_info["nccl"] else 1
 
 
-def _make_transport(backend: str, device: Optional[str], group: Any, options: Options,
+def _make_transport(backend: str, device: str | None, group: Any, options: Options,
                     register: bool = False) -> tuple[str, Any]:
     if backend not in BACKENDS:
         raise ReshardError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
@@ -130,7 +131,7 @@ def _auto_direct(group: Any, options: Options) -> bool:
 
 
 def rebind_errors(side: str, entries: Entries, planned: Mapping[str, Layout], rank: int,
-                  device: Optional[str] = None) -> list[str]:
+                  device: str | None = None) -> list[str]:
     """What is wrong with `entries` as the new tensors of a plan's `side` (local checks)."""
     local = _check_local(side, entries, rank)
     if local:
@@ -141,7 +142,8 @@ def rebind_errors(side: str, entries: Entries, planned: Mapping[str, Layout], ra
     errors = []
     for name, (tensor, layout) in entries.items():
         if layout != planned[name]:
-            errors.append(f"rebind {side} tensor '{name}': layout {layout!r} differs from the planned {planned[name]!r}")
+            errors.append(f"rebind {side} tensor '{name}': layout {layout!r} "
+                          f"differs from the planned {planned[name]!r}")
         if device is not None and tensor.device.type != device:
             errors.append(f"rebind {side} tensor '{name}' on rank {rank}: on {tensor.device}, but the "
                           f"plan moves {device} tensors")
@@ -154,8 +156,8 @@ class Plan:
     relayed_tensors = 0  # tensors that reach their replicas through a relay (reshard_ext/relay.py)
 
     def __init__(self, agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any,
-                 backend: str, transform: Optional[Transform], options: Options,
-                 max_batch_bytes: Optional[int] = None):
+                 backend: str, transform: Transform | None, options: Options,
+                 max_batch_bytes: int | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.transform = transform
@@ -163,7 +165,7 @@ class Plan:
         self.options = options
         self.device = agreement.device
         self.plan_id = agreement.plan_id
-        self.version: Optional[int] = None  # the version that fully landed on this rank (see execute)
+        self.version: int | None = None  # the version that fully landed on this rank (see execute)
         self._seq = 0  # executes of this plan whose headers every peer agreed with
         self._abort = threading.Event()
         self._running = False
@@ -175,7 +177,7 @@ class Plan:
         self._entries = {"src": dict(src), "dst": dict(dst)}  # keeps bound tensors alive
         self._steps = steps
         self._agreement = agreement
-        self._verify_ops: Optional[verification.Ops] = None  # built by the first verify
+        self._verify_ops: verification.Ops | None = None  # built by the first verify
         # dst table index -> MXFP8 rounding of the tensors whose receiver quantizes them
         # (verify digests cover the quantized bytes; both ends derive it from the transform)
         self._mx_receivers = {} if transform is None else {
@@ -198,7 +200,7 @@ class Plan:
         src = _refs(self.src_names, self._entries["src"])
         return src, _refs(self.dst_names, self._entries["dst"], self.tables, [r[2] for r in src])
 
-    def _bind(self, errors: Optional[list[str]] = None) -> None:
+    def _bind(self, errors: list[str] | None = None) -> None:
         if getattr(self.transport, "collective_bind", False):
             # The direct transport splits the plan between its pairs and maps the peers'
             # tensors: collective, and this rank's errors are raised on every rank.
@@ -243,7 +245,7 @@ class Plan:
         summary = getattr(self.transport, "summary", None)
         return summary() if summary is not None else self.backend
 
-    def rebind(self, src: Optional[Entries] = None, dst: Optional[Entries] = None) -> None:
+    def rebind(self, src: Entries | None = None, dst: Entries | None = None) -> None:
         """Swaps in new tensors with the same layouts, without planning again.
 
         Local (no communication): each rank checks only its own tensors. A side left
@@ -300,7 +302,7 @@ class Plan:
             self._abort.set()
             self.transport.abort()
 
-    def execute(self, verify: bool = False, version: Optional[int] = None, timeout: Optional[float] = None) -> None:
+    def execute(self, verify: bool = False, version: int | None = None, timeout: float | None = None) -> None:
         """See rx.execute."""
         channel = self.transport.channel
         channel.enter()
@@ -316,7 +318,7 @@ class Plan:
         finally:
             channel.leave()
 
-    def _execute(self, verify: bool, version: Optional[int], timeout: Optional[float]) -> None:
+    def _execute(self, verify: bool, version: int | None, timeout: float | None) -> None:
         """The body of execute, with the group's channel held (a relayed plan runs two)."""
         self._run(verify, version, timeout, self._local_problem(version, timeout), self._abort)
 
@@ -328,7 +330,7 @@ class Plan:
             problem = self._watch.changed(self.rank)
         return problem
 
-    def _run(self, verify: bool, version: Optional[int], timeout: Optional[float], problem: str,
+    def _run(self, verify: bool, version: int | None, timeout: float | None, problem: str,
              abort: threading.Event) -> None:
         """One execute on the caller's channel (held); raises `problem` (after telling the peers)."""
         timeout_s = self._timeout_s if timeout is None or problem else float(timeout)
@@ -349,7 +351,8 @@ class Plan:
             for step in self._steps[side][1]:
                 step()
         if verify:
-            verification.check(self._ops(), *digests, what="rx.execute(verify=True)")
+            send, recv = digests
+            verification.check(self._ops(), send, recv, what="rx.execute(verify=True)")
 
     def _advance(self, session: Session) -> None:
         """The execute number of this plan, as the peers agreed (headers)."""
@@ -432,11 +435,11 @@ def _execute_args_error(version: Any, timeout: Any) -> str:
 
 
 def _bind_agreed(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps], group: Any, backend: str,
-                 transform: Optional[Transform], options: Options, max_batch_bytes: Optional[int]) -> Plan:
+                 transform: Transform | None, options: Options, max_batch_bytes: int | None) -> Plan:
     # Binding allocates staging and builds descriptor tables on each rank alone: a
     # failure there (e.g. out of memory on one GPU) is agreed on, so every rank raises
     # now rather than the others hanging in the first execute.
-    failure: Optional[BaseException] = None
+    failure: BaseException | None = None
     try:
         p = Plan(agreement, src, dst, steps, group, backend, transform, options, max_batch_bytes)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
@@ -453,13 +456,13 @@ def _bind_agreed(agreement: Any, src: Entries, dst: Entries, steps: dict[str, St
 
 
 def plan(
-    src: Optional[Entries] = None,
-    dst: Optional[Entries] = None,
+    src: Entries | None = None,
+    dst: Entries | None = None,
     group: Any = None,
     backend: str = "auto",
-    max_batch_bytes: Optional[int] = None,
-    transform: Optional[Transform] = None,
-    options: Optional[Options] = None,
+    max_batch_bytes: int | None = None,
+    transform: Transform | None = None,
+    options: Options | None = None,
 ) -> Plan:
     """Plans moving every dst tensor's piece from the src pieces. Collective over `group`.
 
@@ -496,22 +499,24 @@ def plan(
         try:
             sides[side] = _rewrite(transform, side, given or {})
         except Exception as e:  # noqa: BLE001 - a transform rejecting a tensor on this rank only
-            errors.append(f"rank {rank}: {e}" if isinstance(e, ReshardError) else f"rank {rank}: {type(e).__name__}: {e}")
+            why = str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}"
+            errors.append(f"rank {rank}: {why}")
     (src_w, src_steps), (dst_w, dst_steps) = sides["src"], sides["dst"]
     t0 = time.perf_counter()
 
-    def depth(device: Optional[str]) -> int:
+    def depth(device: str | None) -> int:
         return _staging_depth(backend, device)
 
     agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options, depth)
 
     from . import relay  # relay fan-out: two plans (scatter, gather) where replicas would hammer the sources
 
-    def bind(agreement: Any, src: Entries, dst: Entries, steps: Optional[dict[str, Steps]] = None) -> Plan:
+    def bind(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps] | None = None) -> Plan:
         return _bind_agreed(agreement, src, dst, steps or {"src": ([], []), "dst": ([], [])}, group, backend,
                             transform, options, max_batch_bytes)
 
     dims = relay.relayed_dims(agreement) if transform is None else {}
+    p: Plan
     if dims:
         p = relay.plan_relayed(agreement, dims, src_w, dst_w, group, max_batch_bytes, options, bind, depth)
     else:
@@ -526,8 +531,8 @@ def plan(
     return p
 
 
-def execute(plan: Plan, *, verify: bool = False, version: Optional[int] = None,
-            timeout: Optional[float] = None) -> None:
+def execute(plan: Plan, *, verify: bool = False, version: int | None = None,
+            timeout: float | None = None) -> None:
     """Runs a refit: every dst tensor of `plan` is updated in place. Collective.
 
     verify=True: the pack and unpack kernels digest every piece on the sender (what the

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ class Mesh:
         self._hash = hash((self.shape, self.ranks))
 
     @classmethod
-    def arange(cls, *shape: int, start: int = 0) -> "Mesh":
+    def arange(cls, *shape: int, start: int = 0) -> Mesh:
         """Ranks start, start+1, ... laid out row-major in `shape`."""
         return cls(torch.arange(start, start + int(torch.tensor(shape).prod())).reshape(shape))
 
@@ -107,12 +108,12 @@ class Mesh:
     def __repr__(self) -> str:
         return str(self._cpp().describe())
 
-    def _cpp(self) -> "_C.Mesh":
+    def _cpp(self) -> _C.Mesh:
         return _cpp_mesh(self.shape, self.ranks)
 
 
 @functools.lru_cache(maxsize=4096)
-def _cpp_mesh(shape: tuple[int, ...], ranks: tuple[int, ...]) -> "_C.Mesh":
+def _cpp_mesh(shape: tuple[int, ...], ranks: tuple[int, ...]) -> _C.Mesh:
     # Interned: many layouts share one mesh, and its rank index is built once.
     return _C.Mesh(list(shape), list(ranks))
 
@@ -137,7 +138,7 @@ class Shard:
 
     dim: int
     stride: int = 1
-    blocks: Optional[tuple[int, ...]] = None
+    blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Type errors are local mistakes, raised here; a dim out of range for the tensor
@@ -159,7 +160,7 @@ class Shard:
         return f"Shard({self.dim}{extra})"
 
 
-Placement = Union[Replicate, Shard]
+Placement = Replicate | Shard
 
 
 def _is_int(x: Any) -> bool:
@@ -201,7 +202,7 @@ class Layout:
         self._c = _C.Layout(list(self.shape), code_of(dtype), mesh._cpp(), cpp_placements)
 
     @classmethod
-    def _from_cpp(cls, c: "_C.Layout", shape, dtype, mesh, placements) -> "Layout":
+    def _from_cpp(cls, c: _C.Layout, shape, dtype, mesh, placements) -> Layout:
         self = cls.__new__(cls)
         self.shape, self.dtype, self.mesh, self.placements = shape, dtype, mesh, placements
         self._hash = hash((shape, dtype, mesh, placements))
@@ -216,16 +217,16 @@ class Layout:
         if self._c.error:
             raise ReshardError(f"invalid layout {self!r}: {self._c.error}")
 
-    def runs(self, rank: int) -> Optional[list[Runs]]:
+    def runs(self, rank: int) -> list[Runs] | None:
         """Per-dim runs (global_start, length) of `rank`'s piece, in local order."""
         self.check()
         return self._c.piece(rank)
 
-    def local_shape(self, rank: int) -> Optional[tuple[int, ...]]:
+    def local_shape(self, rank: int) -> tuple[int, ...] | None:
         runs = self.runs(rank)
         return None if runs is None else tuple(sum(n for _, n in r) for r in runs)
 
-    def local_part(self, global_tensor: torch.Tensor, rank: int) -> Optional[torch.Tensor]:
+    def local_part(self, global_tensor: torch.Tensor, rank: int) -> torch.Tensor | None:
         """Reference semantics: the piece of `global_tensor` that `rank` holds (a copy)."""
         runs = self.runs(rank)
         if runs is None:
@@ -239,7 +240,7 @@ class Layout:
             out = out.index_select(d, index.to(out.device))
         return out.contiguous()
 
-    def with_dtype(self, dtype: torch.dtype) -> "Layout":
+    def with_dtype(self, dtype: torch.dtype) -> Layout:
         return Layout(self.shape, dtype, self.mesh, self.placements)
 
     def __eq__(self, other: object) -> bool:

@@ -16,12 +16,12 @@ is reshaped to the layout's local shape, which must be possible without a copy.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from .errors import ReshardError
-from .layout import Layout, Mesh, Replicate, Shard
+from .layout import Layout, Mesh, Placement, Replicate, Shard
 
 Entries = dict[str, tuple[torch.Tensor, Layout]]
 Parts = Sequence[tuple[str, Layout]]
@@ -53,7 +53,8 @@ def concat(local: torch.Tensor, dim: int, parts: Parts, rank: int) -> Entries:
         for s in rest:
             inner *= s
         if inner == 0 or numel % inner:
-            raise ReshardError(f"merged component '{name}': local shape {want} does not fit {tuple(local.shape)} along dim {dim}")
+            raise ReshardError(f"merged component '{name}': local shape {want} does not fit {tuple(local.shape)} "
+                               f"along dim {dim}")
         length = numel // inner
         if offset + length > local.shape[dim]:
             raise ReshardError(f"merged components overflow dim {dim} of size {local.shape[dim]} at '{name}'")
@@ -68,7 +69,8 @@ def stack(local: torch.Tensor, dim: int, parts: Parts, rank: int) -> Entries:
     """Entries for `local` whose index i along `dim` is this rank's piece of parts[i]."""
     if len(parts) != local.shape[dim]:
         raise ReshardError(f"{len(parts)} stacked components for a dim of size {local.shape[dim]}")
-    return {name: (_as_local(local.select(dim, i), name, layout, rank), layout) for i, (name, layout) in enumerate(parts)}
+    return {name: (_as_local(local.select(dim, i), name, layout, rank), layout)
+            for i, (name, layout) in enumerate(parts)}
 
 
 def qkv_layouts(
@@ -92,7 +94,8 @@ def qkv_layouts(
     kv_shape = (num_query_groups, head_dim, hidden)
     if num_query_groups >= tp:
         mesh = Mesh([list(tp_ranks)])
-        q_place = kv_place = [Replicate(), Shard(0)]
+        q_place: list[Placement] = [Replicate(), Shard(0)]
+        kv_place = q_place
     else:
         rep = tp // num_query_groups
         if tp % num_query_groups or heads_per_group % rep:

@@ -127,7 +127,8 @@ def parse_spec(text: str) -> dict[str, int]:
         key, eq, value = item.partition("=")
         key = key.lower()
         if not eq or key not in _SPEC_KEYS or not value.isdigit() or int(value) < 1:
-            raise ReshardError(f"parallel spec {text!r}: expected comma-separated tp=N, pp=N, dp=N, ep=N (N >= 1), got {item!r}")
+            raise ReshardError(f"parallel spec {text!r}: expected comma-separated tp=N, pp=N, dp=N, ep=N (N >= 1), "
+                               f"got {item!r}")
         if key in out:
             raise ReshardError(f"parallel spec {text!r}: {key} given twice")
         out[key] = int(value)

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ def scale_numel(shape: tuple[int, ...], scale_layout: str) -> int:
     return rows * scols if scale_layout == "2d" else swizzled_size(rows, scols)
 
 
-def _rows_view(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
+def _rows_view(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(rows, cols, row_stride) when t is [..., K] with unit last stride and leading dims
     that flatten to one stride; None otherwise."""
     if t.dim() == 0:
@@ -150,7 +151,7 @@ def data_layout(layout: Layout) -> Layout:
 
 
 @functools.lru_cache(maxsize=4096)
-def _scale_layout_or_error(layout: Layout) -> Union[Layout, str]:
+def _scale_layout_or_error(layout: Layout) -> Layout | str:
     """The uint8 layout of the scales of `layout`'s data, checked on every rank of the
     mesh (rank-independent, so sender and receiver agree), or why there is none."""
     nd = len(layout.shape)
@@ -167,6 +168,7 @@ def _scale_layout_or_error(layout: Layout) -> Union[Layout, str]:
     scale = Layout(layout.shape[:-1] + (scale_cols(k),), torch.uint8, layout.mesh, placements)
     for rank in sorted(set(layout.mesh.ranks)):
         runs = layout.runs(rank)
+        assert runs is not None  # rank is in the mesh
         srun = _C.mxfp8_scale_runs(runs[-1], k)
         if isinstance(srun, str):
             return f"rank {rank}: {srun}"
@@ -223,7 +225,7 @@ class _ReceivedData(Piece):
         self.name, self.data, self.scale = name, data.view(local), scale
         self.given = data  # the caller's tensor (self.data views it)
         self.scale_layout, self.rounding = scale_layout, rounding
-        self.staging: Optional[torch.Tensor] = None
+        self.staging: torch.Tensor | None = None
 
     def ref(self, whole: bool) -> tuple:
         PATHS[("dst", self.name)] = "fused" if whole else "staged"
@@ -264,7 +266,7 @@ class _SentFromSource(Piece):
 
 # ---- the transform -----------------------------------------------------------------
 
-Params = Union[Iterable[str], Callable[[str], bool]]
+Params = Iterable[str] | Callable[[str], bool]
 
 
 class MXFP8(Transform):
@@ -298,7 +300,7 @@ class MXFP8(Transform):
     def cache_key(self) -> tuple:
         return (type(self).__name__, self._params_key, self.scale_layout, self.where, self.rounding)
 
-    def receiver_mx_rounding(self, name: str) -> Optional[int]:
+    def receiver_mx_rounding(self, name: str) -> int | None:
         return _ROUNDINGS[self.rounding] if self.where == "receiver" and self._select(name) else None
 
     def _rank(self) -> int:
@@ -307,7 +309,7 @@ class MXFP8(Transform):
         return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
 
     # -- sender side: quantize the source piece into the wire tensors ------------------
-    def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Optional[Rewrite]:
+    def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Rewrite | None:
         if self.where != "sender" or not self._select(name) or layout.error:
             return None
         slayout = scale_layout(name, layout)
@@ -320,7 +322,8 @@ class MXFP8(Transform):
         # Whole blocks everywhere (K % 32 == 0; the layouts of both sides are checked to be
         # block-aligned and the planner cuts rows only between blocks): the boxes
         # quantize the BF16 source in place, no wire tensors.
-        if tensor.dtype == torch.bfloat16 and layout.shape[-1] % BLOCK == 0 and (shape[-1] == 0 or tensor.stride(-1) == 1):
+        if (tensor.dtype == torch.bfloat16 and layout.shape[-1] % BLOCK == 0
+                and (shape[-1] == 0 or tensor.stride(-1) == 1)):
             PATHS[("src", name)] = "fused"
             return Rewrite(entries={
                 name + DATA_SUFFIX: (_SentFromSource(tensor, shape, torch.float8_e4m3fn, int(_C.BOX_MX_DATA),
@@ -345,7 +348,7 @@ class MXFP8(Transform):
                        before=before)
 
     # -- receiver side ------------------------------------------------------------------
-    def rewrite_dst(self, name: str, target: Any, layout: Layout) -> Optional[Rewrite]:
+    def rewrite_dst(self, name: str, target: Any, layout: Layout) -> Rewrite | None:
         if not self._select(name) or layout.error:
             return None
         if not (isinstance(target, (tuple, list)) and len(target) == 2

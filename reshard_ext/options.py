@@ -13,8 +13,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from .errors import ReshardError
 
@@ -67,7 +68,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _blocks(text: str) -> Optional[int]:
+def _blocks(text: str) -> int | None:
     return None if text.strip().lower() in ("", "auto") else _count(0)(text)
 
 
@@ -98,7 +99,8 @@ KNOBS: dict[str, Knob] = {
              "(0: every receiver pulls from the sources; every rank must set it alike)"),
         Knob("RESHARD_EXT_RELAY_STAGES", 0, _count(0),
              "stages of a relayed refit: each moves one group's scatter with the previous group's forwarding "
-             "(0: auto, one per two batches of the relayed bytes, 1 to 8; 1: scatter, then forward; alike on every rank)"),
+             "(0: auto, one per two batches of the relayed bytes, 1 to 8; 1: scatter, then forward; "
+             "alike on every rank)"),
         Knob("RESHARD_EXT_DIRECT_TIMEOUT", 600.0, _seconds,
              "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
         Knob("RESHARD_EXT_NVSHMEM_TIMEOUT", 600.0, _seconds,
@@ -117,7 +119,8 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
              "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
         Knob("RESHARD_EXT_AUTO_DIRECT", False, _flag,
-             "1: backend 'auto' writes straight into peers' tensors where it can (the direct transport), NCCL elsewhere"),
+             "1: backend 'auto' writes straight into peers' tensors where it can (the direct transport), "
+             "NCCL elsewhere"),
         Knob("RESHARD_EXT_CHECK_STORAGE", True, _flag,
              "0 skips the per-execute check that no bound tensor's storage was replaced or resized"),
         Knob("RESHARD_EXT_TRACE", False, _flag,
@@ -189,24 +192,24 @@ class Options:
       per bound tensor).
     """
 
-    batch_bytes: Optional[int] = None
-    direct_bytes: Optional[int] = None
-    timeout: Optional[float] = None
-    nccl_register: Optional[bool] = None
-    max_blocks: Optional[int] = None
-    split_copies: Optional[bool] = None
-    batch_taper: Optional[bool] = None
-    trace: Optional[bool] = None
-    relay: Optional[bool] = None
-    relay_stages: Optional[int] = None
-    direct_engine_bytes: Optional[int] = None
-    direct_engine_batch: Optional[bool] = None
-    direct_engine_streams: Optional[int] = None
-    direct_local_engine_bytes: Optional[int] = None
-    direct_local_blocks: Optional[int] = None
-    direct_ipc: Optional[bool] = None
-    auto_direct: Optional[bool] = None
-    check_storage: Optional[bool] = None
+    batch_bytes: int | None = None
+    direct_bytes: int | None = None
+    timeout: float | None = None
+    nccl_register: bool | None = None
+    max_blocks: int | None = None
+    split_copies: bool | None = None
+    batch_taper: bool | None = None
+    trace: bool | None = None
+    relay: bool | None = None
+    relay_stages: int | None = None
+    direct_engine_bytes: int | None = None
+    direct_engine_batch: bool | None = None
+    direct_engine_streams: int | None = None
+    direct_local_engine_bytes: int | None = None
+    direct_local_blocks: int | None = None
+    direct_ipc: bool | None = None
+    auto_direct: bool | None = None
+    check_storage: bool | None = None
 
     def __post_init__(self) -> None:
         checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
@@ -239,7 +242,7 @@ class Options:
             if not typed or not ok(value):
                 raise ReshardError(f"rx.Options({name}={value!r}): expected {what}")
 
-    def replace(self, **changes: Any) -> "Options":
+    def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
 
     # --- resolved values (explicit field, else the environment's default) ---------------
@@ -261,11 +264,13 @@ class Options:
     def resolved_nccl_register(self) -> bool:
         return self.nccl_register if self.nccl_register is not None else bool(env_default("RESHARD_EXT_NCCL_REGISTER"))
 
-    def resolved_max_blocks(self) -> Optional[int]:
+    def resolved_max_blocks(self) -> int | None:
         return self.max_blocks if self.max_blocks is not None else env_default("RESHARD_EXT_CUDA_MAX_BLOCKS")
 
     def resolved_split_copies(self) -> bool:
-        return self.split_copies if self.split_copies is not None else bool(env_default("RESHARD_EXT_CUDA_SPLIT_COPIES"))
+        if self.split_copies is not None:
+            return self.split_copies
+        return bool(env_default("RESHARD_EXT_CUDA_SPLIT_COPIES"))
 
     def resolved_batch_taper(self) -> bool:
         return self.batch_taper if self.batch_taper is not None else bool(env_default("RESHARD_EXT_BATCH_TAPER"))
@@ -320,7 +325,7 @@ def skip_nccl_check() -> bool:
     return bool(env_default("RESHARD_EXT_SKIP_NCCL_CHECK"))
 
 
-def external_env(name: str) -> Optional[str]:
+def external_env(name: str) -> str | None:
     """A variable of another tool (NCCL_HOME, ...), read here so the package reads the
     environment in one module."""
     return os.environ.get(name)

@@ -18,8 +18,9 @@ import gc
 import hashlib
 import os
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,11 +62,11 @@ class RankPlan:
     _c: Any = None
 
 
-def _table(layouts: Mapping[str, Layout]) -> "_C.LayoutTable":
+def _table(layouts: Mapping[str, Layout]) -> _C.LayoutTable:
     return _C.LayoutTable([(name, layout._c) for name, layout in layouts.items()])
 
 
-def _ops(table: "_C.LayoutTable", raw: list, as_sender_copy: bool = False) -> list[TransferOp]:
+def _ops(table: _C.LayoutTable, raw: list, as_sender_copy: bool = False) -> list[TransferOp]:
     out = []
     for dst_name, peer, mine, size, theirs, _glob, nbytes, *_ in raw:
         a = tuple(slice(s, s + n) for s, n in zip(mine, size))
@@ -101,9 +102,9 @@ def local_plan(
     src_layouts: Mapping[str, Layout],
     dst_layouts: Mapping[str, Layout],
     rank: int,
-    max_batch_bytes: Optional[int] = None,
-    num_batches: Optional[int] = None,
-    options: Optional[Options] = None,
+    max_batch_bytes: int | None = None,
+    num_batches: int | None = None,
+    options: Options | None = None,
 ) -> RankPlan:
     """This rank's ops, from the layouts alone: no process group, no tensors.
 
@@ -148,7 +149,7 @@ def batch_bytes_error(max_batch_bytes: Any) -> str:
     return ""
 
 
-def _plan_rank(src_t: Any, dst_t: Any, rank: int, limit: Optional[int], buffers: int, region_align: int,
+def _plan_rank(src_t: Any, dst_t: Any, rank: int, limit: int | None, buffers: int, region_align: int,
                options: Options, soft_batch_bytes: int = 0, fineness: int = 1) -> tuple[Any, int]:
     """The C++ planner for one rank, and how many batches it wants: the fewest whose
     staging (`buffers` x (largest send + largest receive batch)) fits `limit`, a hard
@@ -173,14 +174,14 @@ def _too_small(rank: int, limit: Any, c: Any) -> str:
 # --- collective planning --------------------------------------------------------------
 
 
-def _device_kind(entries: list[Entries]) -> Optional[str]:
+def _device_kind(entries: list[Entries]) -> str | None:
     kinds = {t.device.type for e in entries for t, _ in e.values() if isinstance(t, (torch.Tensor, Piece))}
     if len(kinds) > 1:
         return "mixed:" + ",".join(sorted(kinds))
     return kinds.pop() if kinds else None
 
 
-def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = None) -> list[str]:
+def _check_local(side: str, entries: Entries, rank: int, world: int | None = None) -> list[str]:
     """Checks of this rank's own pieces against their layouts (and, given the group size,
     of their meshes against the group)."""
     errors = []
@@ -189,7 +190,8 @@ def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = 
             errors.append(f"{side} tensor {name!r} on rank {rank}: names must be str, got {type(name).__name__}")
             continue
         if not (isinstance(item, tuple) and len(item) == 2):
-            errors.append(f"{side} tensor '{name}' on rank {rank}: expected (tensor, layout), got {type(item).__name__}")
+            errors.append(f"{side} tensor '{name}' on rank {rank}: expected (tensor, layout), "
+                          f"got {type(item).__name__}")
             continue
         tensor, layout = item
         if not isinstance(layout, Layout):
@@ -199,7 +201,7 @@ def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = 
             errors.append(f"{side} tensor '{name}' on rank {rank}: got {type(tensor).__name__}, not a torch.Tensor")
             continue
         outside = sorted({r for r in layout.mesh.ranks if r < 0 or r >= world}) if world is not None else []
-        if outside:
+        if outside and world is not None:
             errors.append(f"{side} tensor '{name}': its mesh names ranks {outside[:8]} outside the process group "
                           f"(group ranks are 0..{world - 1}; meshes hold ranks of the group passed to rx.plan)")
             continue
@@ -215,7 +217,8 @@ def _check_local(side: str, entries: Entries, rank: int, world: Optional[int] = 
                 f"the layout's local shape {want}"
             )
         if tensor.dtype != layout.dtype:
-            errors.append(f"{side} tensor '{name}' on rank {rank}: dtype {tensor.dtype} but the layout says {layout.dtype}")
+            errors.append(f"{side} tensor '{name}' on rank {rank}: dtype {tensor.dtype} "
+                          f"but the layout says {layout.dtype}")
         if tensor.device.type not in ("cpu", "cuda"):
             errors.append(f"{side} tensor '{name}' on rank {rank}: on device {tensor.device}; reshard_ext moves CPU "
                           f"and CUDA tensors, whose memory it reads and writes")
@@ -236,7 +239,7 @@ def reporter_of(name: str, layout: Layout) -> int:
     return ranks[zlib.crc32(name.encode()) % len(ranks)]
 
 
-def _check_against_global(side: int, entries: Entries, table: "_C.LayoutTable", rank: int) -> list[str]:
+def _check_against_global(side: int, entries: Entries, table: _C.LayoutTable, rank: int) -> list[str]:
     """A rank's own layouts against the reported ones, and pieces it should have passed."""
     label = ("src", "dst")[side]
     errors = []
@@ -266,16 +269,16 @@ class Agreement:
     src_table: Any
     dst_table: Any
     rank_plan: Any
-    device: Optional[str]
+    device: str | None
     register: bool = False  # every rank voted for NCCL buffer registration
     relay: bool = False  # every rank passed relay on (rx.Options.relay; a disagreement is an error)
     plan_id: int = 0  # the same on every rank, different for every rx.plan call
 
 
 def plan_collective(
-    src: Entries, dst: Entries, group: Any, max_batch_bytes: Optional[int], errors: Optional[list[str]] = None,
-    options: Optional[Options] = None,
-    staging_depth: Callable[[Optional[str]], int] = lambda device: 1,
+    src: Entries, dst: Entries, group: Any, max_batch_bytes: int | None, errors: list[str] | None = None,
+    options: Options | None = None,
+    staging_depth: Callable[[str | None], int] = lambda device: 1,
 ) -> Agreement:
     """The collective part of rx.plan. staging_depth(device): how many staging copies
     of a batch the transport keeps (its pipelining depth), for the max_batch_bytes bound."""
@@ -301,7 +304,8 @@ def plan_collective(
     relay = [g[4] for g in gathered]
     if len(set(relay)) > 1:
         errors.append(f"rx.Options(relay=...) / RESHARD_EXT_RELAY must be alike on every rank: on for ranks "
-                      f"{[r for r, v in enumerate(relay) if v][:8]}, off for {[r for r, v in enumerate(relay) if not v][:8]}")
+                      f"{[r for r, v in enumerate(relay) if v][:8]}, "
+                      f"off for {[r for r, v in enumerate(relay) if not v][:8]}")
     # Any rank bounding its staging cuts its pairs' ops finer, so both ends must.
     fineness = 2 if any(g[5] for g in gathered) else 1
     if len(devices) > 1:
@@ -353,6 +357,7 @@ def plan_collective(
     sends, recvs = sum(g[2] for g in gathered) % 2**64, sum(g[3] for g in gathered) % 2**64
     if sends != recvs:
         _raise(_digest_mismatch(rank_plan, group, world, timeout_s))
+    assert rank_plan is not None  # else this rank's own error was raised above
     rank_plan.assign_batches(_agreed_batches([(g[1], g[5]) for g in gathered]))
     # Identifies this plan on every rank alike, and no other plan: execute's headers
     # carry it (two plans of the same layouts differ by the ranks' random nonces).
@@ -361,7 +366,7 @@ def plan_collective(
     return Agreement(src_t, dst_t, rank_plan, agreed_device, register, all(relay), plan_id)
 
 
-def _agreed_batches(wants: list[tuple[int, Optional[int]]]) -> int:
+def _agreed_batches(wants: list[tuple[int, int | None]]) -> int:
     """The fewest batches every rank accepts: at least what each wants, and for a rank
     bounded by max_batch_bytes a count its `fitting` mask (bit i: wanted + i batches
     fit) allows. The same answer on every rank, from the same gathered values."""
@@ -375,7 +380,7 @@ def _agreed_batches(wants: list[tuple[int, Optional[int]]]) -> int:
     return low
 
 
-def _registration_vote(device: Optional[str], options: Options) -> bool:
+def _registration_vote(device: str | None, options: Options) -> bool:
     """Votes on NCCL buffer registration (GPU transports only; a rank without tensors
     moves nothing and does not object)."""
     if device not in (None, "cuda") or not _C._build_info["nccl"]:

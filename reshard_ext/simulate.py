@@ -161,7 +161,7 @@ def plan_all_ranks(
     ranks planned under a smaller count are planned again at the end.
     """
     t0 = time.perf_counter()
-    out = PlannedRanks(world, 1, *([0] * world for _ in range(5)))
+    out = PlannedRanks(world, 1, [0] * world, [0] * world, [0] * world, [0] * world, [0] * world)
     staged_at = [0] * world
     send_digest = recv_digest = 0
 
@@ -426,7 +426,8 @@ def format_report(rep: dict[str, Any]) -> str:
             lines.append(f"  {'':48} (no faster here: a planner would not relay)")
     if "reference" in rep:
         ref = rep["reference"]
-        lines.append(f"  {'published: ' + ref['label']:48}\n  {'':48} {ref['seconds'][0]:.2f}-{ref['seconds'][1]:.2f} s")
+        lines.append(f"  {'published: ' + ref['label']:48}\n"
+                     f"  {'':48} {ref['seconds'][0]:.2f}-{ref['seconds'][1]:.2f} s")
     return "\n".join(lines)
 
 

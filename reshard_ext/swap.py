@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import atexit
 import time
-
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from .options import Options
 from .planning import STATS
 from .transforms import Transform
 
-ModelLike = Union[nn.Module, list, tuple, Mapping[str, tuple[torch.Tensor, Layout]], None]
+ModelLike = nn.Module | list | tuple | Mapping[str, tuple[torch.Tensor, Layout]] | None
 Adapter = Callable[..., Entries]
 
 
@@ -82,7 +82,7 @@ def clear_caches() -> None:
 # Megatron descriptions of the last models seen: (side, group, offset) -> (model ids,
 # fingerprint, entries, signature). A warm swap re-reads only what the description
 # depends on (one walk over the modules) instead of describing the model again.
-_DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, "_Signature"]] = {}
+_DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, _Signature]] = {}
 
 
 # The tensor attributes the Megatron adapter reads (reshard_ext/adapters/megatron.py).
@@ -103,7 +103,7 @@ def _fingerprint(chunks: list[nn.Module]) -> tuple:
 
 
 def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
-              adapter: Optional[Adapter]) -> tuple[Entries, _Signature]:
+              adapter: Adapter | None) -> tuple[Entries, _Signature]:
     """(entries, layout signature) of one side."""
     if model is None:
         return {}, _signature({})
@@ -153,7 +153,8 @@ class _Signature:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, _Signature) and self._hash == other._hash and self.pairs == other.pairs)
+        return self is other or (isinstance(other, _Signature) and self._hash == other._hash
+                                 and self.pairs == other.pairs)
 
 
 def _signature(entries: Entries) -> _Signature:
@@ -208,15 +209,15 @@ def _get_plan(
     group: Any,
     src_rank_offset: int,
     dst_rank_offset: int,
-    name_map: Optional[NameMap],
-    max_batch_bytes: Optional[int],
-    transform: Optional[Transform],
-    adapter: Optional[Adapter],
-    options: Optional[Options] = None,
+    name_map: NameMap | None,
+    max_batch_bytes: int | None,
+    transform: Transform | None,
+    adapter: Adapter | None,
+    options: Options | None = None,
 ) -> Any:
     from . import plan as rx_plan  # the core API; imported late (package init order)
 
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     src: Entries = {}
     dst: Entries = {}
     key: tuple = ()
@@ -268,11 +269,11 @@ def prepare_swap_model_weights(
     *,
     src_rank_offset: int = 0,
     dst_rank_offset: int = 0,
-    name_map: Optional[NameMap] = None,
-    max_batch_bytes: Optional[int] = None,
-    transform: Optional[Transform] = None,
-    adapter: Optional[Adapter] = None,
-    options: Optional[Options] = None,
+    name_map: NameMap | None = None,
+    max_batch_bytes: int | None = None,
+    transform: Transform | None = None,
+    adapter: Adapter | None = None,
+    options: Options | None = None,
 ) -> Any:
     """Builds (collectively) and caches the plan that `swap_model_weights` will use."""
     return _get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,

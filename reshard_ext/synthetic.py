@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -23,7 +22,7 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     tied_embeddings: bool = False
     gated_mlp: bool = True  # SwiGLU fc1 = [gate; up]; False: GPT's plain fc1
     # MoE (0 experts: dense)
@@ -94,7 +93,7 @@ def _expert_mesh(par: Parallel, stage: int, ep_rank: int) -> Mesh:
     return Mesh(list(ranks[ep_rank::par.ep]))
 
 
-def _tensor_layout(shape, dtype, mesh: Mesh, tp_placement: Optional[Placement]) -> Layout:
+def _tensor_layout(shape, dtype, mesh: Mesh, tp_placement: Placement | None) -> Layout:
     tp = mesh.shape[1]
     placement = tp_placement if (tp_placement is not None and tp > 1) else Replicate()
     return Layout(shape, dtype, mesh, [Replicate(), placement])
@@ -111,7 +110,7 @@ def model_layouts(
     out: dict[str, Layout] = {}
     hd, h = m.hd, m.hidden
 
-    def add(name: str, shape, stage: int, placement: Optional[Placement], dt: torch.dtype = dtype) -> None:
+    def add(name: str, shape, stage: int, placement: Placement | None, dt: torch.dtype = dtype) -> None:
         out[name] = _tensor_layout(shape, dt, par.stage_mesh(stage), placement)
 
     def fc1(prefix: str, ffn: int, stage: int, expert: str = "", mesh: Mesh | None = None) -> None:

@@ -22,8 +22,9 @@ rank binds never changes the plan, so each rank may choose on its own.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -63,25 +64,25 @@ class Piece:
 
 @dataclass
 class Rewrite:
-    entries: dict[str, tuple[Union[torch.Tensor, Piece], Layout]] = field(default_factory=dict)
-    before: Optional[Callable[[], None]] = None
-    after: Optional[Callable[[], None]] = None
+    entries: dict[str, tuple[torch.Tensor | Piece, Layout]] = field(default_factory=dict)
+    before: Callable[[], None] | None = None
+    after: Callable[[], None] | None = None
 
 
 class Transform:
     """Base class: transforms nothing. Subclasses override the two rewrites."""
 
-    def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Optional[Rewrite]:
+    def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Rewrite | None:
         return None
 
-    def rewrite_dst(self, name: str, target: Any, layout: Layout) -> Optional[Rewrite]:
+    def rewrite_dst(self, name: str, target: Any, layout: Layout) -> Rewrite | None:
         return None
 
     def cache_key(self) -> tuple:
         """What distinguishes two transforms for plan caching."""
         return (type(self).__name__,)
 
-    def receiver_mx_rounding(self, name: str) -> Optional[int]:
+    def receiver_mx_rounding(self, name: str) -> int | None:
         """For verify digests: the MXFP8 rounding code (csrc/kernels/mxfp8_api.h) when the
         receiver of dst `name` quantizes it after it lands, so that sender and receiver
         both digest the quantized bytes; None otherwise. Both ends must answer alike."""

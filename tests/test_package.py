@@ -81,6 +81,33 @@ def test_user_script_passes_mypy_strict(tmp_path: Path) -> None:
     assert r.returncode == 1 and 'incompatible type "int"; expected "Plan"' in r.stdout, r.stdout
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None, reason="needs Linux and nm")
+def test_extension_exports_only_its_init_function() -> None:
+    # Exported std:: or rx symbols could interpose on (or be interposed by) torch's copies.
+    so = rx._C.__file__
+    assert so is not None
+    out = subprocess.run(["nm", "-D", "--defined-only", so], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert names == ["PyInit__C"], names[:20]
+
+
+def test_unbuilt_sources_say_the_extension_is_not_built(tmp_path: Path) -> None:
+    # The package's Python files without _C: what `python` in a fresh clone's root imports.
+    shutil.copytree(PKG, tmp_path / "reshard_ext", ignore=shutil.ignore_patterns("_C*.so", "_C*.pyd", "__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", "import reshard_ext"], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: reshard_ext's compiled extension _C is not built"), r.stderr
+    assert "pip install" in last and "circular import" not in r.stderr, r.stderr
+    # a built extension that fails to load keeps the loader's own message
+    (tmp_path / "reshard_ext" / Path(rx._C.__file__ or "_C.so").name).write_bytes(b"not an ELF file")
+    r = subprocess.run([sys.executable, "-c", "import reshard_ext"], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode != 0 and "not built" not in r.stderr, r.stderr
+
+
 def test_exceptions_print_under_the_package_name() -> None:
     try:
         raise rx.ReshardError("boom")

@@ -12,17 +12,15 @@
 
 #include <dlfcn.h>
 
-#include <cstring>
 #include <mutex>
 
+#include "comm/dl_library.h"
 #include "common/check.h"
 
 namespace rx {
 namespace {
 
 struct NcclApi {
-  void* handle = nullptr;
-  std::string path;
   decltype(&::ncclGetVersion) GetVersion = nullptr;
   decltype(&::ncclGetUniqueId) GetUniqueId = nullptr;
   decltype(&::ncclCommInitRankConfig) CommInitRankConfig = nullptr;
@@ -40,21 +38,18 @@ struct NcclApi {
   decltype(&::ncclRecv) Recv = nullptr;
 };
 
-std::mutex g_mutex;
-NcclApi g_api;
-std::string g_tried;
-
 template <typename F>
 bool bind(void* h, const char* name, F* out) {
   *out = reinterpret_cast<F>(dlsym(h, name));
   return *out != nullptr;
 }
 
-// Fills g_api from `h`; false (and nothing kept) when a symbol is missing.
-bool adopt(void* h, const std::string& path) {
+std::mutex g_mutex;
+NcclApi g_api;
+
+// Fills g_api from `h`; nothing kept when a symbol is missing.
+std::string bind_all(void* h) {
   NcclApi a;
-  a.handle = h;
-  a.path = path;
   bool ok = bind(h, "ncclGetVersion", &a.GetVersion) && bind(h, "ncclGetUniqueId", &a.GetUniqueId) &&
             bind(h, "ncclCommInitRankConfig", &a.CommInitRankConfig) &&
             bind(h, "ncclCommFinalize", &a.CommFinalize) && bind(h, "ncclCommDestroy", &a.CommDestroy) &&
@@ -63,35 +58,18 @@ bool adopt(void* h, const std::string& path) {
             bind(h, "ncclGetErrorString", &a.GetErrorString) && bind(h, "ncclGetLastError", &a.GetLastError) &&
             bind(h, "ncclGroupStart", &a.GroupStart) && bind(h, "ncclGroupEnd", &a.GroupEnd) &&
             bind(h, "ncclSend", &a.Send) && bind(h, "ncclRecv", &a.Recv);
-  if (!ok) {
-    g_tried += detail::format("\n  ", path, ": lacks NCCL >= 2.19 entry points");
-    return false;
-  }
-  Dl_info info;
-  std::memset(&info, 0, sizeof(info));
-  if (dladdr(reinterpret_cast<void*>(a.GetVersion), &info) != 0 && info.dli_fname != nullptr) a.path = info.dli_fname;
+  if (!ok) return "lacks NCCL >= 2.19 entry points";
   g_api = a;
-  return true;
+  return "";
 }
 
-bool try_open(const std::string& path, int flags) {
-  void* h = dlopen(path.c_str(), flags);
-  if (h == nullptr) {
-    if (!(flags & RTLD_NOLOAD)) {
-      const char* err = dlerror();
-      g_tried += detail::format("\n  ", path, ": ", err ? err : "not found");
-    }
-    return false;
-  }
-  return adopt(h, path);
-}
+DlLibrary g_lib("libnccl.so.2", "ncclGetVersion", bind_all);
 
 const NcclApi& api() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_api.handle == nullptr && !try_open("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD) &&
-      !try_open("libnccl.so.2", RTLD_NOW | RTLD_LOCAL)) {
+  if (!g_lib.open()) {
     throw ReshardError(detail::format(
-        "reshard_ext's NCCL transport found no libnccl.so.2 at run time; tried:", g_tried,
+        "reshard_ext's NCCL transport found no libnccl.so.2 at run time; tried:", g_lib.tried(),
         "\ninstall the nvidia-nccl-cu<N> wheel matching torch's CUDA (a CUDA build of torch brings it) "
         "or set NCCL_HOME, or use backend='torch'"));
   }
@@ -103,20 +81,19 @@ const NcclApi& api() {
 std::string nccl_load(const std::vector<std::string>& candidates) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_api.handle == nullptr && !try_open("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD)) {
-      for (const std::string& c : candidates)
-        if (try_open(c, RTLD_NOW | RTLD_LOCAL)) break;
-    }
+    g_lib.load(candidates);
   }
-  return api().path;
+  api();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_lib.path();
 }
 
 bool nccl_loaded() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return g_api.handle != nullptr;
+  return g_lib.loaded();
 }
 
-std::string nccl_library_path() { return api().path; }
+std::string nccl_library_path() { return nccl_load({}); }
 
 }  // namespace rx
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "comm/dl_library.h"
 #include "comm/host_wait.h"
 #include "comm/nvshmem_abi.h"
 #include "common/check.h"
@@ -37,8 +38,6 @@ namespace abi = nvshmem_abi;
   X(vendor_version, VendorVersion, "nvshmemx_vendor_get_version_info")
 
 struct NvshmemApi {
-  void* handle = nullptr;
-  std::string path;
 #define RX_NVSHMEM_MEMBER(member, type, symbol) abi::type member = nullptr;
   RX_NVSHMEM_ENTRY_POINTS(RX_NVSHMEM_MEMBER)
 #undef RX_NVSHMEM_MEMBER
@@ -46,51 +45,26 @@ struct NvshmemApi {
 
 std::mutex g_mutex;
 NvshmemApi g_nv;
-std::string g_attempts;
 
-// Resolves every entry point from `h`, or names the first one missing.
-std::string resolve(void* h, NvshmemApi* a) {
-#define RX_NVSHMEM_BIND(member, type, symbol)                       \
-  a->member = reinterpret_cast<abi::type>(dlsym(h, symbol));        \
-  if (a->member == nullptr) return symbol;
+// Resolves every entry point from `h` into g_nv, or names the first one missing.
+std::string resolve(void* h) {
+  NvshmemApi a;
+#define RX_NVSHMEM_BIND(member, type, symbol)                                  \
+  a.member = reinterpret_cast<abi::type>(dlsym(h, symbol));                    \
+  if (a.member == nullptr) return detail::format("has no ", symbol, " (NVSHMEM >= 3 needed)");
   RX_NVSHMEM_ENTRY_POINTS(RX_NVSHMEM_BIND)
 #undef RX_NVSHMEM_BIND
+  g_nv = a;
   return "";
 }
 
-// Opens `name` with `flags` and adopts it when it has every entry point.
-bool open_library(const std::string& name, int flags) {
-  void* h = dlopen(name.c_str(), flags);
-  if (h == nullptr) {
-    if ((flags & RTLD_NOLOAD) == 0) {
-      const char* err = dlerror();
-      g_attempts += detail::format("\n  ", name, ": ", err ? err : "cannot open");
-    }
-    return false;
-  }
-  NvshmemApi a;
-  const std::string missing = resolve(h, &a);
-  if (!missing.empty()) {
-    g_attempts += detail::format("\n  ", name, ": has no ", missing, " (NVSHMEM >= 3 needed)");
-    return false;
-  }
-  a.handle = h;
-  a.path = name;
-  Dl_info info;
-  std::memset(&info, 0, sizeof(info));
-  if (dladdr(reinterpret_cast<void*>(a.malloc), &info) != 0 && info.dli_fname != nullptr) a.path = info.dli_fname;
-  g_nv = a;
-  return true;
-}
-
-constexpr const char* kSoname = "libnvshmem_host.so.3";
+DlLibrary g_lib("libnvshmem_host.so.3", "nvshmem_malloc", resolve);
 
 const NvshmemApi& nv() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_nv.handle == nullptr && !open_library(kSoname, RTLD_NOW | RTLD_NOLOAD) &&
-      !open_library(kSoname, RTLD_NOW | RTLD_LOCAL)) {
+  if (!g_lib.open()) {
     throw ReshardError(detail::format(
-        "reshard_ext's NVSHMEM transport found no usable ", kSoname, " at run time; tried:", g_attempts,
+        "reshard_ext's NVSHMEM transport found no usable ", g_lib.soname(), " at run time; tried:", g_lib.tried(),
         "\ninstall the nvidia-nvshmem-cu<N> wheel matching torch's CUDA, or set NVSHMEM_HOME, "
         "or use backend='nccl'"));
   }
@@ -102,22 +76,20 @@ const NvshmemApi& nv() {
 std::string nvshmem_load(const std::vector<std::string>& candidates) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_nv.handle == nullptr && !open_library(kSoname, RTLD_NOW | RTLD_NOLOAD)) {
-      for (const std::string& c : candidates)
-        if (open_library(c, RTLD_NOW | RTLD_LOCAL)) break;
-    }
+    g_lib.load(candidates);
   }
-  return nv().path;
+  nv();
+  return nvshmem_library_path();
 }
 
 bool nvshmem_loaded() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return g_nv.handle != nullptr;
+  return g_lib.loaded();
 }
 
 std::string nvshmem_library_path() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return g_nv.path;
+  return g_lib.path();
 }
 
 std::array<int, 3> nvshmem_version() {

@@ -1,6 +1,8 @@
 // Element types: the one table of codes, sizes, names and float-ness. Core, kernels and
 // bindings read it here; Python gets it through _C.DType / _C.dtype_info (bind_common.cc).
 // The codes are an ABI (box tables, plan metadata): never renumber, only append.
+// Naming: rx_/RX_ C names are the C ABI only (the codes here, core/box.h's records,
+// kernels/*api.h's entry points); C++ callers use rx::dtype_size and friends.
 #pragma once
 
 #include <stdint.h>
@@ -34,11 +36,6 @@ extern "C" {
 #define RX_DTYPE_ENUM_(e, code, bytes, name, is_float) e = code,
 typedef enum rx_dtype { RX_DTYPE_TABLE(RX_DTYPE_ENUM_) RX_NUM_DTYPES } rx_dtype;  // codes are 0..N-1
 #undef RX_DTYPE_ENUM_
-
-// Size in bytes of one element of `dtype`, 0 for an unknown code.
-int32_t rx_dtype_size(int32_t dtype);
-// 1 when boxes may convert src -> dst (equal types, or both floating).
-int32_t rx_dtype_castable(int32_t src, int32_t dst);
 
 #ifdef __cplusplus
 }

@@ -95,7 +95,7 @@ uint64_t element_addr(const TensorRef& t, const std::vector<int64_t>& strides, c
   int64_t off = 0;
   for (size_t d = 0; d < start.size(); ++d)
     off = checked_add(off, checked_mul(start[d], strides[d], "offset"), "offset");
-  return t.ptr + static_cast<uint64_t>(checked_mul(off, rx_dtype_size(t.dtype), "byte offset"));
+  return t.ptr + static_cast<uint64_t>(checked_mul(off, dtype_size(t.dtype), "byte offset"));
 }
 
 // A box's mode from the refs it joins (at most one side is MX).
@@ -202,7 +202,7 @@ struct Aliasing {
 
 View view_of(const TensorRef& t) {
   if (t.shape.size() != t.strides.size()) return View{t.ptr, {0}, {0}, 1};  // shape not given: not checked
-  View v{t.ptr, t.shape, t.strides, rx_dtype_size(t.dtype)};
+  View v{t.ptr, t.shape, t.strides, dtype_size(t.dtype)};
   // A scale-read src reads a whole block of BF16 at each of its coordinates.
   if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !v.shape.empty()) v.shape.back() *= rx::mx::kBlock;
   return v;
@@ -251,7 +251,7 @@ Aliasing check_memory(const RankPlan& plan, const std::vector<TensorRef>& src, c
   // fine where no written box meets a read one (a relay gather reads a replica's own
   // share of the tensor it writes the other shares of).
   auto box_view = [&](const TensorRef& t, const std::vector<int64_t>& start, const std::vector<int64_t>& size) {
-    return View{addr(t, start), size, coord_strides(t), rx_dtype_size(t.dtype)};
+    return View{addr(t, start), size, coord_strides(t), dtype_size(t.dtype)};
   };
   auto boxes_meet = [&](const TensorRef& d, const TensorRef& s) {
     if (d.mx_mode || s.mx_mode) return true;  // scale coordinates: no box-level answer, assume they meet
@@ -362,7 +362,7 @@ std::vector<rx_box> ExecTables::direct_recv_round(int32_t b, int32_t r, int32_t 
 std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
   RX_USER_CHECK(parts >= 1, "copies_split: parts must be >= 1, got ", parts);
   auto bytes_of = [](const rx_box& b) {
-    int64_t n = rx_dtype_size(b.dst_dtype);
+    int64_t n = dtype_size(b.dst_dtype);
     for (int d = 0; d < b.ndim; ++d) n = checked_mul(n, b.shape[d], "bytes of a copy");
     return n;
   };

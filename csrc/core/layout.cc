@@ -123,7 +123,7 @@ void Layout::validate() {
   try {
     // Every byte of the tensor must be addressable: offsets and sizes of its boxes
     // are then 64-bit safe everywhere downstream.
-    checked_mul(numel(), rx_dtype_size(dtype_), "bytes of the tensor");
+    checked_mul(numel(), dtype_size(dtype_), "bytes of the tensor");
     int64_t covered = 0;
     for (int64_t c = 0; c < num_classes_; ++c) {
       int64_t vol = 1;

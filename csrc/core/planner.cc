@@ -363,7 +363,7 @@ RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank,
     op.theirs.size = op.mine.size;
     op.wire_dtype = wire;
     op.dst_dtype = dst.layout(dst_name).dtype();
-    op.nbytes = checked_mul(op.numel, rx_dtype_size(wire), "bytes of a box");
+    op.nbytes = checked_mul(op.numel, dtype_size(wire), "bytes of a box");
     return op;
   };
 
@@ -587,7 +587,7 @@ void resplit_pairs(std::vector<TransferOp>& ops, int32_t k, bool taper, int64_t 
   out.reserve(ops.size());
   for_each_pair(ops, [&](size_t begin, size_t end, int64_t total) {
     const int64_t limit = pair_limit(total, k, taper, floor, fineness);
-    for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, rx_dtype_size(ops[o].wire_dtype), out);
+    for (size_t o = begin; o < end; ++o) split_op(ops[o], limit, dtype_size(ops[o].wire_dtype), out);
   });
   ops.swap(out);
 }

@@ -53,7 +53,7 @@ void mx_row(const rx_box& box, const char* src, char* dst, int64_t first, int64_
 // Copies `n` elements along the innermost dim.
 void copy_row(const char* src, int64_t src_stride, int32_t src_dtype, char* dst,
               int64_t dst_stride, int32_t dst_dtype, int64_t n) {
-  const int32_t ss = rx_dtype_size(src_dtype), ds = rx_dtype_size(dst_dtype);
+  const int32_t ss = rx::dtype_size(src_dtype), ds = rx::dtype_size(dst_dtype);
   if (src_dtype == dst_dtype) {
     if (src_stride == 1 && dst_stride == 1) {
       memcpy(dst, src, (size_t)(n * ss));
@@ -133,7 +133,7 @@ RX_VECTOR_CLONES uint64_t hash_contiguous(const char* p, int size, uint64_t k0, 
 // `n` elements of `dtype` at p (stride in elements) at ordinals k0.., as a box with
 // digest spec `digest` (api.h) has the receiver hold them.
 uint64_t hash_elems(const char* p, int64_t stride, int32_t dtype, int32_t digest, uint64_t k0, int64_t n) {
-  const int size = rx_dtype_size(dtype);
+  const int size = rx::dtype_size(dtype);
   const int32_t kind = RX_DIGEST_KIND(digest);
   if (kind == RX_DIGEST_MX) {
     uint64_t acc = 0;
@@ -146,7 +146,7 @@ uint64_t hash_elems(const char* p, int64_t stride, int32_t dtype, int32_t digest
   }
   if (kind == RX_DIGEST_AS_WRITTEN && stride == 1) return hash_contiguous(p, size, k0, n);
   const int32_t to = kind == RX_DIGEST_CAST ? RX_DIGEST_ARG(digest) : dtype;
-  const int to_size = rx_dtype_size(to);
+  const int to_size = rx::dtype_size(to);
   uint64_t acc = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint64_t bits = load_bits(p + i * stride * size, size);
@@ -208,7 +208,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
     int64_t count = 1;
     for (int d = 0; d < box.ndim; ++d) count *= box.shape[d];
     if (count == 0) continue;
-    const int32_t ss = rx_dtype_size(box.src_dtype), ds = rx_dtype_size(box.dst_dtype);
+    const int32_t ss = rx::dtype_size(box.src_dtype), ds = rx::dtype_size(box.dst_dtype);
     const int inner = box.ndim - 1;
     const int64_t n = box.shape[inner];
     int64_t idx[RX_MAX_DIMS] = {0};

@@ -139,7 +139,7 @@ void plan_copy(const rx_box& b, int32_t index, int64_t count, int es, TileWriter
 int64_t auto_tile_bytes(const rx_box* boxes, int64_t n) {
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t es = std::max(rx_dtype_size(boxes[i].src_dtype), rx_dtype_size(boxes[i].dst_dtype));
+    const int64_t es = std::max(rx::dtype_size(boxes[i].src_dtype), rx::dtype_size(boxes[i].dst_dtype));
     total += boxes[i].mode == RX_BOX_COPY ? box_elems(boxes[i]) * es : mx_items(boxes[i]) * kMxItemBytes;
   }
   const int64_t t = total / kAutoTiles / 512 * 512;
@@ -154,7 +154,7 @@ extern "C" int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t
     const rx_box& b = boxes[i];
     if (!rx_box_valid(&b)) return -1;
     // The GPU faults on misaligned element accesses (torch never makes such tensors).
-    if (b.src % rx_dtype_size(b.src_dtype) != 0 || b.dst % rx_dtype_size(b.dst_dtype) != 0) return -1;
+    if (b.src % rx::dtype_size(b.src_dtype) != 0 || b.dst % rx::dtype_size(b.dst_dtype) != 0) return -1;
   }
   if (num_boxes > INT32_MAX) return -1;
   if (tile_bytes <= 0) tile_bytes = auto_tile_bytes(boxes, num_boxes);
@@ -164,7 +164,7 @@ extern "C" int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t
     const rx_box& b = boxes[i];
     const int64_t count = box_elems(b);
     if (count == 0) continue;
-    const int ss = rx_dtype_size(b.src_dtype), ds = rx_dtype_size(b.dst_dtype);
+    const int ss = rx::dtype_size(b.src_dtype), ds = rx::dtype_size(b.dst_dtype);
     const int32_t index = static_cast<int32_t>(i);
     if (b.mode != RX_BOX_COPY)  // one lane per block (or scale byte): a block is never split
       w.emit(index, 0, ss, ds, 0, mx_items(b), kMxItemBytes);

@@ -10,7 +10,7 @@ returning None drops the entry.
 from __future__ import annotations
 
 import re
-from typing import Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from ..errors import ReshardError
 from ..layout import Layout
 
 Entries = dict[str, tuple[torch.Tensor, Layout]]
-NameMap = Callable[[str], Optional[str]]
+NameMap = Callable[[str], str | None]
 
 
 def regex_name_map(rules: Sequence[tuple[str, str]], keep_unmatched: bool = True) -> NameMap:
@@ -29,7 +29,7 @@ def regex_name_map(rules: Sequence[tuple[str, str]], keep_unmatched: bool = True
     """
     compiled = [(re.compile(p), r) for p, r in rules]
 
-    def rename(name: str) -> Optional[str]:
+    def rename(name: str) -> str | None:
         for pattern, repl in compiled:
             if pattern.fullmatch(name):
                 return pattern.sub(repl, name)
@@ -38,7 +38,7 @@ def regex_name_map(rules: Sequence[tuple[str, str]], keep_unmatched: bool = True
     return rename
 
 
-def apply_name_map(entries: Mapping[str, tuple[torch.Tensor, Layout]], name_map: Optional[NameMap]) -> Entries:
+def apply_name_map(entries: Mapping[str, tuple[torch.Tensor, Layout]], name_map: NameMap | None) -> Entries:
     if name_map is None:
         return dict(entries)
     out: Entries = {}

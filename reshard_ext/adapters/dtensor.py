@@ -9,7 +9,8 @@ layout (the tensor is not materialised) and is refused.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def layout_of(t: DTensor, name: str = "<tensor>", *, group: Any = None, rank_off
     return Layout(tuple(t.shape), t.dtype, Mesh(walk(ranks)), placements)
 
 
-Source = Union[nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+Source = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 def entries(model: Source, *, group: Any = None, rank_offset: int = 0, buffers: bool = True) -> Entries:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any, Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,13 +43,13 @@ _EXPERT_INDEX = (
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 
-Model = Union[nn.Module, Sequence[nn.Module]]
+Model = nn.Module | Sequence[nn.Module]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
     """Strips DDP / Float16Module-style wrappers (their parameters live under `.module`)."""
-    while isinstance(getattr(module, "module", None), nn.Module):
-        module = module.module
+    while isinstance(inner := getattr(module, "module", None), nn.Module):
+        module = inner
     return module
 
 
@@ -125,7 +126,7 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield (f"{path}.{bname}" if path else bname), buf
 
 
-def _expert_slot(name: str) -> Optional[tuple[str, int]]:
+def _expert_slot(name: str) -> tuple[str, int] | None:
     """(name with the local expert index replaced by '{}', local index), or None."""
     m = _EXPERT_INDEX[0].match(name)
     if m:
@@ -154,7 +155,7 @@ def _layout(tensor: torch.Tensor, name: str, mesh: Mesh, tp_size: int) -> Layout
     return Layout(shape, tensor.dtype, mesh, [Replicate(), Shard(dim, stride, blocks)])
 
 
-def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: Optional[int]) -> Entries:
+def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None) -> Entries:
     prefixes = _layer_prefixes(core)
     tensors = [(_global_layer_name(n, prefixes), t) for n, t in _named_tensors(core)]
 
@@ -202,7 +203,7 @@ def entries(
     tie_output_to_embedding: offer the word embeddings as ``output_layer.weight`` when the
     model ties them and holds no output weight (for source models).
     """
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunks: list[nn.Module] = list(model) if isinstance(model, (list, tuple)) else [cast(nn.Module, model)]
     out: Entries = {}
     for chunk in chunks:
         core = unwrap(chunk)

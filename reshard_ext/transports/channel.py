@@ -234,9 +234,9 @@ class Channel:
                     done.add(peer)
                 except RuntimeError as e:
                     failed.setdefault(peer, (gen, e))
-            for peer, (gen, e) in failed.items():
+            for peer, (gen, err) in failed.items():
                 self._closed(peer, gen)
-                message = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
                 # Failed at once, not by our own wait timing out: closed earlier by the peer.
                 if retry_closed and peer not in done and "Timed out" not in message and session.remaining() > 0:
                     todo.append(peer)

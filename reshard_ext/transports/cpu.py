@@ -2,7 +2,8 @@
 private channel (transports/channel.py)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,9 +46,10 @@ class CpuTransport:
         """Nothing to stop here: the caller's wait polls the session's abort flag."""
 
     def _staged(self, t: torch.Tensor) -> bool:
-        return any(t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in (self.send_buf, self.recv_buf))
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr == b.untyped_storage().data_ptr() for b in (self.send_buf, self.recv_buf))
 
-    def run(self, tables: Any, session: Session, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    def run(self, tables: Any, session: Session, verify: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """verify: also returns the digests of every send and recv op (verification.py),
         computed by the pack and unpack kernels as they copy."""
         send, recv = (np.zeros(n, dtype=np.uint64) for n in tables.num_ops[:2])
@@ -74,6 +76,7 @@ class CpuTransport:
         elif ok:  # the direct transport exchanged the headers with every peer
             pack(0)
         verdict = session.verdict
+        assert verdict is not None  # exchange_headers set it
         good = set() if not ok else set(self.peers) - set(verdict.bad)
         # A rank that cannot agree with every peer still moves the data of the pairs that
         # agree (those peers complete), but writes none of its own destinations.
@@ -88,7 +91,7 @@ class CpuTransport:
                 pack(b)
             use = [(kind, peer, t if writes or kind == "send" or self._staged(t) else torch.empty_like(t))
                    for kind, peer, t in ops if peer in good]
-            task = ch.submit(lambda use=use: ch.exchange(use, tag, session))
+            task = ch.submit(functools.partial(ch.exchange, use, tag, session))
             if verify:  # direct messages have no pack: read their sources while the worker sends them
                 tables.digest_direct_sends_cpu(b, send)
             if b == 0 and writes:

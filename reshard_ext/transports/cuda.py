@@ -4,7 +4,7 @@ comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ def registration_vote(options: Options) -> bool:
     return set_process_env_default("NCCL_LEGACY_CUDA_REGISTER", "1") == "1"
 
 
-def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: Optional[int] = None) -> int:
+def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: int | None = None) -> int:
     """Grid cap of the kernels beside transfers: at full width they take HBM bandwidth and
     SM slots in bursts from NCCL's kernels. Half the SMs on ranks that send and receive,
     three quarters where same-rank copies outweigh the transfers by >10% (the kernels then
@@ -135,7 +135,7 @@ class _Digests:
         return tuple(out)
 
 
-def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> "CudaTransport":
+def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> CudaTransport:
     if not torch.cuda.is_available():
         raise ReshardError(f"backend {backend!r} needs CUDA, which torch does not see")
     if not _C._build_info["cuda"]:
@@ -158,7 +158,7 @@ class CudaTransport:
     side stream while the caller's stream packs k+1 and unpacks k-1 (double-buffered
     staging); the caller's stream waits for the last transfer before its unpack."""
 
-    def __init__(self, group: Any, comm: Optional[Any], options: Options, register: bool = False):
+    def __init__(self, group: Any, comm: Any | None, options: Options, register: bool = False):
         self.group = group
         # Execute headers travel on the group's host channel, so that ranks agree on the
         # plan before any NCCL call (a mismatched NCCL send/recv cannot be taken back).
@@ -166,7 +166,7 @@ class CudaTransport:
         self.peers: list[int] = []
         self.staging_bytes = 0
         self.nccl_timeout = options.resolved_timeout("nccl")
-        self.comm = comm
+        self.comm: Any = comm  # None: torch.distributed p2p (self.p2p) moves the data
         self.nccl = comm is not None  # an NCCL communicator (rebuilt after a failure); NvshmemTransport's is not
         self.trace = options.resolved_trace()
         self.split_copies = options.resolved_split_copies()
@@ -209,8 +209,10 @@ class CudaTransport:
         host += [_C.DeviceBoxTable(tables.pack_boxes(b)) for b in range(tables.num_batches)]
         host += [_C.DeviceBoxTable(tables.unpack_boxes(b)) for b in range(tables.num_batches)]
         self._blob = _upload(host)
-        self._verify: Optional[_Digests] = None  # built by the first verified execute
-        self._read: Optional[_Digests] = None    # ... and by the first rx.verify
+        self._verify: _Digests | None = None  # built by the first verified execute
+        self._verify_rounds: list[list[Any] | None] = []  # per batch, its direct receives' tables per round
+        self._round_messages: list[list[Any]] | None = None  # per batch and round, (sends, recvs)
+        self._read: _Digests | None = None    # ... and by the first rx.verify
         nc = len(copy_parts)
         # A plan that moves nothing between ranks runs its copies alone, uncapped, with no
         # NCCL call or host wait (decided here, once, not per execute).
@@ -262,7 +264,8 @@ class CudaTransport:
         if self._verify is None:
             parts, rounds = [], []
             for b in range(tables.num_batches):
-                direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)), _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
+                direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)),
+                          _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
                 parts += [(self._pack[b], "send", tables.pack_ops(b)), (direct[0], "send", tables.direct_sends(b)),
                           (self._unpack[b], "recv", tables.unpack_ops(b)), (direct[1], "recv", tables.direct_recvs(b))]
                 # NCCL, with direct receives: their pieces per round, adding into part 4b+3's slots
@@ -300,6 +303,7 @@ class CudaTransport:
         elif session.status == 0:
             pack0()
         verdict = session.verdict
+        assert verdict is not None  # exchange_headers set it
         if self.nccl and (verdict.rebuild or session.comm_unusable):
             # Collective over the group: every rank whose communicator failed, and every
             # rank a peer of which says so, builds the next one together.
@@ -311,7 +315,7 @@ class CudaTransport:
         good = set(self.peers) - set(verdict.bad) if ok else set()
         return good, ok and not verdict.bad
 
-    def run(self, tables: Any, session: Session, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    def run(self, tables: Any, session: Session, verify: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """verify: the pack and unpack launches also digest every op; the ops that travel as
         direct messages are digested beside the transfer (sources once it is posted,
         destinations round by round as they land); returns (send, recv) digests."""
@@ -352,8 +356,10 @@ class CudaTransport:
                 step("copy", i, main, lambda c=c: c.launch(s))
             return self._finish(timeline, tables, v)
         if self.comm is None:  # torch.distributed p2p: no overlap
+            p2p = self.p2p
+            assert p2p is not None  # made where there is no communicator
             good, writes = self._agree(tables, session, lambda: step("pack", 0, main, lambda: pack(0)))
-            group_of = {self.p2p.global_rank(p) for p in good}
+            group_of = {p2p.global_rank(p) for p in good}
             if writes:
                 for i, c in enumerate(self._copy):  # after the first pack: it may read what they write
                     step("copy", i, main, lambda c=c: c.launch(s))
@@ -363,13 +369,14 @@ class CudaTransport:
                 digest_direct_sends(b)
                 if session.abort.is_set():
                     raise ReshardError("rx.execute was aborted (plan.abort()) between batches")
-                self.p2p.run([op for op in self._p2p_ops[b] if op.peer in group_of], session.timeout)
+                p2p.run([op for op in self._p2p_ops[b] if op.peer in group_of], session.timeout)
                 if writes:
                     step("unpack", b, main, lambda b=b: unpack(b))
             result = self._finish(timeline, tables, v)
             self._raise(session)
             return result
         side = self.side
+        assert side is not None  # made with the communicator
         cap = self.max_blocks
         done: list[torch.cuda.Event] = []
         scratch: list[torch.Tensor] = []
@@ -377,8 +384,12 @@ class CudaTransport:
         comm = self.comm
         landed: list[list[torch.cuda.Event]] = []  # verify rounds: per batch, the end of each round
 
-        def messages(b: int, r: Optional[int] = None) -> tuple[list, list]:
-            sends, recvs = self._messages[b] if r is None else self._round_messages[b][r]
+        def messages(b: int, r: int | None = None) -> tuple[list, list]:
+            if r is None:
+                sends, recvs = self._messages[b]
+            else:
+                assert self._round_messages is not None
+                sends, recvs = self._round_messages[b][r]
             if good == set(self.peers) and writes:
                 return sends, recvs
             # Degraded: data still flows with the peers that agreed (they complete), but
@@ -417,7 +428,9 @@ class CudaTransport:
         def digest_direct_recvs(b: int) -> None:
             # Each round's pieces as soon as they landed, under the next round's transfer;
             # only the last round of the last batch runs alone, so at full width.
-            for r, t in enumerate(self._verify_rounds[b]):
+            per_round = self._verify_rounds[b]
+            assert v is not None and per_round is not None
+            for r, t in enumerate(per_round):
                 main.wait_event(landed[b][r])
                 c = 0 if b + 1 == k and r + 1 == VERIFY_ROUNDS else cap
                 step(f"digest r{r}", b, main, lambda t=t, c=c: t.launch(s, c, *v.args(4 * b + 3, _C.PASS_DST)))
@@ -496,7 +509,7 @@ class CudaTransport:
         return r.collect(("send", "recv", "copy_src", "copy_dst"),
                          {"send": sends, "recv": recvs, "copy_src": copies_n, "copy_dst": copies_n})
 
-    def _finish(self, timeline: Optional[_Timeline], tables: Any, v: Optional[_Digests]) -> Any:
+    def _finish(self, timeline: _Timeline | None, tables: Any, v: _Digests | None) -> Any:
         if timeline is not None:
             self.last_timeline = timeline.report()
         if v is None:

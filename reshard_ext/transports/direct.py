@@ -405,6 +405,7 @@ class DirectTransport:
         if self._broken and session.status == 0:
             session.status, session.error = 1, self._broken
         exchange_headers(self.channel, self.peers, session, tables.num_batches)
+        assert session.verdict is not None  # exchange_headers set it
         if self.exec is None or session.status != 0 or session.verdict.bad:
             return self.inner.run(tables, session, verify)  # raises where headers disagree
         if session.abort.is_set():

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ReshardError
+
 
 def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tensor:
     """A uint8 tensor over [ptr, ptr + nbytes): a slice of a staging buffer when it lies
@@ -59,7 +60,7 @@ class P2PExchange:
         """Posts every message; returns the requests to wait on."""
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def finish(self, reqs: list[Any], ops: list[Any], timeout_s: Optional[float] = None) -> None:
+    def finish(self, reqs: list[Any], ops: list[Any], timeout_s: float | None = None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s
         timeout = datetime.timedelta(seconds=limit)
         for req in reqs:
@@ -73,5 +74,5 @@ class P2PExchange:
                     f"skipped rx.execute, or runs another plan. The process group may be unusable now. ({e})"
                 ) from e
 
-    def run(self, ops: list[Any], timeout_s: Optional[float] = None) -> None:
+    def run(self, ops: list[Any], timeout_s: float | None = None) -> None:
         self.finish(self.start(ops), ops, timeout_s)
