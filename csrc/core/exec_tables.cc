@@ -350,7 +350,7 @@ std::vector<rx_box> ExecTables::direct_recv_round(int32_t b, int32_t r, int32_t 
     const auto it = at.find(m.ptr);
     if (it == at.end()) return;  // a staging message
     rx_box& box = out[it->second];
-    const int64_t es = rx_dtype_size(box.dst_dtype);
+    const int64_t es = dtype_size(box.dst_dtype);
     box.src += static_cast<uint64_t>(begin);
     box.dst += static_cast<uint64_t>(begin);
     box.shape[0] = (end - begin) / es;
