@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from . import _C, verification
@@ -19,6 +17,7 @@ from .options import Options
 from .planning import Entries, _check_local, _raise, batch_bytes_error, plan_collective
 from .transforms import Piece, Transform
 from .transports.channel import Session
+from .watch import Watch
 
 BACKENDS = ("auto", "cpu", "torch", "nccl", "direct", "nvshmem")
 log = logging.getLogger("reshard_ext")
@@ -212,7 +211,7 @@ class Plan:
             src, dst = self._bound_refs()
             self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._mx_receivers)
             self.transport.prepare(self.tables)
-        self._watch = _Watch(self._entries)
+        self._watch = Watch(self._entries)
 
     # --- public -------------------------------------------------------------------
     @property
@@ -387,41 +386,6 @@ def _timeout_kind(backend: str, transport: Any) -> str:
     if backend in ("direct", "nvshmem"):
         return backend
     return "nccl" if getattr(transport, "comm", None) is not None else "gloo"
-
-
-_PTR = torch.Tensor.data_ptr
-_NBYTES = operator.attrgetter("nbytes")
-
-
-class _Watch:
-    """The storages a plan bound, checked before every execute: a tensor whose storage
-    was replaced (`param.data = ...`) or resized (`resize_`, FSDP-style freeing) since
-    binding would make the kernels read or write memory it no longer owns. Two C-level
-    passes over the tensors (data_ptr and nbytes): see benchmarks/host_overhead.py."""
-
-    def __init__(self, entries: dict[str, dict]):
-        self.where: list[tuple[str, str]] = []
-        self.tensors: list[torch.Tensor] = []
-        for side in ("src", "dst"):
-            for name, (t, _) in entries[side].items():
-                for x in t.tensors() if isinstance(t, Piece) else (t,):
-                    self.where.append((side, name))
-                    self.tensors.append(x)
-        self.ptrs = list(map(_PTR, self.tensors))
-        self.sizes = list(map(_NBYTES, self.tensors))
-
-    def changed(self, rank: int) -> str:
-        """"" when every bound tensor still has its storage, else what changed."""
-        ptrs = list(map(_PTR, self.tensors))
-        sizes = list(map(_NBYTES, self.tensors))
-        if ptrs == self.ptrs and sizes == self.sizes:
-            return ""
-        bad = [i for i, (p, n) in enumerate(zip(ptrs, sizes)) if p != self.ptrs[i] or n != self.sizes[i]]
-        lines = [f"{self.where[i][0]} tensor '{self.where[i][1]}': data_ptr {self.ptrs[i]:#x} -> {ptrs[i]:#x}, "
-                 f"{self.sizes[i]} -> {sizes[i]} bytes" for i in bad[:5]]
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        return (f"rx.execute on rank {rank}: bound tensors were replaced or resized since rx.plan / plan.rebind{more}; "
-                f"call plan.rebind(...) with the current tensors:\n  " + "\n  ".join(lines))
 
 
 def _execute_args_error(version: Any, timeout: Any) -> str:

@@ -188,8 +188,8 @@ class Options:
     - auto_direct: backend "auto" uses the direct transport where it can (RESHARD_EXT_AUTO_DIRECT;
       every rank must agree, rx.plan checks).
     - check_storage: every execute first checks that no bound tensor's storage was
-      replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; two attribute reads
-      per bound tensor).
+      replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; one data_ptr read per
+      bound tensor, in C++ where torch allows).
     """
 
     batch_bytes: int | None = None

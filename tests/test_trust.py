@@ -3,6 +3,7 @@
 versions, timeouts, abort, dead and stalled peers, and no memory growth."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -14,7 +15,7 @@ from _cases import bits_equal
 from _dist import close_pool, run_ranks
 
 import reshard_ext as rx
-from reshard_ext import Layout, Mesh, Shard
+from reshard_ext import Layout, Mesh, Shard, watch
 
 F32 = torch.float32
 
@@ -152,39 +153,96 @@ def test_concurrent_executes_on_one_group_are_refused():
 
 # --- bound tensors replaced or resized -------------------------------------------------------
 
-def _replaced(rank: int, world: int, how: str):
+@contextlib.contextmanager
+def _storage_check(fast: bool):
+    """The bound-storage check through torch's C data_ptr reader (fast) or Tensor.data_ptr."""
+    saved = watch.DATA_PTR_FN
+    if not fast:
+        watch.DATA_PTR_FN = 0
+    elif not saved:
+        pytest.skip("this torch exports no C data_ptr reader")
+    try:
+        yield
+    finally:
+        watch.DATA_PTR_FN = saved
+
+
+def _replaced(rank: int, world: int, how: str, fast: bool):
     shape = (8 * world, 4)
     src_l = Layout(shape, F32, Mesh(list(range(world))), [Shard(0)])
     dst_l = Layout(shape, F32, Mesh(list(range(world))[::-1]), [Shard(0)])
     g = _g(shape, 3)
     param = torch.nn.Parameter(src_l.local_part(g, rank).clone(), requires_grad=False)
     dst = torch.zeros(dst_l.local_shape(rank))
-    p = rx.plan({"w": (param, src_l)}, {"w": (dst, dst_l)})
+    with _storage_check(fast):
+        p = rx.plan({"w": (param, src_l)}, {"w": (dst, dst_l)})
+    used_fast = p._watch.fast is not None
     if rank == 1:
         if how == "data":
             param.data = src_l.local_part(g, rank) * 2
-        elif how == "resize":
-            param.resize_(2, 2)
         elif how == "grow":
             param.resize_(64, 64)
         elif how == "free_storage":  # as FSDP frees unsharded parameters
             param.untyped_storage().resize_(0)
+        elif how == "shrink":  # the storage keeps its memory: nothing to detect
+            param.resize_(2, 2)
     error = _try(rx.execute, p)
     untouched = not dst.any()
     if rank == 1:
         param = torch.nn.Parameter(src_l.local_part(g, rank).clone(), requires_grad=False)
     p.rebind(src={"w": (param, src_l)})
     rx.execute(p)
-    return error, untouched, bits_equal(dst, dst_l.local_part(g, rank))
+    return error, untouched, bits_equal(dst, dst_l.local_part(g, rank)), used_fast
 
 
-@pytest.mark.parametrize("how", ["data", "resize", "grow", "free_storage"])
-def test_bound_tensor_replaced_or_resized_raises_before_data_moves(how):
-    results = run_ranks(2, _replaced, how)
+@pytest.mark.parametrize("fast", [True, False], ids=["c_data_ptr", "tensor_data_ptr"])
+@pytest.mark.parametrize("how", ["data", "grow", "free_storage"])
+def test_bound_tensor_replaced_or_resized_raises_before_data_moves(how, fast):
+    if fast and not watch.DATA_PTR_FN:
+        pytest.skip("this torch exports no C data_ptr reader")
+    results = run_ranks(2, _replaced, how, fast)
     assert "bound tensors were replaced or resized" in results[1][0] and "src tensor 'w'" in results[1][0]
     assert "rank 1: failed a check of its own" in results[0][0]
-    for error, untouched, ok in results:
-        assert untouched and ok
+    for error, untouched, ok, used_fast in results:
+        assert untouched and ok and used_fast == fast
+
+
+def test_bound_tensor_shrunk_in_its_storage_executes():
+    """A tensor resize_ that keeps its storage's memory: the plan reads the memory it bound."""
+    for error, untouched, ok, _ in run_ranks(2, _replaced, "shrink", bool(watch.DATA_PTR_FN)):
+        assert error is None and ok
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["c_data_ptr", "tensor_data_ptr"])
+def test_storage_check_unit(fast):
+    """Watch alone (no process group): which path reads the pointers, and what each detects."""
+    with _storage_check(fast):
+        tensors = [torch.zeros(4, 4), torch.nn.Parameter(torch.zeros(8), requires_grad=False), torch.zeros(6)[2:]]
+        w = watch.Watch({"src": {f"s{i}": (t, None) for i, t in enumerate(tensors)}, "dst": {}})
+    assert (w.fast is not None and len(w.fast) == 3 and not w.slow) == fast
+    assert w.changed(0) == ""
+    tensors[2].data = torch.zeros(6)[1:]  # a view of a new storage: data_ptr moves
+    tensors[1].untyped_storage().resize_(0)
+    assert "src tensor 's1'" in w.changed(0) and "src tensor 's2'" in w.changed(0)
+    assert "src tensor 's0'" not in w.changed(0)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["c_data_ptr", "tensor_data_ptr"])
+def test_storage_freed_and_reused_at_the_same_address_is_detected(fast):
+    """data_ptr alone misses a storage freed and replaced by a smaller one at the same
+    address (the kernels would write past it): the freed signal catches it."""
+    for n in (1000, 100000, 4096, 250000, 3000, 50000):
+        with _storage_check(fast):
+            t = torch.nn.Parameter(torch.zeros(n), requires_grad=False)
+            w = watch.Watch({"src": {}, "dst": {"w": (t, None)}})
+        ptr = t.data_ptr()
+        t.data = torch.empty(0)
+        t.data = torch.empty(n // 2)
+        if t.data_ptr() == ptr:
+            break
+    else:
+        pytest.skip("the allocator never reused the freed address")
+    assert "dst tensor 'w'" in w.changed(0) and "its storage freed" in w.changed(0)
 
 
 def _rebind_meta(rank: int, world: int):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,16 +70,23 @@ class Session:
     def header(self, batches: int) -> torch.Tensor:
         flags = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
         fields = [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch]
-        return torch.tensor(fields, dtype=torch.int64)
+        return torch.from_numpy(np.array(fields, dtype=np.int64))  # cheaper than torch.tensor(list)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
 
 class _Task:
+    """One job of the worker. `latch` stays locked until the job has run: a bare lock is the
+    cheapest one-shot signal between two threads (an Event builds a Condition per job)."""
+
+    __slots__ = ("done", "error", "fn", "latch", "result")
+
     def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
-        self.done = threading.Event()
+        self.latch = threading.Lock()
+        self.latch.acquire()
+        self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -99,7 +107,8 @@ class Channel:
         self._met: set[tuple[int, int]] = set()  # (peer, generation) whose other end exists
         self._busy = threading.Lock()
         self.owner: str | None = None  # the thread in an execute, for the refusal message
-        self._jobs: queue.Queue[_Task] = queue.Queue()
+        self._jobs: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        self._last: _Task | None = None  # the worker runs jobs in order: when it is done, all are
         threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
 
     # --- one execute at a time -------------------------------------------------------
@@ -123,22 +132,23 @@ class Channel:
                 task.result = task.fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 task.error = e
-            task.done.set()
-            self._jobs.task_done()
+            task.done = True
+            task.latch.release()
 
     def submit(self, fn: Callable[[], Any]) -> _Task:
-        task = _Task(fn)
+        task = self._last = _Task(fn)
         self._jobs.put(task)
         return task
 
     def wait(self, task: _Task, session: Session, what: str) -> Any:
         """The task's result; ReshardError when aborted, or when the worker is still
         busy a second past the deadline (a connection that cannot be made)."""
-        while not task.done.wait(_POLL_S):
+        while not task.latch.acquire(timeout=_POLL_S):
             if session.abort.is_set():
                 raise ReshardError(f"rx.execute was aborted (plan.abort()) while {what}")
             if session.remaining() < -1.0:
                 raise ReshardError(f"rx.execute: {what} did not finish within {session.timeout:g} s")
+        task.latch.release()  # open for good: a later wait on the same task returns at once
         if task.error is not None:
             raise task.error
         return task.result
@@ -146,7 +156,7 @@ class Channel:
     def drain(self, session: Session) -> None:
         """Waits until the worker has finished everything submitted before (an earlier,
         abandoned execute's messages complete or time out)."""
-        if self._jobs.unfinished_tasks:
+        if self._last is not None and not self._last.done:
             self.wait(self.submit(lambda: None), session, "waiting for an earlier execute's messages to finish")
 
     # --- messages (worker thread) -------------------------------------------------------
@@ -268,20 +278,19 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     """Every peer's header against ours; `before_wait` runs while the headers travel
     (the first pack). Pairs are judged one by one, alike at both ends."""
     mine = session.header(batches)
-    theirs = {p: torch.zeros(8, dtype=torch.int64) for p in peers}
-    ops = [("send", p, mine) for p in peers] + [("recv", p, theirs[p]) for p in peers]
+    received = torch.zeros(len(peers), 8, dtype=torch.int64)  # one row per peer
+    ops = [("send", p, mine) for p in peers] + [("recv", p, received[i]) for i, p in enumerate(peers)]
     task = channel.submit(lambda: channel.exchange(ops, HEADER_TAG, session, retry_closed=True))
     if before_wait is not None:
         before_wait()
     errors = channel.wait(task, session, "exchanging execute headers")
     verdict = Verdict({}, {})
-    for p in peers:
+    ours = mine.tolist()
+    for p, h in zip(peers, received.tolist()):
         if p in errors:
             verdict.bad[p] = (f"no header within {session.timeout:g} s: it did not call rx.execute for this plan, "
                               f"stalled or died ({errors[p]})")
             continue
-        h = theirs[p].tolist()
-        ours = mine.tolist()
         why = ""
         if h[MAGIC] != _MAGIC:
             why = "sent something other than an execute header"

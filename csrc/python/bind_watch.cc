@@ -1,0 +1,80 @@
+// DataPtrWatch: the data pointers of a plan's bound tensors, re-read before every execute
+// in one C++ loop. Reading them through Python (Tensor.data_ptr per tensor) cost more than
+// the rest of a 10,000-tensor execute; here each costs one call into torch through a plain
+// function `void* (PyObject*)` that torch exports for Inductor's generated wrappers, whose
+// address Python passes in (no torch headers or link, DESIGN section 3).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "common/check.h"
+#include "python/register.h"
+
+namespace py = pybind11;
+
+namespace rx::python {
+namespace {
+
+using DataPtrFn = void* (*)(PyObject*);
+
+class DataPtrWatch {
+ public:
+  DataPtrWatch(uintptr_t fn, const py::list& tensors) : fn_(reinterpret_cast<DataPtrFn>(fn)) {
+    RX_HOST_ASSERT(fn != 0, "DataPtrWatch: no data_ptr function");
+    tensors_.reserve(tensors.size());
+    ptrs_.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      tensors_.push_back(py::reinterpret_borrow<py::object>(t));
+      // torch's function throws a C++ exception for anything but a tensor (or a tensor
+      // without storage): refused here, so the loop in changed() only meets tensors.
+      uintptr_t p = 0;
+      try {
+        p = read(t.ptr());
+      } catch (...) {
+        throw py::type_error("DataPtrWatch: item " + std::to_string(ptrs_.size()) + " has no readable data_ptr");
+      }
+      ptrs_.push_back(p);
+    }
+  }
+
+  // Indices of the tensors whose data pointer differs from the one read at construction.
+  std::vector<int64_t> changed() const {
+    std::vector<int64_t> out;
+    const size_t n = tensors_.size();
+    for (size_t i = 0; i < n; ++i) {
+      uintptr_t p;
+      try {
+        p = read(tensors_[i].ptr());
+      } catch (...) {  // a tensor that lost its storage: changed, whatever torch says why
+        p = ~ptrs_[i];
+      }
+      if (p != ptrs_[i]) out.push_back(static_cast<int64_t>(i));
+    }
+    return out;
+  }
+
+  const std::vector<uintptr_t>& ptrs() const { return ptrs_; }
+
+ private:
+  uintptr_t read(PyObject* t) const { return reinterpret_cast<uintptr_t>(fn_(t)); }
+
+  DataPtrFn fn_;
+  std::vector<py::object> tensors_;  // owned references: the objects the loop reads
+  std::vector<uintptr_t> ptrs_;
+};
+
+}  // namespace
+
+void register_watch(py::module_& m) {
+  py::class_<DataPtrWatch>(m, "DataPtrWatch",
+                           "The data pointers of a list of tensors, read with `fn` (the address of a C function "
+                           "void* fn(PyObject* tensor)) now and again by changed().")
+      .def(py::init<uintptr_t, const py::list&>(), py::arg("fn"), py::arg("tensors"))
+      .def("changed", &DataPtrWatch::changed, "Indices of the tensors whose data_ptr differs from construction time.")
+      .def_property_readonly("ptrs", &DataPtrWatch::ptrs, "The data pointers read at construction.")
+      .def("__len__", [](const DataPtrWatch& w) { return w.ptrs().size(); });
+}
+
+}  // namespace rx::python
