@@ -26,7 +26,7 @@ def _torch_data_ptr_fn() -> int:
     data_ptr (exported for Inductor's C++ wrappers), or 0 where this torch has none or it
     reads other pointers than Tensor.data_ptr."""
     try:
-        fn = int(torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+        fn = int(torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)  # type: ignore[attr-defined]
         probe = [torch.empty(4)[1:], torch.nn.Parameter(torch.empty(3), requires_grad=False)]
         if list(_C.DataPtrWatch(fn, probe).ptrs) == [_PTR(t) for t in probe]:
             return fn

@@ -52,7 +52,8 @@ class CpuTransport:
     def run(self, tables: Any, session: Session, verify: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """verify: also returns the digests of every send and recv op (verification.py),
         computed by the pack and unpack kernels as they copy."""
-        digests = tuple(np.zeros(n, dtype=np.uint64) for n in tables.num_ops[:2]) if verify else None
+        digests = (np.zeros(tables.num_ops[0], dtype=np.uint64), np.zeros(tables.num_ops[1], dtype=np.uint64)) \
+            if verify else None
         send, recv = digests or (None, None)
         if not self.peers:  # idle, or only same-rank copies: nobody to agree with (the direct transport's may disagree)
             if session.status != 0:
