@@ -157,6 +157,7 @@ fi
 if has host && [ "$ngpu" -ge 2 ]; then
   step "host time: execute of a 10,000-tensor plan, warm swap vs execute, 1,000 executes / plans"
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
+  timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py --tensor-data-ptr 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/swap_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/churn_bench.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
 fi
@@ -164,7 +165,7 @@ fi
 if has verify && [ "$ngpu" -ge 2 ]; then
   for c in tp2-tp1 moe-ep2-ep1; do
     step "verify: refit_bench $c with a verify=True column"
-    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --verify --no-baseline 2>&1 \
+    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --backend nccl,direct --verify --no-baseline 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
   done
 fi
