@@ -295,7 +295,8 @@ class Plan:
 
     def abort(self) -> None:
         """Stops this rank's in-flight execute, from any thread: it raises ReshardError
-        promptly and plan.version stays None. Its peers raise within their timeout.
+        promptly and plan.version stays None. A peer raises within its timeout, unless all it
+        was to receive had already landed (then its execute completes: its data is whole).
         A no-op when no execute is running."""
         if self._running:
             self._abort.set()
