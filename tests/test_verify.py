@@ -153,7 +153,7 @@ def test_cast_digest_matches_the_receivers_cast(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rounding", ["ceil", "floor"])
 def test_mx_digest_of_bf16_equals_fused_quantize(backend, rounding):
-    """A BF16 pack box whose receiver quantizes (RX_DIGEST_MX) digests what the receiver's
+    """A BF16 pack box whose receiver quantizes (RX_DIGEST_CODEC, MXFP8) digests what the receiver's
     fused MX_DATA box writes (E4M3 bytes and scales), whatever the scale layout, and a
     changed scale byte or data byte of the destination changes the destination digest."""
     r = {"ceil": int(_C.MX_ROUND_CEIL), "floor": int(_C.MX_ROUND_FLOOR)}[rounding]

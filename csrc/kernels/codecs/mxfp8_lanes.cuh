@@ -53,9 +53,9 @@ RX_LANE void hash_data16(Dg& dg, uint64_t k, uint4 q) {
 // MXFP8 boxes: one lane per item (no warp intrinsics, so the emulated run executes this
 // very code). A block is read twice, once for its amax and once to quantize it 16
 // elements at a time: the second read hits L2, and a lane never holds the whole block
-// (which would spill at this kernel's 64-register budget). MX_DATA writes the block's
-// E4M3 bytes (and, when aux is set, its scale byte where scale_offset puts it: 2-D
-// or swizzled), MX_SCALE the scale byte. Item i is block i (its first element has
+// (which would spill at this kernel's 64-register budget). A data box writes the block's
+// E4M3 bytes (and, with a scale buffer, its scale byte where scale_offset puts it: 2-D
+// or swizzled), a scale box the scale byte. Item i is block i (its first element has
 // ordinal 32 i) or scale byte i.
 template <int P, typename W>
 RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
@@ -70,7 +70,7 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
     char* to = dst + w.dst_off();
     w.advance();
     const uint64_t ord = static_cast<uint64_t>(i);
-    // dst elements are bytes: the block starts at data element mx_first + (to - dst).
+    // dst elements are bytes: the block starts at data element param[1] + (to - dst).
     const auto scale_byte = [&] {
       return reinterpret_cast<char*>(box_scale_buf(b)) + scale_offset(box_first(b) + (to - dst), box_cols(b), box_scales(b));
     };
