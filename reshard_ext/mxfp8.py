@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from . import _C
-from .codecs.mxfp8 import (BLOCK, PATHS, ROUNDINGS, SCALE_LAYOUTS, ReceivedData, SentFromSource, _rows_view, quantize,
+from .codecs.mxfp8 import (BLOCK, PATHS, ROUNDINGS, SCALE_LAYOUTS, ReceivedData, SentFromSource, rows_view, quantize,
                            receiver_digest, scale_cols, scale_numel, swizzle, swizzled_size)
 from .errors import ReshardError
 from .layout import Layout, Shard
@@ -173,7 +173,7 @@ class MXFP8(Transform):
         wire_scale = torch.empty(slocal, dtype=torch.uint8, device=tensor.device)
         # BF16 pieces with flattenable rows are read in place; anything else goes through
         # a persistent BF16 copy (the cast rounds as Tensor.to does).
-        stage = tensor if tensor.dtype == torch.bfloat16 and _rows_view(tensor) else \
+        stage = tensor if tensor.dtype == torch.bfloat16 and rows_view(tensor) else \
             torch.empty(shape, dtype=torch.bfloat16, device=tensor.device)
 
         def before() -> None:

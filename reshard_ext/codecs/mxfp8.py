@@ -37,7 +37,7 @@ def scale_numel(shape: tuple[int, ...], scale_layout: str) -> int:
     return rows * scols if scale_layout == "2d" else swizzled_size(rows, scols)
 
 
-def _rows_view(t: torch.Tensor) -> tuple[int, int, int] | None:
+def rows_view(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(rows, cols, row_stride) when t is [..., K] with unit last stride and leading dims
     that flatten to one stride; None otherwise."""
     if t.dim() == 0:
@@ -68,10 +68,10 @@ def quantize(src: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     `scale` (E8M0 bytes), on src's device (CUDA: on the current stream)."""
     if src.dtype != torch.bfloat16:
         raise ReshardError(f"MXFP8 quantize: source must be bfloat16, got {src.dtype}")
-    view = _rows_view(src)
+    view = rows_view(src)
     if view is None:
         src = src.contiguous()
-        view = _rows_view(src)
+        view = rows_view(src)
     rows, cols, row_stride = view  # type: ignore[misc]
     scols = scale_cols(cols)
     want_scale = rows * scols if scale_layout == "2d" else swizzled_size(rows, scols)
