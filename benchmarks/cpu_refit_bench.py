@@ -54,14 +54,17 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify:
     plan_s = time.perf_counter() - t0
     times: list[float] = []
     verified: list[float] = []
+    cpu: dict[bool, list[float]] = {False: [], True: []}  # CPU-seconds of this process (all threads)
     for _ in range(iters + 1):
         for check, into in ((False, times), (True, verified)) if verify else ((False, times),):
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             rx.execute(plan, verify=check)
             into.append(time.perf_counter() - t0)
+            cpu[check].append(time.process_time() - c0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    row = (rank, plan_s, times[1:], plan.bytes_sent, model_bytes, base_rss, peak, verified[1:])
+    row = (rank, plan_s, times[1:], plan.bytes_sent, model_bytes, base_rss, peak, verified[1:], cpu[False][1:],
+           cpu[True][1:])
     rows = [None] * WORLD
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -93,6 +96,11 @@ def run(case: str, iters: int, max_batch: int, verify: bool) -> None:
         plain, ver = statistics.median(per_iter), statistics.median(checked)
         print(f"{'':9} verify=True {ver:7.3f} s (min {min(checked):.3f}, max {max(checked):.3f})  "
               f"cost {100 * (ver / plain - 1):+.1f}% (median vs median; min vs min {100 * (min(checked) / min(per_iter) - 1):+.1f}%)")
+        # CPU-seconds summed over the processes: steadier than wall time on a shared machine
+        cpu_plain = statistics.median(sum(r[8][i] for r in rows) for i in range(iters))
+        cpu_ver = statistics.median(sum(r[9][i] for r in rows) for i in range(iters))
+        print(f"{'':9} CPU-seconds per refit (sum of {WORLD} processes, median) {cpu_plain:.3f} -> {cpu_ver:.3f}  "
+              f"cost {100 * (cpu_ver / cpu_plain - 1):+.1f}%")
 
 
 def main() -> None:

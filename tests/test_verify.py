@@ -14,6 +14,8 @@ Three layers:
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -134,6 +136,80 @@ def test_passes_and_foldings_agree(backend, casts):
     reference = {k: v.clone() for k, v in bufs.items()}
     _C.copy_boxes_cpu(tbl(reference))
     assert torch.equal(copied["dst"], reference["dst"]), "the copy pass must copy what the plain copy does"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+def test_digest_counts_ordinals_not_addresses(backend, dtype):
+    """A 1-D run at every misalignment modulo 16 bytes (the kernel reads its body as
+    16-byte items from an aligned base and its first ordinal from the offset; src and
+    dst equally misaligned or not): every pass gives the digest of the aligned run."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    n = 16 * 37 // es + 3  # head, body and tail items
+    g = torch.Generator().manual_seed(17)
+    values = torch.randint(0, 256, (n * es,), dtype=torch.uint8, generator=g)
+
+    def run_at(src_off: int, dst_off: int):
+        return lambda b: table([(b["src"].data_ptr() + src_off, b["dst"].data_ptr() + dst_off, (n,), (1,), (1,),
+                                 code_of(dtype), code_of(dtype))])
+
+    def bufs_at(src_off: int) -> dict:
+        src = torch.zeros(n * es + 32, dtype=torch.uint8)
+        src[src_off:src_off + n * es] = values
+        return {"src": src, "dst": torch.zeros(n * es + 32, dtype=torch.uint8)}
+
+    want = digests("twin", run_at(0, 0), bufs_at(0), "src")
+    for src_off in range(0, 16, es):
+        for dst_off in {src_off, (src_off + es) % 16}:
+            bufs = bufs_at(src_off)
+            for pass_ in ("copy", "dst", "src"):
+                assert digests(backend, run_at(src_off, dst_off), bufs, pass_) == want, (src_off, dst_off, pass_)
+            assert torch.equal(bufs["dst"][dst_off:dst_off + n * es], values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", ["as written", "cast", "mx"])
+def test_pieces_add_up_to_the_whole(backend, spec):
+    """A run cut into pieces whose first ordinal is a copy's param[0] (RX_BOX_FIRST_ORDINAL:
+    the verify rounds of direct receives): their digests add up (digest::add) to the whole run's, and the
+    same pieces with ordinals from 0 do not."""
+    n, cuts = 8192 * 3, [0, 8192, 8192 + 2048, 3 * 8192]
+    x = make_case("wide", rows=1, cols=n, seed=9).view(-1)
+    bufs = {"x": x, "y": torch.zeros_like(x)}
+    digest = {"as written": 0, "cast": int(_C.DIGEST_CAST) | code_of(torch.float32) << 8,
+              "mx": int(_C.DIGEST_MX) | int(_C.MX_ROUND_CEIL) << 8}[spec]
+
+    def run(b, first_ordinals=True):
+        rows = [(b["x"].data_ptr() + 2 * a, b["y"].data_ptr() + 2 * a, (e - a,), (1,), (1,), BF16, BF16, 0,
+                 a if first_ordinals else 0) for a, e in itertools.pairwise(cuts)]
+        return with_digest(table(rows), [digest] * len(rows))
+
+    whole_run = digests("twin", lambda b: with_digest(whole(b["x"], b["y"]), [digest]), dict(bufs), "src")[0]
+    for pass_ in ("src", "copy", "dst"):
+        assert _added(digests(backend, run, bufs, pass_)) == whole_run, pass_
+    assert _added(digests(backend, lambda b: run(b, False), bufs, "src")) != whole_run
+
+
+def test_first_ordinal_is_checked():
+    """A copy's first verify ordinal (param[0]) is >= 0, and a piece digested as the
+    receiver's MXFP8 quantize holds it starts on a block (a multiple of 32): else refused."""
+    x = make_case("wide", rows=1, cols=64, seed=3).view(-1)
+    y = torch.zeros_like(x)
+    mx = int(_C.DIGEST_MX) | int(_C.MX_ROUND_CEIL) << 8
+
+    def box(first, digest):
+        return with_digest(table([(x.data_ptr(), y.data_ptr(), (64,), (1,), (1,), BF16, BF16, 0, first)]), [digest])
+
+    _C.digest_boxes_cpu(box(32, mx), PASSES["src"])
+    _C.digest_boxes_cpu(box(16, 0), PASSES["src"])
+    for first, digest in ((16, mx), (-1, 0)):
+        with pytest.raises(rx.InternalError, match="bad box"):
+            _C.digest_boxes_cpu(box(first, digest), PASSES["src"])
+
+
+def _added(ds: list[int]) -> int:
+    """digest::add over digests (kernels/digest.h: two 32-bit lanes)."""
+    return (sum(d & 0xFFFFFFFF for d in ds) & 0xFFFFFFFF) | (sum(d >> 32 for d in ds) & 0xFFFFFFFF) << 32
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -314,6 +390,58 @@ def test_execute_verify_catches_corruption_in_transit(direct):
         assert "from rank 0 to rank 1" in errors[0], errors[0]
 
 
+def _rounds(rank, world):
+    """A 2 MiB tensor that travels as one direct message and a small one staged beside it
+    (rank 0 -> 1), cut into the verify rounds of the NCCL path: each end's pieces tile
+    its messages in order at aligned offsets, both ends cut alike, and the digests of the
+    direct receive's pieces add up to the digest of the whole received op."""
+    from reshard_ext.transports.cuda import VERIFY_ROUNDS
+
+    g = torch.Generator().manual_seed(4)
+    full = {"x": torch.randn(1024, 512, generator=g), "y": torch.randn(8, 8, generator=g)}
+    lay = {k: (rx.Layout(tuple(v.shape), torch.float32, rx.Mesh([0]), [rx.Replicate()]),
+               rx.Layout(tuple(v.shape), torch.float32, rx.Mesh([1]), [rx.Replicate()])) for k, v in full.items()}
+    dst = {k: torch.zeros_like(v) for k, v in full.items()}
+    plan = rx.plan({k: (v.clone(), lay[k][0]) for k, v in full.items()} if rank == 0 else {},
+                   {k: (v, lay[k][1]) for k, v in dst.items()} if rank == 1 else {},
+                   options=rx.Options(direct_bytes=1 << 20))
+    tables = plan.tables
+    cuts = []
+    for b in range(tables.num_batches):
+        for side in (0, 1):
+            rounds = [tables.round_messages(b, r, VERIFY_ROUNDS)[side] for r in range(VERIFY_ROUNDS)]
+            cuts += [(b, r, m[2]) for r, ms in enumerate(rounds) for m in ms]
+            pieces = [m for ms in rounds for m in ms]
+            for peer in {m[0] for m in tables.messages(b)[side]}:
+                whole_msgs = [m for m in tables.messages(b)[side] if m[0] == peer]
+                at = iter(sorted((m for m in pieces if m[0] == peer), key=lambda m: m[1]))
+                for _, ptr, n in sorted(whole_msgs, key=lambda m: m[1]):  # each message is its pieces, in order
+                    end = ptr
+                    while end < ptr + n:
+                        _, p, m = next(at)
+                        assert p == end and (p - ptr) % 16384 == 0, (p, ptr)
+                        end += m
+                    assert end == ptr + n
+                assert next(at, None) is None
+    assert len(cuts) > VERIFY_ROUNDS, "a 2 MiB message must be cut into rounds (and the small one stays whole)"
+    rx.execute(plan, verify=True)
+    if rank == 1:
+        assert all(torch.equal(dst[k], full[k]) for k in full)
+        recv = plan.transport.read_digests(tables)[1]
+        added = np.zeros_like(recv)
+        direct = [op for b in range(tables.num_batches) for op in tables.direct_recvs(b)]
+        for b in range(tables.num_batches):
+            for r in range(VERIFY_ROUNDS):
+                tables.digest_direct_recv_round_cpu(b, r, VERIFY_ROUNDS, added)
+        assert len(direct) == 1 and added[direct[0]] == recv[direct[0]] != 0
+    return cuts
+
+
+def test_verify_rounds_cut_alike_and_add_up():
+    send_cuts, recv_cuts = run_ranks(2, _rounds)
+    assert send_cuts == recv_cuts and len({r for _, r, _ in send_cuts}) == 8
+
+
 def _idle_and_empty(rank, world):
     """Ranks with nothing to move (and plans that move nothing) still verify."""
     s = rx.Layout((4, 4), torch.float32, rx.Mesh([0]), [rx.Replicate()])
@@ -360,6 +488,56 @@ def _direct_cuda(rank, world):
 @NEEDS_2_GPUS
 def test_verified_direct_messages_cuda():
     run_ranks(2, verified, _direct_cuda, backend="nccl")
+
+
+def _corrupt_one_round_cuda(rank, world, which):
+    """NCCL: a 2 MiB tensor moved as one direct message, in verify rounds. A clean
+    verified refit passes bit for bit; then rank 1 flips a bit of what lands in one round
+    only (the first or the last), right after that round's transfer on its stream, and
+    verify names the tensor on both ranks."""
+    dev = torch.device("cuda", rank)
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(1024, 512, generator=g).to(dev)
+    s = rx.Layout((1024, 512), torch.float32, rx.Mesh([0]), [rx.Replicate()])
+    d = rx.Layout((1024, 512), torch.float32, rx.Mesh([1]), [rx.Replicate()])
+    dst = torch.zeros(1024, 512, device=dev)
+    plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {}, {"x": (dst, d)} if rank == 1 else {},
+                   options=rx.Options(direct_bytes=1 << 20))
+    rx.execute(plan, verify=True)
+    hit = []
+    if rank == 1:
+        assert torch.equal(dst, full.to(dev))
+        transfer = plan.transport._transfer
+        begin, end = dst.data_ptr(), dst.data_ptr() + dst.numel() * 4
+
+        def corrupting_transfer(b, side, sends, recvs):
+            transfer(b, side, sends, recvs)
+            for _, ptr, n in recvs:
+                if begin <= ptr < end and (ptr == begin if which == "first" else ptr + n == end):
+                    assert n < end - begin, "the direct message was not cut into rounds"
+                    with torch.cuda.stream(side):
+                        dst.view(torch.int32).view(-1)[(ptr - begin) // 4 + 7] ^= 4
+                    hit.append(ptr)
+
+        plan.transport._transfer = corrupting_transfer
+    try:
+        rx.execute(plan, verify=True)
+    except rx.ReshardError as e:
+        return str(e), hit
+    finally:
+        if rank == 1:
+            del plan.transport._transfer
+    return None, hit
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_execute_verify_catches_corruption_in_one_round_cuda(which):
+    results = run_ranks(2, _corrupt_one_round_cuda, which, backend="nccl")
+    assert len(results[1][1]) == 1, results
+    for msg, _ in results:
+        assert msg is not None and "'x'[0:1024, 0:512]" in msg and "from rank 0 to rank 1" in msg, msg
 
 
 @pytest.mark.gpu

@@ -44,5 +44,6 @@ extern "C" int32_t rx_box_valid(const rx_box* b) {
   }
   if (b->codec < 0 || !digest_valid(*b)) return 0;
   if (b->codec != RX_CODEC_NONE) return 1;  // the rest is the codec's (kernels/codecs/registry.h)
-  return b->param[0] == 0 && b->param[1] == 0 && b->param[2] == 0 && rx::dtype_castable(b->src_dtype, b->dst_dtype);
+  // A copy's param[0] is its first verify ordinal (box.h).
+  return b->param[0] >= 0 && b->param[1] == 0 && b->param[2] == 0 && rx::dtype_castable(b->src_dtype, b->dst_dtype);
 }

@@ -14,7 +14,8 @@ extern "C" {
 #define RX_MAX_DIMS 6
 
 // What a box does with its elements: rx_box.codec = id | flags << 8.
-//   id RX_CODEC_NONE (0): a copy, casting between floating types (codec 0, param all 0).
+//   id RX_CODEC_NONE (0): a copy, casting between floating types (codec 0); its
+//     param[0] is its first verify ordinal (RX_BOX_FIRST_ORDINAL), param[1..2] are 0.
 //   any other id: a fused conversion (a codec: MXFP8 today) that the kernels apply to
 //     the box's elements on the way, dispatching on the id once per box. Ids, flags and
 //     the meaning of param[] belong to the codec (kernels/codecs/: registry.h lists the
@@ -38,7 +39,7 @@ typedef struct rx_box {
   int32_t src_dtype;
   int32_t dst_dtype;
   int32_t codec;      // RX_CODEC_NONE, or a codec's id | flags << 8
-  int64_t param[3];   // the codec's per-box parameters (e.g. where its scales go); 0 for a copy
+  int64_t param[3];   // the codec's per-box parameters (e.g. where its scales go); a copy's: above
   int32_t digest;     // verify only: how the receiver holds what the box writes (RX_DIGEST_*)
   int32_t reserved;   // 0
 } rx_box;
@@ -55,6 +56,11 @@ enum { RX_DIGEST_AS_WRITTEN = 0, RX_DIGEST_CAST = 1, RX_DIGEST_CODEC = 2 };
 #define RX_DIGEST_KIND(d) ((d) & 0xff)
 #define RX_DIGEST_ARG(d) (((d) >> 8) & 0xff)
 #define RX_DIGEST_CODEC_ID(d) (((d) >> 16) & 0xff)
+
+// The verify ordinal (kernels/digest.h) of a box's first element. A copy's param[0],
+// >= 0: 0 for a whole op's box, the op ordinal it starts at for a piece of one digested
+// piece by piece (ExecTables::direct_recv_round); a codec box's ordinals start at 0.
+#define RX_BOX_FIRST_ORDINAL(b) ((b).codec == RX_CODEC_NONE ? (b).param[0] : 0)
 
 // 1 when a box is well formed as far as core can tell (ndim, extents, byte spans, dtypes
 // and digest of a copy). A codec box or codec digest is checked further by its codec

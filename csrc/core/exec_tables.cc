@@ -142,10 +142,10 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
       const int64_t tensor_stride = staging_is_dst ? box.src_stride[0] : box.dst_stride[0];
       const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.codec == RX_CODEC_NONE;
       if (flat) {
-        out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes});
+        out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes, true});
         direct.push_back(index[i]);
       } else {
-        out.push_back({op.peer, staging, op.nbytes});
+        out.push_back({op.peer, staging, op.nbytes, true});
         keep(i);
       }
       continue;
@@ -302,7 +302,60 @@ Aliasing check_memory(const RankPlan& plan, const std::vector<TensorRef>& src, c
   return out;
 }
 
+// Bytes [begin, end) of message m that round r of `rounds` carries (ExecTables::
+// round_messages).
+std::pair<int64_t, int64_t> round_piece(const Message& m, int32_t r, int32_t rounds) {
+  if (!m.own) return {0, r == 0 ? m.bytes : 0};
+  const auto cut = [&](int32_t q) -> int64_t {
+    if (q >= rounds) return m.bytes;
+    const int64_t at = m.bytes / rounds * q + m.bytes % rounds * q / rounds;  // floor(n q / rounds), no overflow
+    return at / ExecTables::kRoundAlign * ExecTables::kRoundAlign;
+  };
+  return {cut(r), cut(r + 1)};
+}
+
+// Calls fn(message, begin, end) for the nonempty piece of each message in round r.
+template <typename Fn>
+void for_each_piece(const std::vector<Message>& msgs, int32_t r, int32_t rounds, Fn fn) {
+  RX_HOST_ASSERT(rounds >= 1 && r >= 0 && r < rounds, "bad verify round");
+  for (const Message& m : msgs) {
+    const auto [begin, end] = round_piece(m, r, rounds);
+    if (begin < end) fn(m, begin, end);
+  }
+}
+
 }  // namespace
+
+std::vector<Message> ExecTables::round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const {
+  std::vector<Message> out;
+  for_each_piece(send ? send_msgs_[b] : recv_msgs_[b], r, rounds, [&](const Message& m, int64_t begin, int64_t end) {
+    out.push_back({m.peer, m.ptr + static_cast<uint64_t>(begin), end - begin});
+  });
+  return out;
+}
+
+std::vector<rx_box> ExecTables::direct_recv_round(int32_t b, int32_t r, int32_t rounds) const {
+  std::vector<rx_box> out;
+  for (int32_t op : direct_recvs_[b]) {
+    rx_box box = recv_boxes_[static_cast<size_t>(op)];
+    box.shape[0] = 0;  // no piece in this round unless one is found below
+    out.push_back(box);
+  }
+  // A direct receive's message is the one at its box's dst (cut_messages).
+  std::unordered_map<uint64_t, size_t> at;
+  for (size_t j = 0; j < out.size(); ++j) at[out[j].dst] = j;
+  for_each_piece(recv_msgs_[b], r, rounds, [&](const Message& m, int64_t begin, int64_t end) {
+    const auto it = at.find(m.ptr);
+    if (it == at.end()) return;  // a staging message
+    rx_box& box = out[it->second];
+    const int64_t es = rx_dtype_size(box.dst_dtype);
+    box.src += static_cast<uint64_t>(begin);
+    box.dst += static_cast<uint64_t>(begin);
+    box.shape[0] = (end - begin) / es;
+    box.param[0] = begin / es;  // its first verify ordinal (RX_BOX_FIRST_ORDINAL): a direct receive is a copy
+  });
+  return out;
+}
 
 std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
   RX_USER_CHECK(parts >= 1, "copies_split: parts must be >= 1, got ", parts);

@@ -66,6 +66,7 @@ struct Message {
   int32_t peer;
   uint64_t ptr;
   int64_t bytes;
+  bool own = false;  // one op of at least direct_bytes alone (direct, or staged on its own)
 };
 
 // A receiver's dst piece as a direct sender sees it (ExecTables::bind_direct): the
@@ -145,6 +146,19 @@ class ExecTables {
   const std::vector<int32_t>& unpack_ops(int32_t b) const { return unpack_ops_[b]; }
   const std::vector<int32_t>& direct_sends(int32_t b) const { return direct_sends_[b]; }
   const std::vector<int32_t>& direct_recvs(int32_t b) const { return direct_recvs_[b]; }
+
+  // Verified refits move batch b in `rounds` rounds, so that the receiver digests the
+  // direct receives that landed in round r while round r + 1 moves (a direct message
+  // has no unpack to hash in). Round r carries bytes [n r / rounds, n (r + 1) / rounds)
+  // of each message that is one op alone (Message::own), cut down to a multiple of
+  // kRoundAlign, and round 0 every other message whole (a batch without large ops
+  // stays one exchange); both ends cut alike, since only op sizes decide.
+  // round_messages: the pieces of round r; direct_recv_round: aligned with
+  // direct_recvs(b), the piece of each direct receive that lands in round r as a 1-D box
+  // (shape 0 where none does) whose ordinals go on from the op's (RX_BOX_FIRST_ORDINAL, core/box.h).
+  static constexpr int64_t kRoundAlign = 16384;  // a multiple of 32 elements of every size (MX blocks)
+  std::vector<Message> round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const;
+  std::vector<rx_box> direct_recv_round(int32_t b, int32_t r, int32_t rounds) const;
 
  private:
   std::shared_ptr<const RankPlan> plan_;

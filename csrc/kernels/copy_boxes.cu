@@ -131,30 +131,58 @@ RX_LANE void words_of(unsigned long long v, uint32_t* w) {
 template <typename T>
 RX_LANE void words_of(T v, uint32_t* w) { w[0] = v; }
 
-// The ES-byte elements of one N-byte item whose first element has ordinal k (every
-// index a constant, so the words stay in registers).
+// Element j (ES bytes, zero-extended) of an item's little-endian words; j a constant,
+// so the words stay in registers.
+template <int ES>
+RX_LANE uint64_t element_bits(const uint32_t* w, int j) {
+  const int byte = j * ES;
+  if (ES == 8) return w[byte / 4] | static_cast<uint64_t>(w[byte / 4 + (ES == 8 ? 1 : 0)]) << 32;
+  return ES == 4 ? w[byte / 4] : (w[byte / 4] >> (8 * (byte % 4))) & (ES == 2 ? 0xffffu : 0xffu);
+}
+
+// The ES-byte elements of one N-byte item whose first element has ordinal k.
 template <int ES, int N>
 RX_LANE void hash_words(Dg& dg, const uint32_t* w, uint64_t k) {
 #pragma unroll
-  for (int j = 0; j < N / ES; ++j) {
-    const int byte = j * ES;
-    uint64_t bits;
-    if (ES == 8)
-      bits = w[byte / 4] | static_cast<uint64_t>(w[byte / 4 + (ES == 8 ? 1 : 0)]) << 32;
-    else
-      bits = ES == 4 ? w[byte / 4] : (w[byte / 4] >> (8 * (byte % 4))) & (ES == 2 ? 0xffffu : 0xffu);
-    hash_element(dg, k + j, bits);
-  }
+  for (int j = 0; j < N / ES; ++j) hash_element(dg, k + j, element_bits<ES>(w, j));
 }
 
-// The elements of item i (sizeof(T) bytes) of a same-dtype copy.
+// hash_words of elements kept as written (RX_DIGEST_AS_WRITTEN), the hot path of a
+// verified refit: one key() per item, then one add per element (digest::keyed), summed
+// in two 32-bit words. Falls back where the ordinal's low word wraps inside the item.
+template <int ES, int N>
+RX_LANE void hash_words_as_written(Dg& dg, const uint32_t* w, uint64_t k) {
+  constexpr int M = N / ES;
+  if ((k & 0xffffffffu) + (M - 1) > 0xffffffffu) {
+    hash_words<ES, N>(dg, w, k);
+    return;
+  }
+  const uint32_t kk = digest::key(k);
+  uint64_t acc = 0;
+#pragma unroll
+  for (int j = 0; j < M; ++j)
+    acc = digest::add(acc, digest::keyed(kk + static_cast<uint32_t>(j) * digest::kKeyLo, element_bits<ES>(w, j), ES));
+  dg.acc = digest::add(dg.acc, acc);
+}
+
+// The elements of item i (sizeof(T) bytes) of a same-dtype copy. Items are unit-aligned
+// and every unit byte from the box's first element on is the box's, so i * N >= delta.
 template <typename T>
 RX_LANE void hash_item(Dg& dg, T v, int64_t i) {
   constexpr int N = static_cast<int>(sizeof(T));
   uint32_t w[N >= 4 ? N / 4 : 1];
   words_of(v, w);
-  const uint64_t k = static_cast<uint64_t>((i * N - dg.delta) / dg.size);
-  switch (dg.size) {  // the unit is a multiple of the element
+  const uint64_t k = (static_cast<uint64_t>(i * N - dg.delta) >> dg.shift) + static_cast<uint64_t>(dg.first);
+  if (RX_DIGEST_KIND(dg.spec) == RX_DIGEST_AS_WRITTEN) {
+    switch (dg.size) {  // the unit is a multiple of the element
+      case 1: hash_words_as_written<1, N>(dg, w, k); break;
+      case 2: if constexpr (N >= 2) hash_words_as_written<2, N>(dg, w, k); break;
+      case 4: if constexpr (N >= 4) hash_words_as_written<4, N>(dg, w, k); break;
+      default: if constexpr (N >= 8) hash_words_as_written<8, N>(dg, w, k); break;
+    }
+    return;
+  }
+  switch (dg.size) {
     case 1: hash_words<1, N>(dg, w, k); break;
     case 2: if constexpr (N >= 2) hash_words<2, N>(dg, w, k); break;
     case 4: if constexpr (N >= 4) hash_words<4, N>(dg, w, k); break;
@@ -237,7 +265,7 @@ RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_ti
     if (P != RX_PASS_NONE) {
 #pragma unroll
       for (int k = 0; k < U; ++k)
-        if (ok[k]) hash_element(dg, static_cast<uint64_t>(i + k * kWarp), raw[k]);
+        if (ok[k]) hash_element(dg, static_cast<uint64_t>(dg.first + i + k * kWarp), raw[k]);
     }
   }
 }
@@ -314,6 +342,8 @@ RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g, Dg& dg)
     dg.dtype = b.dst_dtype;
     dg.size = t.dst_size;
     dg.spec = b.digest;
+    dg.shift = dg.size == 8 ? 3 : (dg.size == 4 ? 2 : (dg.size == 2 ? 1 : 0));
+    dg.first = RX_BOX_FIRST_ORDINAL(b);
     dg.delta = t.unit ? static_cast<int64_t>(b.src & static_cast<uint64_t>(t.unit - 1)) : 0;
   }
   if (b.codec != RX_CODEC_NONE) {

@@ -129,6 +129,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
     const int64_t n = box.shape[inner];
     int64_t idx[RX_MAX_DIMS] = {0};
     const int64_t rows = count / n;
+    const int64_t ordinal = RX_BOX_FIRST_ORDINAL(box);  // a piece of an op's box goes on from its ordinal
     uint64_t acc = 0;
     for (int64_t r = 0; r < rows; ++r) {
       int64_t so = 0, doff = 0;
@@ -143,7 +144,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
         for (int64_t c = 0; c < n; c += kChunk) {
           const char* s_at = src + c * box.src_stride[inner] * ss;
           char* d_at = dst + c * box.dst_stride[inner] * ds;
-          const uint64_t k0 = static_cast<uint64_t>(r * n + c);
+          const uint64_t k0 = static_cast<uint64_t>(ordinal + r * n + c);
           const int64_t m = n - c < kChunk ? n - c : kChunk;
           acc = dg::add(acc, box.codec == RX_CODEC_NONE
                                  ? digest_chunk(box, pass, s_at, d_at, k0, m)

@@ -50,12 +50,16 @@ RX_HD uint64_t term(uint32_t x, uint32_t a, uint32_t b) {
   return (uint64_t)mix(x, a, 15) | (uint64_t)mix(x, b, 13) << 32;
 }
 
-// The term of one element of `size` bytes with (zero-extended) `bits` at ordinal k.
-RX_HD uint64_t element(uint64_t k, uint64_t bits, int size) {
-  const uint32_t kk = key(k);
+// The term of one element of `size` bytes with (zero-extended) `bits` under key kk.
+// key(k + j) = key(k) + j * kKeyLo while the low word of k + j does not wrap, so a run of
+// elements needs one key() and then one add per element.
+RX_HD uint64_t keyed(uint32_t kk, uint64_t bits, int size) {
   const uint64_t h = term((uint32_t)bits ^ kk, kLoA, kLoB);
   return size == 8 ? add(h, term((uint32_t)(bits >> 32) ^ kk, kHiA, kHiB)) : h;
 }
+
+// The term of one element of `size` bytes with (zero-extended) `bits` at ordinal k.
+RX_HD uint64_t element(uint64_t k, uint64_t bits, int size) { return keyed(key(k), bits, size); }
 
 // Four bytes packed little-endian (E4M3 data) at ordinals k..k+3.
 RX_HD uint64_t bytes4(uint64_t k, uint32_t q) {

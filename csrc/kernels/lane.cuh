@@ -48,7 +48,9 @@ struct Dg {
   int32_t dtype;  // the elements as written: the box's dst dtype ...
   int32_t size;   // ... and its size
   int32_t spec;   // rx_box.digest
+  int32_t shift;  // log2(size): an item's first ordinal without a 64-bit division
   int64_t delta;  // bytes from a copy item's unit-aligned base to the box's first element
+  int64_t first;  // the ordinal of the box's first element (RX_BOX_FIRST_ORDINAL, core/box.h)
 };
 
 // Adds the term of one element as written (`bits` of dg.dtype) at ordinal k.
@@ -61,7 +63,6 @@ RX_LANE void hash_element(Dg& dg, uint64_t k, uint64_t bits) {
   }
   dg.acc = digest::add(dg.acc, digest::element(k, bits, size));
 }
-
 
 }  // namespace
 }  // namespace rx

@@ -15,6 +15,7 @@
 #include "core/relay.h"
 #include "kernels/api.h"
 #include "kernels/codecs/registry.h"
+#include "kernels/digest.h"
 #include "python/register.h"
 
 namespace py = pybind11;
@@ -59,7 +60,8 @@ void run_cpu(const std::vector<rx_box>& v) {
 
 // A verify pass of the CPU twin over `v`, writing box k's digest into out[ops[k]]
 // (ops: the plan op of each box; empty: box k is op k). out: a writable uint64 array.
-void digest_cpu(const std::vector<rx_box>& v, int32_t pass, const std::vector<int32_t>& ops, py::array_t<uint64_t>& out) {
+void digest_cpu(const std::vector<rx_box>& v, int32_t pass, const std::vector<int32_t>& ops, py::array_t<uint64_t>& out,
+                bool accumulate = false) {
   auto o = out.mutable_unchecked<1>();
   std::vector<uint64_t> d(v.size(), 0);
   int32_t rc;
@@ -71,7 +73,7 @@ void digest_cpu(const std::vector<rx_box>& v, int32_t pass, const std::vector<in
   for (size_t k = 0; k < v.size(); ++k) {
     const int64_t at = ops.empty() ? static_cast<int64_t>(k) : ops[k];
     RX_HOST_ASSERT(at < o.shape(0), "digest array too short");
-    o(at) = d[k];
+    o(at) = accumulate ? digest::add(o(at), d[k]) : d[k];
   }
 }
 
@@ -313,6 +315,22 @@ void register_core(py::module_& m) {
         for (const auto& m : t.recv_messages(b)) r.append(py::make_tuple(m.peer, m.ptr, m.bytes));
         return py::make_tuple(s, r);
       }, "([(peer, ptr, bytes)] sends, [...] recvs) of batch b, in the order both ends post them")
+      .def("round_messages", [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds) {
+        py::list s, rv;
+        for (const auto& m : t.round_messages(b, true, r, rounds)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));
+        for (const auto& m : t.round_messages(b, false, r, rounds)) rv.append(py::make_tuple(m.peer, m.ptr, m.bytes));
+        return py::make_tuple(s, rv);
+      }, "messages(b) of verify round r of `rounds` (ExecTables::round_messages)")
+      .def("direct_recv_round_boxes",
+           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds) {
+             return boxes_bytes(t.direct_recv_round(b, r, rounds));
+           },
+           "Aligned with direct_recvs(b): the piece of each direct receive landing in verify round r")
+      .def("digest_direct_recv_round_cpu",
+           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, py::array_t<uint64_t>& recv) {
+             digest_cpu(t.direct_recv_round(b, r, rounds), RX_PASS_DST, t.direct_recvs(b), recv, true);
+           },
+           "Adds the digests of the direct-receive pieces that landed in verify round r into recv[op]")
       .def_property_readonly("send_total", [](const ExecTables& t) { return t.plan().send_total(); })
       .def_property_readonly("recv_total", [](const ExecTables& t) { return t.plan().recv_total(); })
       .def_property_readonly("copy_total", [](const ExecTables& t) { return t.plan().copy_total(); })

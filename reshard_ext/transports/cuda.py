@@ -16,6 +16,11 @@ from .channel import Session, channel_of, exchange_headers
 from .p2p import P2PExchange
 
 _ALIGN = 256
+# A verified NCCL execute moves a batch with direct receives in this many rounds
+# (ExecTables::round_messages), so that the digest of what landed in a round runs under
+# the next round's transfer and only the last round's is serial. Every rank must use
+# the same number.
+VERIFY_ROUNDS = 8
 
 _log = logging.getLogger("reshard_ext")
 
@@ -255,13 +260,22 @@ class CudaTransport:
         pack box: their sources are read), the unpack and the direct receives (their
         destinations are read once they landed)."""
         if self._verify is None:
-            parts = []
+            parts, rounds = [], []
             for b in range(tables.num_batches):
                 direct = [_C.DeviceBoxTable(tables.direct_send_boxes(b)), _C.DeviceBoxTable(tables.direct_recv_boxes(b))]
                 parts += [(self._pack[b], "send", tables.pack_ops(b)), (direct[0], "send", tables.direct_sends(b)),
                           (self._unpack[b], "recv", tables.unpack_ops(b)), (direct[1], "recv", tables.direct_recvs(b))]
-            self._verify_blob = _upload([t for t, kind, _ in parts[1::2]])
+                # NCCL, with direct receives: their pieces per round, adding into part 4b+3's slots
+                cut = self.nccl and len(tables.direct_recvs(b)) > 0
+                rounds.append([_C.DeviceBoxTable(tables.direct_recv_round_boxes(b, r, VERIFY_ROUNDS))
+                               for r in range(VERIFY_ROUNDS)] if cut else None)
+            self._verify_blob = _upload([t for t, kind, _ in parts[1::2]] + [t for per in rounds if per for t in per])
             self._verify = _Digests(parts)
+            self._verify_rounds = rounds
+            # Every batch, whether this rank receives directly or not: both ends of a pair
+            # must cut alike (a batch without large ops stays one exchange, in round 0).
+            self._round_messages = [[tables.round_messages(b, r, VERIFY_ROUNDS) for r in range(VERIFY_ROUNDS)]
+                                    for b in range(tables.num_batches)] if self.nccl else None
         return self._verify
 
     def abort(self) -> None:
@@ -298,8 +312,9 @@ class CudaTransport:
         return good, ok and not verdict.bad
 
     def run(self, tables: Any, session: Session, verify: bool = False) -> Optional[tuple[np.ndarray, np.ndarray]]:
-        """verify: the pack and unpack launches also digest every op (one more launch per
-        batch for the ops that travel as direct messages); returns (send, recv) digests."""
+        """verify: the pack and unpack launches also digest every op; the ops that travel as
+        direct messages are digested beside the transfer (sources once it is posted,
+        destinations round by round as they land); returns (send, recv) digests."""
         main = torch.cuda.current_stream()
         s = main.cuda_stream
         k = len(self._pack)
@@ -314,14 +329,22 @@ class CudaTransport:
                 self._pack[b].launch(s, cap)
                 return
             self._pack[b].launch(s, cap, *v.args(4 * b, _C.PASS_COPY))
-            v.tables[4 * b + 1].launch(s, cap, *v.args(4 * b + 1, _C.PASS_SRC))
+
+        def digest_direct_sends(b: int, cap: int = 0) -> None:
+            if v is not None:  # direct messages have no pack: their sources are read (read-only)
+                v.tables[4 * b + 1].launch(s, cap, *v.args(4 * b + 1, _C.PASS_SRC))
 
         def unpack(b: int, cap: int = 0) -> None:
             if v is None:
                 self._unpack[b].launch(s, cap)
                 return
             self._unpack[b].launch(s, cap, *v.args(4 * b + 2, _C.PASS_COPY))
-            v.tables[4 * b + 3].launch(s, cap, *v.args(4 * b + 3, _C.PASS_DST))
+            if not rounds(b):  # else digest_direct_recvs read them round by round
+                v.tables[4 * b + 3].launch(s, cap, *v.args(4 * b + 3, _C.PASS_DST))
+
+        def rounds(b: int) -> bool:
+            """Batch b's direct receives are digested round by round as they land."""
+            return v is not None and self._round_messages is not None and self._verify_rounds[b] is not None
 
         if not self.peers:  # only same-rank copies: nobody to agree with (the direct transport's may disagree)
             self._raise(session)
@@ -337,6 +360,7 @@ class CudaTransport:
             for b in range(k if good else 0):
                 if b > 0:
                     step("pack", b, main, lambda b=b: pack(b))
+                digest_direct_sends(b)
                 if session.abort.is_set():
                     raise ReshardError("rx.execute was aborted (plan.abort()) between batches")
                 self.p2p.run([op for op in self._p2p_ops[b] if op.peer in group_of], session.timeout)
@@ -351,9 +375,10 @@ class CudaTransport:
         scratch: list[torch.Tensor] = []
         good, writes = self._agree(tables, session, lambda: step("pack", 0, main, lambda: pack(0, cap)))
         comm = self.comm
+        landed: list[list[torch.cuda.Event]] = []  # verify rounds: per batch, the end of each round
 
-        def messages(b: int) -> tuple[list, list]:
-            sends, recvs = self._messages[b]
+        def messages(b: int, r: Optional[int] = None) -> tuple[list, list]:
+            sends, recvs = self._messages[b] if r is None else self._round_messages[b][r]
             if good == set(self.peers) and writes:
                 return sends, recvs
             # Degraded: data still flows with the peers that agreed (they complete), but
@@ -373,9 +398,29 @@ class CudaTransport:
             if b > 0:
                 step("pack", b, main, lambda: pack(b, cap))
             side.wait_stream(main)  # the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
-            sends, recvs = messages(b)
-            step("transfer", b, side, lambda: self._transfer(b, side, sends, recvs))
-            done.append(side.record_event())
+            landed.append([])
+            if v is not None and self._round_messages is not None:
+                for r in range(VERIFY_ROUNDS):
+                    sends, recvs = messages(b, r)
+                    if sends or recvs:
+                        step(f"transfer r{r}", b, side,
+                             lambda sends=sends, recvs=recvs: self._transfer(b, side, sends, recvs))
+                    landed[b].append(side.record_event())
+                done.append(landed[b][-1])
+            else:
+                sends, recvs = messages(b)
+                step("transfer", b, side, lambda: self._transfer(b, side, sends, recvs))
+                done.append(side.record_event())
+            if v is not None:  # once the transfer is posted: direct sources are hashed beside NCCL's reads
+                step("digest", b, main, lambda: digest_direct_sends(b, cap))
+
+        def digest_direct_recvs(b: int) -> None:
+            # Each round's pieces as soon as they landed, under the next round's transfer;
+            # only the last round of the last batch runs alone, so at full width.
+            for r, t in enumerate(self._verify_rounds[b]):
+                main.wait_event(landed[b][r])
+                c = 0 if b + 1 == k and r + 1 == VERIFY_ROUNDS else cap
+                step(f"digest r{r}", b, main, lambda t=t, c=c: t.launch(s, c, *v.args(4 * b + 3, _C.PASS_DST)))
 
         saved = comm.timeout
         comm.timeout = session.timeout  # bounds the posting waits of this execute
@@ -390,6 +435,8 @@ class CudaTransport:
                     # front would leave the link idle.
                     if writes and b < len(self._copy):
                         step("copy", b, main, lambda b=b: self._copy[b].launch(s, cap))
+                    if writes and rounds(b):
+                        digest_direct_recvs(b)
                     self._landed(b, main, done[b])
                     if writes:
                         step("unpack", b, main, lambda b=b: unpack(b, cap))

@@ -104,10 +104,10 @@ uint64_t cpu_digest(int32_t digest, const char* p, int64_t stride, int32_t dtype
 }
 
 bool box_valid(const rx_box& b) {
-  if (b.codec == RX_CODEC_NONE) {  // a copy digested as the receiver's quantize holds it
+  if (b.codec == RX_CODEC_NONE) {  // a copy digested as the receiver's quantize holds it, from a block start
     const int32_t arg = RX_DIGEST_ARG(b.digest);
     return RX_DIGEST_CODEC_ID(b.digest) == RX_CODEC_MXFP8 && b.dst_dtype == RX_BF16 && (arg == kCeil || arg == kFloor) &&
-           b.shape[b.ndim - 1] % kBlock == 0;
+           b.shape[b.ndim - 1] % kBlock == 0 && RX_BOX_FIRST_ORDINAL(b) % kBlock == 0;
   }
   if ((b.codec >> 24) != 0) return false;
   const int32_t rounding = box_rounding(b), scales = box_scales(b);

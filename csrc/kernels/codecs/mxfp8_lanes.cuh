@@ -34,6 +34,24 @@ RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// The shared exponent of the BF16 block at `from` (load_chunk's `wide`).
+RX_LANE uint8_t block_exponent(const char* from, bool wide, int32_t rounding) {
+  uint32_t amax = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint4 v = load_chunk(from, c, wide);
+    amax = max(amax, max(max(word_amax(v.x), word_amax(v.y)), max(word_amax(v.z), word_amax(v.w))));
+  }
+  return scale_exponent(amax, rounding);
+}
+
+// Half h (16 elements) of the BF16 block at `from` as E4M3 under scale e: 16 bytes.
+RX_LANE uint4 quantize_half(const char* from, int h, bool wide, uint8_t e) {
+  const uint4 u = load_chunk(from, 2 * h, wide), v = load_chunk(from, 2 * h + 1, wide);
+  return make_uint4(quantize_words(u.x, u.y, e), quantize_words(u.z, u.w, e), quantize_words(v.x, v.y, e),
+                    quantize_words(v.z, v.w, e));
+}
+
 // 16 bytes at p: one load where aligned, else byte loads.
 RX_LANE uint4 load16(const char* p) {
   if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) return load_item<uint4>(p);
@@ -85,13 +103,7 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
       continue;
     }
     const bool wide_in = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
-    uint32_t amax = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint4 v = load_chunk(from, c, wide_in);
-      amax = max(amax, max(max(word_amax(v.x), word_amax(v.y)), max(word_amax(v.z), word_amax(v.w))));
-    }
-    const uint8_t e = scale_exponent(amax, rounding);
+    const uint8_t e = block_exponent(from, wide_in, rounding);
     if (!data) {
       if (kStore) store_item<unsigned char>(to, e);
       if (P != RX_PASS_NONE) hash_element(dg, ord, e);
@@ -103,9 +115,7 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
     const bool wide_out = (reinterpret_cast<uintptr_t>(to) & 15u) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4 u = load_chunk(from, 2 * h, wide_in), v = load_chunk(from, 2 * h + 1, wide_in);
-      const uint4 q = make_uint4(quantize_words(u.x, u.y, e), quantize_words(u.z, u.w, e),
-                                 quantize_words(v.x, v.y, e), quantize_words(v.z, v.w, e));
+      const uint4 q = quantize_half(from, h, wide_in, e);
       if (P != RX_PASS_NONE) hash_data16(dg, 32 * ord + 16 * h, q);
       if (!kStore) continue;
       if (wide_out) {
@@ -139,17 +149,26 @@ RX_LANE void digest_items(const rx_box& b, const rx_tile& t, W& w, int64_t i, in
   for (; i < end; i += kWarp) {
     const char* at = base + (kDst ? w.dst_off() : w.src_off());
     w.advance();
-    const int64_t k0 = t.unit ? (i * t.unit - dg.delta) / size : i;
+    const int64_t k0 = dg.first + (t.unit ? (i * t.unit - dg.delta) / size : i);
     for (int j = 0; j < per; ++j) {
       if ((k0 + j) % kBlock != 0) continue;
       const char* p = at + j * size;
+      const uint64_t k = static_cast<uint64_t>(k0 + j);
+      if (dtype == RX_BF16 && stride == 2) {  // a contiguous block: as box_items reads it
+        const bool wide = (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+        const uint8_t e = block_exponent(p, wide, rounding);
+        dg.acc = digest::add(dg.acc, digest::scale(k / kBlock, e));
+        hash_data16(dg, k, quantize_half(p, 0, wide, e));
+        hash_data16(dg, k + 16, quantize_half(p, 1, wide, e));
+        continue;
+      }
       const auto load = [&](int m) -> uint16_t {
         const char* e = p + m * stride;
         const uint64_t raw = size == 2 ? load_item<unsigned short>(e)
                                        : (size == 4 ? load_item<unsigned int>(e) : load_item<unsigned long long>(e));
         return static_cast<uint16_t>(dtype == RX_BF16 ? raw : convert_bits(raw, dtype, RX_BF16));
       };
-      dg.acc = digest::add(dg.acc, digest_block(load, static_cast<uint64_t>(k0 + j), rounding));
+      dg.acc = digest::add(dg.acc, digest_block(load, k, rounding));
     }
   }
 }
