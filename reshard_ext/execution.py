@@ -54,17 +54,18 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
           src_dtypes: list[int] | None = None) -> list[tuple]:
     """TensorRef tuples of `names` (aligned with the tables' src_used or dst_used); a
     Piece binds itself, told (destinations) whether its boxes keep its blocks whole."""
-    whole: dict[int, set[int]] = {}
+    whole: dict[tuple[int, int], set[int]] = {}
     out = []
     for i, name in enumerate(names):
         t = entries[name][0]
         if isinstance(t, Piece):
-            if t.group and t.group not in whole:
-                whole[t.group] = set(tables.whole_group_dsts(src_dtypes, t.group))
-            ref = tuple(t.ref(bool(t.group) and i in whole[t.group]))
-            ref += (0,) * (6 - len(ref))
+            key = (t.group, code_of(t.dtype))
+            if t.group and key not in whole:
+                whole[key] = set(tables.whole_group_dsts(src_dtypes, *key))
+            ref = tuple(t.ref(bool(t.group) and i in whole[key]))
+            ref += (0, 0, 0, 1)[len(ref) - 3:]
         else:
-            ref = (t.data_ptr(), list(t.stride()), code_of(t.dtype), 0, 0, 0)
+            ref = (t.data_ptr(), list(t.stride()), code_of(t.dtype), 0, 0, 0, 1)
         out.append(ref + (list(t.shape), name))  # shape and name: the memory checks of ExecTables.bind
     return out
 
@@ -177,11 +178,11 @@ class Plan:
         self._steps = steps
         self._agreement = agreement
         self._verify_ops: verification.Ops | None = None  # built by the first verify
-        # dst table index -> MXFP8 rounding of the tensors whose receiver quantizes them
-        # (verify digests cover the quantized bytes; both ends derive it from the transform)
-        self._mx_receivers = {} if transform is None else {
+        # dst table index -> (digest, grain, dtype) of the tensors whose receiver converts
+        # them (verify digests cover the converted bytes; both ends derive it from the transform)
+        self._codec_receivers = {} if transform is None else {
             i: r for i, name in enumerate(agreement.dst_table.names())
-            if (r := transform.receiver_mx_rounding(name)) is not None}
+            if (r := transform.receiver_codec(name)) is not None}
         self._bind()
         self._timeout_s = options.resolved_timeout(_timeout_kind(self.backend, self.transport))
         staging = self.transport.staging_bytes
@@ -209,7 +210,7 @@ class Plan:
                 _raise(errors)
             send_bufs, recv_bufs = self.transport.bind(self.tables)
             src, dst = self._bound_refs()
-            self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._mx_receivers)
+            self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._codec_receivers)
             self.transport.prepare(self.tables)
         self._watch = Watch(self._entries)
 

@@ -36,11 +36,12 @@ class Piece:
 
     The planner checks `shape`, `dtype` and `device` against the layout as it does a
     tensor's. When the plan binds, it calls `ref(whole)` for the kernels' TensorRef:
-    a tuple (ptr, strides, rx dtype code[, box mode, scale pointer, row length])
-    (TensorRef in csrc/core/exec_tables.h).
-    `group` > 0 (destinations only) asks whether every box into the piece reads
-    bfloat16 and keeps `group`-element blocks of the last dim whole; `whole` is the
-    answer (always False for group 0).
+    a tuple (ptr, strides, rx dtype code[, codec, side pointer, arg, grain]) (TensorRef
+    in csrc/core/exec_tables.h: a codec of csrc/kernels/codecs/ runs in the boxes of the
+    piece; reshard_ext/codecs/ holds the codecs' Python side).
+    `group` > 0 (destinations only) asks whether every box into the piece reads the
+    piece's `dtype` and keeps `group`-element blocks of the last dim whole; `whole` is
+    the answer (always False for group 0).
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group: int = 0):
@@ -82,8 +83,10 @@ class Transform:
         """What distinguishes two transforms for plan caching."""
         return (type(self).__name__,)
 
-    def receiver_mx_rounding(self, name: str) -> int | None:
-        """For verify digests: the MXFP8 rounding code (csrc/kernels/mxfp8_api.h) when the
-        receiver of dst `name` quantizes it after it lands, so that sender and receiver
-        both digest the quantized bytes; None otherwise. Both ends must answer alike."""
+    def receiver_codec(self, name: str) -> tuple[int, int, int] | None:
+        """For verify digests: when the receiver of dst `name` converts it with a codec
+        after it lands, (rx_box.digest of a copy into it: RX_DIGEST_CODEC with the codec's
+        id and flags, the codec's block along the last dim, the rx dtype code it reads),
+        so that sender and receiver both digest the converted bytes; None otherwise.
+        Both ends must answer alike."""
         return None

@@ -1,6 +1,6 @@
 """rx_box tables from Python (tests and benchmarks).
 
-`BOX` mirrors `struct rx_box` of csrc/kernels/api.h. A `Spec` is one box relative to
+`BOX` mirrors `struct rx_box` of csrc/core/box.h. A `Spec` is one box relative to
 two byte buffers (src, dst), so the same boxes can be realised over GPU memory, CPU
 memory and the CPU twin's copies of it.
 """
@@ -20,8 +20,8 @@ MAX_DIMS = int(_C.MAX_DIMS)
 BOX = np.dtype([
     ("src", "<u8"), ("dst", "<u8"),
     ("shape", "<i8", (MAX_DIMS,)), ("src_stride", "<i8", (MAX_DIMS,)), ("dst_stride", "<i8", (MAX_DIMS,)),
-    ("ndim", "<i4"), ("src_dtype", "<i4"), ("dst_dtype", "<i4"), ("mode", "<i4"), ("aux", "<u8"),
-    ("mx_first", "<i8"), ("mx_cols", "<i8"), ("digest", "<i4"), ("reserved", "<i4"),
+    ("ndim", "<i4"), ("src_dtype", "<i4"), ("dst_dtype", "<i4"), ("codec", "<i4"), ("param", "<i8", (3,)),
+    ("digest", "<i4"), ("reserved", "<i4"),
 ])
 assert BOX.itemsize == _C.BOX_BYTES, (BOX.itemsize, _C.BOX_BYTES)
 
@@ -36,15 +36,17 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def table(rows: Sequence[tuple]) -> bytes:
-    """rows: (src, dst, shape, src_stride, dst_stride, src_code, dst_code[, mode, aux[, mx_first, mx_cols]])."""
+    """rows: (src, dst, shape, src_stride, dst_stride, src_code, dst_code[, codec, param0[, param1, param2]])
+    (MXFP8: codec id | rounding << 8 | scales << 16; params: scale buffer, first element, row length)."""
     a = np.zeros(len(rows), dtype=BOX)
-    for i, (src, dst, shape, ss, ds, sc, dc, *mx) in enumerate(rows):
+    for i, (src, dst, shape, ss, ds, sc, dc, *codec) in enumerate(rows):
         n = len(shape)
         a[i]["src"], a[i]["dst"], a[i]["ndim"] = src, dst, n
         a[i]["shape"][:n], a[i]["src_stride"][:n], a[i]["dst_stride"][:n] = shape, ss, ds
         a[i]["src_dtype"], a[i]["dst_dtype"] = sc, dc
-        for field, value in zip(("mode", "aux", "mx_first", "mx_cols"), mx):
-            a[i][field] = value
+        if codec:
+            a[i]["codec"] = codec[0]
+            a[i]["param"][:len(codec) - 1] = codec[1:]
     return a.tobytes()
 
 

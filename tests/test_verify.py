@@ -170,8 +170,8 @@ def test_digest_counts_ordinals_not_addresses(backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["as written", "cast", "mx"])
 def test_pieces_add_up_to_the_whole(backend, spec):
-    """A run cut into pieces whose first ordinal is rx_box.mx_first (the verify rounds of
-    direct receives): their digests add up (digest::add) to the whole run's, and the
+    """A run cut into pieces whose first ordinal is a copy's param[0] (RX_BOX_FIRST_ORDINAL:
+    the verify rounds of direct receives): their digests add up (digest::add) to the whole run's, and the
     same pieces with ordinals from 0 do not."""
     n, cuts = 8192 * 3, [0, 8192, 8192 + 2048, 3 * 8192]
     x = make_case("wide", rows=1, cols=n, seed=9).view(-1)
@@ -180,14 +180,31 @@ def test_pieces_add_up_to_the_whole(backend, spec):
               "mx": int(_C.DIGEST_MX) | int(_C.MX_ROUND_CEIL) << 8}[spec]
 
     def run(b, first_ordinals=True):
-        rows = [(b["x"].data_ptr() + 2 * a, b["y"].data_ptr() + 2 * a, (e - a,), (1,), (1,), BF16, BF16, 0, 0,
-                 a if first_ordinals else 0, 0) for a, e in itertools.pairwise(cuts)]
+        rows = [(b["x"].data_ptr() + 2 * a, b["y"].data_ptr() + 2 * a, (e - a,), (1,), (1,), BF16, BF16, 0,
+                 a if first_ordinals else 0) for a, e in itertools.pairwise(cuts)]
         return with_digest(table(rows), [digest] * len(rows))
 
     whole_run = digests("twin", lambda b: with_digest(whole(b["x"], b["y"]), [digest]), dict(bufs), "src")[0]
     for pass_ in ("src", "copy", "dst"):
         assert _added(digests(backend, run, bufs, pass_)) == whole_run, pass_
     assert _added(digests(backend, lambda b: run(b, False), bufs, "src")) != whole_run
+
+
+def test_first_ordinal_is_checked():
+    """A copy's first verify ordinal (param[0]) is >= 0, and a piece digested as the
+    receiver's MXFP8 quantize holds it starts on a block (a multiple of 32): else refused."""
+    x = make_case("wide", rows=1, cols=64, seed=3).view(-1)
+    y = torch.zeros_like(x)
+    mx = int(_C.DIGEST_MX) | int(_C.MX_ROUND_CEIL) << 8
+
+    def box(first, digest):
+        return with_digest(table([(x.data_ptr(), y.data_ptr(), (64,), (1,), (1,), BF16, BF16, 0, first)]), [digest])
+
+    _C.digest_boxes_cpu(box(32, mx), PASSES["src"])
+    _C.digest_boxes_cpu(box(16, 0), PASSES["src"])
+    for first, digest in ((16, mx), (-1, 0)):
+        with pytest.raises(rx.InternalError, match="bad box"):
+            _C.digest_boxes_cpu(box(first, digest), PASSES["src"])
 
 
 def _added(ds: list[int]) -> int:
@@ -212,7 +229,7 @@ def test_cast_digest_matches_the_receivers_cast(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rounding", ["ceil", "floor"])
 def test_mx_digest_of_bf16_equals_fused_quantize(backend, rounding):
-    """A BF16 pack box whose receiver quantizes (RX_DIGEST_MX) digests what the receiver's
+    """A BF16 pack box whose receiver quantizes (RX_DIGEST_CODEC, MXFP8) digests what the receiver's
     fused MX_DATA box writes (E4M3 bytes and scales), whatever the scale layout, and a
     changed scale byte or data byte of the destination changes the destination digest."""
     r = {"ceil": int(_C.MX_ROUND_CEIL), "floor": int(_C.MX_ROUND_FLOOR)}[rounding]

@@ -1,24 +1,24 @@
 // Box validity: the checks every consumer of a box table (the kernels, their CPU twins,
-// the table builders) runs before it trusts a box.
+// the table builders) runs before it trusts a box. A codec's own fields are its codec's
+// to check (kernels/codecs/registry.h).
 #include "core/box.h"
 
 #include "common/dtype.h"
-#include "core/mxfp8.h"
 
 namespace {
 
 // rx_box.digest (box.h): a cast target must be a float the written float converts to;
-// an MX digest needs a BF16 copy whose innermost rows are whole blocks.
+// a codec digest belongs to a copy box (its codec checks the rest).
 bool digest_valid(const rx_box& b) {
-  if (b.reserved != 0 || (b.digest >> 16) != 0) return false;
+  if (b.reserved != 0) return false;
   const int32_t arg = RX_DIGEST_ARG(b.digest);
+  if (RX_DIGEST_KIND(b.digest) == RX_DIGEST_CODEC)
+    return (b.digest >> 24) == 0 && RX_DIGEST_CODEC_ID(b.digest) != RX_CODEC_NONE && b.codec == RX_CODEC_NONE;
+  if ((b.digest >> 16) != 0) return false;
   switch (RX_DIGEST_KIND(b.digest)) {
     case RX_DIGEST_AS_WRITTEN: return arg == 0;
     case RX_DIGEST_CAST:
-      return b.mode == RX_BOX_COPY && rx::dtype_is_float(b.dst_dtype) && rx::dtype_is_float(arg);
-    case RX_DIGEST_MX:
-      return b.mode == RX_BOX_COPY && b.dst_dtype == RX_BF16 && (arg == rx::mx::kCeil || arg == rx::mx::kFloor) &&
-             b.shape[b.ndim - 1] % rx::mx::kBlock == 0 && b.mx_first % rx::mx::kBlock == 0;
+      return b.codec == RX_CODEC_NONE && rx::dtype_is_float(b.dst_dtype) && rx::dtype_is_float(arg);
     default: return false;
   }
 }
@@ -42,28 +42,8 @@ extern "C" int32_t rx_box_valid(const rx_box* b) {
     dst_span += n * ds;
     if (bytes > kMax || src_span > kMax / 8 || dst_span > kMax / 8) return 0;
   }
-  if (b->mode < 0 || (b->mode >> 24) != 0) return 0;
-  const int32_t kind = RX_BOX_KIND(b->mode), rounding = RX_BOX_ROUNDING(b->mode), scales = RX_BOX_SCALES(b->mode);
-  // Scale placement (box.h): only an MX_DATA box with a scale buffer has one.
-  const bool places_scales = kind == RX_BOX_MX_DATA && b->aux != 0;
-  const bool first_ordinal = kind == RX_BOX_COPY && b->mx_first >= 0;  // box.h: a piece's first verify ordinal
-  if (!places_scales && (scales != 0 || b->aux != 0 || (b->mx_first != 0 && !first_ordinal) || b->mx_cols != 0))
-    return 0;
-  if (!digest_valid(*b)) return 0;
-  if (kind == RX_BOX_COPY) return b->mode == 0 && rx::dtype_castable(b->src_dtype, b->dst_dtype);
-  if (rounding != rx::mx::kCeil && rounding != rx::mx::kFloor) return 0;
-  if (b->src_dtype != RX_BF16) return 0;
-  const int inner = b->ndim - 1;
-  if (kind == RX_BOX_MX_SCALE) return b->dst_dtype == RX_U8 || b->dst_dtype == RX_F8E8M0;
-  if (kind != RX_BOX_MX_DATA || !(b->dst_dtype == RX_F8E4M3 || b->dst_dtype == RX_U8)) return 0;
-  if (b->src_stride[inner] != 1 || b->dst_stride[inner] != 1 || b->shape[inner] % rx::mx::kBlock != 0) return 0;
-  if (!places_scales) return 1;
-  // Every block starts on the data buffer's 32-grid, inside one row of K elements.
-  if (scales != rx::mx::k2D && scales != rx::mx::kSwizzled) return 0;
-  if (b->mx_cols <= 0 || b->mx_cols % rx::mx::kBlock != 0) return 0;
-  if (b->mx_first < 0 || b->mx_first % rx::mx::kBlock != 0) return 0;
-  for (int d = 0; d < inner; ++d)
-    if (b->dst_stride[d] % rx::mx::kBlock != 0) return 0;
-  return 1;
+  if (b->codec < 0 || !digest_valid(*b)) return 0;
+  if (b->codec != RX_CODEC_NONE) return 1;  // the rest is the codec's (kernels/codecs/registry.h)
+  // A copy's param[0] is its first verify ordinal (box.h).
+  return b->param[0] >= 0 && b->param[1] == 0 && b->param[2] == 0 && rx::dtype_castable(b->src_dtype, b->dst_dtype);
 }
-

@@ -13,36 +13,17 @@ extern "C" {
 
 #define RX_MAX_DIMS 6
 
-// What a box does with its elements (rx_box.mode = kind | rounding << 8 | scales << 16).
-//   RX_BOX_COPY: copy, casting between floating types (mode 0, no MX fields but
-//     mx_first: the verify ordinal of the box's first element, >= 0, for a piece of a
-//     larger box digested piece by piece (kernels/digest.h); else 0).
-//   RX_BOX_MX_DATA: MXFP8 quantize fused into the copy (src BF16, dst E4M3 or uint8
-//     bytes). The innermost dim has unit stride on both sides and an extent that is a
-//     multiple of the MX block (32, rx::mx::kBlock); each run of 32 innermost elements is one MX block
-//     (the host only builds such boxes where they lie on the logical tensor's 32-grid).
-//     Per block: e = shared E8M0 exponent of its amax, data = x / 2^(e-127) in E4M3
-//     (core/mxfp8.h). aux != 0: e is also written into the scale buffer at aux, for a
-//     dst that is a window of a contiguous [M, K] data buffer: the block at dst element
-//     offset o within the box starts at element f = mx_first + o of that buffer, i.e.
-//     row f / K, block column (f % K) / 32 (K = mx_cols, a multiple of 32; mx_first
-//     and the outer dst strides multiples of 32), and its scale byte is
-//     aux + rx::mx::scale_offset(f, K, scales) (core/mxfp8.h):
-//       scales RX_MX_SCALE_2D: row-major [M, K/32], byte f / 32;
-//       scales RX_MX_SCALE_SWIZZLED: the cuBLAS 128x4-tile layout; the box writes only
-//         the scales of its blocks, never the padding (the host zeroes that once).
-//     aux == 0: no scales (a sender's pack of the data alone); scales, mx_first and
-//     mx_cols are 0.
-//   RX_BOX_MX_SCALE: the scales alone (src BF16, dst uint8 or E8M0): dst element j is
-//     the shared exponent of the 32 contiguous BF16 at src element j's address, so
-//     src strides step over whole blocks (innermost 32 for a row of blocks); aux,
-//     scales, mx_first and mx_cols are 0.
-// rounding: RX_MX_ROUND_CEIL (0) or RX_MX_ROUND_FLOOR (1), scales: RX_MX_SCALE_2D (0) or
-// RX_MX_SCALE_SWIZZLED (1), both of kernels/mxfp8_api.h.
-typedef enum rx_box_kind { RX_BOX_COPY = 0, RX_BOX_MX_DATA = 1, RX_BOX_MX_SCALE = 2 } rx_box_kind;
-#define RX_BOX_KIND(mode) ((mode) & 0xff)
-#define RX_BOX_ROUNDING(mode) (((mode) >> 8) & 0xff)
-#define RX_BOX_SCALES(mode) (((mode) >> 16) & 0xff)
+// What a box does with its elements: rx_box.codec = id | flags << 8.
+//   id RX_CODEC_NONE (0): a copy, casting between floating types (codec 0); its
+//     param[0] is its first verify ordinal (RX_BOX_FIRST_ORDINAL), param[1..2] are 0.
+//   any other id: a fused conversion (a codec: MXFP8 today) that the kernels apply to
+//     the box's elements on the way, dispatching on the id once per box. Ids, flags and
+//     the meaning of param[] belong to the codec (kernels/codecs/: registry.h lists the
+//     ids, one header per codec says what its boxes hold); core builds such boxes from
+//     TensorRefs and checks only what every box must satisfy (RX_MAX_DIMS, sizes).
+enum { RX_CODEC_NONE = 0 };
+#define RX_CODEC_ID(codec) ((codec) & 0xff)
+#define RX_CODEC_FLAGS(codec) ((codec) >> 8)
 
 // One box: `shape` elements (outermost dim first), read at `src` with `src_stride`
 // (in elements of src_dtype) and written at `dst` with `dst_stride` (in elements of
@@ -57,28 +38,33 @@ typedef struct rx_box {
   int32_t ndim;
   int32_t src_dtype;
   int32_t dst_dtype;
-  int32_t mode;       // rx_box_kind | rounding << 8 | scales << 16
-  uint64_t aux;       // RX_BOX_MX_DATA: the scale buffer (its byte 0), or 0
-  int64_t mx_first;   // ... with aux: element offset of dst in its contiguous data buffer; COPY: first ordinal
-  int64_t mx_cols;    // ... with aux: that buffer's row length K (elements)
+  int32_t codec;      // RX_CODEC_NONE, or a codec's id | flags << 8
+  int64_t param[3];   // the codec's per-box parameters (e.g. where its scales go); a copy's: above
   int32_t digest;     // verify only: how the receiver holds what the box writes (RX_DIGEST_*)
   int32_t reserved;   // 0
 } rx_box;
 
-// rx_box.digest (kind | arg << 8): how verify digests (kernels/digest.h) see the box's
-// written elements when the receiver ends up holding something else.
-//   0: as written (the dst dtype; an MX_DATA box: its E4M3 bytes, and its scales with
-//     aux; an MX_SCALE box: its scale bytes).
+// rx_box.digest (kind | arg << 8 | codec id << 16): how verify digests (kernels/digest.h)
+// see the box's written elements when the receiver ends up holding something else.
+//   0: as written (the dst dtype; a codec box: what its codec writes).
 //   RX_DIGEST_CAST, arg = a floating dtype: converted to that type (a sender's pack of a
 //     wire dtype the receiver casts on unpack).
-//   RX_DIGEST_MX, arg = rounding: the BF16 it writes as the receiver's MXFP8 quantize
-//     holds them (E4M3 bytes and block scales); a COPY box writing BF16 whose innermost
-//     extent is whole 32-element blocks (each run of 32 innermost elements is a block).
-enum { RX_DIGEST_AS_WRITTEN = 0, RX_DIGEST_CAST = 1, RX_DIGEST_MX = 2 };
+//   RX_DIGEST_CODEC, codec id != 0, arg = codec flags: a copy box (codec 0) whose
+//     elements the receiver converts with that codec after they land, digested as the
+//     codec would write them (the codec says which boxes qualify).
+enum { RX_DIGEST_AS_WRITTEN = 0, RX_DIGEST_CAST = 1, RX_DIGEST_CODEC = 2 };
 #define RX_DIGEST_KIND(d) ((d) & 0xff)
 #define RX_DIGEST_ARG(d) (((d) >> 8) & 0xff)
+#define RX_DIGEST_CODEC_ID(d) (((d) >> 16) & 0xff)
 
-// 1 when a box is well formed for its mode (ndim, extents, dtypes, MX geometry).
+// The verify ordinal (kernels/digest.h) of a box's first element. A copy's param[0],
+// >= 0: 0 for a whole op's box, the op ordinal it starts at for a piece of one digested
+// piece by piece (ExecTables::direct_recv_round); a codec box's ordinals start at 0.
+#define RX_BOX_FIRST_ORDINAL(b) ((b).codec == RX_CODEC_NONE ? (b).param[0] : 0)
+
+// 1 when a box is well formed as far as core can tell (ndim, extents, byte spans, dtypes
+// and digest of a copy). A codec box or codec digest is checked further by its codec
+// (rx_codec_valid, kernels/codecs/registry.h) wherever the kernels consume boxes.
 int32_t rx_box_valid(const rx_box* box);
 
 #ifdef __cplusplus

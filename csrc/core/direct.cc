@@ -51,7 +51,7 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
   for (const rx_box& b : boxes) {
     const int64_t elem = dtype_size(b.src_dtype);
     const int last = b.ndim - 1;
-    bool ok = min_bytes > 0 && b.mode == RX_BOX_COPY && b.src_dtype == b.dst_dtype && elem > 0 &&
+    bool ok = min_bytes > 0 && b.codec == RX_CODEC_NONE && b.src_dtype == b.dst_dtype && elem > 0 &&
               (b.ndim == 1 || b.ndim == 2) && b.src_stride[last] == 1 && b.dst_stride[last] == 1 &&
               box_bytes(b) >= min_bytes;
     EngineCopy c;

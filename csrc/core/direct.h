@@ -32,7 +32,7 @@ struct EngineCopy {
 };
 
 // Splits boxes between the copy engines and the box kernel. A plain copy (same dtype, no
-// MX) of at least `min_bytes` whose innermost dim is contiguous on both sides, 1-D or 2-D
+// codec) of at least `min_bytes` whose innermost dim is contiguous on both sides, 1-D or 2-D
 // after make_box folded it, with rows of at least kMinEngineRow bytes and pitches that do
 // not overlap rows, becomes an EngineCopy; every other box stays a kernel box, in order.
 // min_bytes <= 0: no copy engines.
@@ -54,8 +54,8 @@ EngineBatches batch_engines(const std::vector<EngineCopy>& copies);
 // many copy engines busy. n <= 1: one list holding the copies as they are.
 std::vector<std::vector<EngineCopy>> spread_engines(const std::vector<EngineCopy>& copies, int n);
 
-// [lo, hi): the bytes of dst memory a box's elements span (MX scales, written at aux, are
-// not included). Empty boxes give lo == hi.
+// [lo, hi): the bytes of dst memory a box's elements span (a codec's side bytes, such as
+// MXFP8 scales, are not included). Empty boxes give lo == hi.
 std::pair<uint64_t, uint64_t> dst_span(const rx_box& box);
 
 }  // namespace rx

@@ -8,13 +8,12 @@
 #include "common/check.h"
 #include "common/dtype.h"
 #include "core/checked.h"
-#include "core/mxfp8.h"
 #include "core/overlap.h"
 
 namespace rx {
 
 rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
-                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode, BoxScales scales) {
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t codec, BoxParams params) {
   const int nd = static_cast<int>(size.size());
   std::vector<int64_t> contig(nd, 1);
   for (int d = nd - 2; d >= 0; --d) contig[d] = checked_mul(contig[d + 1], size[d + 1], "elements of a box");
@@ -46,13 +45,10 @@ rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* s
     b.src_stride[i] = dm.s;
     b.dst_stride[i] = dm.d;
   }
-  b.mode = mode;
-  b.aux = scales.ptr;
-  b.mx_first = scales.first;
-  b.mx_cols = scales.cols;
-  // Merging only multiplies the innermost extent, so whole blocks stay whole; a box
-  // that is not valid here means a caller bound MX to a piece it should not have.
-  RX_HOST_ASSERT(rx_box_valid(&b), "bad box for mode ", mode, ": innermost extent ", b.shape[b.ndim - 1],
+  b.codec = codec;
+  for (int i = 0; i < 3; ++i) b.param[i] = params.p[i];
+  // Merging only multiplies the innermost extent, so a codec's whole blocks stay whole.
+  RX_HOST_ASSERT(rx_box_valid(&b), "bad box for codec ", codec, ": innermost extent ", b.shape[b.ndim - 1],
                  ", strides ", b.src_stride[b.ndim - 1], "/", b.dst_stride[b.ndim - 1], ", dtypes ", src_dtype, "->",
                  dst_dtype);
   return b;
@@ -83,10 +79,11 @@ int64_t ExecTables::recv_buffer_bytes() const {
 
 namespace {
 
-// Strides of a piece's coordinates: a scale-read src steps whole blocks along the last dim.
+// Strides of a piece's coordinates: a codec reading blocks steps `grain` elements along
+// the last dim.
 std::vector<int64_t> coord_strides(const TensorRef& t) {
   std::vector<int64_t> s = t.strides;
-  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !s.empty()) s.back() *= mx::kBlock;
+  if (!s.empty()) s.back() = checked_mul(s.back(), t.grain, "stride");
   return s;
 }
 
@@ -98,21 +95,20 @@ uint64_t element_addr(const TensorRef& t, const std::vector<int64_t>& strides, c
   return t.ptr + static_cast<uint64_t>(checked_mul(off, dtype_size(t.dtype), "byte offset"));
 }
 
-// A box's mode from the refs it joins (at most one side is MX).
-int32_t box_mode(const TensorRef* s, const TensorRef* d) {
-  RX_HOST_ASSERT(!(s && s->mx_mode && d && d->mx_mode), "bind: MX on both ends of a box");
-  return (s && s->mx_mode) ? s->mx_mode : (d ? d->mx_mode : 0);
+// A box's codec from the refs it joins (at most one side has one).
+int32_t box_codec(const TensorRef* s, const TensorRef* d) {
+  RX_HOST_ASSERT(!(s && s->codec && d && d->codec), "bind: a codec on both ends of a box");
+  return (s && s->codec) ? s->codec : (d ? d->codec : 0);
 }
 
-// For a scale-writing data dst, where its scales go: the box's first element is byte
-// `at - ptr` of the data.
-BoxScales box_scales(const TensorRef& d, uint64_t at) {
-  if (RX_BOX_KIND(d.mx_mode) != RX_BOX_MX_DATA || d.mx_scale == 0) return {};
-  const int64_t first = static_cast<int64_t>(at - d.ptr);
-  RX_HOST_ASSERT(first % mx::kBlock == 0, "bind: MX box does not start on a block");
-  RX_HOST_ASSERT(d.mx_cols > 0 && d.mx_cols % mx::kBlock == 0, "bind: MX data rows of ", d.mx_cols,
-                 " elements are not whole blocks");
-  return {d.mx_scale, first, d.mx_cols};
+// A dst codec's parameters for the box whose first element is at `at` (TensorRef).
+BoxParams box_params(const TensorRef& d, uint64_t at) {
+  if (d.codec == 0 || d.side == 0) return {};
+  BoxParams p;
+  p.p[0] = static_cast<int64_t>(d.side);
+  p.p[1] = static_cast<int64_t>(at - d.ptr) / dtype_size(d.dtype);
+  p.p[2] = d.arg;
+  return p;
 }
 
 // Cuts one batch's ops (in canonical order, `boxes` and `index` - their plan op - aligned
@@ -144,7 +140,7 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
     if (direct_bytes > 0 && op.nbytes >= direct_bytes && !aliased.count(staging_is_dst ? op.src_name : op.dst_name)) {
       flush();
       const int64_t tensor_stride = staging_is_dst ? box.src_stride[0] : box.dst_stride[0];
-      const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.mode == RX_BOX_COPY;
+      const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.codec == RX_CODEC_NONE;
       if (flat) {
         out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes, true});
         direct.push_back(index[i]);
@@ -166,28 +162,30 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
   index.swap(kept_index);
 }
 
-// rx_box.digest of an op's box (api.h), so that verify digests cover what the receiver
-// holds. A tensor the receiver quantizes to MXFP8 (mx_receivers) is digested as E4M3
-// bytes and block scales where the op's box is whole 32-element blocks of the logical
-// last dim arriving as BF16 - a test on the op alone, so both ends make it alike; a box
-// that quantizes on its own (MX_DATA) is digested so anyway, while a BF16 box into a
-// staging piece (quantized later, in one pass over the whole piece) or a pack box
-// computes the quantize in the digest. Elsewhere a pack of a wire dtype the receiver
-// casts hashes the cast value.
+// rx_box.digest of an op's box (core/box.h), so that verify digests cover what the
+// receiver holds. A tensor the receiver converts with a codec (codec_receivers) is
+// digested as the codec writes it where the op's box is whole blocks of the logical last
+// dim arriving in the codec's input dtype - a test on the op alone, so both ends make it
+// alike; a box that converts on its own (a codec box) is digested so anyway, while a
+// copy box into a staging piece (converted later, in one pass over the whole piece) or a
+// pack box computes the conversion in the digest. Elsewhere a pack of a wire dtype the
+// receiver casts hashes the cast value.
 int32_t digest_of(const TransferOp& op, const rx_box& box, int32_t reads,
-                  const std::unordered_map<int32_t, int32_t>& mx_receivers) {
-  const auto mx = mx_receivers.find(op.dst_name);
-  const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % mx::kBlock == 0 &&
-                     op.global.back() % mx::kBlock == 0;
-  if (mx != mx_receivers.end() && whole && reads == RX_BF16 && box.mode == RX_BOX_COPY && box.dst_dtype == RX_BF16)
-    return RX_DIGEST_MX | mx->second << 8;
-  if (box.mode == RX_BOX_COPY && box.dst_dtype != op.dst_dtype && dtype_castable(box.dst_dtype, op.dst_dtype))
+                  const std::unordered_map<int32_t, ReceiverCodec>& codec_receivers) {
+  const auto rc = codec_receivers.find(op.dst_name);
+  if (rc != codec_receivers.end()) {
+    const ReceiverCodec& r = rc->second;
+    const bool whole = !op.mine.size.empty() && op.mine.size.back() > 0 && op.mine.size.back() % r.grain == 0 &&
+                       op.global.back() % r.grain == 0;
+    if (whole && reads == r.dtype && box.codec == RX_CODEC_NONE && box.dst_dtype == r.dtype) return r.digest;
+  }
+  if (box.codec == RX_CODEC_NONE && box.dst_dtype != op.dst_dtype && dtype_castable(box.dst_dtype, op.dst_dtype))
     return RX_DIGEST_CAST | op.dst_dtype << 8;
   return RX_DIGEST_AS_WRITTEN;
 }
 
 bool same_memory(const rx_box& b) {
-  if (b.src != b.dst || b.src_dtype != b.dst_dtype || b.mode != RX_BOX_COPY) return false;
+  if (b.src != b.dst || b.src_dtype != b.dst_dtype || b.codec != RX_CODEC_NONE) return false;
   for (int i = 0; i < b.ndim; ++i)
     if (b.src_stride[i] != b.dst_stride[i]) return false;
   return true;
@@ -203,8 +201,8 @@ struct Aliasing {
 View view_of(const TensorRef& t) {
   if (t.shape.size() != t.strides.size()) return View{t.ptr, {0}, {0}, 1};  // shape not given: not checked
   View v{t.ptr, t.shape, t.strides, dtype_size(t.dtype)};
-  // A scale-read src reads a whole block of BF16 at each of its coordinates.
-  if (RX_BOX_KIND(t.mx_mode) == RX_BOX_MX_SCALE && !v.shape.empty()) v.shape.back() *= rx::mx::kBlock;
+  // A codec reading blocks reads `grain` elements at each coordinate of the last dim.
+  if (!v.shape.empty()) v.shape.back() = checked_mul(v.shape.back(), t.grain, "piece extent");
   return v;
 }
 
@@ -230,7 +228,7 @@ Aliasing check_memory(const RankPlan& plan, const std::vector<TensorRef>& src, c
     const TransferOp& op = plan.copies[i];
     const TensorRef& s = *src_of.at(op.src_name);
     const TensorRef& d = *dst_of.at(op.dst_name);
-    identity[i] = s.mx_mode == 0 && d.mx_mode == 0 && s.dtype == d.dtype && s.strides == d.strides &&
+    identity[i] = s.codec == 0 && d.codec == 0 && s.dtype == d.dtype && s.strides == d.strides &&
                   addr(s, op.theirs.start) == addr(d, op.mine.start);
     if (identity[i]) continue;
     written.insert(&d);
@@ -254,7 +252,7 @@ Aliasing check_memory(const RankPlan& plan, const std::vector<TensorRef>& src, c
     return View{addr(t, start), size, coord_strides(t), dtype_size(t.dtype)};
   };
   auto boxes_meet = [&](const TensorRef& d, const TensorRef& s) {
-    if (d.mx_mode || s.mx_mode) return true;  // scale coordinates: no box-level answer, assume they meet
+    if (d.codec || s.codec) return true;  // codec coordinates: no box-level answer, assume they meet
     std::vector<View> w, r;
     for (const auto* ops : {&plan.recvs, &plan.direct_recvs})
       for (const TransferOp& op : *ops)
@@ -354,7 +352,7 @@ std::vector<rx_box> ExecTables::direct_recv_round(int32_t b, int32_t r, int32_t 
     box.src += static_cast<uint64_t>(begin);
     box.dst += static_cast<uint64_t>(begin);
     box.shape[0] = (end - begin) / es;
-    box.mx_first = begin / es;
+    box.param[0] = begin / es;  // its first verify ordinal (RX_BOX_FIRST_ORDINAL): a direct receive is a copy
   });
   return out;
 }
@@ -381,7 +379,7 @@ std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {
 
 void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
                       const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
-                      int64_t direct_bytes, const std::unordered_map<int32_t, int32_t>& mx_receivers) {
+                      int64_t direct_bytes, const std::unordered_map<int32_t, ReceiverCodec>& codec_receivers) {
   RX_HOST_ASSERT(src.size() == src_used_.size() && dst.size() == dst_used_.size(), "bind: wrong tensor count");
   std::unordered_map<int32_t, const TensorRef*> src_of, dst_of;
   for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
@@ -419,8 +417,8 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const TensorRef& t = *src_of.at(op.src_name);
     const uint64_t buf = send_bufs[op.batch % send_bufs.size()] + send_regions[op.batch].at(op.peer) + op.offset;
     rx_box box = make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf, nullptr,
-                          op.wire_dtype, box_mode(&t, nullptr));
-    box.digest = digest_of(op, box, op.wire_dtype, mx_receivers);
+                          op.wire_dtype, box_codec(&t, nullptr));
+    box.digest = digest_of(op, box, op.wire_dtype, codec_receivers);
     send_boxes_.push_back(box);
     pack_[op.batch].push_back(box);
     pack_ops_[op.batch].push_back(static_cast<int32_t>(i));
@@ -431,8 +429,8 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const uint64_t buf = recv_bufs[op.batch % recv_bufs.size()] + recv_regions[op.batch].at(op.peer) + op.offset;
     const uint64_t at = addr(t, op.mine.start);
     rx_box box = make_box(op.mine.size, buf, nullptr, op.wire_dtype, at, t.strides.data(), t.dtype,
-                          box_mode(nullptr, &t), box_scales(t, at));
-    box.digest = digest_of(op, box, op.wire_dtype, mx_receivers);
+                          box_codec(nullptr, &t), box_params(t, at));
+    box.digest = digest_of(op, box, op.wire_dtype, codec_receivers);
     recv_boxes_.push_back(box);
     unpack_[op.batch].push_back(box);
     unpack_ops_[op.batch].push_back(static_cast<int32_t>(i));
@@ -455,8 +453,8 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const TensorRef& d = *dst_of.at(op.dst_name);
     const uint64_t at = addr(d, op.mine.start);
     rx_box box = make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
-                          d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at));
-    box.digest = digest_of(op, box, box.dst_dtype, mx_receivers);
+                          d.strides.data(), d.dtype, box_codec(&s, &d), box_params(d, at));
+    box.digest = digest_of(op, box, box.dst_dtype, codec_receivers);
     // A copy of memory onto itself (a relay replica's own share) is dropped.
     if (!same_memory(box)) copies_.push_back(box);
   }
@@ -478,7 +476,7 @@ void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vecto
     const std::vector<int64_t> ss = coord_strides(s);
     const uint64_t at = element_addr(d, coord_strides(d), op.theirs.start);
     direct_.push_back(make_box(op.mine.size, element_addr(s, ss, op.mine.start), ss.data(), s.dtype, at,
-                               d.strides.data(), d.dtype, box_mode(&s, &d), box_scales(d, at)));
+                               d.strides.data(), d.dtype, box_codec(&s, &d), box_params(d, at)));
   }
 }
 
@@ -492,14 +490,15 @@ std::vector<std::pair<int32_t, int32_t>> ExecTables::direct_recv_pieces() const 
   return out;
 }
 
-std::vector<int32_t> ExecTables::whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group) const {
+std::vector<int32_t> ExecTables::whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group,
+                                                  int32_t dtype) const {
   RX_HOST_ASSERT(src_dtypes.size() == src_used_.size() && group > 0, "whole_group_dsts: bad arguments");
   std::unordered_map<int32_t, int32_t> src_dtype;
   for (size_t i = 0; i < src_used_.size(); ++i) src_dtype[src_used_[i]] = src_dtypes[i];
   std::unordered_map<int32_t, bool> whole;  // by dst table index
   auto note = [&](const TransferOp& op, int32_t reads) {
     const std::vector<int64_t>& start = op.mine.start;
-    const bool ok = !start.empty() && reads == RX_BF16 && start.back() % group == 0 && op.mine.size.back() % group == 0;
+    const bool ok = !start.empty() && reads == dtype && start.back() % group == 0 && op.mine.size.back() % group == 0;
     auto it = whole.emplace(op.dst_name, true).first;
     it->second = it->second && ok;
   };

@@ -20,34 +20,44 @@ struct TensorRef {
   int32_t dtype = -1;
   std::vector<int64_t> shape;    // the piece's shape (coordinates); empty: not known, no memory checks
   std::string name;              // for messages
-  // MXFP8 fused into the boxes of this piece (rx_box.mode; 0: plain). Every box that
-  // touches the piece gets the mode:
-  //   RX_BOX_MX_DATA on a dst: ptr/strides/dtype are the E4M3 data buffer, a contiguous
-  //     [M, K] with K = mx_cols (a multiple of 32); mx_scale, when not 0, its scale
-  //     buffer (byte 0) in the layout RX_BOX_SCALES(mx_mode) names: row-major [M, K/32]
-  //     or swizzled (whose padding the boxes never write).
-  //   RX_BOX_MX_DATA on a src: ptr/strides are a BF16 tensor read as its E4M3 data.
-  //   RX_BOX_MX_SCALE on a src: ptr/strides are a BF16 tensor read as its scales: the
-  //     piece's coordinates are scale coordinates (last dim in 32-element blocks).
-  // MX boxes must keep 32-element blocks whole along the last dim (whole_group_dsts).
-  int32_t mx_mode = 0;
-  uint64_t mx_scale = 0;
-  int64_t mx_cols = 0;
+  // A codec fused into the boxes of this piece (rx_box.codec, core/box.h; 0: plain).
+  // Every box that touches the piece gets it; what ptr/strides/dtype then mean is the
+  // codec's (kernels/codecs/), e.g. the E4M3 data buffer of an MXFP8 dst, or the BF16
+  // source an MXFP8 src is read from. At most one end of a box has a codec.
+  //   side, arg: a dst codec's side buffer (e.g. MXFP8 scales; a peer's mapping of it
+  //     for a direct send) and argument (MXFP8: the data rows' length). Each box into
+  //     the piece gets param = {side, element offset of its first element from ptr,
+  //     arg} when side != 0, else all 0.
+  //   grain: elements of the tensor at ptr that one coordinate of the piece's last dim
+  //     covers (a codec reading whole blocks per coordinate, e.g. an MXFP8 scale source:
+  //     32); the box strides and memory checks scale the last dim by it.
+  int32_t codec = 0;
+  uint64_t side = 0;
+  int64_t arg = 0;
+  int64_t grain = 1;
 };
 
-// Where an MX_DATA box writes its scales (rx_box aux, mx_first, mx_cols); all 0: nowhere.
-struct BoxScales {
-  uint64_t ptr = 0;
-  int64_t first = 0;
-  int64_t cols = 0;
+// A codec's per-box parameters (rx_box.param); all 0 for a copy.
+struct BoxParams {
+  int64_t p[3] = {0, 0, 0};
+};
+
+// A dst the receiver converts with a codec after it lands (rx.MXFP8(where="receiver")
+// staging): the boxes into it that read `dtype` and keep `grain`-element blocks of the
+// logical last dim whole are digested as `digest` (RX_DIGEST_CODEC, core/box.h).
+struct ReceiverCodec {
+  int32_t digest = 0;
+  int64_t grain = 1;
+  int32_t dtype = -1;
 };
 
 // Builds one box and folds its dims: size-1 dims drop out and dims contiguous on both
 // sides merge, so a row-major slab becomes one long run. src/dst strides of nullptr
-// mean row-major contiguous. Throws ReshardError past RX_MAX_DIMS dims; an MX box
-// (mode != 0) whose innermost run is not whole unit-stride blocks is an InternalError.
+// mean row-major contiguous. Throws ReshardError past RX_MAX_DIMS dims, and an
+// InternalError for a box rx_box_valid rejects (a codec's own checks run where the
+// kernels take the table: the bindings check every bound box).
 rx_box make_box(const std::vector<int64_t>& size, uint64_t src, const int64_t* src_strides, int32_t src_dtype,
-                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t mode = 0, BoxScales scales = {});
+                uint64_t dst, const int64_t* dst_strides, int32_t dst_dtype, int32_t codec = 0, BoxParams params = {});
 
 // One point-to-point message of a batch: `bytes` at `ptr` (staging, or the tensor
 // itself for a direct message) to or from `peer`. Both ends cut a peer's ops into the
@@ -60,7 +70,7 @@ struct Message {
 };
 
 // A receiver's dst piece as a direct sender sees it (ExecTables::bind_direct): the
-// receiver's TensorRef of dst table entry `dst_name`, with ptr and mx_scale already
+// receiver's TensorRef of dst table entry `dst_name`, with ptr and side already
 // translated into the sender's mapping of the receiver's memory.
 struct PeerPiece {
   int32_t peer = -1;
@@ -87,9 +97,8 @@ class ExecTables {
   // message of its own, read from / written to the tensor in place when its box is one
   // contiguous run of the same dtype (no pack or unpack copy); smaller ops of a peer
   // share one message. 0: one message per peer (GPU: packing is cheap, messages are not).
-  // mx_receivers: dst table index -> rounding of the tensors the receiver quantizes to
-  // MXFP8 after they land (rx.MXFP8(where="receiver")): what verify digests of them
-  // cover (see digest_of_op in exec_tables.cc).
+  // codec_receivers: dst table index -> how the receiver converts that tensor after it
+  // lands: what verify digests of it cover (see digest_of in exec_tables.cc).
   // Memory rules (checked first, ReshardError naming the tensors): no dst piece has
   // elements that share memory (stride 0) or shares memory with another dst piece; a
   // dst piece may share memory with a src piece only with a single batch, where every
@@ -99,13 +108,13 @@ class ExecTables {
   // no-op and dropped.
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
             const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
-            int64_t direct_bytes = 0, const std::unordered_map<int32_t, int32_t>& mx_receivers = {});
+            int64_t direct_bytes = 0, const std::unordered_map<int32_t, ReceiverCodec>& codec_receivers = {});
 
   // Positions in dst_used() of the dst pieces whose every incoming box (receives and
-  // same-rank copies) reads BF16 and keeps `group`-element blocks of the last dim
-  // whole: the pieces an MX_DATA dst ref may bind to. src_dtypes: the dtype of each
-  // src tensor, aligned with src_used() (what bind will get).
-  std::vector<int32_t> whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group) const;
+  // same-rank copies) reads `dtype` and keeps `group`-element blocks of the last dim
+  // whole: the pieces a block codec's dst ref may bind to (MXFP8: BF16, 32). src_dtypes:
+  // the dtype of each src tensor, aligned with src_used() (what bind will get).
+  std::vector<int32_t> whole_group_dsts(const std::vector<int32_t>& src_dtypes, int64_t group, int32_t dtype) const;
 
   const std::vector<rx_box>& pack(int32_t b) const { return pack_[b]; }
   const std::vector<rx_box>& unpack(int32_t b) const { return unpack_[b]; }
@@ -146,7 +155,7 @@ class ExecTables {
   // stays one exchange); both ends cut alike, since only op sizes decide.
   // round_messages: the pieces of round r; direct_recv_round: aligned with
   // direct_recvs(b), the piece of each direct receive that lands in round r as a 1-D box
-  // (shape 0 where none does) whose ordinals go on from the op's (rx_box.mx_first).
+  // (shape 0 where none does) whose ordinals go on from the op's (RX_BOX_FIRST_ORDINAL, core/box.h).
   static constexpr int64_t kRoundAlign = 16384;  // a multiple of 32 elements of every size (MX blocks)
   std::vector<Message> round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const;
   std::vector<rx_box> direct_recv_round(int32_t b, int32_t r, int32_t rounds) const;

@@ -9,13 +9,16 @@
 #include "common/check.h"
 #include "common/dtype.h"
 #include "core/checked.h"
-#include "core/mxfp8.h"
 
 namespace rx {
 
 namespace {
 
 constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
+// Cuts inside the last dim fall on multiples of this many elements: a multiple of every
+// codec's block along the last dim (kernels/codecs/: MXFP8 32), so a fused codec finds
+// each block in one box.
+constexpr int64_t kLastDimGrain = 32;
 
 
 uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
@@ -192,10 +195,10 @@ void for_each_split(std::vector<int64_t>& off, std::vector<int64_t>& size, int64
   if (d == nd) return fn(off, size, numel);
   const int64_t per = numel * elem / size[d];
   int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
-  // Cuts inside the last dim fall on multiples of 32 elements (soft limit), so MXFP8
-  // blocks stay whole in every box (a fused quantize needs a block in one box).
-  if (d + 1 == nd) step = std::max<int64_t>(mx::kBlock, step / mx::kBlock * mx::kBlock);
-  if (step >= size[d]) return fn(off, size, numel);  // no finer cut allowed (whole MX blocks)
+  // Cuts inside the last dim fall on multiples of kLastDimGrain (soft limit), so codec
+  // blocks stay whole in every box.
+  if (d + 1 == nd) step = std::max<int64_t>(kLastDimGrain, step / kLastDimGrain * kLastDimGrain);
+  if (step >= size[d]) return fn(off, size, numel);  // no finer cut allowed (whole codec blocks)
   const int64_t full = size[d], base = off[d];
   for (int64_t lo = 0; lo < full; lo += step) {
     size[d] = std::min(step, full - lo);

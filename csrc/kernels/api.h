@@ -24,8 +24,8 @@ int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
 // kernels/digest.h).
 //   RX_PASS_COPY: copies, hashing the elements as they are written (fused);
 //   RX_PASS_SRC: writes nothing, hashes what the box would write (reads its source);
-//   RX_PASS_DST: writes nothing, hashes what its destination holds (and, for an
-//     MX_DATA box with aux, the scale bytes at its blocks' places).
+//   RX_PASS_DST: writes nothing, hashes what its destination holds (and, for a codec
+//     box that places side bytes such as MXFP8 scales, those too).
 typedef enum rx_pass { RX_PASS_NONE = 0, RX_PASS_COPY = 1, RX_PASS_SRC = 2, RX_PASS_DST = 3 } rx_pass;
 int32_t rx_digest_boxes_cpu(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t* digests);
 
@@ -37,8 +37,9 @@ int32_t rx_digest_boxes_cpu(const rx_box* boxes, int64_t num_boxes, int32_t pass
 //     rounded down to a multiple of unit (a no-op except for the aligned body of a
 //     1-D box whose pointers are equally misaligned; its head and tail get
 //     element-sized tiles).
-//   unit 0: a cast; items are elements. MX boxes (mode != RX_BOX_COPY) also have
-//     unit 0; their items are 32-element blocks (MX_DATA) or scale bytes (MX_SCALE).
+//   unit 0: a cast; items are elements. Codec boxes (codec != RX_CODEC_NONE) also have
+//     unit 0; their items are what the codec says (codecs::items: an MXFP8 block or
+//     scale byte).
 // Every element of every box lies in exactly one tile; empty boxes get none.
 //
 // RX_TILE_FLAT (flags): a copy tile of a box of at most 2 dims whose innermost dim is
@@ -70,7 +71,7 @@ typedef struct rx_tile {
 // table's total so one launch fills the GPU for one huge box and for 10,000 tiny ones
 // alike). Writes at most `max_tiles` tiles into `tiles` (which may be NULL when
 // max_tiles is 0) and returns how many are needed, or -1 for a bad box (ndim out of
-// range, negative extent, non-castable dtypes or MX geometry, pointers not aligned to
+// range, negative extent, non-castable dtypes or bad codec fields, pointers not aligned to
 // their element).
 int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t tile_bytes,
                       rx_tile* tiles, int64_t max_tiles);

@@ -7,8 +7,9 @@
 // by 32 items with carries (no division in the loop), issuing kUnroll independent
 // loads before their stores so several accesses per lane are in flight. Items are
 // 1..16 bytes (uint4 on the fast path) or, for a cast, single elements converted with
-// cast.h so the bits equal the CPU twin and torch's Tensor.to. MX boxes (api.h) take
-// one 32-element block (or one scale byte) per item, quantized with core/mxfp8.h.
+// cast.h so the bits equal the CPU twin and torch's Tensor.to. Codec boxes (api.h) run
+// their codec's lanes (codecs/lanes.cuh: MXFP8 takes one 32-element block, or one scale
+// byte, per item).
 //
 // The per-lane code is __host__ __device__ and has no warp intrinsics, so
 // rx_copy_boxes_emulated runs the very same index math on the host (tests on machines
@@ -26,17 +27,15 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "core/mxfp8.h"
 #include "kernels/api.h"
 #include "kernels/cast.h"
+#include "kernels/codecs/lanes.cuh"
 #include "kernels/digest.h"
-
-#define RX_LANE __host__ __device__ __forceinline__
+#include "kernels/lane.cuh"
 
 namespace rx {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kUnroll = 4;  // independent loads in flight per lane
 constexpr int kMinBlocksPerSm = 4;  // 64 registers: 32 warps per SM, ~64 KiB of loads in flight
@@ -114,56 +113,8 @@ RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
     g.n[ND - 1] = b.shape[b.ndim - 1] * t.src_size / t.unit;
     g.ss[ND - 1] = g.ds[ND - 1] = t.unit;
   }
-  if (RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA) {  // items are whole blocks of the unit-stride innermost dim
-    g.n[ND - 1] = b.shape[b.ndim - 1] / mx::kBlock;
-    g.ss[ND - 1] = mx::kBlock * t.src_size;
-    g.ds[ND - 1] = mx::kBlock * t.dst_size;
-  }
+  codec_geom<ND>(g, b, t);  // a codec's items (an MXFP8 block)
   split<ND>(g.n, kWarp, g.step);
-}
-
-// Global-space accesses that skip L1 (data is touched once); plain ones on the host.
-template <typename T>
-RX_LANE T load_item(const char* p) {
-#if defined(__CUDA_ARCH__)
-  return __ldcg(reinterpret_cast<const T*>(p));
-#else
-  T v;
-  memcpy(&v, p, sizeof(T));
-  return v;
-#endif
-}
-
-template <typename T>
-RX_LANE void store_item(char* p, T v) {
-#if defined(__CUDA_ARCH__)
-  __stcg(reinterpret_cast<T*>(p), v);
-#else
-  memcpy(p, &v, sizeof(T));
-#endif
-}
-
-// One lane's digest of a verify pass: the sum so far and how the box's elements count
-// (fixed per box). Unused by the plain copy (P = RX_PASS_NONE).
-struct Dg {
-  uint64_t acc;
-  int32_t dtype;  // the elements as written: the box's dst dtype ...
-  int32_t size;   // ... and its size
-  int32_t spec;   // rx_box.digest
-  int32_t shift;  // log2(size): an item's first ordinal without a 64-bit division
-  int64_t delta;  // bytes from a copy item's unit-aligned base to the box's first element
-  int64_t first;  // the ordinal of the box's first element (a COPY box's mx_first, api.h)
-};
-
-// Adds the term of one element as written (`bits` of dg.dtype) at ordinal k.
-RX_LANE void hash_element(Dg& dg, uint64_t k, uint64_t bits) {
-  int size = dg.size;
-  if (RX_DIGEST_KIND(dg.spec) == RX_DIGEST_CAST) {  // as the receiver's cast holds it
-    const int32_t to = RX_DIGEST_ARG(dg.spec);
-    bits = convert_bits(bits, dg.dtype, to);
-    size = to == RX_F64 ? 8 : (to == RX_F32 ? 4 : 2);
-  }
-  dg.acc = digest::add(dg.acc, digest::element(k, bits, size));
 }
 
 // An item's bytes as little-endian 32-bit words.
@@ -319,113 +270,6 @@ RX_LANE void cast_items(const char* src, char* dst, const rx_box& b, const rx_ti
   }
 }
 
-// Words 4c..4c+3 of the BF16 block at p: one 16-byte load where the block is 16-byte
-// aligned (staging and tensor rows of whole blocks are), else 2-byte loads.
-RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
-  if (wide) return load_item<uint4>(p + 16 * c);
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-    w[k] = static_cast<uint32_t>(load_item<unsigned short>(p + 16 * c + 4 * k)) |
-           static_cast<uint32_t>(load_item<unsigned short>(p + 16 * c + 4 * k + 2)) << 16;
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// The shared exponent of the BF16 block at `from` (load_chunk's `wide`).
-RX_LANE uint8_t block_exponent(const char* from, bool wide, int32_t rounding) {
-  uint32_t amax = 0;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const uint4 v = load_chunk(from, c, wide);
-    amax = max(amax, max(max(mx::word_amax(v.x), mx::word_amax(v.y)), max(mx::word_amax(v.z), mx::word_amax(v.w))));
-  }
-  return mx::scale_exponent(amax, rounding);
-}
-
-// Half h (16 elements) of the BF16 block at `from` as E4M3 under scale e: 16 bytes.
-RX_LANE uint4 quantize_half(const char* from, int h, bool wide, uint8_t e) {
-  const uint4 u = load_chunk(from, 2 * h, wide), v = load_chunk(from, 2 * h + 1, wide);
-  return make_uint4(mx::quantize_words(u.x, u.y, e), mx::quantize_words(u.z, u.w, e), mx::quantize_words(v.x, v.y, e),
-                    mx::quantize_words(v.z, v.w, e));
-}
-
-// 16 bytes at p: one load where aligned, else byte loads.
-RX_LANE uint4 load16(const char* p) {
-  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) return load_item<uint4>(p);
-  uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int k = 0; k < 16; ++k) w[k / 4] |= static_cast<uint32_t>(load_item<unsigned char>(p + k)) << (8 * (k % 4));
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// Digest terms of 16 E4M3 bytes (four words) at ordinals k..
-RX_LANE void hash_data16(Dg& dg, uint64_t k, uint4 q) {
-  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) dg.acc = digest::add(dg.acc, digest::bytes4(k + 4 * m, qw[m]));
-}
-
-// MX boxes: one lane per item (no warp intrinsics, so the emulated run executes this
-// very code). A block is read twice, once for its amax and once to quantize it 16
-// elements at a time: the second read hits L2, and a lane never holds the whole block
-// (which would spill at this kernel's 64-register budget). MX_DATA writes the block's
-// E4M3 bytes (and, when aux is set, its scale byte where mx::scale_offset puts it: 2-D
-// or swizzled), MX_SCALE the scale byte. Item i is block i (its first element has
-// ordinal 32 i) or scale byte i.
-template <int P, typename W>
-RX_LANE void mx_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
-  constexpr bool kStore = P == RX_PASS_NONE || P == RX_PASS_COPY;
-  const int32_t rounding = RX_BOX_ROUNDING(b.mode);
-  const bool data = RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA;
-  const char* src = reinterpret_cast<const char*>(b.src);
-  char* dst = reinterpret_cast<char*>(b.dst);
-#pragma unroll 1
-  for (; i < end; i += kWarp) {
-    const char* from = src + w.src_off();
-    char* to = dst + w.dst_off();
-    w.advance();
-    const uint64_t ord = static_cast<uint64_t>(i);
-    // dst elements are bytes: the block starts at data element mx_first + (to - dst).
-    const auto scale_byte = [&] {
-      return reinterpret_cast<char*>(b.aux) + mx::scale_offset(b.mx_first + (to - dst), b.mx_cols, RX_BOX_SCALES(b.mode));
-    };
-    if (P == RX_PASS_DST) {  // what the destination holds: data bytes and scales, or a scale byte
-      if (!data) {
-        hash_element(dg, ord, load_item<unsigned char>(to));
-        continue;
-      }
-      hash_data16(dg, 32 * ord, load16(to));
-      hash_data16(dg, 32 * ord + 16, load16(to + 16));
-      if (b.aux) dg.acc = digest::add(dg.acc, digest::scale(ord, load_item<unsigned char>(scale_byte())));
-      continue;
-    }
-    const bool wide_in = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
-    const uint8_t e = block_exponent(from, wide_in, rounding);
-    if (!data) {
-      if (kStore) store_item<unsigned char>(to, e);
-      if (P != RX_PASS_NONE) hash_element(dg, ord, e);
-      continue;
-    }
-    // Stored before the data, so the offset math is not live across the quantize.
-    if (kStore && b.aux) store_item<unsigned char>(scale_byte(), e);
-    if (P != RX_PASS_NONE && b.aux) dg.acc = digest::add(dg.acc, digest::scale(ord, e));
-    const bool wide_out = (reinterpret_cast<uintptr_t>(to) & 15u) == 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4 q = quantize_half(from, h, wide_in, e);
-      if (P != RX_PASS_NONE) hash_data16(dg, 32 * ord + 16 * h, q);
-      if (!kStore) continue;
-      if (wide_out) {
-        store_item<uint4>(to + 16 * h, q);
-        continue;
-      }
-      const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int k = 0; k < 16; ++k) store_item<unsigned char>(to + 16 * h + k, static_cast<unsigned char>(qw[k / 4] >> (8 * (k % 4))));
-    }
-  }
-}
-
 // The same-dtype copy of this lane's items, `unit` bytes per access.
 template <int P, int U, typename W>
 RX_LANE void copy_units(int unit, const char* src, char* dst, W& w, int64_t first, int64_t end, Dg& dg) {
@@ -482,50 +326,6 @@ RX_LANE void run_copy(const rx_box& b, const rx_tile& t, W& w, int64_t first, Dg
                    t.end, dg);
 }
 
-// The digest of a BF16 COPY box whose receiver quantizes it (RX_DIGEST_MX): a block's
-// 32 elements lie in several lanes' items, so each lane hashes the blocks that start in
-// its items, reading every such block whole again (an L2 hit right after the copy), as
-// the receiver's quantize sees it: BF16, from the source (cast to BF16 where the box
-// casts) or, for RX_PASS_DST, from the destination.
-template <int P, typename W>
-RX_LANE void mx_digest_items(const rx_box& b, const rx_tile& t, W& w, int64_t i, int64_t end, Dg& dg) {
-  constexpr bool kDst = P == RX_PASS_DST;
-  const int inner = b.ndim - 1;
-  const int32_t dtype = kDst ? b.dst_dtype : b.src_dtype;
-  const int size = kDst ? t.dst_size : t.src_size;
-  const int64_t stride = (kDst ? b.dst_stride[inner] : b.src_stride[inner]) * size;
-  const uint64_t align = t.unit ? ~static_cast<uint64_t>(t.unit - 1) : ~uint64_t{0};
-  const char* base = reinterpret_cast<const char*>((kDst ? b.dst : b.src) & align);
-  const int per = t.unit ? t.unit / size : 1;  // elements per item (contiguous when more than one)
-  const int32_t rounding = RX_DIGEST_ARG(b.digest);
-#pragma unroll 1
-  for (; i < end; i += kWarp) {
-    const char* at = base + (kDst ? w.dst_off() : w.src_off());
-    w.advance();
-    const int64_t k0 = dg.first + (t.unit ? (i * t.unit - dg.delta) / size : i);
-    for (int j = 0; j < per; ++j) {
-      if ((k0 + j) % mx::kBlock != 0) continue;
-      const char* p = at + j * size;
-      const uint64_t k = static_cast<uint64_t>(k0 + j);
-      if (dtype == RX_BF16 && stride == 2) {  // a contiguous block: as mx_items reads it
-        const bool wide = (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-        const uint8_t e = block_exponent(p, wide, rounding);
-        dg.acc = digest::add(dg.acc, digest::scale(k / mx::kBlock, e));
-        hash_data16(dg, k, quantize_half(p, 0, wide, e));
-        hash_data16(dg, k + 16, quantize_half(p, 1, wide, e));
-        continue;
-      }
-      const auto load = [&](int m) -> uint16_t {
-        const char* e = p + m * stride;
-        const uint64_t raw = size == 2 ? load_item<unsigned short>(e)
-                                       : (size == 4 ? load_item<unsigned int>(e) : load_item<unsigned long long>(e));
-        return static_cast<uint16_t>(dtype == RX_BF16 ? raw : convert_bits(raw, dtype, RX_BF16));
-      };
-      dg.acc = digest::add(dg.acc, digest::mx_block(load, k, rounding));
-    }
-  }
-}
-
 // Copies (or runs verify pass P over) this lane's items of tile t. g: where the tile's
 // geometry lives (see Walk).
 template <int P, int ND, typename G>
@@ -543,18 +343,18 @@ RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g, Dg& dg)
     dg.size = t.dst_size;
     dg.spec = b.digest;
     dg.shift = dg.size == 8 ? 3 : (dg.size == 4 ? 2 : (dg.size == 2 ? 1 : 0));
-    dg.first = b.mode == RX_BOX_COPY ? b.mx_first : 0;
+    dg.first = RX_BOX_FIRST_ORDINAL(b);
     dg.delta = t.unit ? static_cast<int64_t>(b.src & static_cast<uint64_t>(t.unit - 1)) : 0;
   }
-  if (b.mode != RX_BOX_COPY) {
-    mx_items<P>(b, w, first, t.end, dg);
+  if (b.codec != RX_CODEC_NONE) {
+    codec_items<P>(b, w, first, t.end, dg);
     return;
   }
   if constexpr (P != RX_PASS_NONE) {
-    if (RX_DIGEST_KIND(b.digest) == RX_DIGEST_MX) {
+    if (RX_DIGEST_KIND(b.digest) == RX_DIGEST_CODEC) {
       Walk<ND, G> again = w;
       if (P == RX_PASS_COPY) run_copy<RX_PASS_NONE, U>(b, t, w, first, dg);
-      mx_digest_items<P>(b, t, again, first, t.end, dg);
+      codec_digest_items<P>(b, t, again, first, t.end, dg);
       return;
     }
   }

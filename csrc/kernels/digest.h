@@ -9,7 +9,7 @@
 //     make_box only drops size-1 dims and merges neighbours, never reorders, so the
 //     sender's pack box and the receiver's unpack box of one op enumerate the same
 //     elements in the same order however differently they fold.
-//   bits: the element as the receiver holds it (after casts and MXFP8), zero-extended.
+//   bits: the element as the receiver holds it (after casts and codecs), zero-extended.
 // A sum of per-element terms lets any split of a box (tiles, warps, chunks) add up in
 // any order. The low word of each term is a bijection of the element's (keyed) bits, so
 // one changed element (a NaN payload, -0.0 for +0.0) always changes the digest; the
@@ -19,7 +19,6 @@
 
 #include <stdint.h>
 
-#include "core/mxfp8.h"
 #include "kernels/cast.h"
 
 namespace rx::digest {
@@ -69,23 +68,8 @@ RX_HD uint64_t bytes4(uint64_t k, uint32_t q) {
   return h;
 }
 
-// The scale byte of the MX block with ordinal `block` (its first element's ordinal / 32).
+// The scale byte of the block with ordinal `block` of a block-scaled codec (MXFP8: its
+// first element's ordinal / 32).
 RX_HD uint64_t scale(uint64_t block, uint8_t e) { return term(e ^ key(block), kScaleA, kScaleB); }
-
-// One MXFP8 block as the receiver's quantize holds it: 32 BF16 (load(j) returns the
-// bits of element j) -> E4M3 bytes at ordinals k0.. and the scale of block k0 / 32.
-// Reads the block twice (amax, then quantize) so no caller holds all of it at once.
-template <typename Load>
-RX_HD uint64_t mx_block(Load load, uint64_t k0, int32_t rounding) {
-  uint32_t amax = 0;
-  for (int j = 0; j < mx::kBlock; ++j) {
-    const uint32_t a = mx::finite_abs_bits(load(j));
-    amax = a > amax ? a : amax;
-  }
-  const uint8_t e = mx::scale_exponent(amax, rounding);
-  uint64_t h = scale(k0 / mx::kBlock, e);
-  for (int j = 0; j < mx::kBlock; ++j) h = add(h, element(k0 + j, mx::e4m3_scaled(load(j), e), 1));
-  return h;
-}
 
 }  // namespace rx::digest

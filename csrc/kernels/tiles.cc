@@ -6,8 +6,8 @@
 
 #include "common/dtype.h"
 #include "core/box.h"
-#include "core/mxfp8.h"
 #include "kernels/api.h"
+#include "kernels/codecs/registry.h"
 
 namespace {
 
@@ -24,14 +24,6 @@ int64_t box_elems(const rx_box& b) {
   return n;
 }
 
-// Source bytes one MX item reads: a whole block of BF16 (the work of a lane).
-constexpr int64_t kMxItemBytes = rx::mx::kBlock * 2;
-
-// Items of an MX box: its blocks (MX_DATA) or its scale bytes (MX_SCALE).
-int64_t mx_items(const rx_box& b) {
-  return RX_BOX_KIND(b.mode) == RX_BOX_MX_DATA ? box_elems(b) / rx::mx::kBlock : box_elems(b);
-}
-
 // The geometry an RX_TILE_FLAT tile carries (api.h).
 struct Flat {
   uint64_t src, dst;
@@ -42,7 +34,7 @@ class TileWriter {
  public:
   TileWriter(rx_tile* out, int64_t cap, int64_t tile_bytes) : out_(out), cap_(cap), tile_bytes_(tile_bytes) {}
 
-  // Items [begin, end) of `unit` bytes (0: cast elements, or MX items, of item_bytes;
+  // Items [begin, end) of `unit` bytes (0: cast elements, or codec items, of item_bytes;
   // by default the larger element) of box `box`; flat: the tiles carry this geometry.
   void emit(int32_t box, int unit, int src_size, int dst_size, int64_t begin, int64_t end, int64_t item_bytes = 0,
             const Flat* flat = nullptr) {
@@ -140,7 +132,8 @@ int64_t auto_tile_bytes(const rx_box* boxes, int64_t n) {
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t es = std::max(rx::dtype_size(boxes[i].src_dtype), rx::dtype_size(boxes[i].dst_dtype));
-    total += boxes[i].mode == RX_BOX_COPY ? box_elems(boxes[i]) * es : mx_items(boxes[i]) * kMxItemBytes;
+    total += boxes[i].codec == RX_CODEC_NONE ? box_elems(boxes[i]) * es
+                                             : rx::codecs::items(boxes[i]) * rx::codecs::item_bytes(boxes[i]);
   }
   const int64_t t = total / kAutoTiles / 512 * 512;
   return std::min(kAutoMaxTile, std::max(kAutoMinTile, t));
@@ -152,7 +145,7 @@ extern "C" int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t
                                  int64_t max_tiles) {
   for (int64_t i = 0; i < num_boxes; ++i) {
     const rx_box& b = boxes[i];
-    if (!rx_box_valid(&b)) return -1;
+    if (!rx::codecs::box_ok(b)) return -1;
     // The GPU faults on misaligned element accesses (torch never makes such tensors).
     if (b.src % rx::dtype_size(b.src_dtype) != 0 || b.dst % rx::dtype_size(b.dst_dtype) != 0) return -1;
   }
@@ -166,8 +159,8 @@ extern "C" int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t
     if (count == 0) continue;
     const int ss = rx::dtype_size(b.src_dtype), ds = rx::dtype_size(b.dst_dtype);
     const int32_t index = static_cast<int32_t>(i);
-    if (b.mode != RX_BOX_COPY)  // one lane per block (or scale byte): a block is never split
-      w.emit(index, 0, ss, ds, 0, mx_items(b), kMxItemBytes);
+    if (b.codec != RX_CODEC_NONE)  // one lane per codec item (an MXFP8 block, or scale byte): never split
+      w.emit(index, 0, ss, ds, 0, rx::codecs::items(b), rx::codecs::item_bytes(b));
     else if (b.src_dtype != b.dst_dtype)
       w.emit(index, 0, ss, ds, 0, count);
     else

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
 #include <unordered_map>
 
 #include "common/check.h"
@@ -13,6 +14,7 @@
 #include "core/planner.h"
 #include "core/relay.h"
 #include "kernels/api.h"
+#include "kernels/codecs/registry.h"
 #include "kernels/digest.h"
 #include "python/register.h"
 
@@ -89,14 +91,32 @@ std::vector<TensorRef> refs_from_py(const py::list& l) {
   for (const auto& item : l) {
     auto t = item.cast<py::tuple>();
     TensorRef r{t[0].cast<uint64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int32_t>()};
-    if (t.size() > 3) r.mx_mode = t[3].cast<int32_t>();
-    if (t.size() > 4) r.mx_scale = t[4].cast<uint64_t>();
-    if (t.size() > 5) r.mx_cols = t[5].cast<int64_t>();
-    if (t.size() > 6) r.shape = t[6].cast<std::vector<int64_t>>();
-    if (t.size() > 7) r.name = t[7].cast<std::string>();
+    if (t.size() > 3) r.codec = t[3].cast<int32_t>();
+    if (t.size() > 4) r.side = t[4].cast<uint64_t>();
+    if (t.size() > 5) r.arg = t[5].cast<int64_t>();
+    if (t.size() > 6) r.grain = t[6].cast<int64_t>();
+    if (t.size() > 7) r.shape = t[7].cast<std::vector<int64_t>>();
+    if (t.size() > 8) r.name = t[8].cast<std::string>();
+    RX_HOST_ASSERT(r.grain >= 1, "bind: a TensorRef grain must be >= 1, got ", r.grain);
     out.push_back(std::move(r));
   }
   return out;
+}
+
+// Core builds codec boxes without reading their codec's fields: the codec's own checks
+// (kernels/codecs/registry.h) run here, at bind, before any box is used.
+void check_codec_boxes(const std::vector<rx_box>& v) {
+  for (const rx_box& b : v)
+    RX_HOST_ASSERT(rx_codec_valid(&b), "bind: bad box for codec ", b.codec, ": innermost extent ",
+                   b.shape[b.ndim - 1], ", strides ", b.src_stride[b.ndim - 1], "/", b.dst_stride[b.ndim - 1],
+                   ", dtypes ", b.src_dtype, "->", b.dst_dtype, ", params ", b.param[0], "/", b.param[1], "/",
+                   b.param[2]);
+}
+
+void check_codec_boxes(const ExecTables& t) {
+  check_codec_boxes(t.send_boxes());
+  check_codec_boxes(t.recv_boxes());
+  check_codec_boxes(t.copies());
 }
 
 }  // namespace
@@ -272,18 +292,23 @@ void register_core(py::module_& m) {
       .def("bind",
            [](ExecTables& t, const py::list& src, const py::list& dst, const std::vector<uint64_t>& send_bufs,
               const std::vector<uint64_t>& recv_bufs, int64_t direct_bytes,
-              const std::unordered_map<int32_t, int32_t>& mx_receivers) {
-             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes, mx_receivers);
+              const std::unordered_map<int32_t, std::tuple<int32_t, int64_t, int32_t>>& codec_receivers) {
+             std::unordered_map<int32_t, ReceiverCodec> rc;
+             for (const auto& [i, v] : codec_receivers)
+               rc[i] = ReceiverCodec{std::get<0>(v), std::get<1>(v), std::get<2>(v)};
+             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes, rc);
+             check_codec_boxes(t);
            },
            py::arg("src"), py::arg("dst"), py::arg("send_bufs"), py::arg("recv_bufs"), py::arg("direct_bytes") = 0,
-           py::arg("mx_receivers") = std::unordered_map<int32_t, int32_t>{},
-           "src/dst: lists of (data_ptr, strides, dtype_code[, mx_mode, mx_scale_ptr, mx_cols[, shape[, name]]]) "
-           "aligned with src_used/dst_used; mx_receivers: {dst table index: MXFP8 rounding} of the tensors the "
-           "receiver quantizes (verify digests cover the quantized bytes); raises ReshardError where pieces break "
-           "the memory rules")
+           py::arg("codec_receivers") = std::unordered_map<int32_t, std::tuple<int32_t, int64_t, int32_t>>{},
+           "src/dst: lists of (data_ptr, strides, dtype_code[, codec, side_ptr, arg, grain[, shape[, name]]]) "
+           "aligned with src_used/dst_used (TensorRef, core/exec_tables.h); codec_receivers: {dst table index: "
+           "(digest, grain, dtype_code)} of the tensors the receiver converts with a codec after they land "
+           "(verify digests cover the converted bytes); raises ReshardError where pieces break the memory rules")
       .def("whole_group_dsts", &ExecTables::whole_group_dsts, py::arg("src_dtypes"), py::arg("group"),
-           "Positions in dst_used of the pieces whose every incoming box reads bfloat16 and keeps "
-           "`group`-element blocks of the last dim whole (where a fused MX_DATA dst may bind).")
+           py::arg("dtype"),
+           "Positions in dst_used of the pieces whose every incoming box reads `dtype` and keeps "
+           "`group`-element blocks of the last dim whole (where a block codec's dst may bind).")
       .def("messages", [](const ExecTables& t, int32_t b) {
         py::list s, r;
         for (const auto& m : t.send_messages(b)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));
@@ -332,10 +357,11 @@ void register_core(py::module_& m) {
               v.push_back(PeerPiece{tup[0].cast<int32_t>(), tup[1].cast<int32_t>(), refs_from_py(one)[0]});
             }
             t.bind_direct(refs_from_py(src), v);
+            check_codec_boxes(t.direct());
           },
           py::arg("src"), py::arg("pieces"),
           "src: as for bind; pieces: (peer, dst table index, ref) of every receiver piece this rank writes into "
-          "directly, ref = (ptr, strides, dtype[, mx_mode, mx_scale_ptr, mx_cols]) in this process's addresses")
+          "directly, ref = (ptr, strides, dtype[, codec, side_ptr, arg, grain]) in this process's addresses")
       .def("direct_boxes", [](const ExecTables& t) { return boxes_bytes(t.direct()); })
       .def("direct_recv_pieces", &ExecTables::direct_recv_pieces,
            "(peer, position in dst_used) of every dst piece a peer writes into directly")

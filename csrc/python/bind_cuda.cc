@@ -110,7 +110,7 @@ void register_cuda(py::module_& m) {
         }
         return out;
       },
-      py::arg("boxes"), "[lo, hi) of the dst bytes each box writes (MX scales aside).");
+      py::arg("boxes"), "[lo, hi) of the dst bytes each box writes (codec side bytes such as MXFP8 scales aside).");
 
 #ifdef RX_WITH_CUDA
   py::class_<DeviceBoxTable>(m, "DeviceBoxTable")

@@ -15,9 +15,7 @@ namespace rx::python {
 void register_kernels(py::module_& m) {
   m.attr("MAX_DIMS") = RX_MAX_DIMS;
   m.attr("BOX_BYTES") = sizeof(rx_box);
-  m.attr("BOX_COPY") = static_cast<int>(RX_BOX_COPY);
-  m.attr("BOX_MX_DATA") = static_cast<int>(RX_BOX_MX_DATA);
-  m.attr("BOX_MX_SCALE") = static_cast<int>(RX_BOX_MX_SCALE);
+  m.attr("BOX_COPY") = static_cast<int>(RX_CODEC_NONE);
   m.def(
       "copy_boxes_cpu",
       [](py::buffer table) {
@@ -36,7 +34,7 @@ void register_kernels(py::module_& m) {
   m.attr("PASS_SRC") = static_cast<int>(RX_PASS_SRC);
   m.attr("PASS_DST") = static_cast<int>(RX_PASS_DST);
   m.attr("DIGEST_CAST") = static_cast<int>(RX_DIGEST_CAST);
-  m.attr("DIGEST_MX") = static_cast<int>(RX_DIGEST_MX);
+  m.attr("DIGEST_CODEC") = static_cast<int>(RX_DIGEST_CODEC);
   m.def(
       "digest_boxes_cpu",
       [](py::buffer table, int32_t pass) {

@@ -1,4 +1,4 @@
-// MXFP8: scale-slice math and the quantize/swizzle kernels. Python passes data_ptr()s
+// The MXFP8 codec: its box codes, scale-slice math and the quantize/swizzle kernels. Python passes data_ptr()s
 // (ints), shapes and the CUDA stream handle; nothing here knows torch.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "common/check.h"
-#include "core/mxfp8.h"
-#include "kernels/mxfp8_api.h"
+#include "kernels/codecs/mxfp8.h"
+#include "kernels/codecs/mxfp8_api.h"
 #include "python/register.h"
 
 namespace py = pybind11;
@@ -23,6 +23,11 @@ T* ptr(uintptr_t p) {
 
 void register_mxfp8(py::module_& m) {
   m.attr("MX_BLOCK") = mx::kBlock;
+  // rx_box.codec ids (codecs/registry.h) and the digest of a copy the receiver quantizes
+  // (with the rounding << 8).
+  m.attr("BOX_MX_DATA") = static_cast<int>(RX_CODEC_MXFP8);
+  m.attr("BOX_MX_SCALE") = static_cast<int>(RX_CODEC_MXFP8_SCALES);
+  m.attr("DIGEST_MX") = static_cast<int>(RX_DIGEST_CODEC | RX_CODEC_MXFP8 << 16);
   m.attr("MX_SCALE_2D") = static_cast<int>(RX_MX_SCALE_2D);
   m.attr("MX_SCALE_SWIZZLED") = static_cast<int>(RX_MX_SCALE_SWIZZLED);
   m.attr("MX_ROUND_CEIL") = static_cast<int>(RX_MX_ROUND_CEIL);

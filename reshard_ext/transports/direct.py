@@ -263,7 +263,8 @@ class DirectTransport:
             maps += opened
             for dst_name, ref, where in peer_pieces:
                 mapped = list(ref)
-                for slot, (i, offset, size) in zip((0, 4), where):  # the data pointer, then MX scales
+                # the data pointer, then a codec's side buffer (MXFP8 scales)
+                for slot, (i, offset, size) in zip((0, 4), where):
                     mapped[slot] = opened[i].base + offset
                     ranges.append((opened[i].base, opened[i].base + size))
                 pieces.append((peer, dst_name, tuple(mapped)))
@@ -342,7 +343,7 @@ class DirectTransport:
         tables = _C.ExecTables(split)
         plan._set_tables(tables)
         send_bufs, recv_bufs = self.inner.bind(tables)
-        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._mx_receivers)
+        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._codec_receivers)
         self.inner.prepare(tables)
         tables.bind_direct(src_refs, pieces)
         boxes = tables.direct_boxes()

@@ -105,7 +105,7 @@ class NvshmemTransport(CudaTransport):
     def _bind_local(self, plan: Any) -> None:
         send_bufs, recv_bufs = self.bind(plan.tables)
         src, dst = plan._bound_refs()
-        plan.tables.bind(src, dst, send_bufs, recv_bufs, self.direct_bytes, plan._mx_receivers)
+        plan.tables.bind(src, dst, send_bufs, recv_bufs, self.direct_bytes, plan._codec_receivers)
         self.prepare(plan.tables)
 
     def _receive_offsets(self, tables: Any) -> dict[int, list[tuple[int, int, int]]]:

@@ -5,7 +5,7 @@
 //   data:   rows x cols E4M3 bytes, row-major contiguous.
 //   scale:  RX_MX_SCALE_2D: rows x ceil(cols/32) bytes, row-major contiguous;
 //           RX_MX_SCALE_SWIZZLED: rx_mxfp8_swizzled_size(rows, ceil(cols/32)) bytes in
-//           the 128x4-tile layout (core/mxfp8.h); the padding is written as 0.
+//           the 128x4-tile layout (codecs/mxfp8.h); the padding is written as 0.
 //   rounding: RX_MX_ROUND_CEIL (2^ceil(log2(amax/448)), the default) or
 //             RX_MX_ROUND_FLOOR (OCP MX v1.0: 2^(floor(log2 amax) - 8)).
 // The CPU twin and the CUDA kernel produce identical bytes (same integer code).

@@ -1,5 +1,5 @@
 // CUDA MXFP8 quantize and scale swizzle: one launch each. Bit-identical to the CPU
-// twin (kernels/mxfp8_cpu.cc): both run the integer math of core/mxfp8.h.
+// twin (codecs/mxfp8_cpu.cc): both run the integer math of codecs/mxfp8.h.
 //
 // Work split of the quantize: a thread owns 8 consecutive elements (one 16-byte load),
 // 4 neighbouring lanes own one 32-element block and agree on its amax with two
@@ -9,8 +9,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "core/mxfp8.h"
-#include "kernels/mxfp8_api.h"
+#include "kernels/codecs/mxfp8.h"
+#include "kernels/codecs/mxfp8_api.h"
 
 namespace mx = rx::mx;
 

@@ -1,8 +1,34 @@
-// MXFP8 (OCP Microscaling v1.0, E4M3 elements + E8M0 shared scale per 32 elements
-// along the last dim): the element math, the swizzled scale layout and the scale-slice
-// geometry. Plain C++17, no CUDA and no torch: the inline functions carry a
-// host/device annotation only so the CUDA kernel and the CPU twin run the very same
-// integer code (bit-identical by construction).
+// The MXFP8 codec (OCP Microscaling v1.0, E4M3 elements + E8M0 shared scale per 32
+// elements along the last dim): what its boxes hold, the element math, the swizzled
+// scale layout and the scale-slice geometry. Plain C++17, no CUDA and no torch: the
+// inline functions carry a host/device annotation only so the CUDA kernel and the CPU
+// twin run the very same integer code (bit-identical by construction).
+//
+// Its boxes (rx_box.codec = id | rounding << 8 | scales << 16, ids of codecs/registry.h):
+//   RX_CODEC_MXFP8: quantize fused into the copy (src BF16, dst E4M3 or uint8 bytes).
+//     The innermost dim has unit stride on both sides and an extent that is a multiple
+//     of the MX block (32, kBlock); each run of 32 innermost elements is one MX block
+//     (the host only builds such boxes where they lie on the logical tensor's 32-grid).
+//     Per block: e = shared E8M0 exponent of its amax, data = x / 2^(e-127) in E4M3.
+//     param[0] (the scale buffer, its byte 0) != 0: e is also written there, for a dst
+//     that is a window of a contiguous [M, K] data buffer: the block at dst element
+//     offset o within the box starts at element f = param[1] + o of that buffer, i.e.
+//     row f / K, block column (f % K) / 32 (K = param[2], a multiple of 32; param[1]
+//     and the outer dst strides multiples of 32), and its scale byte is
+//     param[0] + scale_offset(f, K, scales):
+//       scales k2D: row-major [M, K/32], byte f / 32;
+//       scales kSwizzled: the cuBLAS 128x4-tile layout; the box writes only the scales
+//         of its blocks, never the padding (the host zeroes that once).
+//     param[0] == 0: no scales (a sender's pack of the data alone); scales, param[1]
+//     and param[2] are 0.
+//   RX_CODEC_MXFP8_SCALES: the scales alone (src BF16, dst uint8 or E8M0): dst element
+//     j is the shared exponent of the 32 contiguous BF16 at src element j's address, so
+//     src strides step over whole blocks (innermost 32 for a row of blocks); scales and
+//     param[] are 0.
+//   A copy box with digest RX_DIGEST_CODEC | rounding << 8 | RX_CODEC_MXFP8 << 16: BF16
+//     whose receiver quantizes it later, digested as E4M3 bytes and block scales; its
+//     innermost extent is whole blocks (each run of 32 innermost elements is a block).
+// rounding: kCeil (0) or kFloor (1); scales: k2D (0) or kSwizzled (1).
 #pragma once
 
 #include <stdint.h>
@@ -10,7 +36,10 @@
 #include <string>
 
 #include "common/host_device.h"
+#include "core/box.h"
 #include "core/runs.h"
+#include "kernels/codecs/registry.h"
+#include "kernels/digest.h"
 
 namespace rx::mx {
 
@@ -21,6 +50,14 @@ constexpr int kTileBytes = kTileRows * kTileCols;
 
 enum Rounding : int32_t { kCeil = 0, kFloor = 1 };
 enum ScaleLayout : int32_t { k2D = 0, kSwizzled = 1 };
+
+// The codec's fields of an MXFP8 box (see the top of this file).
+RX_HD int32_t box_rounding(const rx_box& b) { return (b.codec >> 8) & 0xff; }
+RX_HD int32_t box_scales(const rx_box& b) { return (b.codec >> 16) & 0xff; }
+RX_HD bool box_is_data(const rx_box& b) { return RX_CODEC_ID(b.codec) == RX_CODEC_MXFP8; }
+RX_HD uint64_t box_scale_buf(const rx_box& b) { return (uint64_t)b.param[0]; }
+RX_HD int64_t box_first(const rx_box& b) { return b.param[1]; }
+RX_HD int64_t box_cols(const rx_box& b) { return b.param[2]; }
 
 // |x| of a BF16 as its bit pattern when finite, else 0: integer max over these bit
 // patterns is the float max of the finite magnitudes (NaN and +-Inf do not vote).
@@ -99,6 +136,22 @@ RX_HD uint32_t quantize_words(uint32_t a, uint32_t b, uint8_t s) {
          (uint32_t)e4m3_scaled((uint16_t)(b & 0xffffu), s) << 16 | (uint32_t)e4m3_scaled((uint16_t)(b >> 16), s) << 24;
 }
 
+// The digest of one block as the receiver's quantize holds it (RX_DIGEST_CODEC): 32 BF16 (load(j) returns the
+// bits of element j) -> E4M3 bytes at ordinals k0.. and the scale of block k0 / 32.
+// Reads the block twice (amax, then quantize) so no caller holds all of it at once.
+template <typename Load>
+RX_HD uint64_t digest_block(Load load, uint64_t k0, int32_t rounding) {
+  uint32_t amax = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const uint32_t a = finite_abs_bits(load(j));
+    amax = a > amax ? a : amax;
+  }
+  const uint8_t e = scale_exponent(amax, rounding);
+  uint64_t h = digest::scale(k0 / kBlock, e);
+  for (int j = 0; j < kBlock; ++j) h = digest::add(h, digest::element(k0 + j, e4m3_scaled(load(j), e), 1));
+  return h;
+}
+
 // Scale columns for `cols` elements (the last block may be partial).
 RX_HD int64_t scale_cols(int64_t cols) { return (cols + kBlock - 1) / kBlock; }
 
@@ -137,7 +190,16 @@ RX_HD int64_t scale_offset(int64_t first, int64_t cols, int32_t layout) {
   return swizzled_offset(row, col / kBlock, cols / kBlock);
 }
 
-// ---- scale-slice geometry (host only) ----------------------------------------------
+// ---- host only ---------------------------------------------------------------------
+
+// The codec's checks of an MXFP8 box (id RX_CODEC_MXFP8 or _SCALES) or of a copy box with
+// an MXFP8 digest, on top of rx_box_valid.
+bool box_valid(const rx_box& b);
+
+// The codec's CPU twin (codecs::cpu_row, cpu_digest of registry.h).
+uint64_t cpu_row(const rx_box& b, int32_t pass, const char* src, char* dst, int64_t first, uint64_t k0, int64_t n);
+uint64_t cpu_digest(int32_t digest, const char* p, int64_t stride, int32_t dtype, uint64_t k0, int64_t n);
+
 
 // Maps a piece's runs along the last dim (global extent `extent`) to the runs of its
 // scale columns. Local quantization equals quantizing the logical tensor only when

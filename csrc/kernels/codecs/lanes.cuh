@@ -1,0 +1,42 @@
+// The CUDA dispatch over the codecs (registry.h), once per tile: copy_boxes.cu calls these
+// for a box with a codec (or a codec digest) instead of its copy loop. One case per id.
+#pragma once
+
+#include "kernels/codecs/mxfp8_lanes.cuh"
+#include "kernels/codecs/registry.h"
+#include "kernels/lane.cuh"
+
+namespace rx {
+namespace {
+
+// A codec's view of a tile's items, after the copy's (init_geom of copy_boxes.cu).
+template <int ND, typename G>
+RX_LANE void codec_geom(G& g, const rx_box& b, const rx_tile& t) {
+  switch (RX_CODEC_ID(b.codec)) {
+    case RX_CODEC_MXFP8:
+    case RX_CODEC_MXFP8_SCALES: mx::init_geom<ND>(g, b, t); break;
+    default: break;  // a copy: items as planned
+  }
+}
+
+// The codec box's items [i, end) of this lane, stepping by a warp (or verify pass P).
+template <int P, typename W>
+RX_LANE void codec_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
+  switch (RX_CODEC_ID(b.codec)) {
+    case RX_CODEC_MXFP8:
+    case RX_CODEC_MXFP8_SCALES: mx::box_items<P>(b, w, i, end, dg); break;
+    default: break;
+  }
+}
+
+// Verify pass P of a copy box with a codec digest (RX_DIGEST_CODEC) over this lane's items.
+template <int P, typename W>
+RX_LANE void codec_digest_items(const rx_box& b, const rx_tile& t, W& w, int64_t i, int64_t end, Dg& dg) {
+  switch (RX_DIGEST_CODEC_ID(b.digest)) {
+    case RX_CODEC_MXFP8: mx::digest_items<P>(b, t, w, i, end, dg); break;
+    default: break;
+  }
+}
+
+}  // namespace
+}  // namespace rx

@@ -1,0 +1,56 @@
+// The codecs: fused conversions the box kernels apply on the way (rx_box.codec, core/box.h).
+// Core carries a codec id, its flags and per-box parameters without reading them; the
+// kernels dispatch on the id once per box (per tile on the GPU), never inside a loop.
+//
+// A codec is one folder entry: <name>.h (what its boxes hold, the element math shared by
+// the CUDA lanes and the CPU twin, host/device), <name>_lanes.cuh (the CUDA per-lane
+// code, included by copy_boxes.cu through codecs/lanes.cuh), <name>_cpu.cc (the CPU
+// twin and host checks), optional whole-tensor kernels; plus its ids below and one case
+// in each dispatch (lanes.cuh, registry.cc). Its policy (which tensors, which side) and
+// the TensorRefs it binds live in Python (reshard_ext/codecs/).
+#pragma once
+
+#include <stdint.h>
+
+#include "core/box.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Codec ids (RX_CODEC_ID of rx_box.codec; RX_CODEC_NONE = 0 is a plain copy). Stable:
+// Python binds boxes with them.
+enum rx_codec_id {
+  RX_CODEC_MXFP8 = 1,         // BF16 -> E4M3 data (+ E8M0 scales): codecs/mxfp8.h
+  RX_CODEC_MXFP8_SCALES = 2,  // BF16 -> the E8M0 scales alone: codecs/mxfp8.h
+};
+
+// 1 when a box's codec fields (codec, param[], a codec digest) are well formed for its
+// codec; 1 for a plain copy. The kernels and CPU twins check it with rx_box_valid.
+int32_t rx_codec_valid(const rx_box* box);
+
+#ifdef __cplusplus
+}
+
+namespace rx::codecs {
+
+// rx_box_valid and rx_codec_valid: a box the kernels may run.
+inline bool box_ok(const rx_box& b) { return rx_box_valid(&b) && rx_codec_valid(&b); }
+
+// Tile planning (tiles.cc): a codec box's items (a lane's unit of work, never split
+// across tiles) and the source bytes one item reads.
+int64_t items(const rx_box& b);
+int64_t item_bytes(const rx_box& b);
+
+// CPU twin (copy_boxes_cpu.cc) of a codec box: one innermost row of `n` elements whose
+// first element is element `first` of the dst's buffer (codec boxes with params: the
+// buffer param[] describes). pass RX_PASS_NONE: the copy, returns 0; otherwise the
+// verify pass's digest of the row, as for a copy row (ordinals k0..; n <= cpu::kChunk).
+uint64_t cpu_row(const rx_box& b, int32_t pass, const char* src, char* dst, int64_t first, uint64_t k0, int64_t n);
+
+// CPU twin of a codec digest (RX_DIGEST_CODEC): `n` elements of the copy box's dst dtype
+// at p (stride in elements), ordinals k0.., as the codec would write them.
+uint64_t cpu_digest(int32_t digest, const char* p, int64_t stride, int32_t dtype, uint64_t k0, int64_t n);
+
+}  // namespace rx::codecs
+#endif

@@ -1,0 +1,68 @@
+// What the per-lane code of the box kernels (copy_boxes.cu) shares with the codecs'
+// lanes (codecs/*_lanes.cuh): item loads and stores and a lane's verify digest. Included
+// by copy_boxes.cu alone (internal linkage: one translation unit, as before the split).
+// __host__ __device__ and free of warp intrinsics, so the emulated run executes it too.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#include "core/box.h"
+#include "kernels/cast.h"
+#include "kernels/digest.h"
+
+#define RX_LANE __host__ __device__ __forceinline__
+
+namespace rx {
+namespace {
+
+constexpr int kWarp = 32;
+
+// Global-space accesses that skip L1 (data is touched once); plain ones on the host.
+template <typename T>
+RX_LANE T load_item(const char* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(reinterpret_cast<const T*>(p));
+#else
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+#endif
+}
+
+template <typename T>
+RX_LANE void store_item(char* p, T v) {
+#if defined(__CUDA_ARCH__)
+  __stcg(reinterpret_cast<T*>(p), v);
+#else
+  memcpy(p, &v, sizeof(T));
+#endif
+}
+
+// One lane's digest of a verify pass: the sum so far and how the box's elements count
+// (fixed per box). Unused by the plain copy (P = RX_PASS_NONE).
+struct Dg {
+  uint64_t acc;
+  int32_t dtype;  // the elements as written: the box's dst dtype ...
+  int32_t size;   // ... and its size
+  int32_t spec;   // rx_box.digest
+  int32_t shift;  // log2(size): an item's first ordinal without a 64-bit division
+  int64_t delta;  // bytes from a copy item's unit-aligned base to the box's first element
+  int64_t first;  // the ordinal of the box's first element (RX_BOX_FIRST_ORDINAL, core/box.h)
+};
+
+// Adds the term of one element as written (`bits` of dg.dtype) at ordinal k.
+RX_LANE void hash_element(Dg& dg, uint64_t k, uint64_t bits) {
+  int size = dg.size;
+  if (RX_DIGEST_KIND(dg.spec) == RX_DIGEST_CAST) {  // as the receiver's cast holds it
+    const int32_t to = RX_DIGEST_ARG(dg.spec);
+    bits = convert_bits(bits, dg.dtype, to);
+    size = to == RX_F64 ? 8 : (to == RX_F32 ? 4 : 2);
+  }
+  dg.acc = digest::add(dg.acc, digest::element(k, bits, size));
+}
+
+}  // namespace
+}  // namespace rx
