@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host]
 #   (default: build tests sanitize bench). The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -42,6 +42,13 @@ if has smoke; then
       2>&1 | tee "$OUT/smoke.log" | tail -15)
   (cd tests && timeout 200 python3 -m pytest -q -p no:warnings -rs test_direct.py -k "small_boxes and 2gpu" \
       2>&1 | tee -a "$OUT/smoke.log" | tail -6)
+fi
+
+if has kernels; then
+  step "GPU kernel tests: box copy, MXFP8 kernels, boxes and refits, verify (a short call)"
+  (cd tests && timeout "${RX_KERNELS_TIMEOUT:-300}" python3 -m pytest -q -p no:warnings -rs \
+      test_cuda_kernels.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py test_verify.py \
+      2>&1 | tee "$OUT/kernels.log" | tail -12)
 fi
 
 if has tests; then
@@ -135,7 +142,7 @@ if has direct && [ "$ngpu" -ge 2 ]; then
   fi
 fi
 if has relay && [ "$ngpu" -ge 4 ]; then
-  for g in 0 4; do
+  for g in ${RX_RELAY_STAGES:-0 4}; do
     step "relay: refit_bench relay-1to3 (one source, three replicas), relay off / 1 stage / --relay-stages $g"
     timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 --iters 10 \
         --relay-stages "$g" 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -10

@@ -1,6 +1,6 @@
 // What the per-lane code of the box kernels (copy_boxes.cu) shares with the codecs'
 // lanes (codecs/*_lanes.cuh): item loads and stores and a lane's verify digest. Included
-// by copy_boxes.cu alone (internal linkage: one translation unit, as before the split).
+// through box_lanes.cuh (internal linkage: each box-kernel translation unit has its copy).
 // __host__ __device__ and free of warp intrinsics, so the emulated run executes it too.
 #pragma once
 
@@ -53,15 +53,19 @@ struct Dg {
   int64_t first;  // the ordinal of the box's first element (RX_BOX_FIRST_ORDINAL, core/box.h)
 };
 
+// The term of element `bits` (of dtype `from`) at ordinal k as the receiver's cast to
+// `to` holds it. Out of line: inlined into every unrolled item path of every pass, the
+// conversion multiplied the box kernels' compile time several times over.
+__host__ __device__ __noinline__ uint64_t cast_term(uint64_t k, uint64_t bits, int32_t from, int32_t to) {
+  return digest::element(k, convert_bits(bits, from, to), to == RX_F64 ? 8 : (to == RX_F32 ? 4 : 2));
+}
+
 // Adds the term of one element as written (`bits` of dg.dtype) at ordinal k.
 RX_LANE void hash_element(Dg& dg, uint64_t k, uint64_t bits) {
-  int size = dg.size;
-  if (RX_DIGEST_KIND(dg.spec) == RX_DIGEST_CAST) {  // as the receiver's cast holds it
-    const int32_t to = RX_DIGEST_ARG(dg.spec);
-    bits = convert_bits(bits, dg.dtype, to);
-    size = to == RX_F64 ? 8 : (to == RX_F32 ? 4 : 2);
-  }
-  dg.acc = digest::add(dg.acc, digest::element(k, bits, size));
+  const uint64_t term = RX_DIGEST_KIND(dg.spec) == RX_DIGEST_CAST
+                            ? cast_term(k, bits, dg.dtype, RX_DIGEST_ARG(dg.spec))  // as the receiver's cast holds it
+                            : digest::element(k, bits, dg.size);
+  dg.acc = digest::add(dg.acc, term);
 }
 
 }  // namespace

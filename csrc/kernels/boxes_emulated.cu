@@ -1,0 +1,41 @@
+// The box kernels' per-lane code (box_lanes.cuh) run on the host over host tables, lane by
+// lane (rx_copy_boxes_emulated, rx_digest_boxes_emulated; api.h): the very index math of
+// the CUDA kernels, for tests on machines without a GPU.
+#include <stdint.h>
+
+#include "kernels/api.h"
+#include "kernels/box_lanes.cuh"
+
+namespace rx {
+namespace {
+
+template <int P>
+void emulate_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, uint64_t* digests) {
+  Geom<RX_MAX_DIMS> slot;
+  for (int64_t t = 0; t < num_tiles; ++t)
+    for (int lane = 0; lane < kWarp; ++lane) {
+      Dg dg{};
+      run_general<P>(boxes, tiles[t], lane, slot, dg);
+      digests[tiles[t].box] = digest::add(digests[tiles[t].box], dg.acc);
+    }
+}
+
+}  // namespace
+}  // namespace rx
+
+extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles) {
+  rx::Geom<RX_MAX_DIMS> slot;
+  for (int64_t t = 0; t < num_tiles; ++t)
+    for (int lane = 0; lane < rx::kWarp; ++lane) rx::run_lane(boxes, tiles[t], lane, slot);
+  return 0;
+}
+
+extern "C" int32_t rx_digest_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t pass,
+                                            uint64_t* digests) {
+  switch (pass) {
+    case RX_PASS_COPY: rx::emulate_digest<RX_PASS_COPY>(boxes, tiles, num_tiles, digests); return 0;
+    case RX_PASS_SRC: rx::emulate_digest<RX_PASS_SRC>(boxes, tiles, num_tiles, digests); return 0;
+    case RX_PASS_DST: rx::emulate_digest<RX_PASS_DST>(boxes, tiles, num_tiles, digests); return 0;
+    default: return -1;
+  }
+}
