@@ -2,7 +2,7 @@
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
 #   scripts/gpu_check.sh [build] [kernels] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host]
-#   (default: build tests sanitize bench). The stages reproduce benchmarks/RESULTS.md's tables (each
+#   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
 #   megatron-core wheels carried in .whl/ (see benchmarks/RESULTS.md); it installs them into /tmp/site.
@@ -12,16 +12,16 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 OUT="${OUT:-/tmp/rx_out}"
 mkdir -p "$OUT"
 stages="${*:-build tests sanitize bench}"
-has() { [[ " $stages " == *" $1 "* ]]; }
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 step() { echo; echo "== $* ($(date +%T))"; }
+gpus() { [ "$ngpu" -ge "$1" ] || { echo "($2: skipped, needs $1 GPUs)"; return 1; }; }
 
 step "machine"
 nvidia-smi -L
 nvidia-smi topo -m 2>/dev/null | head -8
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
 
-if has build; then
+stage_build() {
   step "build (CUDA on, sm_90)"
   rm -rf build/dev-on  # a fresh configure: cached toolchain state has bitten before
   if ! RX_CMAKE_ARGS="-DCMAKE_MODULE_LINKER_FLAGS=-Wl,-Map=$OUT/link.map" scripts/dev_build.sh ON > "$OUT/build.log" 2>&1; then
@@ -32,47 +32,48 @@ if has build; then
   PYTHONPATH=. python3 -m reshard_ext info
   echo "std:: symbols exported by _C (0-30 expected; thousands = a static libstdc++ copy): $(nm -D -C --defined-only reshard_ext/_C*.so | grep -c 'std::')"
   ldd reshard_ext/_C*.so | grep -E "cudart|nccl|stdc"
-fi
+}
 export PYTHONPATH="$PWD"
 
-if has smoke; then
+stage_smoke() {
   step "GPU smoke: one case per backend (2 GPUs), then the trust tests"
   (cd tests && timeout 400 python3 -m pytest -q -p no:warnings -rs -x \
       "test_refit_gpu.py::test_matrix_2gpu" -k "tp and None and not uneven" test_trust_gpu.py \
       2>&1 | tee "$OUT/smoke.log" | tail -15)
   (cd tests && timeout 200 python3 -m pytest -q -p no:warnings -rs test_direct.py -k "small_boxes and 2gpu" \
       2>&1 | tee -a "$OUT/smoke.log" | tail -6)
-fi
+}
 
-if has kernels; then
+stage_kernels() {
   step "GPU kernel tests: box copy, MXFP8 kernels, boxes and refits, verify (a short call)"
   (cd tests && timeout "${RX_KERNELS_TIMEOUT:-300}" python3 -m pytest -q -p no:warnings -rs \
       test_cuda_kernels.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py test_verify.py \
       2>&1 | tee "$OUT/kernels.log" | tail -12)
-fi
+}
 
-if has tests; then
+stage_tests() {
   step "GPU tests"
   (cd tests && timeout 520 python3 -m pytest -q -p no:warnings -rs --durations=15 \
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py \
       test_verify.py test_relay.py test_direct.py test_package.py test_trust_gpu.py test_swap.py test_swap_fingerprint.py \
       test_nvshmem.py -k "not mypy" \
       2>&1 | tee "$OUT/tests.log" | tail -25)
-fi
+}
 
-if has tests4 && [ "$ngpu" -ge 4 ]; then
+stage_tests4() {
+  gpus 4 tests4 || return 0
   step "GPU refit tests (the 4-GPU matrix)"
   (cd tests && timeout 300 python3 -m pytest -q -p no:warnings test_refit_gpu.py 2>&1 | tee "$OUT/tests4.log" | tail -3)
-fi
+}
 
-if has sanitize; then
+stage_sanitize() {
   step "compute-sanitizer memcheck: kernel tests"
   (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py test_mxfp8_boxes.py -k "not big and not cpu and not emulated" \
       2>&1 | tee "$OUT/sanitizer.log" | tail -8)
-fi
+}
 
-if has bench; then
+stage_bench() {
   step "pack/unpack kernel benchmark"
   timeout 240 python3 benchmarks/pack_bench.py 2>&1 | tee "$OUT/pack_bench.log" | tail -30
   if [ "$ngpu" -ge 2 ]; then
@@ -89,22 +90,24 @@ if has bench; then
     step "host overhead, 10,000 tensors"
     timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep host_overhead | tee -a "$OUT/refit_bench.log"
   fi
-fi
+}
 
-if has pack; then
+stage_pack() {
   step "pack_bench, cold L2 (buffer sets rotated past the L2), checked against torch slicing"
   timeout 240 python3 benchmarks/pack_bench.py --check 2>&1 | tee "$OUT/pack_cold.log" | tail -16
-fi
+}
 
-if has bench4 && [ "$ngpu" -ge 4 ]; then
+stage_bench4() {
+  gpus 4 bench4 || return 0
   for c in tp2-tp1 tp1-tp2 moe-ep2-ep1 noncolo-tp2-tp2dp; do
     step "refit_bench $c on 4 GPUs"
     timeout 240 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case "$c" 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/refit_bench4.log" | tail -10
   done
-fi
+}
 
-if has megatron && [ "$ngpu" -ge 2 ]; then
+stage_megatron() {
+  gpus 2 megatron || return 0
   step "megatron-core from .whl/"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="$PWD:/tmp/site"
@@ -115,8 +118,9 @@ if has megatron && [ "$ngpu" -ge 2 ]; then
     timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/megatron_compare.py $args 2>&1 \
       | grep -v "^W\|^\[W\|Warning\|warn" | tee -a "$OUT/megatron_compare.log" | tail -8
   done
-fi
-if has direct && [ "$ngpu" -ge 2 ]; then
+}
+stage_direct() {
+  gpus 2 direct || return 0
   step "direct transport: tests"
   (cd tests && timeout 560 python3 -m pytest -q -p no:warnings -rs --durations=10 test_direct.py \
       2>&1 | tee "$OUT/direct_tests.log" | tail -25)
@@ -140,16 +144,18 @@ if has direct && [ "$ngpu" -ge 2 ]; then
         --no-baseline 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/direct_bench.log" | tail -16
     done
   fi
-fi
-if has relay && [ "$ngpu" -ge 4 ]; then
+}
+stage_relay() {
+  gpus 4 relay || return 0
   for g in ${RX_RELAY_STAGES:-0 4}; do
     step "relay: refit_bench relay-1to3 (one source, three replicas), relay off / 1 stage / --relay-stages $g"
     timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 --iters 10 \
         --relay-stages "$g" 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -10
   done
-fi
+}
 
-if has nvshmem && [ "$ngpu" -ge 2 ]; then
+stage_nvshmem() {
+  gpus 2 nvshmem || return 0
   export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120 RESHARD_EXT_NVSHMEM_TIMEOUT=120
   for n in 2 4; do
     [ "$ngpu" -ge $n ] || continue
@@ -159,21 +165,27 @@ if has nvshmem && [ "$ngpu" -ge 2 ]; then
         --no-baseline 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/backends_bench.log" | tail -16
     done
   done
-fi
+}
 
-if has host && [ "$ngpu" -ge 2 ]; then
+stage_host() {
+  gpus 2 host || return 0
   step "host time: execute of a 10,000-tensor plan, warm swap vs execute, 1,000 executes / plans"
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py --tensor-data-ptr 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/swap_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/churn_bench.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
-fi
+}
 
-if has verify && [ "$ngpu" -ge 2 ]; then
+stage_verify() {
+  gpus 2 verify || return 0
   for c in tp2-tp1 moe-ep2-ep1; do
     step "verify: refit_bench $c with a verify=True column"
     timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --backend nccl,direct --verify --no-baseline 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
   done
-fi
+}
+for s in $stages; do
+  declare -F "stage_$s" > /dev/null || { echo "unknown stage: $s" >&2; exit 2; }
+done
+for s in $stages; do "stage_$s"; done  # in the order given: a call that runs out of time loses the last ones
 step "done"
