@@ -1,7 +1,9 @@
 """The CUDA objects compile wherever nvcc is (CPU CI included), with no register spills.
 
 Configures a fresh tree with RESHARD_EXT_CUDA=ON (NCCL auto) and builds only the CUDA
-objects (kernels/*.cu, comm/), so a CUDA-only compile error shows up without a GPU.
+objects (kernels/*.cu, comm/), so a CUDA-only compile error shows up without a GPU. The
+host runs of the box kernels' lanes (boxes_emulated.cu: no device code, the slowest object
+to compile) are left to the package build.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def test_cuda_objects_build_without_spills(tmp_path: Path) -> None:
     # The CUDA and comm objects alone: the library targets would also build core (their link order).
     targets = subprocess.run(["ninja", "-C", str(tmp_path), "-t", "targets", "all"], capture_output=True, text=True,
                              check=True).stdout
-    objects = re.findall(r"^(CMakeFiles/(?:rx_kernels\.dir/\S+\.cu|rx_comm\.dir/\S+)\.o):", targets, re.M)
+    objects = [o for o in re.findall(r"^(CMakeFiles/(?:rx_kernels\.dir/\S+\.cu|rx_comm\.dir/\S+)\.o):", targets, re.M)
+               if not o.endswith("boxes_emulated.cu.o")]
     assert any(o.endswith("copy_boxes.cu.o") for o in objects), targets
     assert any(o.endswith("digest_boxes.cu.o") for o in objects), targets
     build = subprocess.run(["ninja", "-C", str(tmp_path), *objects], capture_output=True, text=True, timeout=600)
