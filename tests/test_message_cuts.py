@@ -188,11 +188,17 @@ def refits(draw):
         rows = draw(st.sampled_from([1, 3, 64, 1024]))
         cols = draw(st.sampled_from([256, 512]))
         shape = (rows, cols) if draw(st.booleans()) else (rows * cols,)
-        src[f"t{i}"] = draw(layout(shape, draw(st.sampled_from(DTYPES)), world))
-        dst[f"t{i}"] = draw(layout(shape, draw(st.sampled_from(DTYPES)), world))
+        src[f"t{i}"] = s = draw(layout(shape, draw(st.sampled_from(DTYPES)), world))
+        if draw(st.booleans()):
+            dst[f"t{i}"] = draw(layout(shape, draw(st.sampled_from(DTYPES)), world))
+        else:  # the same split over other ranks: a rank's piece leaves, another arrives (no same-rank copy)
+            ranks = draw(st.permutations(range(world)))
+            dst[f"t{i}"] = Layout(shape, draw(st.sampled_from(DTYPES)), Mesh([ranks[r] for r in s.mesh.ranks]),
+                                  s.placements)
     both = sorted((r, n) for n in src for r in range(world)
                   if src[n].local_shape(r) is not None and dst[n].local_shape(r) is not None)
-    in_place = frozenset(draw(st.lists(st.sampled_from(both), unique=True)) if both else [])
+    in_place = frozenset(draw(st.lists(st.sampled_from(both), unique=True, min_size=1))
+                         if both and draw(st.integers(0, 3)) else [])  # mostly some: without, bind refuses nothing
     direct_bytes = draw(st.sampled_from([1, 4096, 1 << 16, 1 << 20]))
     max_batch = draw(st.sampled_from([None, None, 1 << 16, 1 << 20]))
     return src, dst, world, direct_bytes, max_batch, in_place
