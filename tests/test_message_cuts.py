@@ -158,6 +158,26 @@ def test_in_place_on_one_end_refits():
     assert all(run_ranks(2, _refit_in_place))
 
 
+def _direct_bytes_apart(rank, world):
+    src, dst = _swap_case()
+    x = torch.zeros(N)
+    try:
+        rx.plan({"x": (x, src["x"])}, {"x": (torch.zeros(N), dst["x"])},
+                options=rx.Options(direct_bytes=1 << 20 if rank == 0 else 1 << 21))
+    except rx.ReshardError as e:
+        return str(e)
+    return ""
+
+
+def test_direct_bytes_must_be_alike():
+    """The other input of the cut: one rank's direct_bytes apart from its peer's would
+    post different message sizes (gloo aborts the process); rx.plan refuses it on every rank."""
+    from _dist import run_ranks
+
+    for msg in run_ranks(2, _direct_bytes_apart):
+        assert "RESHARD_EXT_CPU_DIRECT_BYTES must be alike" in msg and "1048576: [0], 2097152: [1]" in msg, msg
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 
