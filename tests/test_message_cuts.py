@@ -131,17 +131,18 @@ def test_in_place_on_one_end_cuts_alike(direct_bytes):
         assert tables[1].direct_sends(0) and tables[1].direct_recvs(0)
 
 
-def _refit_in_place(rank, world):
+def _refit_in_place(rank, world, device="cpu"):
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     src, dst = _swap_case()
-    full = torch.arange(2 * N, dtype=torch.float32)
+    full = torch.arange(2 * N, dtype=torch.float32, device=dev)
     xs = full[rank * N:(rank + 1) * N].clone()
-    xd = xs if rank == 0 else torch.zeros(N)  # rank 0 in place
+    xd = xs if rank == 0 else torch.zeros(N, device=dev)  # rank 0 in place
     s, d = {"x": (xs, src["x"])}, {"x": (xd, dst["x"])}
-    y = torch.arange(8, dtype=torch.float32)
+    y = torch.arange(8, dtype=torch.float32, device=dev)
     if rank == 0:
         s["y"] = (y, src["y"])
     else:
-        d["y"] = (torch.zeros(8), dst["y"])
+        d["y"] = (torch.zeros(8, device=dev), dst["y"])
     plan = rx.plan(s, d, options=rx.Options(direct_bytes=1 << 20, timeout=60))
     ok = []
     for verify in (False, True):
@@ -156,6 +157,16 @@ def test_in_place_on_one_end_refits():
     from _dist import run_ranks
 
     assert all(run_ranks(2, _refit_in_place))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and rx.build_info()["cuda"]),
+                    reason="needs 2 GPUs and reshard_ext built with CUDA")
+def test_in_place_on_one_end_refits_cuda():
+    """NCCL: the verified execute moves x in rounds; both ends must cut them alike."""
+    from _dist import run_ranks
+
+    assert all(run_ranks(2, _refit_in_place, "cuda", backend="nccl"))
 
 
 def _direct_bytes_apart(rank, world):
