@@ -293,8 +293,9 @@ def plan_collective(
             for name, (_, layout) in entries.items():
                 if reporter_of(name, layout) == rank:
                     report.append((side, name, layout._c))
+    direct_bytes = (options.resolved_direct_bytes("cpu"), options.resolved_direct_bytes("cuda"))
     payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options), options.resolved_relay(),
-               max_batch_bytes is not None)
+               max_batch_bytes is not None, direct_bytes)
     gathered = all_gather_objects(payload, group, "rx.plan (metadata exchange)", timeout_s)
     STATS["exchanges"] += 1
 
@@ -310,6 +311,12 @@ def plan_collective(
     fineness = 2 if any(g[5] for g in gathered) else 1
     if len(devices) > 1:
         errors.append(f"ranks hold tensors on different devices: {sorted(devices)}")
+    # Both ends of a pair cut their messages by it (ExecTables::bind): apart, they post different sizes.
+    direct = [g[6][1 if devices == {"cuda"} else 0] for g in gathered]
+    if len(set(direct)) > 1:
+        by_value = {v: [r for r, x in enumerate(direct) if x == v][:8] for v in sorted(set(direct))}
+        errors.append(f"rx.Options(direct_bytes=...) / RESHARD_EXT_{'CUDA' if devices == {'cuda'} else 'CPU'}"
+                      f"_DIRECT_BYTES must be alike on every rank, got {by_value} (value: ranks)")
     if errors:
         _raise(errors)
     decoded = _C.decode_entries([blob for blob, *_ in gathered])

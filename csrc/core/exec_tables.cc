@@ -135,12 +135,15 @@ void cut_messages(const std::vector<const TransferOp*>& ops, std::vector<rx_box>
     const TransferOp& op = *ops[i];
     const rx_box& box = boxes[i];
     const uint64_t staging = staging_is_dst ? box.dst : box.src;
-    // A piece sharing memory with the other side stays staged: its reads then all
-    // happen at the pack, before any write lands.
-    if (direct_bytes > 0 && op.nbytes >= direct_bytes && !aliased.count(staging_is_dst ? op.src_name : op.dst_name)) {
+    // The cut looks at op size alone, which the peer knows too; whether the message then
+    // reads / writes the tensor in place is this end's own choice. A piece sharing memory
+    // with the other side stays staged (its reads then all happen at the pack, before any
+    // write lands) but keeps its own message: aliasing is known to this rank only.
+    if (direct_bytes > 0 && op.nbytes >= direct_bytes) {
       flush();
       const int64_t tensor_stride = staging_is_dst ? box.src_stride[0] : box.dst_stride[0];
-      const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype && box.codec == RX_CODEC_NONE;
+      const bool flat = box.ndim == 1 && tensor_stride == 1 && box.src_dtype == box.dst_dtype &&
+                        box.codec == RX_CODEC_NONE && !aliased.count(staging_is_dst ? op.src_name : op.dst_name);
       if (flat) {
         out.push_back({op.peer, staging_is_dst ? box.src : box.dst, op.nbytes, true});
         direct.push_back(index[i]);

@@ -102,8 +102,8 @@ class ExecTables {
   // Memory rules (checked first, ReshardError naming the tensors): no dst piece has
   // elements that share memory (stride 0) or shares memory with another dst piece; a
   // dst piece may share memory with a src piece only with a single batch, where every
-  // read of the plan happens before its first write (such ops are then never direct
-  // messages), no same-rank copy writes what another one reads and no peer accesses
+  // read of the plan happens before its first write (such ops are then staged, a large
+  // one still in a message of its own, as its peer cuts it), no same-rank copy writes what another one reads and no peer accesses
   // either directly (direct backend). A copy from a piece to the very same memory is a
   // no-op and dropped.
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,

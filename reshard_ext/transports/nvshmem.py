@@ -32,6 +32,21 @@ def _up(n: int) -> int:
     return (max(n, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def check_one_message_per_pair(tables: Any, rank: int) -> None:
+    """Raises InternalError where batch b of `tables` (bound with direct_bytes 0) has two
+    messages between this rank and one peer: a receiver's stream waits for one signal per
+    sender and batch, so a second put into a busy slot would wait for its own free signal
+    forever. The planner's op order (by peer) makes one run per pair; this is its guard."""
+    for b in range(tables.num_batches):
+        for side, verb in ((0, "sends"), (1, "receives")):
+            peers = [peer for peer, _, n in tables.messages(b)[side] if n > 0]
+            twice = sorted({p for p in peers if peers.count(p) > 1})
+            if twice:
+                raise InternalError(f"NVSHMEM plan: rank {rank} {verb} {peers.count(twice[0])} messages "
+                                    f"{'to' if side == 0 else 'from'} rank {twice[0]} in batch {b}; the transport "
+                                    f"needs one per pair and batch (its signals are per pair)")
+
+
 class _Puts:
     """Stands in for CudaTransport's communicator (its pipelined path keys on one); the
     hooks of NvshmemTransport carry the bytes."""
@@ -120,6 +135,7 @@ class NvshmemTransport(CudaTransport):
 
     def _set_batches(self, tables: Any, offsets: list[dict]) -> None:
         me = dist.get_rank(self.group)
+        check_one_message_per_pair(tables, me)
         base, slots = self._layout[0], self._layout[1]
         sends: list[list[tuple]] = [[] for _ in range(tables.num_batches)]
         recvs: list[list[int]] = [[] for _ in range(tables.num_batches)]
