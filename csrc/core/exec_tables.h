@@ -103,9 +103,9 @@ class ExecTables {
   // elements that share memory (stride 0) or shares memory with another dst piece; a
   // dst piece may share memory with a src piece only with a single batch, where every
   // read of the plan happens before its first write (such ops are then staged, a large
-  // one still in a message of its own, as its peer cuts it), no same-rank copy writes what another one reads and no peer accesses
-  // either directly (direct backend). A copy from a piece to the very same memory is a
-  // no-op and dropped.
+  // one still in a message of its own, as its peer cuts it), no same-rank copy writes
+  // what another one reads and no peer accesses either directly (direct backend). A
+  // copy from a piece to the very same memory is a no-op and dropped.
   void bind(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
             const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs,
             int64_t direct_bytes = 0, const std::unordered_map<int32_t, ReceiverCodec>& codec_receivers = {});
