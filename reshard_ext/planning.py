@@ -156,7 +156,12 @@ def _grains(dst_t: Any, grain_of: Callable[[str], int | None] | None) -> dict[in
     """{dst table index: cut grain} of the tensors `grain_of` names a grain for."""
     if grain_of is None:
         return {}
-    return {i: g for i in range(len(dst_t)) if (g := grain_of(dst_t.name(i))) is not None}
+    grains = {i: g for i in range(len(dst_t)) if (g := grain_of(dst_t.name(i))) is not None}
+    for i, g in grains.items():
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ReshardError(f"tensor '{dst_t.name(i)}': the cut grain of its last dim must be a positive int, "
+                               f"got {g!r}")
+    return grains
 
 
 def _plan_rank(src_t: Any, dst_t: Any, rank: int, limit: int | None, buffers: int, region_align: int,
@@ -342,14 +347,18 @@ def plan_collective(
         soft = options.resolved_batch_bytes()  # pipelined batches by default on GPUs
     late = _check_against_global(0, src, src_t, rank) + _check_against_global(1, dst, dst_t, rank)
     rank_plan, wanted, fitting = None, 1, None
+    grains: dict[int, int] = {}
+    try:
+        grains = _grains(dst_t, grain_of)
+    except Exception as e:  # noqa: BLE001 - a transform failing on this rank alone: agreed on below
+        late.append(f"rank {rank}: the transform's last_dim_grain failed: {e!r}")
     if not late:
         try:
             # CPU staging needs no more than the ops' own 16-byte alignment per region;
             # every rank must taper alike, or the digests below disagree.
             depth = staging_depth(agreed_device)
             rank_plan, wanted = _plan_rank(src_t, dst_t, rank, max_batch_bytes, depth,
-                                           16 if agreed_device == "cpu" else 256, options, soft, fineness,
-                                           _grains(dst_t, grain_of))
+                                           16 if agreed_device == "cpu" else 256, options, soft, fineness, grains)
             STATS["plans"] += 1
             if wanted == 0:
                 late.append(_too_small(rank, max_batch_bytes, rank_plan))

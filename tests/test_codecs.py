@@ -6,14 +6,13 @@ import sys
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import reshard_ext as rx
-from reshard_ext import Layout, Mesh, Replicate, Shard, _C, codecs, planning
+from reshard_ext import _C, Layout, Mesh, Replicate, Shard, codecs, planning
 from reshard_ext.codecs.mxfp8 import BLOCK, GRAIN
 from reshard_ext.mxfp8 import DATA_SUFFIX, MXFP8, SCALE_SUFFIX, data_layout, scale_layout
 from reshard_ext.transforms import Transform
-
-from _dist import run_ranks
 
 BF16 = torch.bfloat16
 
@@ -110,12 +109,25 @@ class _Coarse(Transform):
         return 128 if name == "w" else None
 
 
-def _plan_worker(rank: int, world: int) -> set:
+class _FailsOnRankOne(Transform):
+    def last_dim_grain(self, name: str) -> int | None:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise ValueError("no grain here")
+        return None
+
+
+def _entries(rank: int):
     lay_src = Layout((4, 1024), BF16, Mesh([0]), [Replicate()])
     lay_dst = Layout((4, 1024), BF16, Mesh([1]), [Shard(0)])
     src = {"w": (torch.zeros(4, 1024, dtype=BF16), lay_src)} if rank == 0 else {}
     dst = {"w": (torch.zeros(4, 1024, dtype=BF16), lay_dst)} if rank == 1 else {}
-    plan = rx.plan(src, dst, transform=_Coarse(), max_batch_bytes=1200)
+    return src, dst
+
+
+def _plan_worker(rank: int, world: int) -> set:
+    plan = rx.plan(*_entries(rank), transform=_Coarse(), max_batch_bytes=1200)
     rp = plan._agreement.rank_plan
     return {(glob[-1], size[-1]) for ops in (rp.sends(), rp.recvs()) for _, _, _, size, _, glob, *_ in ops}
 
@@ -125,3 +137,17 @@ def test_plan_passes_transform_grain():
     sent, received = run_ranks(2, _plan_worker)
     assert sent == received and len(sent) > 1
     assert all(s % 128 == 0 and n % 128 == 0 for s, n in sent)
+
+
+def _failing_worker(rank: int, world: int) -> str:
+    try:
+        rx.plan(*_entries(rank), transform=_FailsOnRankOne(), max_batch_bytes=1200)
+    except rx.ReshardError as e:
+        return str(e)
+    return ""
+
+
+def test_grain_failure_on_one_rank_raises_everywhere():
+    """A transform's last_dim_grain failing on one rank is a ReshardError on every rank, not a hang."""
+    for message in run_ranks(2, _failing_worker):
+        assert "rank 1: the transform's last_dim_grain failed" in message and "no grain here" in message
