@@ -473,7 +473,8 @@ def plan(
     def depth(device: str | None) -> int:
         return _staging_depth(backend, device)
 
-    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options, depth)
+    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options, depth,
+                                None if transform is None else transform.last_dim_grain)
 
     from . import relay  # relay fan-out: two plans (scatter, gather) where replicas would hammer the sources
 

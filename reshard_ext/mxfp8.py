@@ -50,6 +50,7 @@ import torch
 from . import _C
 from .codecs.mxfp8 import (
     BLOCK,
+    GRAIN,
     PATHS,
     ROUNDINGS,
     SCALE_LAYOUTS,
@@ -153,6 +154,15 @@ class MXFP8(Transform):
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self._params_key, self.scale_layout, self.where, self.rounding)
+
+    def last_dim_grain(self, name: str) -> int | None:
+        # The tensors whose boxes quantize: the BF16 dst (receiver) or the data wire (sender);
+        # a scale wire's elements are whole blocks already, so it keeps the plain cut.
+        if self.where == "sender":
+            if not name.endswith(DATA_SUFFIX):
+                return None
+            name = name[:-len(DATA_SUFFIX)]
+        return GRAIN if self._select(name) else None
 
     def receiver_codec(self, name: str) -> tuple[int, int, int] | None:
         return receiver_digest(self.rounding) if self.where == "receiver" and self._select(name) else None

@@ -105,12 +105,14 @@ def local_plan(
     max_batch_bytes: int | None = None,
     num_batches: int | None = None,
     options: Options | None = None,
+    grains: Mapping[str, int] | None = None,
 ) -> RankPlan:
     """This rank's ops, from the layouts alone: no process group, no tensors.
 
     Same-rank copies appear in both lists with peer == rank. `num_batches` defaults to
     the fewest batches whose staging (largest send batch + largest receive batch) fits
-    in `max_batch_bytes`; `plan` agrees on it globally.
+    in `max_batch_bytes`; `plan` agrees on it globally. `grains`: dst name -> the cut
+    grain of its last dim (Transform.last_dim_grain); the others are cut plainly.
     """
     problem = batch_bytes_error(max_batch_bytes)
     if problem:
@@ -120,11 +122,12 @@ def local_plan(
     if errors:
         _raise(errors)
     options = options or Options()
+    by_index = _grains(dst_t, (grains or {}).get)
     if num_batches:
-        c, _ = _plan_rank(src_t, dst_t, rank, None, 1, 256, options, int(max_batch_bytes or 0))
+        c, _ = _plan_rank(src_t, dst_t, rank, None, 1, 256, options, int(max_batch_bytes or 0), grains=by_index)
     else:
         c, num_batches = _plan_rank(src_t, dst_t, rank, max_batch_bytes, 1, 256, options,
-                                    fineness=2 if max_batch_bytes else 1)
+                                    fineness=2 if max_batch_bytes else 1, grains=by_index)
         if num_batches == 0:
             raise ReshardError(_too_small(rank, max_batch_bytes, c))
     c.assign_batches(int(num_batches))
@@ -149,15 +152,29 @@ def batch_bytes_error(max_batch_bytes: Any) -> str:
     return ""
 
 
+def _grains(dst_t: Any, grain_of: Callable[[str], int | None] | None) -> dict[int, int]:
+    """{dst table index: cut grain} of the tensors `grain_of` names a grain for."""
+    if grain_of is None:
+        return {}
+    grains = {i: g for i in range(len(dst_t)) if (g := grain_of(dst_t.name(i))) is not None}
+    for i, g in grains.items():
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ReshardError(f"tensor '{dst_t.name(i)}': the cut grain of its last dim must be a positive int, "
+                               f"got {g!r}")
+    return grains
+
+
 def _plan_rank(src_t: Any, dst_t: Any, rank: int, limit: int | None, buffers: int, region_align: int,
-               options: Options, soft_batch_bytes: int = 0, fineness: int = 1) -> tuple[Any, int]:
+               options: Options, soft_batch_bytes: int = 0, fineness: int = 1,
+               grains: dict[int, int] | None = None) -> tuple[Any, int]:
     """The C++ planner for one rank, and how many batches it wants: the fewest whose
     staging (`buffers` x (largest send + largest receive batch)) fits `limit`, a hard
-    bound (0: none does); without a limit, about `soft_batch_bytes` each way per batch."""
+    bound (0: none does); without a limit, about `soft_batch_bytes` each way per batch.
+    `grains`: {dst table index: cut grain of its last dim} (a codec's, _grains)."""
     # Ops start no bigger than a quarter of the budget of one staging copy, so that a
     # few batches can fit; assign_batches cuts them further where a pair needs it.
     per_op = max(1, limit // (4 * buffers)) if limit else soft_batch_bytes
-    c = _C.plan_rank(src_t, dst_t, rank, int(per_op))
+    c = _C.plan_rank(src_t, dst_t, rank, int(per_op), grains or {})
     c.taper = options.resolved_batch_taper()
     c.region_align = region_align
     c.fineness = fineness
@@ -279,9 +296,11 @@ def plan_collective(
     src: Entries, dst: Entries, group: Any, max_batch_bytes: int | None, errors: list[str] | None = None,
     options: Options | None = None,
     staging_depth: Callable[[str | None], int] = lambda device: 1,
+    grain_of: Callable[[str], int | None] | None = None,
 ) -> Agreement:
     """The collective part of rx.plan. staging_depth(device): how many staging copies
-    of a batch the transport keeps (its pipelining depth), for the max_batch_bytes bound."""
+    of a batch the transport keeps (its pipelining depth), for the max_batch_bytes bound.
+    grain_of(dst name): the cut grain of its last dim, or None (Transform.last_dim_grain)."""
     options = options or Options()
     timeout_s = options.resolved_timeout("gloo")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -335,13 +354,18 @@ def plan_collective(
         soft = options.resolved_batch_bytes()  # pipelined batches by default on GPUs
     late = _check_against_global(0, src, src_t, rank) + _check_against_global(1, dst, dst_t, rank)
     rank_plan, wanted, fitting = None, 1, None
+    grains: dict[int, int] = {}
+    try:
+        grains = _grains(dst_t, grain_of)
+    except Exception as e:  # noqa: BLE001 - a transform failing on this rank alone: agreed on below
+        late.append(f"rank {rank}: the transform's last_dim_grain failed: {e!r}")
     if not late:
         try:
             # CPU staging needs no more than the ops' own 16-byte alignment per region;
             # every rank must taper alike, or the digests below disagree.
             depth = staging_depth(agreed_device)
             rank_plan, wanted = _plan_rank(src_t, dst_t, rank, max_batch_bytes, depth,
-                                           16 if agreed_device == "cpu" else 256, options, soft, fineness)
+                                           16 if agreed_device == "cpu" else 256, options, soft, fineness, grains)
             STATS["plans"] += 1
             if wanted == 0:
                 late.append(_too_small(rank, max_batch_bytes, rank_plan))

@@ -83,6 +83,14 @@ class Transform:
         """What distinguishes two transforms for plan caching."""
         return (type(self).__name__,)
 
+    def last_dim_grain(self, name: str) -> int | None:
+        """For planning: when the boxes of dst `name` (a name as planned, after the
+        rewrites) carry a codec whose blocks must stay whole, that codec's grain
+        (reshard_ext.codecs.traits(...).grain): the planner cuts the tensor's last dim only
+        on multiples of it. None keeps the plain cut (_C.PLAIN_GRAIN). Both ends must
+        answer alike, from the name alone."""
+        return None
+
     def receiver_codec(self, name: str) -> tuple[int, int, int] | None:
         """For verify digests: when the receiver of dst `name` converts it with a codec
         after it lands, (rx_box.digest of a copy into it: RX_DIGEST_CODEC with the codec's

@@ -15,10 +15,6 @@ namespace rx {
 namespace {
 
 constexpr int64_t kOpAlign = 16;       // every box starts 16-byte aligned in staging
-// Cuts inside the last dim fall on multiples of this many elements: a multiple of every
-// codec's block along the last dim (kernels/codecs/: MXFP8 32), so a fused codec finds
-// each block in one box.
-constexpr int64_t kLastDimGrain = 32;
 
 
 uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
@@ -183,11 +179,12 @@ Routes sender_routes(const Layout& src, const Layout& dst, int32_t rank) {
 
 // The pieces of at most `limit` wire bytes an op of `size` (numel elements of `elem`
 // bytes) is cut into along its outermost dims, in order: fn(offsets, sizes, numel) per
-// piece, offsets relative to the op's origin. `off` and `size` are scratch, restored on
-// return. Both split_op and the dry run of the batch layout (batch_layouts) cut by it.
+// piece, offsets relative to the op's origin; cuts inside the last dim fall on multiples
+// of `grain` (the op's). `off` and `size` are scratch, restored on return. Both split_op
+// and the dry run of the batch layout (batch_layouts) cut by it.
 template <typename Fn>
 void for_each_split(std::vector<int64_t>& off, std::vector<int64_t>& size, int64_t numel, int64_t limit,
-                    int32_t elem, Fn&& fn) {
+                    int32_t elem, int64_t grain, Fn&& fn) {
   if (limit <= 0 || numel * elem <= limit) return fn(off, size, numel);
   const size_t nd = size.size();
   size_t d = 0;
@@ -195,15 +192,15 @@ void for_each_split(std::vector<int64_t>& off, std::vector<int64_t>& size, int64
   if (d == nd) return fn(off, size, numel);
   const int64_t per = numel * elem / size[d];
   int64_t step = per > limit ? 1 : std::max<int64_t>(1, limit / per);
-  // Cuts inside the last dim fall on multiples of kLastDimGrain (soft limit), so codec
+  // Cuts inside the last dim fall on multiples of the grain (soft limit), so codec
   // blocks stay whole in every box.
-  if (d + 1 == nd) step = std::max<int64_t>(kLastDimGrain, step / kLastDimGrain * kLastDimGrain);
+  if (d + 1 == nd) step = std::max<int64_t>(grain, step / grain * grain);
   if (step >= size[d]) return fn(off, size, numel);  // no finer cut allowed (whole codec blocks)
   const int64_t full = size[d], base = off[d];
   for (int64_t lo = 0; lo < full; lo += step) {
     size[d] = std::min(step, full - lo);
     off[d] = base + lo;
-    for_each_split(off, size, numel / full * size[d], limit, elem, fn);
+    for_each_split(off, size, numel / full * size[d], limit, elem, grain, fn);
   }
   size[d] = full;
   off[d] = base;
@@ -216,7 +213,7 @@ void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<Tra
     return;
   }
   std::vector<int64_t> off(op.mine.size.size(), 0), size = op.mine.size;
-  for_each_split(off, size, op.numel, limit, elem,
+  for_each_split(off, size, op.numel, limit, elem, op.grain,
                  [&](const std::vector<int64_t>& o, const std::vector<int64_t>& n, int64_t numel) {
                    TransferOp part = op;
                    for (size_t d = 0; d < n.size(); ++d) {
@@ -336,16 +333,20 @@ std::vector<std::string> check_tables(const LayoutTable& src, const LayoutTable&
   return errors;
 }
 
-RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes) {
+RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes,
+                   const std::unordered_map<int32_t, int64_t>& grains) {
+  for (const auto& [i, g] : grains)
+    RX_USER_CHECK(i >= 0 && i < dst.size() && g >= 1, "plan_rank: bad cut grain ", g, " for dst table index ", i);
   RankPlan plan;
   plan.rank = rank;
   plan.max_batch_bytes = max_batch_bytes;
   std::vector<TransferOp> raw_sends, raw_recvs;
 
-  auto make_op = [&dst](int32_t dst_name, int32_t src_name, int32_t peer, const std::vector<const Segment*>& pick,
-                        bool mine_is_a, int32_t wire) {
+  auto make_op = [&dst, &grains](int32_t dst_name, int32_t src_name, int32_t peer,
+                                 const std::vector<const Segment*>& pick, bool mine_is_a, int32_t wire) {
     TransferOp op;
     op.dst_name = dst_name;
+    if (const auto g = grains.find(dst_name); g != grains.end()) op.grain = g->second;
     op.name_hash = dst.name_hash(dst_name);
     op.src_name = src_name;
     op.peer = peer;
@@ -682,7 +683,7 @@ std::vector<BatchLayout> RankPlan::batch_layouts(int32_t k) const {
         const int32_t elem = dtype_size(ops[o].wire_dtype);
         size = ops[o].mine.size;
         off.assign(size.size(), 0);
-        for_each_split(off, size, ops[o].numel, limit, elem,
+        for_each_split(off, size, ops[o].numel, limit, elem, ops[o].grain,
                        [&](const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t numel) {
                          placer.place(checked_mul(numel, elem, "bytes of a box"));
                        });

@@ -41,6 +41,11 @@ class LayoutTable {
 
 uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull);
 
+// The cut grain of a tensor without a codec: cuts inside its last dim fall on multiples
+// of this many elements. A tensor whose boxes carry a codec takes its codec's grain
+// instead (plan_rank's `grains`, from kernels/codecs/ traits through the transform).
+constexpr int64_t kPlainGrain = 32;
+
 struct Box {
   std::vector<int64_t> start;  // local coordinates in a piece
   std::vector<int64_t> size;
@@ -60,6 +65,7 @@ struct TransferOp {
   int64_t nbytes = 0;     // bytes on the wire
   int32_t batch = 0;
   int64_t offset = 0;     // byte offset inside the peer's region of the batch's staging buffer
+  int64_t grain = kPlainGrain;  // cuts inside the last dim fall on multiples of this (the dst tensor's)
 };
 
 struct PeerRegion {
@@ -154,7 +160,10 @@ struct FanOut {
 // before assign_batches(k > 1), which cuts a pair's ops by the pair's own total.
 std::vector<FanOut> send_fanout(const RankPlan& plan);
 
-RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes);
+// grains: dst table index -> the cut grain of that tensor's last dim (its codec's
+// block: whole blocks in every box), alike on every rank; kPlainGrain for the others.
+RankPlan plan_rank(const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes,
+                   const std::unordered_map<int32_t, int64_t>& grains = {});
 
 // Deterministic checks of the global tables (every rank gets the same answer):
 // invalid layouts, ranks outside [0, world_size), unknown dst names, shape mismatch,

@@ -249,11 +249,15 @@ void register_core(py::module_& m) {
 
   m.def(
       "plan_rank",
-      [](const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes) {
+      [](const LayoutTable& src, const LayoutTable& dst, int32_t rank, int64_t max_batch_bytes,
+         const std::unordered_map<int32_t, int64_t>& grains) {
         py::gil_scoped_release release;
-        return std::make_shared<RankPlan>(plan_rank(src, dst, rank, max_batch_bytes));
+        return std::make_shared<RankPlan>(plan_rank(src, dst, rank, max_batch_bytes, grains));
       },
-      py::arg("src"), py::arg("dst"), py::arg("rank"), py::arg("max_batch_bytes") = 0);
+      py::arg("src"), py::arg("dst"), py::arg("rank"), py::arg("max_batch_bytes") = 0,
+      py::arg("grains") = std::unordered_map<int32_t, int64_t>{},
+      "grains: {dst table index: cut grain of its last dim} (a codec's block; PLAIN_GRAIN for the others).");
+  m.attr("PLAIN_GRAIN") = kPlainGrain;
 
   m.def(
       "split_direct",

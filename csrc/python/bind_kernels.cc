@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "kernels/api.h"
+#include "kernels/codecs/registry.h"
 #include "python/register.h"
 
 namespace py = pybind11;
@@ -16,6 +17,25 @@ void register_kernels(py::module_& m) {
   m.attr("MAX_DIMS") = RX_MAX_DIMS;
   m.attr("BOX_BYTES") = sizeof(rx_box);
   m.attr("BOX_COPY") = static_cast<int>(RX_CODEC_NONE);
+  m.def(
+      "codec_traits",
+      [] {
+        py::list l;
+        for (int32_t i = 0; i < codecs::count(); ++i) {
+          const codecs::Traits& t = codecs::at(i);
+          py::dict d;
+          d["id"] = t.id;
+          d["name"] = t.name;
+          d["grain"] = t.grain;
+          d["item_elems"] = t.item_elems;
+          d["item_bytes"] = t.item_bytes;
+          d["digest"] = t.cpu_digest != nullptr;
+          l.append(d);
+        }
+        return l;
+      },
+      "The codec table (kernels/codecs/registry.h): one dict per codec id (id, name, grain, item_elems, "
+      "item_bytes, digest: whether the id is also a receiver digest kind).");
   m.def(
       "copy_boxes_cpu",
       [](py::buffer table) {

@@ -13,8 +13,11 @@ from .. import _C
 from ..errors import ReshardError
 from ..layout import code_of
 from ..transforms import Piece
+from . import traits
 
 BLOCK = int(_C.MX_BLOCK)
+# The planner's cut grain of a tensor the data boxes quantize: whole blocks per box.
+GRAIN = traits("mxfp8").grain
 
 SCALE_LAYOUTS = {"2d": int(_C.MX_SCALE_2D), "swizzled": int(_C.MX_SCALE_SWIZZLED)}
 ROUNDINGS = {"ceil": int(_C.MX_ROUND_CEIL), "floor": int(_C.MX_ROUND_FLOOR)}

@@ -200,6 +200,10 @@ bool box_valid(const rx_box& b);
 uint64_t cpu_row(const rx_box& b, int32_t pass, const char* src, char* dst, int64_t first, uint64_t k0, int64_t n);
 uint64_t cpu_digest(int32_t digest, const char* p, int64_t stride, int32_t dtype, uint64_t k0, int64_t n);
 
+// Its records in the codec table (registry.cc): RX_CODEC_MXFP8 (also a receiver digest)
+// and RX_CODEC_MXFP8_SCALES.
+extern const codecs::Traits kDataTraits, kScalesTraits;
+
 
 // Maps a piece's runs along the last dim (global extent `extent`) to the runs of its
 // scale columns. Local quantization equals quantizing the logical tensor only when

@@ -131,6 +131,12 @@ bool box_valid(const rx_box& b) {
   return true;
 }
 
+// A data box's item is one block (never split); a scales box's, one scale byte, which
+// reads a block. The planner cuts a data tensor's last dim on whole blocks; a scale
+// tensor's elements are whole blocks already (grain 1).
+const codecs::Traits kDataTraits{RX_CODEC_MXFP8, "mxfp8", kBlock, kBlock, kBlock * 2, box_valid, cpu_row, cpu_digest};
+const codecs::Traits kScalesTraits{RX_CODEC_MXFP8_SCALES, "mxfp8_scales", 1, 1, kBlock * 2, box_valid, cpu_row,
+                                   nullptr};
 
 std::string scale_runs(const Runs& runs, int64_t extent, Runs* out) {
   out->clear();

@@ -4,10 +4,18 @@
 //
 // A codec is one folder entry: <name>.h (what its boxes hold, the element math shared by
 // the CUDA lanes and the CPU twin, host/device), <name>_lanes.cuh (the CUDA per-lane
-// code, included by copy_boxes.cu through codecs/lanes.cuh), <name>_cpu.cc (the CPU
-// twin and host checks), optional whole-tensor kernels; plus its ids below and one case
-// in each dispatch (lanes.cuh, registry.cc). Its policy (which tensors, which side) and
-// the TensorRefs it binds live in Python (reshard_ext/codecs/).
+// code), <name>_cpu.cc (the CPU twin, host checks and its Traits records), optional
+// whole-tensor kernels (<name>.cu, <name>_api.h) and their bindings (python/bind_<name>.cc).
+// Its policy (which tensors, which side) and the TensorRefs it binds live in Python
+// (reshard_ext/codecs/<name>.py and its transform). Adding one touches, outside its files:
+//   - here: its ids in rx_codec_id;
+//   - registry.cc: one line in the table pointing at its Traits records (all the host
+//     dispatch: box checks, tile items, the CPU twin, digests; the planner's cut grain,
+//     which Python reads and passes to plan_rank);
+//   - lanes.cuh (the compile-time CUDA dispatch): its <name>_lanes.cuh include and one
+//     case per id in codec_geom and codec_items, and in codec_digest_items for an id with
+//     a receiver digest;
+//   - CMakeLists.txt (its sources), python/register.h + python_api.cpp (its bindings).
 #pragma once
 
 #include <stdint.h>
@@ -33,6 +41,35 @@ int32_t rx_codec_valid(const rx_box* box);
 }
 
 namespace rx::codecs {
+
+// One codec id's record: all the host side asks of it. Defined by the codec (its
+// <name>_cpu.cc), listed once in registry.cc's table.
+struct Traits {
+  int32_t id;            // RX_CODEC_* above
+  const char* name;      // Python finds the id by it (_C.codec_traits)
+  // The planner's cut grain for a tensor whose boxes carry the id: cuts inside its last
+  // dim fall on multiples of this many elements, so each box holds whole codec blocks
+  // (MXFP8 32; a blockwise FP8 would say 128). Python passes it to plan_rank (core
+  // never includes kernels).
+  int64_t grain;
+  int64_t item_elems;    // a box's elements per item (a lane's unit of work, never split across tiles)
+  int64_t item_bytes;    // source bytes one item reads
+  // The codec's checks of a box with the id, or of a copy with its digest, on top of
+  // rx_box_valid.
+  bool (*valid)(const rx_box& b);
+  // The CPU twin of one innermost row of a box with the id (cpu_row below).
+  uint64_t (*cpu_row)(const rx_box& b, int32_t pass, const char* src, char* dst, int64_t first, uint64_t k0,
+                      int64_t n);
+  // The CPU twin of a copy's digest RX_DIGEST_CODEC with the id (cpu_digest below);
+  // nullptr: the id is no receiver digest kind.
+  uint64_t (*cpu_digest)(int32_t digest, const char* p, int64_t stride, int32_t dtype, uint64_t k0, int64_t n);
+};
+
+// The record of a codec id; nullptr for RX_CODEC_NONE or an unknown id.
+const Traits* find(int32_t id);
+// Every record, in table order (bindings, tests).
+int32_t count();
+const Traits& at(int32_t i);
 
 // rx_box_valid and rx_codec_valid: a box the kernels may run.
 inline bool box_ok(const rx_box& b) { return rx_box_valid(&b) && rx_codec_valid(&b); }
