@@ -184,8 +184,8 @@ def _plan_rank(src_t: Any, dst_t: Any, rank: int, limit: int | None, buffers: in
 def _too_small(rank: int, limit: Any, c: Any) -> str:
     return (f"rank {rank}: max_batch_bytes={limit} is too small for its {c.send_total()} bytes sent and "
             f"{c.recv_total()} received: no batch count keeps its staging (largest send batch + largest receive "
-            f"batch) within it, since ops are not cut below one row (or 32 elements of it) and every peer's region "
-            f"of a batch is aligned; raise max_batch_bytes")
+            f"batch) within it, since ops are not cut below one row (or 32 elements of it; a codec tensor's block) "
+            f"and every peer's region of a batch is aligned; raise max_batch_bytes")
 
 
 # --- collective planning --------------------------------------------------------------
