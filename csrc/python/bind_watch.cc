@@ -20,8 +20,8 @@ namespace {
 
 using DataPtrFn = void* (*)(PyObject*);
 
-// The Python object of the tensor this many places ahead is prefetched: the first load of
-// each read's dependent chain (object -> tensor -> storage) no longer waits on memory.
+// The Python object of the tensor this many places ahead is prefetched: of each read's
+// dependent chain (object -> tensor -> storage), the one address known without torch's layouts.
 constexpr size_t kAhead = 8;
 
 class DataPtrWatch {
