@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/check.h"
@@ -19,50 +20,68 @@ namespace {
 
 using DataPtrFn = void* (*)(PyObject*);
 
+// The Python object of the tensor this many places ahead is prefetched: of each read's
+// dependent chain (object -> tensor -> storage), the one address known without torch's layouts.
+constexpr size_t kAhead = 8;
+
 class DataPtrWatch {
  public:
   DataPtrWatch(uintptr_t fn, const py::list& tensors) : fn_(reinterpret_cast<DataPtrFn>(fn)) {
     RX_HOST_ASSERT(fn != 0, "DataPtrWatch: no data_ptr function");
-    tensors_.reserve(tensors.size());
-    ptrs_.reserve(tensors.size());
+    owned_.reserve(tensors.size());
+    entries_.reserve(tensors.size());
     for (const auto& t : tensors) {
-      tensors_.push_back(py::reinterpret_borrow<py::object>(t));
+      owned_.push_back(py::reinterpret_borrow<py::object>(t));
       // torch's function throws a C++ exception for anything but a tensor (or a tensor
       // without storage): refused here, so the loop in changed() only meets tensors.
-      uintptr_t p = 0;
+      Entry e{t.ptr(), 0};
       try {
-        p = read(t.ptr());
+        e.ptr = read(e.obj);
       } catch (...) {
-        throw py::type_error("DataPtrWatch: item " + std::to_string(ptrs_.size()) + " has no readable data_ptr");
+        throw py::type_error("DataPtrWatch: item " + std::to_string(entries_.size()) + " has no readable data_ptr");
       }
-      ptrs_.push_back(p);
+      entries_.push_back(e);
     }
   }
 
   // Indices of the tensors whose data pointer differs from the one read at construction.
   std::vector<int64_t> changed() const {
     std::vector<int64_t> out;
-    const size_t n = tensors_.size();
+    const size_t n = entries_.size();
+    const Entry* e = entries_.data();
     for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) __builtin_prefetch(e[i + kAhead].obj);
       uintptr_t p;
       try {
-        p = read(tensors_[i].ptr());
+        p = read(e[i].obj);
       } catch (...) {  // a tensor that lost its storage: changed, whatever torch says why
-        p = ~ptrs_[i];
+        p = ~e[i].ptr;
       }
-      if (p != ptrs_[i]) out.push_back(static_cast<int64_t>(i));
+      if (p != e[i].ptr) out.push_back(static_cast<int64_t>(i));
     }
     return out;
   }
 
-  const std::vector<uintptr_t>& ptrs() const { return ptrs_; }
+  std::vector<uintptr_t> ptrs() const {
+    std::vector<uintptr_t> out;
+    out.reserve(entries_.size());
+    for (const Entry& e : entries_) out.push_back(e.ptr);
+    return out;
+  }
+
+  size_t size() const { return entries_.size(); }
 
  private:
+  struct Entry {
+    PyObject* obj;  // kept alive by owned_
+    uintptr_t ptr;  // its data pointer at construction
+  };
+
   uintptr_t read(PyObject* t) const { return reinterpret_cast<uintptr_t>(fn_(t)); }
 
   DataPtrFn fn_;
-  std::vector<py::object> tensors_;  // owned references: the objects the loop reads
-  std::vector<uintptr_t> ptrs_;
+  std::vector<py::object> owned_;  // the references that keep the watched objects alive
+  std::vector<Entry> entries_;     // what the loop reads, in order, in one array
 };
 
 }  // namespace
@@ -74,7 +93,7 @@ void register_watch(py::module_& m) {
       .def(py::init<uintptr_t, const py::list&>(), py::arg("fn"), py::arg("tensors"))
       .def("changed", &DataPtrWatch::changed, "Indices of the tensors whose data_ptr differs from construction time.")
       .def_property_readonly("ptrs", &DataPtrWatch::ptrs, "The data pointers read at construction.")
-      .def("__len__", [](const DataPtrWatch& w) { return w.ptrs().size(); });
+      .def("__len__", &DataPtrWatch::size);
 }
 
 }  // namespace rx::python

@@ -67,13 +67,24 @@ class Session:
     error: str = ""  # with status 1: this rank's own problem, raised after telling the peers
     verdict: Verdict | None = None  # filled by exchange_headers
 
-    def header(self, batches: int) -> torch.Tensor:
+    def header(self, batches: int) -> list[int]:
         flags = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
-        fields = [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch]
-        return torch.from_numpy(np.array(fields, dtype=np.int64))  # cheaper than torch.tensor(list)
+        return [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch]
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+
+class _Headers:
+    """Our execute header and one row per peer for theirs: int64 tensors with numpy views."""
+
+    __slots__ = ("mine", "mine_np", "received_np", "rows")
+
+    def __init__(self, peers: int):
+        self.mine_np = np.zeros(8, dtype=np.int64)
+        self.received_np = np.zeros((peers, 8), dtype=np.int64)
+        self.mine = torch.from_numpy(self.mine_np)
+        self.rows = list(torch.from_numpy(self.received_np))
 
 
 class _Task:
@@ -109,6 +120,7 @@ class Channel:
         self.owner: str | None = None  # the thread in an execute, for the refusal message
         self._jobs: queue.SimpleQueue[_Task] = queue.SimpleQueue()
         self._last: _Task | None = None  # the worker runs jobs in order: when it is done, all are
+        self._headers: _Headers | None = None  # see header_buffers
         threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
 
     # --- one execute at a time -------------------------------------------------------
@@ -152,6 +164,19 @@ class Channel:
         if task.error is not None:
             raise task.error
         return task.result
+
+    def header_buffers(self, peers: int) -> _Headers:
+        """The buffers an execute's headers travel in, reused while no earlier message may
+        still touch them: the worker has finished every job, and the exchange that last
+        used them completed with every peer (keep_headers)."""
+        bufs = self._headers
+        if bufs is None or len(bufs.rows) != peers or (self._last is not None and not self._last.done):
+            bufs = _Headers(peers)
+        self._headers = None
+        return bufs
+
+    def keep_headers(self, bufs: _Headers) -> None:
+        self._headers = bufs
 
     def drain(self, session: Session) -> None:
         """Waits until the worker has finished everything submitted before (an earlier,
@@ -277,16 +302,18 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
                      before_wait: Callable[[], None] | None = None) -> Verdict:
     """Every peer's header against ours; `before_wait` runs while the headers travel
     (the first pack). Pairs are judged one by one, alike at both ends."""
-    mine = session.header(batches)
-    received = torch.zeros(len(peers), 8, dtype=torch.int64)  # one row per peer
-    ops = [("send", p, mine) for p in peers] + [("recv", p, received[i]) for i, p in enumerate(peers)]
+    bufs = channel.header_buffers(len(peers))
+    ours = session.header(batches)
+    bufs.mine_np[:] = ours
+    ops = [("send", p, bufs.mine) for p in peers] + [("recv", p, row) for p, row in zip(peers, bufs.rows)]
     task = channel.submit(lambda: channel.exchange(ops, HEADER_TAG, session, retry_closed=True))
     if before_wait is not None:
         before_wait()
     errors = channel.wait(task, session, "exchanging execute headers")
+    if not errors:
+        channel.keep_headers(bufs)
     verdict = Verdict({}, {})
-    ours = mine.tolist()
-    for p, h in zip(peers, received.tolist()):
+    for p, h in zip(peers, bufs.received_np.tolist()):  # a row is read only where its receive completed
         if p in errors:
             verdict.bad[p] = (f"no header within {session.timeout:g} s: it did not call rx.execute for this plan, "
                               f"stalled or died ({errors[p]})")
