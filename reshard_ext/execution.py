@@ -72,7 +72,12 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
 
 def _staging_depth(backend: str, device: str | None) -> int:
     """Staging copies of a batch the transport keeps: the NCCL pipeline double-buffers
-    (an upper bound where "auto" or "direct" end up on torch point-to-point)."""
+    (an upper bound where "auto" or "direct" end up on torch point-to-point); NVSHMEM keeps
+    STAGING_SLOTS slots of symmetric memory."""
+    if device == "cuda" and backend == "nvshmem":
+        from .transports.nvshmem import STAGING_SLOTS
+
+        return STAGING_SLOTS
     return 2 if device == "cuda" and backend in ("auto", "nccl", "direct") and _C._build_info["nccl"] else 1
 
 

@@ -145,3 +145,20 @@ def _verified(rank, world, case, backend):
 @pytest.mark.parametrize("case", ["tp", "casts"])
 def test_nvshmem_verify_2gpu(case):
     assert run_ranks(2, _verified, case, "nvshmem", backend="nccl") == ["nvshmem", "nvshmem"]
+
+
+def _nvshmem_symmetric_staging(rank, world):
+    def check(plan):
+        _, slots, recv_b, send_b = plan.transport._layout
+        return slots, slots * (recv_b + send_b), plan.staging_bytes
+
+    return run_case(rank, world, "tp", "cuda", 4096, "nvshmem", None, check)
+
+
+@needs2
+def test_nvshmem_symmetric_staging_within_max_batch_bytes_2gpu():
+    """Both slots of NVSHMEM's symmetric staging count against max_batch_bytes (rx.plan plans
+    for the transport's STAGING_SLOTS), as every transport's staging does."""
+    for slots, symmetric, staging in run_ranks(2, _nvshmem_symmetric_staging, backend="nccl"):
+        assert slots == 2, slots  # several batches: the bound is at work
+        assert symmetric <= 4096 and staging <= 4096, (symmetric, staging)

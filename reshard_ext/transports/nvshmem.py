@@ -25,6 +25,10 @@ from ..options import Options
 from ..planning import _raise, first_failed_rank
 from .cuda import CudaTransport
 
+# Symmetric staging slots of a plan with several batches: batch b + 1 is packed and put while
+# batch b is unpacked. rx.plan's max_batch_bytes bound counts them (execution._staging_depth).
+STAGING_SLOTS = 2
+
 _ALIGN = 256
 
 
@@ -75,7 +79,7 @@ class NvshmemTransport(CudaTransport):
     # --- binding ---------------------------------------------------------------------
     def bind_plan(self, plan: Any, errors: list[str]) -> None:
         tables = plan.tables
-        need = (tables.send_buffer_bytes, tables.recv_buffer_bytes, 2 if tables.num_batches > 1 else 1)
+        need = (tables.send_buffer_bytes, tables.recv_buffer_bytes, STAGING_SLOTS if tables.num_batches > 1 else 1)
         votes: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(votes, (errors, need, _nvshmem.free_regions()), group=self.group)
         agreed = [e for v in votes for e in v[0]]
