@@ -51,6 +51,35 @@ def check_one_message_per_pair(tables: Any, rank: int) -> None:
                                     f"needs one per pair and batch (its signals are per pair)")
 
 
+def check_slot_reuse(received: dict[int, list[tuple[int, int, int]]], slots: int, rank: int) -> None:
+    """Raises ReshardError where a sender's put could overwrite another sender's data that
+    this rank has not unpacked yet. `received`: {sender: [(batch, offset, bytes)]} of this
+    rank's messages. Batch b lands in slot b % slots at offsets that depend on who else sends
+    in b, but a sender waits only until its own previous message in that slot was unpacked:
+    so sender A's region in batch b must not overlap a region of another sender in a batch of
+    the same slot after A's previous one there. One slot per plan, or one sender, never does."""
+    if slots < 2:
+        return
+    by_batch: dict[int, list[tuple[int, int, int]]] = {}
+    for sender, msgs in received.items():
+        for b, off, n in msgs:
+            by_batch.setdefault(b, []).append((sender, off, n))
+    last: dict[tuple[int, int], int] = {}  # (sender, slot) -> the batch of its latest message there
+    for b in sorted(by_batch):
+        for a, off, n in by_batch[b]:
+            before = last.get((a, b % slots), -1)
+            for bb in range(b - slots, before, -slots):
+                for c, off2, n2 in by_batch.get(bb, ()):
+                    if off2 < off + n and off < off2 + n2:
+                        raise ReshardError(
+                            f"backend 'nvshmem' cannot run this plan safely yet: on rank {rank}, rank {a}'s batch {b} "
+                            f"would land in staging slot {b % slots} over rank {c}'s batch {bb} before it is unpacked "
+                            f"(the transport's flow control is per sender); use backend 'nccl' or 'direct', or fewer "
+                            f"batches (a larger rx.Options(batch_bytes) or max_batch_bytes)")
+        for a, _, _ in by_batch[b]:
+            last[(a, b % slots)] = b
+
+
 class _Puts:
     """Stands in for CudaTransport's communicator (its pipelined path keys on one); the
     hooks of NvshmemTransport carry the bytes."""
@@ -141,6 +170,7 @@ class NvshmemTransport(CudaTransport):
         me = dist.get_rank(self.group)
         check_one_message_per_pair(tables, me)
         base, slots = self._layout[0], self._layout[1]
+        check_slot_reuse(offsets[me], slots, me)
         sends: list[list[tuple]] = [[] for _ in range(tables.num_batches)]
         recvs: list[list[int]] = [[] for _ in range(tables.num_batches)]
         for b in range(tables.num_batches):
