@@ -54,8 +54,8 @@ struct Dg {
 };
 
 // The term of element `bits` (of dtype `from`) at ordinal k as the receiver's cast to
-// `to` holds it. Out of line: inlined into every unrolled item path of every pass, the
-// conversion multiplied the box kernels' compile time several times over.
+// `to` holds it. Out of line: inlined, the conversion is copied into every unrolled item
+// path of every verify pass, which bloats the kernels (and their compile) for a rare case.
 __host__ __device__ __noinline__ uint64_t cast_term(uint64_t k, uint64_t bits, int32_t from, int32_t to) {
   return digest::element(k, convert_bits(bits, from, to), to == RX_F64 ? 8 : (to == RX_F32 ? 4 : 2));
 }
