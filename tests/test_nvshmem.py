@@ -91,37 +91,3 @@ def test_regions_are_reused_only_where_free_on_every_rank(monkeypatch: pytest.Mo
     # free everywhere and big enough: the smallest id that fits, no allocation
     assert _nvshmem.take_region([[(0, 100), (1, 300)], [(0, 100), (1, 300)]], 50) == (0, 4096)
     assert allocated == [100, 300, 200]
-
-
-def test_slot_reuse_across_senders_is_refused() -> None:
-    """Rank 1's batch 2 lands in slot 0 over rank 2's batch 0 (offsets shift with who sends
-    in a batch); rank 1's own previous message there was none, so nothing would hold its put
-    back until rank 2's data is unpacked."""
-    from reshard_ext.transports.nvshmem import check_slot_reuse
-
-    received = {1: [(2, 0, 128)], 2: [(0, 64, 128)]}
-    with pytest.raises(rx.ReshardError, match=r"rank 1's batch 2 would land in staging slot 0 over rank 2's batch 0"):
-        check_slot_reuse(received, 2, 3)
-
-
-@pytest.mark.parametrize("received", [
-    {1: [(0, 0, 128), (2, 0, 128)], 2: [(0, 128, 128), (2, 128, 128)]},  # every sender keeps its region
-    {1: [(0, 0, 128), (2, 64, 128)], 2: [(0, 128, 64)]},  # overlap with its own earlier message only
-    {1: [(0, 0, 128), (1, 4096, 128), (2, 64, 128)], 2: [(1, 4160, 128)]},  # other slot
-    {2: [(b, 0, 256) for b in range(8)]},  # one sender
-])
-def test_slot_reuse_that_flow_control_covers_is_accepted(received: dict) -> None:
-    from reshard_ext.transports.nvshmem import check_slot_reuse
-
-    check_slot_reuse(received, 2, 3)
-
-
-def test_slot_reuse_waits_only_on_the_senders_previous_batch_in_the_slot() -> None:
-    """Rank 1 sent in batch 0 of slot 0, rank 2 in batch 2, rank 1 again in batch 4 over rank
-    2's region: rank 1 waits for its batch 0 only, not for rank 2's batch 2."""
-    from reshard_ext.transports.nvshmem import check_slot_reuse
-
-    check_slot_reuse({1: [(0, 0, 64), (4, 0, 64)], 2: [(2, 64, 64)]}, 2, 0)  # no overlap
-    with pytest.raises(rx.ReshardError, match="rank 1's batch 4 .* over rank 2's batch 2"):
-        check_slot_reuse({1: [(0, 0, 64), (4, 32, 64)], 2: [(2, 64, 64)]}, 2, 0)
-    check_slot_reuse({1: [(0, 0, 64), (4, 32, 64)], 2: [(2, 64, 64)]}, 1, 0)  # one slot: no reuse in an execute

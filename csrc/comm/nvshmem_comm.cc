@@ -160,7 +160,6 @@ NvshmemExchange::NvshmemExchange(uint64_t region, int64_t signal_offset, int npe
   me_ = nv().my_pe();
   sent_.assign(npes, 0);
   received_.assign(npes, 0);
-  slot_.assign(npes, std::vector<uint64_t>(nslots, 0));
   DeviceGuard guard(device_);
   RX_CUDA_CHECK(cudaMemset(data_word(0), 0, 2 * sizeof(uint64_t) * static_cast<size_t>(npes)));
   RX_CUDA_CHECK(cudaDeviceSynchronize());
@@ -177,8 +176,8 @@ void NvshmemExchange::set_batches(std::vector<std::vector<NvshmemSend>> sends, s
   RX_HOST_ASSERT(sends.size() == recvs.size(), "sends and receives per batch differ in length");
   for (const auto& batch : sends)
     for (const NvshmemSend& s : batch)
-      RX_HOST_ASSERT(s.pe >= 0 && s.pe < npes_ && s.pe != me_ && s.slot >= 0 && s.slot < nslots_ && s.bytes > 0,
-                     "bad NVSHMEM send (pe ", s.pe, ", slot ", s.slot, ", ", s.bytes, " bytes)");
+      RX_HOST_ASSERT(s.pe >= 0 && s.pe < npes_ && s.pe != me_ && s.bytes > 0,
+                     "bad NVSHMEM send (pe ", s.pe, ", ", s.bytes, " bytes)");
   for (const auto& batch : recvs)
     for (int32_t pe : batch) RX_HOST_ASSERT(pe >= 0 && pe < npes_ && pe != me_, "bad NVSHMEM source PE ", pe);
   sends_ = std::move(sends);
@@ -194,18 +193,22 @@ void NvshmemExchange::fail(const std::string& why) {
   error_ = why;
 }
 
+uint64_t NvshmemExchange::unpacked(int batch) const {
+  return done_batches_ + static_cast<uint64_t>(batch) + 1;
+}
+
 void NvshmemExchange::send(int batch, cudaStream_t stream) {
   check_usable();
   RX_HOST_ASSERT(batch >= 0 && batch < static_cast<int>(sends_.size()), "batch ", batch, " out of range");
   const NvshmemApi& a = nv();
   for (const NvshmemSend& s : sends_[batch]) {
-    const uint64_t previous = slot_[s.pe][s.slot];
-    // The receiver's slot still holds our previous message there until it unpacked it.
-    if (previous > 0) a.signal_wait(free_word(s.pe), abi::kCmpGe, previous, stream);
+    // The receiver's slot holds batch - nslots (any sender's) until it unpacked that batch.
+    // The first nslots batches need no wait: the previous execute ended (host wait) on
+    // every PE before the header exchange that started this one.
+    if (batch >= nslots_) a.signal_wait(free_word(s.pe), abi::kCmpGe, unpacked(batch - nslots_), stream);
     const uint64_t n = ++sent_[s.pe];
     a.putmem_signal(reinterpret_cast<void*>(s.dst), reinterpret_cast<const void*>(s.src),
                     static_cast<size_t>(s.bytes), data_word(me_), n, abi::kSignalSet, s.pe, stream);
-    slot_[s.pe][s.slot] = n;
   }
 }
 
@@ -221,10 +224,13 @@ void NvshmemExchange::wait(int batch, cudaStream_t stream) {
 
 void NvshmemExchange::release(int batch, cudaStream_t stream) {
   check_usable();
-  const std::vector<int32_t>& from = recvs_.at(batch);
-  for (size_t i = 0; i < from.size(); ++i)
-    if (std::find(from.begin(), from.begin() + i, from[i]) == from.begin() + i)
-      nv().signal_op(free_word(me_), received_[from[i]], abi::kSignalSet, from[i], stream);
+  RX_HOST_ASSERT(batch >= 0 && batch < static_cast<int>(recvs_.size()), "batch ", batch, " out of range");
+  const size_t next = static_cast<size_t>(batch) + static_cast<size_t>(nslots_);
+  if (next >= recvs_.size()) return;  // the next execute's batches: covered by its header exchange
+  const std::vector<int32_t>& to = recvs_[next];
+  for (size_t i = 0; i < to.size(); ++i)
+    if (std::find(to.begin(), to.begin() + i, to[i]) == to.begin() + i)
+      nv().signal_op(free_word(me_), unpacked(batch), abi::kSignalSet, to[i], stream);
 }
 
 void NvshmemExchange::wait_idle(cudaStream_t stream, double timeout_s) {
@@ -250,6 +256,7 @@ void NvshmemExchange::wait_idle(cudaStream_t stream, double timeout_s) {
   }
   cudaEventDestroy(done);
   RX_CUDA_CHECK(st);
+  done_batches_ += recvs_.size();
 }
 
 }  // namespace rx

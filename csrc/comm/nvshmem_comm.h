@@ -30,15 +30,16 @@ uint64_t nvshmem_alloc(int64_t bytes);
 void nvshmem_barrier();
 
 // Batches of one plan over a symmetric region. Signal words at `signal_offset`: npes
-// "data" words (word s: messages PE s has put here) then npes "free" words (word r:
-// messages from here that PE r has unpacked). Counters are per peer and monotonic, so
-// executes follow each other without resetting anything.
+// "data" words (word s: messages PE s has put here) then npes "free" words (word r: how
+// many batches PE r has unpacked, counted across executes). Batch b lands in slot
+// b % nslots; a receiver's slot holds every sender's message of a batch, so a sender of
+// batch b waits until its receiver unpacked batch b - nslots, whoever sent in it. Both
+// counters are monotonic, so executes follow each other without resetting anything.
 struct NvshmemSend {
   int32_t pe;
   uint64_t src;  // local device pointer (in the region's send slots)
   uint64_t dst;  // symmetric address (this PE's view) of the receiver's slot
   int64_t bytes;
-  int32_t slot;  // staging slot (flow control: the receiver must have freed it)
 };
 
 class NvshmemExchange {
@@ -49,9 +50,11 @@ class NvshmemExchange {
   void set_batches(std::vector<std::vector<NvshmemSend>> sends, std::vector<std::vector<int32_t>> recvs);
   void send(int batch, cudaStream_t stream);     // waits for free slots, puts with signal
   void wait(int batch, cudaStream_t stream);     // stream waits until batch's messages landed
-  void release(int batch, cudaStream_t stream);  // tells the senders their slots are free
-  // Host wait, bounded, for the work enqueued on `stream`; throws ReshardError on timeout
-  // and the exchange stays unusable (its counters no longer match the peers').
+  // Tells the senders of batch + nslots (who put into the slot batch used) that it is free.
+  void release(int batch, cudaStream_t stream);
+  // Host wait, bounded, for the work enqueued on `stream` (the end of an execute: every
+  // batch released); throws ReshardError on timeout and the exchange stays unusable (its
+  // counters no longer match the peers').
   void wait_idle(cudaStream_t stream, double timeout_s);
   bool usable() const { return usable_; }
   std::string error() const { return error_; }
@@ -70,8 +73,12 @@ class NvshmemExchange {
   int me_;
   std::vector<std::vector<NvshmemSend>> sends_;
   std::vector<std::vector<int32_t>> recvs_;
-  std::vector<uint64_t> sent_, received_;     // per PE: messages put to it / landed from it
-  std::vector<std::vector<uint64_t>> slot_;   // per PE and slot: the message that last used it
+  uint64_t unpacked(int batch) const;  // this execute's free count once `batch` is unpacked
+
+  std::vector<uint64_t> sent_, received_;  // per PE: messages put to it / landed from it
+  // Batches of the executes completed on every PE (each execute's host wait follows all
+  // its releases, and the next execute starts after a header exchange with the peers).
+  uint64_t done_batches_ = 0;
   bool usable_ = true;
   std::string error_;
 };

@@ -49,14 +49,14 @@ void register_nvshmem(py::module_& m) {
             std::vector<std::vector<NvshmemSend>> out(sends.size());
             for (size_t b = 0; b < sends.size(); ++b)
               for (const py::tuple& t : sends[b]) {
-                RX_HOST_ASSERT(t.size() == 5, "NVSHMEM sends are (pe, src_ptr, dst_symmetric_ptr, nbytes, slot)");
+                RX_HOST_ASSERT(t.size() == 4, "NVSHMEM sends are (pe, src_ptr, dst_symmetric_ptr, nbytes)");
                 out[b].push_back(NvshmemSend{t[0].cast<int32_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>(),
-                                             t[3].cast<int64_t>(), t[4].cast<int32_t>()});
+                                             t[3].cast<int64_t>()});
               }
             x.set_batches(std::move(out), std::move(recvs));
           },
           py::arg("sends"), py::arg("recvs"),
-          "sends[b]: (pe, src_ptr, dst_symmetric_ptr, nbytes, slot); recvs[b]: the source PE of each message.")
+          "sends[b]: (pe, src_ptr, dst_symmetric_ptr, nbytes); recvs[b]: the source PE of each message.")
       .def(
           "send", [](NvshmemExchange& x, int b, uint64_t s) { x.send(b, as_stream(s)); }, py::arg("batch"),
           py::arg("stream"), py::call_guard<py::gil_scoped_release>())

@@ -1,13 +1,15 @@
 """The NVSHMEM transport (DESIGN section 4): the NCCL path's pack and unpack kernels
 (casts and MXFP8 fused alike) around NVSHMEM put-with-signal instead of NCCL send/recv.
 
-Staging lives in one symmetric region per plan: per slot a receive and a send buffer of
-the same size on every rank (the largest any rank needs), then the signal words. A batch
-is packed into the local send slot, put into each receiver's receive slot with a signal
-(nvshmemx_putmem_signal_on_stream: NVLink peer copies within a node, the network proxy
-across nodes, the same call); the receiver's stream waits for the signal, unpacks, and
-signals the sender that the slot is free again. Flow control stays on the GPU; the host
-waits once per execute, bounded by RESHARD_EXT_NVSHMEM_TIMEOUT.
+Staging lives in one symmetric region per plan: STAGING_SLOTS slots of one size on every
+rank (the largest receive + send buffer any rank needs in a batch), each holding this
+rank's receive buffer at its start (the symmetric part: peers put there) and its send
+buffer after it, then the signal words. A batch is packed into the local send buffer, put
+into each receiver's receive buffer with a signal (nvshmemx_putmem_signal_on_stream:
+NVLink peer copies within a node, the network proxy across nodes, the same call); the
+receiver's stream waits for the signals, unpacks, and tells the senders of the batch that
+next uses the slot that it is free (csrc/comm/nvshmem_comm.h). Flow control stays on the
+GPU; the host waits once per execute, bounded by RESHARD_EXT_NVSHMEM_TIMEOUT.
 
 Binding is collective the first time (region choice, receive offsets exchanged);
 rebinding tensors later is local, as the region and the offsets do not change.
@@ -29,11 +31,11 @@ from .cuda import CudaTransport
 # batch b is unpacked. rx.plan's max_batch_bytes bound counts them (execution._staging_depth).
 STAGING_SLOTS = 2
 
-_ALIGN = 256
+_ALIGN = 16  # the pack and unpack kernels' item
 
 
 def _up(n: int) -> int:
-    return (max(n, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def check_one_message_per_pair(tables: Any, rank: int) -> None:
@@ -49,35 +51,6 @@ def check_one_message_per_pair(tables: Any, rank: int) -> None:
                 raise InternalError(f"NVSHMEM plan: rank {rank} {verb} {peers.count(twice[0])} messages "
                                     f"{'to' if side == 0 else 'from'} rank {twice[0]} in batch {b}; the transport "
                                     f"needs one per pair and batch (its signals are per pair)")
-
-
-def check_slot_reuse(received: dict[int, list[tuple[int, int, int]]], slots: int, rank: int) -> None:
-    """Raises ReshardError where a sender's put could overwrite another sender's data that
-    this rank has not unpacked yet. `received`: {sender: [(batch, offset, bytes)]} of this
-    rank's messages. Batch b lands in slot b % slots at offsets that depend on who else sends
-    in b, but a sender waits only until its own previous message in that slot was unpacked:
-    so sender A's region in batch b must not overlap a region of another sender in a batch of
-    the same slot after A's previous one there. One slot per plan, or one sender, never does."""
-    if slots < 2:
-        return
-    by_batch: dict[int, list[tuple[int, int, int]]] = {}
-    for sender, msgs in received.items():
-        for b, off, n in msgs:
-            by_batch.setdefault(b, []).append((sender, off, n))
-    last: dict[tuple[int, int], int] = {}  # (sender, slot) -> the batch of its latest message there
-    for b in sorted(by_batch):
-        for a, off, n in by_batch[b]:
-            before = last.get((a, b % slots), -1)
-            for bb in range(b - slots, before, -slots):
-                for c, off2, n2 in by_batch.get(bb, ()):
-                    if off2 < off + n and off < off2 + n2:
-                        raise ReshardError(
-                            f"backend 'nvshmem' cannot run this plan safely yet: on rank {rank}, rank {a}'s batch {b} "
-                            f"would land in staging slot {b % slots} over rank {c}'s batch {bb} before it is unpacked "
-                            f"(the transport's flow control is per sender); use backend 'nccl' or 'direct', or fewer "
-                            f"batches (a larger rx.Options(batch_bytes) or max_batch_bytes)")
-        for a, _, _ in by_batch[b]:
-            last[(a, b % slots)] = b
 
 
 class _Puts:
@@ -103,7 +76,7 @@ class NvshmemTransport(CudaTransport):
         self.collective_bind = True
         self.puts: Any = None
         self._region = -1
-        self._layout: tuple[int, int, int, int] = (0, 0, 0, 0)  # (base, slots, recv slot bytes, send slot bytes)
+        self._layout: tuple[int, int, int, int] = (0, 0, 0, 0)  # (base, slots, slot bytes, this rank's recv bytes)
 
     # --- binding ---------------------------------------------------------------------
     def bind_plan(self, plan: Any, errors: list[str]) -> None:
@@ -114,12 +87,15 @@ class NvshmemTransport(CudaTransport):
         agreed = [e for v in votes for e in v[0]]
         if agreed:
             _raise(agreed)
-        send_b, recv_b = _up(max(v[1][0] for v in votes)), _up(max(v[1][1] for v in votes))
+        # A slot holds a rank's largest receive and send buffers of a batch side by side: the
+        # largest such sum of any rank (the planner kept slots x the sum within max_batch_bytes).
+        stride = max(_ALIGN, *(_up(v[1][0]) + _up(v[1][1]) for v in votes))
         slots = max(v[1][2] for v in votes)
         npes = len(self.pe_of)
-        signal_offset = slots * (recv_b + send_b)
+        signal_offset = slots * stride
         self._region, base = _nvshmem.take_region([v[2] for v in votes], signal_offset + 16 * npes)
-        self._layout = (base, slots, recv_b, send_b)
+        self._layout = (base, slots, stride, _up(tables.recv_buffer_bytes))
+        self.staging_bytes = signal_offset
         # The counters restart with this plan: its signal words are zeroed (in the constructor)
         # on every rank before any peer can signal.
         self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device())
@@ -145,10 +121,9 @@ class NvshmemTransport(CudaTransport):
         self.collective_bind = False  # rebinding tensors keeps the region and the offsets
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
-        base, slots, recv_b, send_b = self._layout
-        recv = [base + i * recv_b for i in range(slots)]
-        send = [base + slots * recv_b + i * send_b for i in range(slots)]
-        return send, recv
+        base, slots, stride, recv_b = self._layout
+        recv = [base + i * stride for i in range(slots)]
+        return [r + recv_b for r in recv], recv
 
     def _bind_local(self, plan: Any) -> None:
         send_bufs, recv_bufs = self.bind(plan.tables)
@@ -169,8 +144,7 @@ class NvshmemTransport(CudaTransport):
     def _set_batches(self, tables: Any, offsets: list[dict]) -> None:
         me = dist.get_rank(self.group)
         check_one_message_per_pair(tables, me)
-        base, slots = self._layout[0], self._layout[1]
-        check_slot_reuse(offsets[me], slots, me)
+        base = self._layout[0]
         sends: list[list[tuple]] = [[] for _ in range(tables.num_batches)]
         recvs: list[list[int]] = [[] for _ in range(tables.num_batches)]
         for b in range(tables.num_batches):
@@ -192,7 +166,7 @@ class NvshmemTransport(CudaTransport):
                 k = cursor.get(peer, 0)
                 cursor[peer] = k + 1
                 off = [o for bb, o, _ in offsets[peer][me] if bb == b][k]
-                row.append((self.pe_of[peer], ptr, base + off, n, b % slots))
+                row.append((self.pe_of[peer], ptr, base + off, n))
             table.append(row)
         self.puts.set_batches(table, recvs)
 
