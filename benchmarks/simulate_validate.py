@@ -34,8 +34,9 @@ RELAY_1TO3 = (LLAMA3_8B, Parallel(tp=1), Parallel(tp=1, dp=3, offset=1))
 
 # (case, GPUs, card, backend, refit ms low, high): RESULTS.md, 2026-11-26. H100: 4x H100
 # host (2-GPU rows on its GPUs 0-1), `gpu_check.sh direct` and `relay`; H200: the
-# previous session's `.device/4`-`5` (2 GPUs) and `.device/7` (4 GPUs). "relay on" and
-# "relay off" are the relay-1to3 case's two plans (the slowest replica).
+# previous session's `.device/4`-`5` (2 GPUs) and `.device/7` (4 GPUs). "relay off",
+# "relay on" (one stage) and "relay staged" (the default, auto stages) are the relay-1to3
+# case's plans (the replicas, 2026-11-26 23:50 UTC).
 MEASURED = [
     ("tp2-tp1", 2, "H100", "nccl", 26.56, 26.71), ("tp2-tp1", 2, "H100", "direct", 23.49, 23.64),
     ("tp2-tp1", 4, "H100", "nccl", 26.78, 26.87), ("tp2-tp1", 4, "H100", "direct", 23.53, 23.60),
@@ -43,7 +44,8 @@ MEASURED = [
     ("noncolo-tp1-tp1", 2, "H100", "nccl", 45.48, 45.57), ("noncolo-tp1-tp1", 2, "H100", "direct", 41.34, 41.42),
     ("noncolo-tp2-tp2dp", 4, "H100", "nccl", 23.85, 23.91), ("noncolo-tp2-tp2dp", 4, "H100", "direct", 21.17, 21.20),
     ("tp1-tp2", 2, "H100", "nccl", 5.63, 5.67), ("tp1-tp2", 2, "H100", "direct", 5.63, 5.66),
-    ("relay-1to3", 4, "H100", "relay off", 138.95, 138.97), ("relay-1to3", 4, "H100", "relay on", 87.24, 87.29),
+    ("relay-1to3", 4, "H100", "relay off", 139.15, 139.26), ("relay-1to3", 4, "H100", "relay on", 88.81, 89.12),
+    ("relay-1to3", 4, "H100", "relay staged", 64.01, 64.05),
     ("tp2-tp1", 2, "H200", "nccl", 23.06, 23.11), ("moe-ep2-ep1", 2, "H200", "nccl", 21.89, 21.90),
     ("noncolo-tp1-tp1", 2, "H200", "nccl", 47.26, 47.26), ("tp1-tp2", 2, "H200", "nccl", 4.04, 4.06),
     ("tp2-tp1", 4, "H200", "nccl", 23.40, 23.47), ("moe-ep2-ep1", 4, "H200", "nccl", 21.53, 21.64),
@@ -67,7 +69,8 @@ def main() -> None:
             model, src, dst = RELAY_1TO3 if name == "relay-1to3" else _cases(gpus)[name][:3]
             cache[(name, gpus, card)] = simulate(model, src, dst, CARDS[card], model_name=name)
         pred = cache[(name, gpus, card)]["prediction"]
-        schedule = pred["with_relays"] if backend == "relay on" else pred["without_relays"]
+        schedule = pred[{"relay on": "with_relays", "relay staged": "with_relays_pipelined"}.get(backend,
+                                                                                                 "without_relays")]
         t = 1e3 * schedule["seconds"]
         bound = schedule["phases"][0]["busiest"]
         print(f"{name:18} {gpus:4d} {card:5} {backend:14} {t:12.2f} {f'{lo:.2f}-{hi:.2f}':>13} "

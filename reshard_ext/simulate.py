@@ -11,10 +11,11 @@ core), and predicts the transfer time from a link model:
   of its phases. Latency, pack/unpack kernels and contention for HBM are not modelled,
   so the prediction is the time the links need at best.
 
-"Without relays" is what the planner does today: every receiver pulls its bytes from a
-source rank. "With relays" is a MODEL (relay_phases), not yet a plan: bytes that several
-receivers need from the same sender go out once, scattered over those receivers, then
-each forwards its part to the others.
+"Without relays": every receiver pulls its bytes from a source rank (rx.Options(relay=False)).
+"With relays" models what rx.plan's relay fan-out does (reshard_ext/relay.py) from the
+planner's fan-out sets (relay_phases), without building the relay plans: bytes that several
+receivers need from the same sender go out once, scattered over those receivers, then each
+forwards its part to the others; in one stage, and pipelined in G stages as rx.plan runs it.
 
 Entry points: `add_arguments(parser)` and `run(args)` (the CLI), `simulate(...)` (a
 dict report), `plan_all_ranks(...)` (the planner's per-rank numbers).
@@ -223,8 +224,8 @@ def direct_phases(planned: PlannedRanks, link: LinkModel) -> list[Phase]:
 
 
 def relay_phases(planned: PlannedRanks, link: LinkModel) -> list[Phase]:
-    """MODEL of a relay schedule (the planner has no relays yet; replace this function by
-    the real relay plan when it does). For each set of n receivers that get the same
+    """MODEL of the relay in one stage (rx.Options(relay_stages=1)), from the planner's
+    fan-out sets rather than the relay plans. For each set of n receivers that get the same
     bytes B from one sender: the sender scatters B over them (B/n each, its egress 1x B),
     then each receiver forwards its part to the n-1 others (an all-gather among them).
     Bytes with one receiver go directly in the first phase, beside the same-rank copies."""
@@ -359,7 +360,7 @@ def simulate(
         "prediction": {
             "without_relays": _phase_report(direct, link),
             "with_relays": {**_phase_report(relay, link), "modelled": True,
-                            "note": "relays are not planned yet: scatter to the receivers, then forward among them"},
+                            "note": "one stage: scatter to the receivers, then forward among them"},
             "with_relays_pipelined": {**_phase_report(pipelined, link), "modelled": True, "stages": stages,
                                       "note": "the same bytes in G stages: each scatters one group while the "
                                               "replicas forward the previous one"},
@@ -486,8 +487,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with a bandwidth per direction, and copies same-rank bytes at --copy-gbps. A phase lasts as long as "
         "its busiest port (bytes / bandwidth); the refit lasts the sum of its phases. Latency, pack/unpack "
         "kernels and HBM contention are not modelled. 'Without relays' is the planner's schedule (each "
-        "receiver pulls from a source rank); 'with relays' is modelled, not planned: bytes several receivers "
-        "need from one sender are scattered over them, then forwarded among them. Parallel specs: "
+        "receiver pulls from a source rank); 'with relays' models rx.plan's relay fan-out: bytes several "
+        "receivers need from one sender are scattered over them, then forwarded among them (in one stage, "
+        "and pipelined in --relay-stages stages). Parallel specs: "
         "tp, pp, dp, ep (Megatron rank order: tp fastest, then dp, then pp); dp defaults to --gpus/(tp*pp); "
         "for MoE models ep defaults to tp (each replica spreads its experts over its TP ranks). "
         f"Presets: {', '.join(PRESETS)}."
