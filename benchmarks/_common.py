@@ -82,7 +82,7 @@ def hbm_per_byte(plan: Any) -> float:
         return 0.0
     tr = plan.transport
     inner = getattr(tr, "inner", None) or tr
-    bufs = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in getattr(inner, "send", []) + getattr(inner, "recv", [])]
+    bufs = inner.staging_ranges() if hasattr(inner, "staging_ranges") else []
     staged = 0
     for b in range(tables.num_batches):
         sends, recvs = tables.messages(b)

@@ -198,6 +198,10 @@ class CudaTransport:
         self.staging_bytes = nbuf * (tables.send_buffer_bytes + tables.recv_buffer_bytes)
         return [t.data_ptr() for t in self.send], [t.data_ptr() for t in self.recv]
 
+    def staging_ranges(self) -> list[tuple[int, int]]:
+        """[begin, end) device addresses of this rank's staging buffers."""
+        return [(t.data_ptr(), t.data_ptr() + t.numel()) for t in self.send + self.recv]
+
     def prepare(self, tables: Any) -> None:
         """Builds the device tables once (at plan/rebind time); execute only launches."""
         nb = tables.num_batches

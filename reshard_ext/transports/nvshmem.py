@@ -125,6 +125,10 @@ class NvshmemTransport(CudaTransport):
         recv = [base + i * stride for i in range(slots)]
         return [r + recv_b for r in recv], recv
 
+    def staging_ranges(self) -> list[tuple[int, int]]:
+        base, slots, stride, _ = self._layout
+        return [(base, base + slots * stride)]
+
     def _bind_local(self, plan: Any) -> None:
         send_bufs, recv_bufs = self.bind(plan.tables)
         src, dst = plan._bound_refs()
