@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host] [ab]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -182,6 +182,27 @@ stage_verify() {
     step "verify: refit_bench $c with a verify=True column"
     timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --backend nccl,direct --verify --no-baseline 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
+  done
+}
+stage_ab() {
+  # A/B against a base tree in .ab/base (`git archive REV | tar -x -C .ab/base`; ignored: the device
+  # call carries it): builds it, then runs each benchmark base / this tree alternately, same machine.
+  gpus 2 ab || return 0
+  [ -d .ab/base ] || { echo "(ab: no .ab/base tree)"; return 0; }
+  step "A/B: build the base tree"
+  (cd .ab/base && rm -rf build/dev-on && scripts/dev_build.sh ON > "$OUT/ab_build.log" 2>&1) || { tail -20 "$OUT/ab_build.log"; return 0; }
+  export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120 RESHARD_EXT_NVSHMEM_TIMEOUT=120
+  for round in 1 2; do
+    for tree in .ab/base .; do
+      for c in ${RX_AB_CASES:-tp2-tp1 moe-ep2-ep1}; do
+        step "A/B round $round, $tree: refit_bench $c (nccl, direct, nvshmem)"
+        (cd "$tree" && PYTHONPATH="$PWD" timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+          --case "$c" --backend nccl,direct,nvshmem --no-baseline 2>&1 | grep -v "^W\|^\[W\|^link =" | tail -4) | tee -a "$OUT/ab.log"
+      done
+      step "A/B round $round, $tree: host time, 10,000 tensors"
+      (cd "$tree" && PYTHONPATH="$PWD" timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 \
+        | grep host_overhead) | tee -a "$OUT/ab.log"
+    done
   done
 }
 for s in $stages; do
