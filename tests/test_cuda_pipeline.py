@@ -216,3 +216,49 @@ def test_grid_cap_only_for_ranks_that_send_and_receive(monkeypatch: pytest.Monke
     assert cuda_transport._max_blocks(0, 8 * gb, 0) == 0
     assert cuda_transport._max_blocks(0, 8 * gb, 0, override=40) == 40
     assert cuda_transport._max_blocks(8 * gb, 8 * gb, 8 * gb, override=0) == 0
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _traced_refit_rows(rank: int, world: int) -> list[tuple[str, float, float]]:
+    """NCCL, several batches, traced: a refit and a verified one (in rounds) land bit for
+    bit; returns the verified execute's timeline rows (step, begin ms, end ms)."""
+    import reshard_ext as rx
+
+    shape = (256, 4096)  # row shards -> whole tensor: 2 MiB each way, in direct messages
+    sl = Layout(shape, torch.float32, Mesh([0, 1]), [Shard(0)])
+    dl = Layout(shape, torch.float32, Mesh([0, 1]), [Replicate()])
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    dst = torch.zeros(dl.local_shape(rank), device="cuda")
+    plan = rx.plan({"w": (sl.local_part(full, rank).cuda(), sl)}, {"w": (dst, dl)},
+                   options=rx.Options(trace=True, direct_bytes=1 << 16, batch_bytes=1 << 18))
+    assert plan.num_batches > 1
+    rx.execute(plan)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), full)
+    plain = plan.transport.last_timeline.splitlines()[1:]
+    assert any(line.strip().startswith("transfer 1") for line in plain), plain
+    dst.zero_()
+    rx.execute(plan, verify=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), full)
+    rows = []
+    for line in plan.transport.last_timeline.splitlines()[1:]:
+        step, times = line.split(":")
+        begin, end = times.replace("ms", "").split("->")
+        rows.append((step.strip(), float(begin), float(end)))
+    return rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_traced_nccl_refit_reports_each_step_in_order_2gpu() -> None:
+    from _dist import run_ranks
+
+    for rows in run_ranks(2, _traced_refit_rows, backend="nccl"):
+        assert rows[0][0] == "pack 0" and rows[0][1] == 0.0
+        assert all(0.0 <= begin <= end for _, begin, end in rows), rows
+        steps = [s for s, _, _ in rows]
+        assert "transfer r0 0" in steps and "digest r7 0" in steps, steps  # verify rounds of batch 0
+        assert steps.index("transfer r0 0") < steps.index("digest r0 0") < steps.index("unpack 0"), steps

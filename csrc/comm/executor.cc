@@ -69,6 +69,7 @@ void Executor::prepare(std::shared_ptr<const ExecTables> tables, bool sliced, in
   round_tables_.clear();
   round_messages_.clear();
   digest_slots_ = 0;
+  verify_built_ = false;
   tables_ = std::move(tables);
 }
 
@@ -108,6 +109,7 @@ int64_t Executor::build_verify() {
         round_messages_.back().emplace_back(t.round_messages(b, true, r, kVerifyRounds),
                                             t.round_messages(b, false, r, kVerifyRounds));
     }
+  verify_built_ = true;
   return digest_slots_;
 }
 

@@ -106,7 +106,7 @@ class Executor {
   // a buffer of digest_slots() uint64 through set_digests); collect() scatters the
   // digests (host copy) into (send, recv) arrays indexed by op.
   int64_t build_verify();
-  bool verify_built() const { return !parts_.empty(); }
+  bool verify_built() const { return verify_built_; }
   int64_t digest_slots() const { return digest_slots_; }
   std::pair<std::vector<uint64_t>, std::vector<uint64_t>> collect(const uint64_t* host, int64_t n) const;
 
@@ -160,6 +160,7 @@ class Executor {
   };
   std::vector<Part> parts_;
   int64_t digest_slots_ = 0;
+  bool verify_built_ = false;
   std::vector<std::vector<int32_t>> round_tables_;  // per batch: its direct receives per round (empty: none)
   std::vector<std::vector<Messages>> round_messages_;  // verify: per batch and round
   // this execute
