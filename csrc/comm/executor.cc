@@ -1,10 +1,13 @@
 #include "comm/executor.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <sstream>
 
 #include "common/check.h"
 #include "kernels/api.h"
+#include "kernels/digest.h"
 
 #ifdef RX_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -369,6 +372,96 @@ void RecordingTransport::landed(int32_t, StreamHandle main, EventHandle done) {
 void RecordingTransport::drain(StreamHandle, StreamHandle, double) {
   log_->lines.push_back("host: drain");
   if (!fail_drain.empty()) throw ReshardError(fail_drain);
+}
+
+// --- host (CPU tests of the data path) ------------------------------------------------------
+
+int32_t HostDevice::add_table(const std::vector<rx_box>& boxes, const std::string&) {
+  tables_.push_back(boxes);
+  return static_cast<int32_t>(tables_.size() - 1);
+}
+
+void HostDevice::launch(int32_t table, StreamHandle, int32_t, int64_t digest_slot, int32_t pass) {
+  const std::vector<rx_box>& t = tables_[static_cast<size_t>(table)];
+  const int64_t n = static_cast<int64_t>(t.size());
+  if (digest_slot < 0) {
+    RX_HOST_ASSERT(rx_copy_boxes_cpu(t.data(), n) == 0, "bad box in table");
+    return;
+  }
+  // the GPU passes add into their slots (verify rounds add up a box's pieces), as digests add
+  std::vector<uint64_t> d(t.size(), 0);
+  RX_HOST_ASSERT(rx_digest_boxes_cpu(t.data(), n, pass, d.data()) == 0, "bad box in table");
+  for (size_t k = 0; k < d.size(); ++k) {
+    uint64_t& slot = digests_[digest_slot + static_cast<int64_t>(k)];
+    slot = digest::add(slot, d[k]);
+  }
+}
+
+void HostDevice::zero_digests(int64_t slots, StreamHandle) {
+  if (slots > 0) std::memset(digests_, 0, static_cast<size_t>(slots) * sizeof(uint64_t));
+}
+
+uint64_t HostDevice::scratch(int64_t bytes) {
+  scratch_.emplace_back(static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+  return reinterpret_cast<uint64_t>(scratch_.back().data());
+}
+
+namespace {
+
+// The side stream of a host device runs each post at once: the sends are copied out, then
+// the receives wait for their peers' posts (every rank posts in the same order, sends first).
+class HostTransport : public Transport {
+ public:
+  HostTransport(std::shared_ptr<HostFabric> fabric, int rank, bool rounds, double timeout_s)
+      : fabric_(std::move(fabric)), rank_(rank), rounds_(rounds), timeout_s_(timeout_s) {}
+  void post(int32_t, int32_t, const std::vector<Message>& sends, const std::vector<Message>& recvs, StreamHandle,
+            bool) override {
+    for (const Message& m : sends)
+      if (m.bytes > 0) fabric_->put(rank_, m.peer, m);
+    for (const Message& m : recvs)
+      if (m.bytes > 0) fabric_->take(m.peer, rank_, m, timeout_s_);
+  }
+  void landed(int32_t, StreamHandle, EventHandle) override {}
+  void drain(StreamHandle, StreamHandle, double) override {}
+  bool rounds() const override { return rounds_; }
+
+ private:
+  std::shared_ptr<HostFabric> fabric_;
+  int rank_;
+  bool rounds_;
+  double timeout_s_;
+};
+
+}  // namespace
+
+std::shared_ptr<Transport> HostFabric::transport(int rank, bool rounds, double timeout_s) {
+  RX_HOST_ASSERT(rank >= 0 && rank < world_, "rank ", rank, " of ", world_);
+  return std::make_shared<HostTransport>(shared_from_this(), rank, rounds, timeout_s);
+}
+
+void HostFabric::put(int from, int to, const Message& m) {
+  const char* p = reinterpret_cast<const char*>(m.ptr);
+  std::vector<char> bytes(p, p + m.bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queues_[{from, to}].push_back(std::move(bytes));
+  }
+  cv_.notify_all();
+}
+
+void HostFabric::take(int from, int to, const Message& m, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto& q = queues_[{from, to}];
+  if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return !q.empty(); }))
+    throw ReshardError(detail::format("host transport: rank ", to, " got no message from rank ", from, " within ",
+                                      timeout_s, " s"));
+  std::vector<char> bytes = std::move(q.front());
+  q.pop_front();
+  lock.unlock();
+  if (static_cast<int64_t>(bytes.size()) != m.bytes)
+    throw ReshardError(detail::format("host transport: rank ", to, " expected ", m.bytes, " bytes from rank ", from,
+                                      ", got ", bytes.size()));
+  std::memcpy(reinterpret_cast<void*>(m.ptr), bytes.data(), bytes.size());
 }
 
 // --- CUDA ----------------------------------------------------------------------------------

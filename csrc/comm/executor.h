@@ -11,8 +11,12 @@
 // handles (cudaStream_t / cudaEvent_t on the GPU).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <utility>
@@ -239,6 +243,57 @@ class RecordingTransport : public Transport {
  private:
   std::shared_ptr<RecordingLog> log_;
   bool rounds_;
+};
+
+// A device that runs each launch at once on the host through the kernels' CPU twins (the
+// tables point at host memory); streams and events are no-ops. With HostFabric, CPU tests
+// run the executor's whole data path, verify digests included.
+class HostDevice : public Device {
+ public:
+  void clear_tables() override { tables_.clear(); }
+  int32_t add_table(const std::vector<rx_box>& boxes, const std::string& name) override;
+  int64_t num_boxes(int32_t table) const override {
+    return static_cast<int64_t>(tables_[static_cast<size_t>(table)].size());
+  }
+  int64_t pending_bytes() const override { return 0; }
+  void upload(uint64_t, StreamHandle) override {}
+  void launch(int32_t table, StreamHandle s, int32_t max_blocks, int64_t digest_slot, int32_t pass) override;
+  void set_digests(uint64_t host) override { digests_ = reinterpret_cast<uint64_t*>(host); }
+  void zero_digests(int64_t slots, StreamHandle s) override;
+  StreamHandle side() override { return 2; }
+  EventHandle record(StreamHandle, bool) override { return ++events_; }
+  void wait_event(StreamHandle, EventHandle) override {}
+  void wait_stream(StreamHandle, StreamHandle) override {}
+  void begin() override { events_ = 0; }
+  void sync_event(EventHandle) override {}
+  double elapsed_ms(EventHandle, EventHandle) override { return 0.0; }
+  uint64_t scratch(int64_t bytes) override;
+  void release_scratch(StreamHandle) override { scratch_.clear(); }
+
+ private:
+  std::vector<std::vector<rx_box>> tables_;
+  uint64_t* digests_ = nullptr;
+  EventHandle events_ = 0;
+  std::vector<std::vector<char>> scratch_;
+};
+
+// In-process point-to-point between the host transports of one fabric (one per rank, each
+// used from its own thread): a post copies its sends out, then waits for its receives,
+// matched per pair in post order (as NCCL matches them).
+class HostFabric : public std::enable_shared_from_this<HostFabric> {
+ public:
+  explicit HostFabric(int world) : world_(world) {}
+  // rounds: the transport moves verified batches in rounds (as NCCL's does).
+  std::shared_ptr<Transport> transport(int rank, bool rounds, double timeout_s);
+
+  void put(int from, int to, const Message& m);
+  void take(int from, int to, const Message& m, double timeout_s);  // throws ReshardError
+
+ private:
+  int world_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<int, int>, std::deque<std::vector<char>>> queues_;
 };
 
 #ifdef RX_WITH_CUDA

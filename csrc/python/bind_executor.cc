@@ -63,6 +63,11 @@ void register_executor(py::module_& m) {
       .def(py::init<std::shared_ptr<RecordingLog>, bool>(), py::arg("log"), py::arg("rounds") = false)
       .def_readonly("received", &RecordingTransport::received)
       .def_readwrite("fail_drain", &RecordingTransport::fail_drain, "Non-empty: drain raises ReshardError(this).");
+  py::class_<HostFabric, std::shared_ptr<HostFabric>>(
+      m, "HostFabric", "In-process point-to-point between the host transports of `world` ranks (CPU tests).")
+      .def(py::init<int>(), py::arg("world"))
+      .def("transport", &HostFabric::transport, py::arg("rank"), py::arg("rounds") = false,
+           py::arg("timeout_s") = 30.0, "Rank `rank`'s transport; use it from one thread.");
 #ifdef RX_WITH_NCCL
   m.def("nccl_transport", &make_nccl_transport, py::arg("comm"), "The executor's transport over an NcclComm.");
 #endif
@@ -77,6 +82,9 @@ void register_executor(py::module_& m) {
           "cuda", [] { return std::make_shared<Executor>(make_cuda_device()); },
           "On the current CUDA device (its side stream is made there).")
 #endif
+      .def_static(
+          "host", [] { return std::make_shared<Executor>(std::make_unique<HostDevice>()); },
+          "Runs each launch at once on the host (CPU twins of the kernels; tables over host memory).")
       .def_static(
           "recording", [](std::shared_ptr<RecordingLog> log) { return std::make_shared<Executor>(std::make_unique<RecordingDevice>(log)); },
           py::arg("log"), "Runs nothing; logs each launch, event and wait (main stream: 1).")
