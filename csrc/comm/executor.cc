@@ -12,6 +12,7 @@
 #ifdef RX_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "comm/host_wait.h"
 #include "comm/nccl_comm.h"
 #include "comm/nvshmem_comm.h"
 #include "kernels/device_table.h"
@@ -473,7 +474,8 @@ cudaEvent_t as_event(EventHandle e) { return reinterpret_cast<cudaEvent_t>(e); }
 
 class CudaDevice : public Device {
  public:
-  CudaDevice() {
+  explicit CudaDevice(int device) : device_(device) {
+    DeviceGuard guard(device_);
     int lo = 0, hi = 0;
     RX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     // High priority (-1, as torch.cuda.Stream(priority=-1)): the transfer is the critical path;
@@ -531,6 +533,7 @@ class CudaDevice : public Device {
     std::vector<cudaEvent_t>& pool = timing ? timing_ : plain_;
     size_t& used = timing ? timing_used_ : plain_used_;
     if (used == pool.size()) {
+      DeviceGuard guard(device_);  // an event records only on streams of its device
       cudaEvent_t e;
       RX_CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
       pool.push_back(e);
@@ -555,6 +558,7 @@ class CudaDevice : public Device {
     return ms;
   }
   uint64_t scratch(int64_t bytes) override {
+    DeviceGuard guard(device_);
     void* p = nullptr;
     RX_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1))));
     scratch_.push_back(p);
@@ -569,6 +573,7 @@ class CudaDevice : public Device {
  private:
   static int64_t align(int64_t n) { return (n + 255) / 256 * 256; }
 
+  int device_;
   cudaStream_t side_ = nullptr;
   std::vector<DeviceBoxTable> tables_;
   size_t uploaded_ = 0;
@@ -607,7 +612,7 @@ class NvshmemTransport : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Device> make_cuda_device() { return std::make_unique<CudaDevice>(); }
+std::unique_ptr<Device> make_cuda_device(int device) { return std::make_unique<CudaDevice>(device); }
 
 std::shared_ptr<Transport> make_nvshmem_transport(std::shared_ptr<NvshmemExchange> puts) {
   return std::make_shared<NvshmemTransport>(std::move(puts));

@@ -299,7 +299,7 @@ class HostFabric : public std::enable_shared_from_this<HostFabric> {
 #ifdef RX_WITH_CUDA
 // The CUDA device: DeviceBoxTables in caller-owned device memory, a high-priority side
 // stream, and pools of events reused from one execute to the next.
-std::unique_ptr<Device> make_cuda_device();  // on the current device
+std::unique_ptr<Device> make_cuda_device(int device);
 class NvshmemExchange;
 std::shared_ptr<Transport> make_nvshmem_transport(std::shared_ptr<NvshmemExchange> puts);
 #endif

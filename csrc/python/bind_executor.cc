@@ -79,8 +79,8 @@ void register_executor(py::module_& m) {
   py::class_<Executor, std::shared_ptr<Executor>>(m, "Executor", "The pipelined run of one bound plan (executor.h).")
 #ifdef RX_WITH_CUDA
       .def_static(
-          "cuda", [] { return std::make_shared<Executor>(make_cuda_device()); },
-          "On the current CUDA device (its side stream is made there).")
+          "cuda", [](int device) { return std::make_shared<Executor>(make_cuda_device(device)); }, py::arg("device"),
+          "On CUDA device `device` (its side stream and events are made there).")
 #endif
       .def_static(
           "host", [] { return std::make_shared<Executor>(std::make_unique<HostDevice>()); },

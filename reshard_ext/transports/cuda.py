@@ -147,7 +147,7 @@ class CudaTransport:
         self.direct_bytes = options.resolved_direct_bytes("cuda") if comm is not None else 0
         self.p2p = None if comm is not None else P2PExchange(group, options.resolved_timeout("torch"))
         # Owns the device tables, the side stream and the pipelined schedule of every execute.
-        self.executor = _C.Executor.cuda()
+        self.executor = _C.Executor.cuda(torch.cuda.current_device())
         if self.nccl:
             self.executor.set_transport(_C.nccl_transport(comm))
         self.send: list[torch.Tensor] = []
