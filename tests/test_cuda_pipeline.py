@@ -1,138 +1,205 @@
-"""The GPU transport's launch order, checked on any machine: fake streams, events, tables
-and communicator record what CudaTransport.run asks of them, so the pipelining (pack k+1
-and then the copy slice of k under transfer k, unpack k only after transfer k) and the trace
-timeline are tested without a GPU."""
+"""The GPU executor's schedule (csrc/comm/executor.h), checked on any machine: a recording
+device and transport log what the executor asks of them, on real plan tables bound to
+made-up addresses, so the pipelining (pack k+1 and then the copy slice of k under transfer
+k, unpack k only after transfer k), the verify rounds, the degraded mode and the trace
+timeline are tested without a GPU, through CudaTransport.run."""
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
 import pytest
 import torch
+from test_message_cuts import _SPAN, bind_all
 
-from reshard_ext.transports import cuda as cuda_transport
+from reshard_ext import _C, Layout, Mesh, Replicate, Shard
 from reshard_ext.errors import ReshardError
+from reshard_ext.transports import cuda as cuda_transport
 from reshard_ext.transports.channel import Session, Verdict
 
-LOG: list[str] = []
-
-
-class FakeEvent:
-    count = 0
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        FakeEvent.count += 1
-        self.name = f"e{FakeEvent.count}"
-        self.time = 0.0
-
-    def record(self, stream: "FakeStream") -> None:
-        self.time = float(len(LOG))
-        LOG.append(f"{stream.name}: record {self.name}")
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other: "FakeEvent") -> float:
-        return other.time - self.time
-
-
-class FakeStream:
-    device = "cpu"
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.cuda_stream = name
-
-    def synchronize(self) -> None:
-        LOG.append(f"{self.name}: synchronize")
-
-    def wait_stream(self, other: "FakeStream") -> None:
-        LOG.append(f"{self.name}: wait {other.name}")
-
-    def record_event(self) -> FakeEvent:
-        e = FakeEvent()
-        e.record(self)
-        return e
-
-    def wait_event(self, e: FakeEvent) -> None:
-        LOG.append(f"{self.name}: wait {e.name}")
-
-
-class FakeTable:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def launch(self, stream: str, max_blocks: int = 0) -> None:
-        LOG.append(f"{stream}: {self.name}")
+MAIN = 1  # the recording device's main stream
 
 
 class FakeComm:
     timeout = 1.0
     usable = True
 
-    def exchange(self, sends: Any, recvs: Any, stream: str, flags: int) -> None:
-        LOG.append(f"{stream}: exchange {sends}")
 
-    def wait(self, timeout: float) -> None:
-        LOG.append("host: comm.wait")
+def _tables(world: int, batches: int, direct_bytes: int) -> Any:
+    """Rank 0's tables of x (4 MiB) and y (1 KiB) gathered from `world` shards onto every
+    rank, in `batches` batches (the max_batch_bytes that makes them)."""
+    mesh = Mesh(list(range(world)))
+    src = {"x": Layout((1 << 20,), torch.float32, mesh, [Shard(0)]),
+           "y": Layout((256 * world,), torch.float32, mesh, [Shard(0)])}
+    dst = {n: Layout(lay.shape, torch.float32, mesh, [Replicate()]) for n, lay in src.items()}
+    for limit in [None] + [(64 - i) << 16 for i in range(60)]:
+        tables = bind_all(src, dst, world, direct_bytes, limit)
+        if tables is not None and tables[0].num_batches == batches:
+            return tables[0]
+    raise AssertionError(f"no batch limit makes {batches} batches")
 
 
-def _transport(monkeypatch: pytest.MonkeyPatch, batches: int, copies: int) -> cuda_transport.CudaTransport:
-    main = FakeStream("main")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: main)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+def _transport(tables: Any, rounds: bool = False, max_blocks: int = 0, trace: bool = False,
+               sliced: bool = True) -> tuple[cuda_transport.CudaTransport, Any, Any]:
+    """A CudaTransport whose executor records; every peer agrees unless a test says otherwise."""
+    log = _C.RecordingLog()
+    ex = _C.Executor.recording(log)
+    transport = _C.RecordingTransport(log, rounds)
+    ex.set_transport(transport)
+    rank = 0
+    recv_bufs = [((rank + 1) << 48) - (j + 1) * _SPAN for j in (2, 3)]  # bind_all's receive staging
+    ex.prepare(tables, sliced, max_blocks, [(p, tables.recv_buffer_bytes) for p in recv_bufs])
     t = object.__new__(cuda_transport.CudaTransport)
-    t.comm, t.p2p, t.side, t.last_timeline = FakeComm(), None, FakeStream("side"), ""
-    t.max_blocks, t._registered, t._moves, t.trace = 0, [], True, False
-    t._pack = [FakeTable(f"pack {b}") for b in range(batches)]
-    t._unpack = [FakeTable(f"unpack {b}") for b in range(batches)]
-    t._copy = [FakeTable(f"copy {c}") for c in range(copies)]
-    t._messages = [(f"s{b}", f"r{b}") for b in range(batches)]
-    t.peers, t.channel = [1], type("FakeChannel", (), {"rank": 0})()
-    # Every peer agrees (the header exchange runs the first pack while headers travel).
-    t._agree = lambda tables, session, pack0: (pack0(), ({1}, True))[1]
-    LOG.clear()
-    FakeEvent.count = 0
-    return t
+    t.executor, t.comm, t.p2p, t.trace, t.last_timeline = ex, FakeComm(), None, trace, ""
+    t.peers, t.channel, t._digests = list(ex.peers), type("FakeChannel", (), {"rank": 0})(), None
+    # The header exchange runs the first pack while headers travel.
+    t._agree = lambda tables, session, pack0: (pack0(), (set(t.peers), True))[1]
+    return t, log, transport
+
+
+@pytest.fixture(autouse=True)
+def _main_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": MAIN})())
 
 
 def _session() -> Session:
     return Session(plan_id=1, seq=1, version=None, status=0, deadline=1e18, timeout=1.0, abort=threading.Event())
 
 
-def test_pipeline_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    _transport(monkeypatch, batches=3, copies=3).run(None, _session())
-    assert LOG == [
-        "main: pack 0", "side: wait main", "side: exchange s0", "side: record e1",
-        "main: pack 1", "side: wait main", "side: exchange s1", "side: record e2",  # posted before waiting for 0
+def _steps(log: Any) -> list[str]:
+    """The log with each post's messages left out."""
+    return [re.sub(r" sends .*", "", line) for line in log.lines]
+
+
+def test_pipeline_order() -> None:
+    tables = _tables(2, 3, 0)
+    t, log, _ = _transport(tables)
+    assert t.executor.num_copy_slices == 3
+    t.run(tables, _session())
+    assert _steps(log) == [
+        "main: pack 0", "side: wait main", "side: post 0", "side: record e1",
+        "main: pack 1", "side: wait main", "side: post 1", "side: record e2",  # posted before waiting for 0
         "main: copy 0",  # under transfer 0, after the pack of 1: it never delays transfer 1
         "main: wait e1", "main: unpack 0",
-        "main: pack 2", "side: wait main", "side: exchange s2", "side: record e3",
+        "main: pack 2", "side: wait main", "side: post 2", "side: record e3",
         "main: copy 1", "main: wait e2", "main: unpack 1",
         "main: copy 2", "main: wait e3", "main: unpack 2",
-        "host: comm.wait",
+        "host: drain",
     ]
 
 
-def test_one_copy_table_runs_under_the_first_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    _transport(monkeypatch, batches=2, copies=1).run(None, _session())
-    assert LOG.index("main: pack 1") < LOG.index("main: copy 0") < LOG.index("main: wait e1")
+def test_one_copy_table_runs_under_the_first_transfer() -> None:
+    tables = _tables(2, 3, 0)
+    t, log, _ = _transport(tables, sliced=False)
+    t.run(tables, _session())
+    lines = _steps(log)
+    assert lines.index("main: pack 1") < lines.index("main: copy 0") < lines.index("main: wait e1")
+    assert sum(line.startswith("main: copy") for line in lines) == 1
 
 
-def test_plan_without_transfers_only_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    # All-local plans (TP1 -> TP2 collocated): the copies, no pack, no NCCL call, no wait.
-    t = _transport(monkeypatch, batches=1, copies=1)
-    t._moves, t.peers = False, []
-    t.run(None, _session())
-    assert LOG == ["main: copy 0"]
+def test_grid_cap_beside_transfers() -> None:
+    tables = _tables(2, 3, 0)
+    t, log, _ = _transport(tables, max_blocks=66)
+    t.run(tables, _session())
+    launches = [line for line in log.lines if re.match(r"main: (pack|copy|unpack)", line)]
+    assert len(launches) == 9 and all(line.endswith(" cap 66") for line in launches)
 
 
-def test_trace_reports_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = _transport(monkeypatch, batches=2, copies=2)
-    t.trace = True
-    t.run(None, _session())
+def test_plan_without_transfers_only_copies() -> None:
+    # All-local plans (TP1 -> TP2 collocated): the copies, uncapped, no pack, no transfer, no wait.
+    mesh = Mesh([0])
+    lay = Layout((1024,), torch.float32, mesh, [Replicate()])
+    tables = bind_all({"x": lay}, {"x": lay}, 1, 0)[0]
+    t, log, _ = _transport(tables, max_blocks=66, sliced=False)
+    assert t.peers == []
+    t.run(tables, _session())
+    assert log.lines == ["main: copy 0"]
+
+
+def test_trace_reports_every_step() -> None:
+    tables = _tables(2, 2, 0)
+    t, _, _ = _transport(tables, trace=True)
+    t.run(tables, _session())
     steps = [line.split(":")[0].strip() for line in t.last_timeline.splitlines()[1:]]
     assert steps == ["pack 0", "transfer 0", "pack 1", "transfer 1", "copy 0", "unpack 0", "copy 1", "unpack 1"]
+
+
+def test_verify_rounds_digest_each_round_as_it_lands() -> None:
+    """NCCL verify: a batch with a direct receive moves in VERIFY_ROUNDS posts; the digest
+    of round r waits for round r's end only, capped, but the very last one runs at full width."""
+    tables = _tables(2, 1, 1 << 16)
+    assert tables.direct_recvs(0)
+    t, log, transport = _transport(tables, rounds=True, max_blocks=66)
+    slots = t.executor.build_verify()
+    assert slots == (len(tables.pack_ops(0)) + len(tables.direct_sends(0)) + len(tables.unpack_ops(0))
+                     + len(tables.direct_recvs(0)))
+    t.executor.begin(MAIN, True, False)
+    t.executor.pack_first()
+    t.executor.run([1], True, 1.0)
+    lines = log.lines
+    rounds = cuda_transport.VERIFY_ROUNDS
+    posts = [line for line in lines if line.startswith("side: post")]
+    assert [p.split(" sends")[0] for p in posts] == [f"side: post 0 r{r}" for r in range(rounds)]
+    ends = [line.split("record ")[1] for line in lines if line.startswith("side: record")]
+    assert len(ends) == rounds
+    for r, e in enumerate(ends):
+        wait = lines.index(f"main: wait {e}")
+        digest = next(i for i, line in enumerate(lines) if line.startswith(f"main: direct recvs 0 r{r} "))
+        assert wait < digest and lines[digest].endswith("pass 3")
+        assert ("cap 66" in lines[digest]) == (r + 1 < rounds)
+    # the pack and unpack digest (PASS_COPY), the direct sends are read (PASS_SRC) once posted
+    assert "main: pack 0 cap 66 digest 0 pass 1" in lines
+    direct_sends = [i for i, line in enumerate(lines) if line.startswith("main: direct sends 0")]
+    assert len(direct_sends) == 1 and direct_sends[0] > lines.index(posts[-1])
+    assert sum(m.bytes for m in transport.received) == sum(n for _, _, n in tables.messages(0)[1])
+
+
+def _degraded(good: set, writes: bool, status: int = 0) -> tuple[list[str], str, Any, Any]:
+    """Rank 0 of 3, whose header exchange found that peer 2 disagrees."""
+    tables = _tables(3, 1, 1 << 16)
+    t, log, transport = _transport(tables)
+    assert t.peers == [1, 2]
+    t._agree = lambda tables, session, pack0: (pack0() if status == 0 else None, (good, writes))[1]
+    session = _session()
+    session.status, session.error = status, "local check failed"
+    session.verdict = Verdict({2: "is executing another plan"}, {})
+    with pytest.raises(ReshardError) as e:
+        t.run(tables, session)
+    return list(log.lines), str(e.value), transport, tables
+
+
+def test_degraded_rank_moves_agreeing_pairs_only_and_writes_nothing() -> None:
+    lines, error, transport, tables = _degraded(good={1}, writes=False)
+    posts = [line for line in lines if "post" in line]
+    assert len(posts) == 1 and "(2," not in posts[0] and posts[0].endswith(" partial")
+    assert not any("copy" in line or "unpack" in line for line in lines)  # no destination written
+    # what arrives from rank 1 lands in staging or scratch memory, never in a tensor
+    expected = [m for m in tables.messages(0)[1] if m[0] == 1]
+    assert [(m.peer, m.bytes) for m in transport.received] == [(p, n) for p, _, n in expected]
+    direct = [(m.ptr, ptr) for m, (_, ptr, _) in zip(transport.received, expected) if m.ptr != ptr]
+    assert direct and all(got >= 1 << 56 for got, _ in direct)  # the recording device's scratch
+    assert lines[-1] == "main: synchronize"  # the scratch memory outlives the transfers
+    assert "rank 2: is executing another plan" in error and "wrote no destination" in error
+
+
+def test_rank_with_a_local_problem_moves_nothing() -> None:
+    lines, error, _, _ = _degraded(good=set(), writes=False, status=1)
+    assert lines == []  # no pack, no transfer, no copy
+    assert error == "local check failed"
+
+
+def test_abort_during_the_transfers_says_so() -> None:
+    tables = _tables(2, 1, 0)
+    t, _, transport = _transport(tables)
+    transport.fail_drain = "NCCL communicator is unusable after an earlier failure: it was aborted"
+    session = _session()
+    session.abort.set()
+    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) during the NCCL transfers"):
+        t.run(tables, session)
+    session = _session()
+    with pytest.raises(ReshardError, match="^NCCL communicator is unusable"):
+        t.run(tables, session)
 
 
 def test_grid_cap_only_for_ranks_that_send_and_receive(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,51 +218,47 @@ def test_grid_cap_only_for_ranks_that_send_and_receive(monkeypatch: pytest.Monke
     assert cuda_transport._max_blocks(8 * gb, 8 * gb, 8 * gb, override=0) == 0
 
 
-def _degraded(monkeypatch: pytest.MonkeyPatch, good: set, writes: bool, status: int = 0) -> list[str]:
-    """A rank whose header exchange found disagreeing peers: 1 agrees, 2 does not."""
-    t = _transport(monkeypatch, batches=1, copies=1)
-    staging = torch.empty(64, dtype=torch.uint8)
-    t.recv, t.peers = [staging], [1, 2]
-    base = staging.data_ptr()
-    # to/from peer 1: one staged message and one straight into a tensor (a direct one)
-    t._messages = [([(1, 10, 8), (2, 20, 8)], [(1, base, 8), (1, 999_000, 4), (2, base + 16, 8)])]
-    t._agree = lambda tables, session, pack0: (pack0() if status == 0 else None, (good, writes))[1]
-    session = _session()
-    session.status, session.error = status, "local check failed"
-    session.verdict = Verdict({2: "is executing another plan"}, {})
-    received: list = []
-    exchange = t.comm.exchange
-    t.comm.exchange = lambda sends, recvs, stream, flags: (received.extend(recvs), exchange(sends, recvs, stream, flags))
-    with pytest.raises(ReshardError) as e:
-        t.run(None, session)
-    if received:  # peer 1 only; its direct message lands in scratch memory, not in the tensor at 999000
-        assert [(p, n) for p, _, n in received] == [(1, 8), (1, 4)] and received[0][1] == base
-        assert received[1][1] != 999_000
-    return LOG + [str(e.value)]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def test_degraded_rank_moves_agreeing_pairs_only_and_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    log = _degraded(monkeypatch, good={1}, writes=False)
-    exchange = [line for line in log if "exchange" in line]
-    assert exchange == ["side: exchange [(1, 10, 8)]"]  # nothing to or from rank 2
-    assert not any("copy" in line or "unpack" in line for line in log)  # no destination written
-    assert "rank 2: is executing another plan" in log[-1] and "wrote no destination" in log[-1]
+def _traced_refit_rows(rank: int, world: int) -> list[tuple[str, float, float]]:
+    """NCCL, several batches, traced: a refit and a verified one (in rounds) land bit for
+    bit; returns the verified execute's timeline rows (step, begin ms, end ms)."""
+    import reshard_ext as rx
+
+    shape = (256, 4096)  # row shards -> whole tensor: 2 MiB each way, in direct messages
+    sl = Layout(shape, torch.float32, Mesh([0, 1]), [Shard(0)])
+    dl = Layout(shape, torch.float32, Mesh([0, 1]), [Replicate()])
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    dst = torch.zeros(dl.local_shape(rank), device="cuda")
+    plan = rx.plan({"w": (sl.local_part(full, rank).cuda(), sl)}, {"w": (dst, dl)},
+                   options=rx.Options(trace=True, direct_bytes=1 << 16, batch_bytes=1 << 18), backend="nccl")
+    assert plan.num_batches > 1
+    rx.execute(plan)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), full)
+    plain = plan.transport.last_timeline.splitlines()[1:]
+    assert any(line.strip().startswith("transfer 1") for line in plain), plain
+    dst.zero_()
+    rx.execute(plan, verify=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), full)
+    rows = []
+    for line in plan.transport.last_timeline.splitlines()[1:]:
+        step, times = line.split(":")
+        begin, end = times.replace("ms", "").split("->")
+        rows.append((step.strip(), float(begin), float(end)))
+    return rows
 
 
-def test_rank_with_a_local_problem_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    log = _degraded(monkeypatch, good=set(), writes=False, status=1)
-    assert log[:-1] == []  # no pack, no transfer, no copy
-    assert log[-1] == "local check failed"
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_traced_nccl_refit_reports_each_step_in_order_2gpu() -> None:
+    from _dist import run_ranks
 
-
-def test_abort_during_the_transfers_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = _transport(monkeypatch, batches=1, copies=0)
-    session = _session()
-
-    def aborted(timeout: float) -> None:
-        session.abort.set()
-        raise ReshardError("NCCL communicator is unusable after an earlier failure: it was aborted")
-
-    t.comm.wait = aborted
-    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) during the NCCL transfers"):
-        t.run(None, session)
+    for rows in run_ranks(2, _traced_refit_rows, backend="nccl"):
+        assert rows[0][0] == "pack 0" and rows[0][1] == 0.0
+        assert all(0.0 <= begin <= end for _, begin, end in rows), rows
+        steps = [s for s, _, _ in rows]
+        assert "transfer r0 0" in steps and "digest r7 0" in steps, steps  # verify rounds of batch 0
+        assert steps.index("transfer r0 0") < steps.index("digest r0 0") < steps.index("unpack 0"), steps

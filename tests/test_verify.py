@@ -507,26 +507,24 @@ def _corrupt_one_round_cuda(rank, world, which):
     hit = []
     if rank == 1:
         assert torch.equal(dst, full.to(dev))
-        transfer = plan.transport._transfer
         begin, end = dst.data_ptr(), dst.data_ptr() + dst.numel() * 4
 
-        def corrupting_transfer(b, side, sends, recvs):
-            transfer(b, side, sends, recvs)
-            for _, ptr, n in recvs:
-                if begin <= ptr < end and (ptr == begin if which == "first" else ptr + n == end):
-                    assert n < end - begin, "the direct message was not cut into rounds"
-                    with torch.cuda.stream(side):
-                        dst.view(torch.int32).view(-1)[(ptr - begin) // 4 + 7] ^= 4
-                    hit.append(ptr)
+        def corrupting_post(b, r, side, recvs):  # the executor calls it after each post, on its thread
+            for m in recvs:
+                if begin <= m.ptr < end and (m.ptr == begin if which == "first" else m.ptr + m.bytes == end):
+                    assert m.bytes < end - begin, "the direct message was not cut into rounds"
+                    with torch.cuda.stream(torch.cuda.ExternalStream(side, device=dev)):
+                        dst.view(torch.int32).view(-1)[(m.ptr - begin) // 4 + 7] ^= 4
+                    hit.append(m.ptr)
 
-        plan.transport._transfer = corrupting_transfer
+        plan.transport.executor.set_post_hook(corrupting_post)
     try:
         rx.execute(plan, verify=True)
     except rx.ReshardError as e:
         return str(e), hit
     finally:
         if rank == 1:
-            del plan.transport._transfer
+            plan.transport.executor.set_post_hook(None)
     return None, hit
 
 

@@ -25,6 +25,7 @@ PYBIND11_MODULE(_C, m) {
   rx::python::register_direct(m);
   rx::python::register_fingerprint(m);
   rx::python::register_nvshmem(m);
+  rx::python::register_executor(m);
   rx::python::register_watch(m);
 
   py::dict info;

@@ -13,5 +13,6 @@ void register_mxfp8(pybind11::module_& m);    // MXFP8 scale math and quantize (
 void register_direct(pybind11::module_& m);   // direct transport: IPC, signals (bind_direct.cc)
 void register_fingerprint(pybind11::module_& m);  // module-tree fingerprint of a warm swap (bind_fingerprint.cc)
 void register_nvshmem(pybind11::module_& m);  // NVSHMEM transport, host API (bind_nvshmem.cc)
+void register_executor(pybind11::module_& m);  // the executor of a bound plan (bind_executor.cc)
 void register_watch(pybind11::module_& m);    // bound tensors' data pointers, read per execute (bind_watch.cc)
 }  // namespace rx::python

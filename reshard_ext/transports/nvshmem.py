@@ -55,7 +55,7 @@ def check_one_message_per_pair(tables: Any, rank: int) -> None:
 
 class _Puts:
     """Stands in for CudaTransport's communicator (its pipelined path keys on one); the
-    hooks of NvshmemTransport carry the bytes."""
+    executor's NVSHMEM transport (csrc/comm/executor.cc) carries the bytes."""
 
     usable = True
     timeout = 0.0
@@ -68,8 +68,7 @@ class NvshmemTransport(CudaTransport):
     def __init__(self, group: Any, options: Options):
         # collective: every rank raises alike if one cannot run it
         self.pe_of = _nvshmem.world(group, options.resolved_batch_bytes())
-        super().__init__(group, comm=_Puts(), options=options)
-        self.nccl = False
+        super().__init__(group, comm=_Puts(), options=options, nccl=False)
         self.group = group
         self.direct_bytes = 0  # every message is staged: puts land in symmetric memory only
         self.timeout = options.resolved_timeout("nvshmem")
@@ -99,6 +98,7 @@ class NvshmemTransport(CudaTransport):
         # The counters restart with this plan: its signal words are zeroed (in the constructor)
         # on every rank before any peer can signal.
         self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device())
+        self.executor.set_transport(_C.nvshmem_transport(self.puts))
         _C.nvshmem_barrier()
         failure = None
         try:
@@ -176,23 +176,3 @@ class NvshmemTransport(CudaTransport):
 
     def __del__(self) -> None:
         _nvshmem.release_region(getattr(self, "_region", -1))
-
-    # --- the hooks of CudaTransport.run ---------------------------------------------------
-    def _transfer(self, b: int, side: torch.cuda.Stream, sends: list, recvs: list) -> None:
-        if (sends, recvs) != self._messages[b]:
-            # A peer refused this execute: the puts are fixed per plan, so none are sent.
-            raise ReshardError("NVSHMEM transfer: a peer refused this execute (see its error); "
-                               "the plan's batches cannot run with part of its peers")
-        self.puts.send(b, side.cuda_stream)
-
-    def _landed(self, b: int, main: torch.cuda.Stream, done: torch.cuda.Event) -> None:
-        main.wait_event(done)  # our own put of b read the send slot the pack of b + 2 rewrites
-        self.puts.wait(b, main.cuda_stream)
-
-    def _unpacked(self, b: int, main: torch.cuda.Stream) -> None:
-        self.puts.release(b, main.cuda_stream)
-
-    def _drain(self, main: torch.cuda.Stream, side: torch.cuda.Stream, timeout: float) -> None:
-        main.wait_stream(side)
-        self.puts.wait_idle(main.cuda_stream, timeout)
-
