@@ -13,7 +13,17 @@ import pytest
 import torch
 from torch import nn
 
+from reshard_ext import swap
 from reshard_ext.swap import _fingerprint
+
+
+@pytest.fixture(params=["shim", "python"], autouse=True)
+def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with tensors read through torch's C shim and through Python (the
+    fallback where the shim is unusable); the shim without its probe, which would fall back."""
+    abi = swap._shim_abi() if request.param == "shim" else None
+    monkeypatch.setattr(swap, "_tensor_abi", lambda: abi)
+    return request.param
 
 
 class _Config:
@@ -46,6 +56,10 @@ class _Model(nn.Module):
         self.decoder.layers = nn.ModuleList([_Layer(1), _Layer(2)])
 
 
+class _Subclass(nn.Parameter):
+    pass
+
+
 class _Wrapper(nn.Module):  # DDP / Float16Module style
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -75,6 +89,10 @@ CHANGES: dict[str, Callable[[_Model], None]] = {
     "storage offset": lambda m: _set_data(m, lambda t: t.flatten()[1:13].view(3, 4)),
     "dtype view": lambda m: _set_data(m, lambda t: t.view(torch.int32)),
     "module cast": lambda m: m.to(torch.float64),
+    "tensor swapped (swap_tensors)": lambda m: torch.utils.swap_tensors(
+        _w(m), nn.Parameter(torch.zeros(4, 4), requires_grad=False)),
+    "transposed in place": lambda m: _w(m).t_(),
+    "class changed": lambda m: setattr(_w(m), "__class__", _Subclass),
     # re-sharded: Megatron's parallel attributes
     "tensor_model_parallel": lambda m: setattr(_w(m), "tensor_model_parallel", False),
     "partition_dim": lambda m: setattr(_w(m), "partition_dim", 1),
@@ -85,6 +103,10 @@ CHANGES: dict[str, Callable[[_Model], None]] = {
     # added / removed
     "parameter added": lambda m: setattr(m.decoder.layers[0].fc, "extra", nn.Parameter(torch.zeros(2))),
     "parameter removed": lambda m: delattr(m.decoder.layers[0].fc, "bias"),
+    "parameter renamed": lambda m: m.decoder.layers[0].fc.register_parameter(
+        "bias2", m.decoder.layers[0].fc._parameters.pop("bias")),
+    "submodule renamed": lambda m: m.decoder.layers[0]._modules.__setitem__(
+        "fc2", m.decoder.layers[0]._modules.pop("fc")),
     "buffer added": lambda m: m.decoder.layers[0].router.register_buffer("step", torch.zeros(1)),
     "buffer made non-persistent": lambda m: m.decoder.layers[0].router._non_persistent_buffers_set.add("expert_bias"),
     "buffer replaced": lambda m: setattr(m.decoder.layers[0].router, "expert_bias", torch.zeros(4)),
@@ -133,3 +155,26 @@ def test_fingerprint_is_exact_for_big_ints() -> None:
     big = _fingerprint([m])
     _w(m).partition_dim = 2**70 + 1
     assert _fingerprint([m]) != big
+
+
+def test_a_subclass_parameter_is_read_through_python() -> None:
+    m = _Model()
+    m.decoder.layers[0].fc.weight = _Subclass(torch.randn(4, 4), requires_grad=False)
+    before = _fingerprint([m])
+    m.decoder.layers[0].fc.weight.resize_(2, 4)
+    assert _fingerprint([m]) != before
+
+
+def test_the_shim_reads_what_python_reads(reads: str) -> None:
+    """On this torch the fingerprint reads plain tensors through the C shim (the fast path),
+    and its probe refuses a shim that reads anything else."""
+    if reads == "python":
+        pytest.skip("the shim path only")
+    abi = swap._shim_abi()
+    assert swap._reads_like_python(abi), "torch's C shim unusable: warm swaps fall back to slow Python reads"
+    t = torch.arange(24.0).view(4, 6)[1:, 2:5]
+    ptr, dev, idx, _, n, *rest = abi.read(t)
+    assert (ptr, dev, idx, n, rest) == (t.data_ptr(), 0, -1, 2, [3, 3, 6, 1])
+    assert abi.read(_Subclass(torch.zeros(2))) is None  # a subclass: read through Python
+    swapped = swap._shim_abi(("data_ptr", "dim", "strides", "sizes", "dtype", "device_type", "device_index"))
+    assert not swap._reads_like_python(swapped)

@@ -2,7 +2,10 @@
 // on, packed into bytes so a warm swap_model_weights compares two calls with one memcmp.
 // It walks Python objects (modules, their tensors) through the C API: the walk is per call
 // and per tensor, the hot loop of a warm swap, and Python's interpreter was most of its cost.
+// A plain tensor's metadata is read through torch's C shim (TensorAbi), not its Python
+// attributes: each of those built a Python object per read (shape, strides, data_ptr).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -21,7 +24,7 @@ namespace {
 // Record tags: a value of one kind can never read as another, so equal bytes mean equal state.
 enum Tag : int64_t {
   kNone = 1, kFalse, kTrue, kInt, kBigInt, kStr, kSeq, kOther,
-  kModule, kChildren, kTable, kTensor, kEnd,
+  kModule, kChildren, kTable, kTensor, kEnd, kShimTensor,
 };
 
 // Interned, as attribute names are: dict lookups then match by pointer.
@@ -34,9 +37,75 @@ struct Names {
              dtype = interned("dtype");
 };
 
+// torch's C shim (AOTInductor's stable C ABI, exported by libtorch), resolved by Python and
+// passed as function addresses: no torch headers or link (DESIGN section 3). A handle is an
+// at::Tensor*, i.e. the address of a TensorImpl pointer (checked by Python's probe).
+struct TensorAbi {
+  using Handle = void*;
+  int32_t (*data_ptr)(Handle, void**);
+  int32_t (*dim)(Handle, int64_t*);
+  int32_t (*sizes)(Handle, int64_t**);
+  int32_t (*strides)(Handle, int64_t**);
+  int32_t (*dtype)(Handle, int32_t*);
+  int32_t (*device_type)(Handle, int32_t*);
+  int32_t (*device_index)(Handle, int32_t*);
+  PyObject* exact[2];  // torch.Tensor and nn.Parameter: their _cdata is torch's own (a subclass may differ)
+  py::object keep;     // the tuple the types came from
+  py::object cdata = interned("_cdata");
+
+  explicit TensorAbi(const py::tuple& t) : keep(t) {
+    if (t.size() != 9) throw py::value_error("TensorAbi: expected 7 function addresses and 2 types");
+    auto fn = [&](size_t i) { return reinterpret_cast<void*>(t[i].cast<uintptr_t>()); };
+    data_ptr = reinterpret_cast<decltype(data_ptr)>(fn(0));
+    dim = reinterpret_cast<decltype(dim)>(fn(1));
+    sizes = reinterpret_cast<decltype(sizes)>(fn(2));
+    strides = reinterpret_cast<decltype(strides)>(fn(3));
+    dtype = reinterpret_cast<decltype(dtype)>(fn(4));
+    device_type = reinterpret_cast<decltype(device_type)>(fn(5));
+    device_index = reinterpret_cast<decltype(device_index)>(fn(6));
+    exact[0] = t[7].ptr();
+    exact[1] = t[8].ptr();
+  }
+
+  bool handles(PyObject* o) const { return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(exact[0]) ||
+                                           Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(exact[1]); }
+
+  // Appends (data_ptr, device type, device index, dtype, dim, sizes, strides) of tensor `o`
+  // (an exact torch.Tensor or Parameter); false, with `out` as it was, when torch refuses.
+  bool read(PyObject* o, std::vector<int64_t>& out) const {
+    PyObject* c = PyObject_GetAttr(o, cdata.ptr());
+    if (c == nullptr) throw py::error_already_set();
+    void* impl = PyLong_AsVoidPtr(c);
+    Py_DECREF(c);
+    if (impl == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Handle h = &impl;  // an at::Tensor is one TensorImpl pointer
+    void* ptr = nullptr;
+    int64_t n = 0;
+    int64_t *sz = nullptr, *st = nullptr;
+    int32_t dt = 0, dev = 0, idx = 0;
+    if (data_ptr(h, &ptr) || device_type(h, &dev) || device_index(h, &idx) || dtype(h, &dt) || dim(h, &n) ||
+        sizes(h, &sz) || strides(h, &st)) {
+      return false;
+    }
+    out.insert(out.end(), {static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)), dev, idx, dt, n});
+    out.insert(out.end(), sz, sz + n);
+    out.insert(out.end(), st, st + n);
+    return true;
+  }
+};
+
 class Packer {
  public:
-  Packer(const Names& n, const py::tuple& attrs) : n_(n), attrs_(attrs) { out_.reserve(1 << 14); }
+  // `out` is a buffer kept between calls (cleared here): a fresh ~100 KB one per call was
+  // mapped, page-faulted and unmapped each time.
+  Packer(const Names& n, const py::tuple& attrs, const TensorAbi* abi, std::vector<int64_t>& out)
+      : n_(n), attrs_(attrs), abi_(abi), out_(out) {
+    out_.clear();
+    seen_.reserve(1024);
+  }
 
   void module_tree(PyObject* root) {
     std::vector<PyObject*> stack{root};
@@ -131,6 +200,10 @@ class Packer {
       }
     } else if (PyUnicode_Check(v)) {
       str(v);
+    } else if (PyAnySet_Check(v) && PySet_GET_SIZE(v) == 0) {  // most modules' non-persistent buffer names
+      put(kSeq);
+      put(reinterpret_cast<intptr_t>(Py_TYPE(v)));
+      put(0);
     } else if (PyTuple_Check(v) || PyList_Check(v) || PyAnySet_Check(v)) {
       // a set's order may differ between equal sets: at worst a needless re-description
       py::object seq = py::reinterpret_steal<py::object>(PyAnySet_Check(v) ? PySequence_List(v) : PySequence_Fast(v, ""));
@@ -171,23 +244,36 @@ class Packer {
     while (PyDict_Next(t, &pos, &key, &t_obj)) {
       if (t_obj == Py_None) continue;
       value(key);
-      put(kTensor);
-      put(reinterpret_cast<intptr_t>(t_obj));
-      py::object ptr = call(t_obj, n_.data_ptr);
-      put(static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(ptr.ptr())));
-      ints(attr(t_obj, n_.shape).ptr());
-      ints(call(t_obj, n_.stride).ptr());
-      put(reinterpret_cast<intptr_t>(attr(t_obj, n_.dtype).ptr()));  // torch dtypes are singletons
+      tensor(t_obj);
       py::object d = dict_of(t_obj);
       for (const auto& a : attrs_) value(item(d.ptr(), py::reinterpret_borrow<py::object>(a)));
     }
     if (PyErr_Occurred()) throw py::error_already_set();
   }
 
+  void tensor(PyObject* t) {
+    if (abi_ != nullptr && abi_->handles(t)) {
+      put(kShimTensor);
+      put(reinterpret_cast<intptr_t>(t));
+      if (abi_->read(t, out_)) return;
+      out_.pop_back();
+      out_.pop_back();
+    }
+    put(kTensor);
+    put(reinterpret_cast<intptr_t>(t));
+    put(reinterpret_cast<intptr_t>(Py_TYPE(t)));  // a tensor whose class changed (swap_tensors)
+    py::object ptr = call(t, n_.data_ptr);
+    put(static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(ptr.ptr())));
+    ints(attr(t, n_.shape).ptr());
+    ints(call(t, n_.stride).ptr());
+    put(reinterpret_cast<intptr_t>(attr(t, n_.dtype).ptr()));  // torch dtypes are singletons
+  }
+
   const Names& n_;
   const py::tuple& attrs_;
+  const TensorAbi* abi_;
   std::unordered_set<PyObject*> seen_;
-  std::vector<int64_t> out_;
+  std::vector<int64_t>& out_;
 };
 
 // Pauses the cyclic GC during the walk: the shape and stride tuples it allocates and frees
@@ -206,22 +292,50 @@ class GcPause {
 }  // namespace
 
 void register_fingerprint(py::module_& m) {
+  py::class_<TensorAbi>(m, "TensorAbi",
+                        "torch's C shim functions (addresses of aoti_torch_get_data_ptr, _dim, _sizes, _strides, "
+                        "_dtype, _device_type, _device_index) and the exact tensor types they read.")
+      .def(py::init<const py::tuple&>(), py::arg("fns_and_types"))
+      .def(
+          "read",
+          [](const TensorAbi& abi, const py::object& t) -> py::object {
+            std::vector<int64_t> v;
+            if (!abi.handles(t.ptr()) || !abi.read(t.ptr(), v)) return py::none();
+            return py::cast(v);
+          },
+          py::arg("tensor"),
+          "[data_ptr, device type, device index, dtype, dim, *sizes, *strides] as the fingerprint reads them, "
+          "or None where it reads the tensor through Python.");
   m.def(
       "model_fingerprint",
-      [](const py::list& roots, const py::tuple& attrs) {
+      [](const py::list& roots, const py::tuple& attrs, const TensorAbi* abi) {
         static const Names* names = new Names();  // interned once; never freed (outlives the interpreter's teardown)
+        // The buffer of the last call, unless a call is in flight (a tensor subclass's Python
+        // data_ptr could call back in): then one of its own.
+        static std::vector<int64_t> kept;
+        static bool busy = false;
+        std::vector<int64_t> own;
+        const bool reuse = !busy;
+        busy = true;
+        struct Release {
+          bool reuse;
+          ~Release() {
+            if (reuse) busy = false;
+          }
+        } release{reuse};
         GcPause pause;
-        Packer p(*names, attrs);
+        Packer p(*names, attrs, abi, reuse ? kept : own);
         for (const auto& r : roots) {
           p.module_tree(r.ptr());
           p.end_root();
         }
         return p.bytes();
       },
-      py::arg("roots"), py::arg("attrs"),
+      py::arg("roots"), py::arg("attrs"), py::arg("abi") = nullptr,
       "Bytes equal between two calls iff every module of the trees (object, children, layer_number, "
       "non-persistent buffer names) and every parameter and buffer (name, object, data_ptr, shape, strides, "
-      "dtype, the tensor attributes named in `attrs`) are the same.");
+      "dtype, the tensor attributes named in `attrs`) are the same. With `abi` (a TensorAbi), plain tensors' "
+      "metadata is read through torch's C shim.");
 }
 
 }  // namespace rx::python
