@@ -87,10 +87,10 @@ def clear_caches() -> None:
     _nccl.clear_communicators()
 
 
-# Megatron descriptions of the last models seen: (side, group, offset) -> (model ids,
-# fingerprint, entries, signature). A warm swap re-reads only what the description
-# depends on (one walk over the modules) instead of describing the model again.
-_DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, _Signature]] = {}
+# Megatron descriptions of the last models seen: (side, group, offset) -> (model ids, head,
+# snapshot, entries, signature). A warm swap re-checks only what the description depends on
+# (the snapshot) instead of describing the model again.
+_DESCRIBED: dict[tuple, tuple[tuple, tuple, Any, Entries, _Signature]] = {}
 
 
 # The tensor attributes the Megatron adapter reads (reshard_ext/adapters/megatron.py).
@@ -144,17 +144,43 @@ def _tensor_abi() -> Any:
     return None
 
 
+def _head(cores: list[nn.Module]) -> tuple:
+    return tuple((c, getattr(c, "pg_collection", None), getattr(getattr(c, "config", None), "num_moe_experts", None),
+                  getattr(c, "share_embeddings_and_output_weights", None)) for c in cores)
+
+
 def _fingerprint(chunks: list[nn.Module]) -> tuple:
     """Everything the Megatron adapter reads: per chunk its core module, process groups,
     expert count and tying (held, so ids cannot be reused), and the exact bytes of its
     module tree (names, layer numbers, non-persistent buffer names) and of every parameter
     and buffer (object, data_ptr, shape, strides, dtype, parallel attributes). Equal
     fingerprints give equal descriptions, so a changed model is described (and planned)
-    again. The tree walk is C++ (_C.model_fingerprint): it runs on every warm swap."""
+    again. The tree walk is C++ (_C.model_fingerprint)."""
     cores = [megatron_adapter.unwrap(c) for c in chunks]
-    head = tuple((c, getattr(c, "pg_collection", None), getattr(getattr(c, "config", None), "num_moe_experts", None),
-                  getattr(c, "share_embeddings_and_output_weights", None)) for c in cores)
-    return head, _C.model_fingerprint(cores, _TENSOR_ATTRS, _tensor_abi())
+    return _head(cores), _C.model_fingerprint(cores, _TENSOR_ATTRS, _tensor_abi())
+
+
+def _snapshot(cores: list[nn.Module]) -> Any:
+    """_fingerprint's bytes as a _C.ModelSnapshot, whose unchanged() a warm swap calls instead
+    of walking the trees again: one version compare per dict the walk read, and a re-read of
+    each tensor's metadata and each list or set value."""
+    return _C.model_snapshot(cores, _TENSOR_ATTRS, _tensor_abi())
+
+
+@functools.cache
+def _snapshots_work() -> bool:
+    """Whether this Python's dict versions move as ModelSnapshot.unchanged() needs (3.14 has none)."""
+    m = nn.Linear(2, 2)
+    changes = (lambda: setattr(m, "layer_number", 1), lambda: m._parameters.__setitem__("bias", None),
+               lambda: setattr(m.weight, "partition_dim", 0), lambda: m._modules.__setitem__("x", nn.Module()))
+    for change in changes:
+        snap = _snapshot([m])
+        if not snap.unchanged():
+            return False
+        change()
+        if snap.unchanged():
+            return False
+    return True
 
 
 def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
@@ -171,19 +197,26 @@ def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     memo_key = (side, _group_key(group), rank_offset)
     ids = tuple(id(c) for c in chunks)
-    fp = _fingerprint(chunks)
+    cores = [megatron_adapter.unwrap(c) for c in chunks]
+    head = _head(cores)
     memo = _DESCRIBED.get(memo_key)
-    if memo is not None and memo[0] == ids and memo[1] == fp:  # the same parameter objects: not DTensors
+    same_chunks = memo is not None and memo[0] == ids and memo[1] == head
+    if same_chunks and _snapshots_work() and memo[2].unchanged():  # the same parameter objects: not DTensors
         STATS["describe_reused"] += 1
-        return memo[2], memo[3]
+        return memo[3], memo[4]
     first = next(iter(chunks[0].parameters()), None)
     if isinstance(first, dtensor_adapter.DTensor):
         entries = dtensor_adapter.entries(model, group=group, rank_offset=rank_offset)
         return entries, _signature(entries)
+    snap = _snapshot(cores)
+    if same_chunks and snap.fingerprint == memo[2].fingerprint:  # e.g. a dict rewritten with the same items
+        STATS["describe_reused"] += 1
+        _DESCRIBED[memo_key] = (ids, head, snap, memo[3], memo[4])
+        return memo[3], memo[4]
     entries = megatron_adapter.entries(model, group=group, rank_offset=rank_offset,
                                        tie_output_to_embedding=side == "src")
     sig = _signature(entries)
-    _DESCRIBED[memo_key] = (ids, fp, entries, sig)
+    _DESCRIBED[memo_key] = (ids, head, snap, entries, sig)
     return entries, sig
 
 

@@ -121,12 +121,28 @@ CHANGES: dict[str, Callable[[_Model], None]] = {
 }
 
 
+def _warm_check(m: _Model) -> Callable[[], bool]:
+    """What a warm swap checks of a memoized model (swap._describe): its head, then its snapshot."""
+    head, snap = swap._head([m]), swap._snapshot([m])
+    assert snap.fingerprint == _fingerprint([m])[1]
+    return lambda: swap._head([m]) == head and snap.unchanged()
+
+
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_model_change_changes_the_fingerprint(change: str) -> None:
     m = _Model()
     before = _fingerprint([_Wrapper(m)])
     CHANGES[change](m)
     assert _fingerprint([_Wrapper(m)]) != before
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_model_change_is_seen_by_the_snapshot(change: str) -> None:
+    m = _Model()
+    unchanged = _warm_check(m)
+    assert unchanged()
+    CHANGES[change](m)
+    assert not unchanged()
 
 
 def test_another_model_has_another_fingerprint() -> None:
@@ -142,11 +158,13 @@ def test_another_model_has_another_fingerprint() -> None:
 def test_in_place_updates_keep_the_fingerprint() -> None:
     m = _Model()
     before = _fingerprint([_Wrapper(m)])
+    unchanged = _warm_check(m)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1)  # an optimizer step: new values, same storages (the version counter moves)
         m.decoder.layers[0].router.expert_bias.copy_(torch.ones(4))
     assert _fingerprint([_Wrapper(m)]) == before
+    assert unchanged(), "a warm swap after an optimizer step would walk the models again"
 
 
 def test_fingerprint_is_exact_for_big_ints() -> None:
@@ -178,3 +196,7 @@ def test_the_shim_reads_what_python_reads(reads: str) -> None:
     assert abi.read(_Subclass(torch.zeros(2))) is None  # a subclass: read through Python
     swapped = swap._shim_abi(("data_ptr", "dim", "strides", "sizes", "dtype", "device_type", "device_index"))
     assert not swap._reads_like_python(swapped)
+
+
+def test_snapshots_are_used_on_this_python() -> None:
+    assert swap._snapshots_work.__wrapped__(), "no dict versions: every warm swap walks both models again"

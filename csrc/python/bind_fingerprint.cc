@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -29,6 +30,19 @@ enum Tag : int64_t {
 
 // Interned, as attribute names are: dict lookups then match by pointer.
 py::object interned(const char* s) { return py::reinterpret_steal<py::object>(PyUnicode_InternFromString(s)); }
+
+// PEP 509 dict versions: a new value on every mutation of a dict (deprecated in 3.12, gone
+// in 3.14, where snapshots report "changed" and every warm call walks again).
+#if PY_VERSION_HEX < 0x030E0000
+constexpr bool kDictVersions = true;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+uint64_t dict_version(PyObject* d) { return reinterpret_cast<PyDictObject*>(d)->ma_version_tag; }
+#pragma GCC diagnostic pop
+#else
+constexpr bool kDictVersions = false;
+uint64_t dict_version(PyObject*) { return 0; }
+#endif
 
 struct Names {
   py::object modules = interned("_modules"), params = interned("_parameters"), buffers = interned("_buffers"),
@@ -97,17 +111,45 @@ struct TensorAbi {
   }
 };
 
+// What a warm call re-checks instead of walking the trees again: every dict the walk read,
+// by version (and, for an object's __dict__, that it still is that object's), and a re-read
+// of what no dict version sees: tensors' metadata and the items of lists, tuples and sets.
+struct Snapshot {
+  struct Dict {
+    py::object owner;  // the object whose __dict__ it is, or null for a dict held in one
+    py::object dict;
+    uint64_t version;
+  };
+  struct Reread {
+    py::object obj;
+    bool tensor;
+    size_t begin, end;  // its words in the fingerprint
+  };
+  std::vector<Dict> dicts;
+  std::vector<Reread> rereads;
+  std::vector<int64_t> words;  // the fingerprint
+  py::tuple attrs;
+  py::object abi;  // a TensorAbi or None
+
+  void dict(PyObject* owner, PyObject* d) {
+    dicts.push_back({py::reinterpret_borrow<py::object>(owner), py::reinterpret_borrow<py::object>(d),
+                     dict_version(d)});
+  }
+  bool unchanged() const;
+};
+
 class Packer {
  public:
   // `out` is a buffer kept between calls (cleared here): a fresh ~100 KB one per call was
   // mapped, page-faulted and unmapped each time.
-  Packer(const Names& n, const py::tuple& attrs, const TensorAbi* abi, std::vector<int64_t>& out)
-      : n_(n), attrs_(attrs), abi_(abi), out_(out) {
+  Packer(const Names& n, const py::tuple& attrs, const TensorAbi* abi, std::vector<int64_t>& out,
+         Snapshot* snap = nullptr)
+      : n_(n), attrs_(attrs), abi_(abi), out_(out), snap_(snap) {
     out_.clear();
-    seen_.reserve(1024);
   }
 
   void module_tree(PyObject* root) {
+    seen_.reserve(512);
     std::vector<PyObject*> stack{root};
     while (!stack.empty()) {
       PyObject* mod = stack.back();
@@ -115,6 +157,8 @@ class Packer {
       if (mod == Py_None || !seen_.insert(mod).second) continue;  // shared submodules: once, as Module.modules()
       py::object d = dict_of(mod);
       PyObject* children = item(d.ptr(), n_.modules);
+      if (snap_ != nullptr) snap_->dict(mod, d.ptr());
+      if (snap_ != nullptr && children != nullptr) snap_->dict(nullptr, children);
       put(kModule);
       put(reinterpret_cast<intptr_t>(mod));
       value(item(d.ptr(), n_.layer_number));
@@ -141,6 +185,59 @@ class Packer {
 
   py::bytes bytes() const {
     return py::bytes(reinterpret_cast<const char*>(out_.data()), out_.size() * sizeof(int64_t));
+  }
+
+  // Exact for what Megatron stamps (None, bools, ints, strings, lists and tuples of them);
+  // any other object by identity.
+  void value(PyObject* v) {
+    if (v == nullptr || v == Py_None) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      put(kNone);
+    } else if (v == Py_False || v == Py_True) {
+      put(v == Py_True ? kTrue : kFalse);
+    } else if (PyLong_Check(v)) {
+      int overflow = 0;
+      long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+      if (overflow != 0) {
+        put(kBigInt);
+        py::object s = py::reinterpret_steal<py::object>(PyObject_Str(v));
+        if (!s) throw py::error_already_set();
+        str(s.ptr());
+      } else {
+        put(kInt);
+        put(x);
+      }
+    } else if (PyUnicode_Check(v)) {
+      str(v);
+    } else if (PyTuple_Check(v) || PyList_Check(v) || PyAnySet_Check(v)) {
+      const size_t begin = out_.size();
+      put(kSeq);
+      put(reinterpret_cast<intptr_t>(Py_TYPE(v)));
+      if (PyAnySet_Check(v) && PySet_GET_SIZE(v) == 0) {  // most modules' non-persistent buffer names
+        put(0);
+      } else {
+        // a set's order may differ between equal sets: at worst a needless re-description
+        py::object seq =
+            py::reinterpret_steal<py::object>(PyAnySet_Check(v) ? PySequence_List(v) : PySequence_Fast(v, ""));
+        if (!seq) throw py::error_already_set();
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+        put(n);
+        PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+        for (Py_ssize_t i = 0; i < n; ++i) value(items[i]);
+      }
+      if (snap_ != nullptr) snap_->rereads.push_back({py::reinterpret_borrow<py::object>(v), false, begin, out_.size()});
+    } else {
+      put(kOther);
+      put(reinterpret_cast<intptr_t>(Py_TYPE(v)));
+      put(reinterpret_cast<intptr_t>(v));
+    }
+  }
+
+  void tensor(PyObject* t) {
+    const size_t begin = out_.size();
+    if (snap_ != nullptr) snap_->rereads.push_back({py::reinterpret_borrow<py::object>(t), true, begin, 0});
+    tensor_words(t);
+    if (snap_ != nullptr) snap_->rereads.back().end = out_.size();
   }
 
  private:
@@ -178,49 +275,6 @@ class Packer {
     std::memcpy(out_.data() + at, p, static_cast<size_t>(len));
   }
 
-  // Exact for what Megatron stamps (None, bools, ints, strings, lists and tuples of them);
-  // any other object by identity.
-  void value(PyObject* v) {
-    if (v == nullptr || v == Py_None) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      put(kNone);
-    } else if (v == Py_False || v == Py_True) {
-      put(v == Py_True ? kTrue : kFalse);
-    } else if (PyLong_Check(v)) {
-      int overflow = 0;
-      long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-      if (overflow != 0) {
-        put(kBigInt);
-        py::object s = py::reinterpret_steal<py::object>(PyObject_Str(v));
-        if (!s) throw py::error_already_set();
-        str(s.ptr());
-      } else {
-        put(kInt);
-        put(x);
-      }
-    } else if (PyUnicode_Check(v)) {
-      str(v);
-    } else if (PyAnySet_Check(v) && PySet_GET_SIZE(v) == 0) {  // most modules' non-persistent buffer names
-      put(kSeq);
-      put(reinterpret_cast<intptr_t>(Py_TYPE(v)));
-      put(0);
-    } else if (PyTuple_Check(v) || PyList_Check(v) || PyAnySet_Check(v)) {
-      // a set's order may differ between equal sets: at worst a needless re-description
-      py::object seq = py::reinterpret_steal<py::object>(PyAnySet_Check(v) ? PySequence_List(v) : PySequence_Fast(v, ""));
-      if (!seq) throw py::error_already_set();
-      Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-      put(kSeq);
-      put(reinterpret_cast<intptr_t>(Py_TYPE(v)));
-      put(n);
-      PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
-      for (Py_ssize_t i = 0; i < n; ++i) value(items[i]);
-    } else {
-      put(kOther);
-      put(reinterpret_cast<intptr_t>(Py_TYPE(v)));
-      put(reinterpret_cast<intptr_t>(v));
-    }
-  }
-
   void ints(PyObject* seq) {  // torch.Size / stride tuples
     if (!PyTuple_Check(seq)) throw py::type_error("model_fingerprint: expected a tuple of ints");
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
@@ -239,6 +293,7 @@ class Packer {
       return;
     }
     if (!PyDict_Check(t)) throw py::type_error("model_fingerprint: a parameter table is not a dict");
+    if (snap_ != nullptr) snap_->dict(nullptr, t);
     Py_ssize_t pos = 0;
     PyObject *key, *t_obj;
     while (PyDict_Next(t, &pos, &key, &t_obj)) {
@@ -246,12 +301,13 @@ class Packer {
       value(key);
       tensor(t_obj);
       py::object d = dict_of(t_obj);
+      if (snap_ != nullptr) snap_->dict(t_obj, d.ptr());
       for (const auto& a : attrs_) value(item(d.ptr(), py::reinterpret_borrow<py::object>(a)));
     }
     if (PyErr_Occurred()) throw py::error_already_set();
   }
 
-  void tensor(PyObject* t) {
+  void tensor_words(PyObject* t) {
     if (abi_ != nullptr && abi_->handles(t)) {
       put(kShimTensor);
       put(reinterpret_cast<intptr_t>(t));
@@ -274,6 +330,7 @@ class Packer {
   const TensorAbi* abi_;
   std::unordered_set<PyObject*> seen_;
   std::vector<int64_t>& out_;
+  Snapshot* snap_;
 };
 
 // Pauses the cyclic GC during the walk: the shape and stride tuples it allocates and frees
@@ -289,9 +346,80 @@ class GcPause {
   int was_enabled_;
 };
 
+const Names& names() {
+  static const Names* n = new Names();  // interned once; never freed (outlives the interpreter's teardown)
+  return *n;
+}
+
+bool Snapshot::unchanged() const {
+  if (!kDictVersions) return false;
+  for (const Dict& d : dicts) {
+    if (d.owner) {
+      PyObject* now = PyObject_GenericGetDict(d.owner.ptr(), nullptr);
+      if (now == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      const bool same = now == d.dict.ptr();
+      Py_DECREF(now);
+      if (!same) return false;
+    }
+    if (dict_version(d.dict.ptr()) != d.version) return false;
+  }
+  std::vector<int64_t> now;
+  Packer p(names(), attrs, abi.is_none() ? nullptr : abi.cast<const TensorAbi*>(), now);
+  for (const Reread& r : rereads) {
+    now.clear();
+    try {
+      if (r.tensor) {
+        p.tensor(r.obj.ptr());
+      } else {
+        p.value(r.obj.ptr());
+      }
+    } catch (py::error_already_set&) {  // a subclass's Python reads raising: changed, whatever it says
+      return false;
+    }
+    if (now.size() != r.end - r.begin || !std::equal(now.begin(), now.end(), words.begin() + r.begin)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void register_fingerprint(py::module_& m) {
+  py::class_<Snapshot>(m, "ModelSnapshot",
+                       "model_fingerprint's bytes of some module trees, and what a later unchanged() re-checks "
+                       "to tell, without walking the trees again, that they would still give those bytes.")
+      .def_property_readonly("fingerprint",
+                             [](const Snapshot& s) {
+                               return py::bytes(reinterpret_cast<const char*>(s.words.data()),
+                                                s.words.size() * sizeof(int64_t));
+                             })
+      .def(
+          "unchanged",
+          [](const Snapshot& s) {
+            GcPause pause;
+            return s.unchanged();
+          },
+          "True only if model_fingerprint of the same roots would return `fingerprint` (False where "
+          "this Python has no dict versions).")
+      .def("__len__", [](const Snapshot& s) { return s.dicts.size() + s.rereads.size(); });
+  m.def(
+      "model_snapshot",
+      [](const py::list& roots, const py::tuple& attrs, const py::object& abi) {
+        auto snap = std::make_unique<Snapshot>();
+        snap->attrs = attrs;
+        snap->abi = abi;
+        GcPause pause;
+        Packer p(names(), attrs, abi.is_none() ? nullptr : abi.cast<const TensorAbi*>(), snap->words, snap.get());
+        for (const auto& r : roots) {
+          p.module_tree(r.ptr());
+          p.end_root();
+        }
+        return snap;
+      },
+      py::arg("roots"), py::arg("attrs"), py::arg("abi") = py::none(),
+      "model_fingerprint(roots, attrs, abi) as a ModelSnapshot.");
   py::class_<TensorAbi>(m, "TensorAbi",
                         "torch's C shim functions (addresses of aoti_torch_get_data_ptr, _dim, _sizes, _strides, "
                         "_dtype, _device_type, _device_index) and the exact tensor types they read.")
@@ -309,7 +437,6 @@ void register_fingerprint(py::module_& m) {
   m.def(
       "model_fingerprint",
       [](const py::list& roots, const py::tuple& attrs, const TensorAbi* abi) {
-        static const Names* names = new Names();  // interned once; never freed (outlives the interpreter's teardown)
         // The buffer of the last call, unless a call is in flight (a tensor subclass's Python
         // data_ptr could call back in): then one of its own.
         static std::vector<int64_t> kept;
@@ -324,7 +451,7 @@ void register_fingerprint(py::module_& m) {
           }
         } release{reuse};
         GcPause pause;
-        Packer p(*names, attrs, abi, reuse ? kept : own);
+        Packer p(names(), attrs, abi, reuse ? kept : own);
         for (const auto& r : roots) {
           p.module_tree(r.ptr());
           p.end_root();
