@@ -167,6 +167,17 @@ def test_in_place_updates_keep_the_fingerprint() -> None:
     assert unchanged(), "a warm swap after an optimizer step would walk the models again"
 
 
+def test_what_the_description_does_not_read_keeps_the_snapshot() -> None:
+    m = _Model()
+    unchanged = _warm_check(m)
+    m.eval()  # sets `training` on every module
+    m.decoder.layers[0].cache = torch.zeros(2)  # an attribute the adapter never reads
+    _w(m).main_grad = torch.zeros(4, 4)  # likewise, on a parameter
+    m.register_forward_hook(lambda *a: None)
+    assert unchanged()
+    assert unchanged()  # and again, from the versions it adopted
+
+
 def test_fingerprint_is_exact_for_big_ints() -> None:
     m = _Model()
     _w(m).partition_dim = 2**70  # packed exactly, not truncated to 64 bits

@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "python/register.h"
@@ -118,7 +120,10 @@ struct Snapshot {
   struct Dict {
     py::object owner;  // the object whose __dict__ it is, or null for a dict held in one
     py::object dict;
-    uint64_t version;
+    mutable uint64_t version;
+    // Of an object's __dict__, the items the walk read: when its version moved (an attribute
+    // the walk never reads was set, or eval() flipped `training`), these alone decide.
+    std::vector<std::pair<PyObject*, py::object>> items;  // (interned key, value or null)
   };
   struct Reread {
     py::object obj;
@@ -131,9 +136,22 @@ struct Snapshot {
   py::tuple attrs;
   py::object abi;  // a TensorAbi or None
 
-  void dict(PyObject* owner, PyObject* d) {
+  void dict(PyObject* owner, PyObject* d, std::initializer_list<PyObject*> keys = {}) {
     dicts.push_back({py::reinterpret_borrow<py::object>(owner), py::reinterpret_borrow<py::object>(d),
-                     dict_version(d)});
+                     dict_version(d), {}});
+    for (PyObject* k : keys) {
+      PyObject* v = PyDict_GetItemWithError(d, k);
+      if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      dicts.back().items.emplace_back(k, py::reinterpret_borrow<py::object>(v));
+    }
+  }
+  void dict(PyObject* owner, PyObject* d, const py::tuple& keys) {
+    dict(owner, d);
+    for (const auto& k : keys) {
+      PyObject* v = PyDict_GetItemWithError(d, k.ptr());
+      if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      dicts.back().items.emplace_back(k.ptr(), py::reinterpret_borrow<py::object>(v));
+    }
   }
   bool unchanged() const;
 };
@@ -157,7 +175,10 @@ class Packer {
       if (mod == Py_None || !seen_.insert(mod).second) continue;  // shared submodules: once, as Module.modules()
       py::object d = dict_of(mod);
       PyObject* children = item(d.ptr(), n_.modules);
-      if (snap_ != nullptr) snap_->dict(mod, d.ptr());
+      if (snap_ != nullptr) {
+        snap_->dict(mod, d.ptr(), {n_.modules.ptr(), n_.layer_number.ptr(), n_.non_persistent.ptr(),
+                                   n_.params.ptr(), n_.buffers.ptr()});
+      }
       if (snap_ != nullptr && children != nullptr) snap_->dict(nullptr, children);
       put(kModule);
       put(reinterpret_cast<intptr_t>(mod));
@@ -301,7 +322,7 @@ class Packer {
       value(key);
       tensor(t_obj);
       py::object d = dict_of(t_obj);
-      if (snap_ != nullptr) snap_->dict(t_obj, d.ptr());
+      if (snap_ != nullptr) snap_->dict(t_obj, d.ptr(), attrs_);
       for (const auto& a : attrs_) value(item(d.ptr(), py::reinterpret_borrow<py::object>(a)));
     }
     if (PyErr_Occurred()) throw py::error_already_set();
@@ -364,7 +385,17 @@ bool Snapshot::unchanged() const {
       Py_DECREF(now);
       if (!same) return false;
     }
-    if (dict_version(d.dict.ptr()) != d.version) return false;
+    if (dict_version(d.dict.ptr()) == d.version) continue;
+    if (!d.owner) return false;
+    for (const auto& [key, value] : d.items) {
+      PyObject* now = PyDict_GetItemWithError(d.dict.ptr(), key);
+      if (now == nullptr && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+      if (now != value.ptr()) return false;
+    }
+    d.version = dict_version(d.dict.ptr());  // the same items: this version reads as the recorded one
   }
   std::vector<int64_t> now;
   Packer p(names(), attrs, abi.is_none() ? nullptr : abi.cast<const TensorAbi*>(), now);
