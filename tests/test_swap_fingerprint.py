@@ -211,3 +211,16 @@ def test_the_shim_reads_what_python_reads(reads: str) -> None:
 
 def test_snapshots_are_used_on_this_python() -> None:
     assert swap._snapshots_work.__wrapped__(), "no dict versions: every warm swap walks both models again"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("change", ["to another GPU buffer", "to the host", "dtype view"])
+def test_a_gpu_model_change_is_seen_by_the_snapshot(change: str) -> None:
+    assert swap._reads_like_python(swap._shim_abi())  # its probe includes a CUDA tensor here
+    m = _Model().cuda()
+    unchanged = _warm_check(m)
+    assert unchanged()
+    w = _w(m)
+    w.data = {"to another GPU buffer": lambda t: t.clone(), "to the host": lambda t: t.cpu(),
+              "dtype view": lambda t: t.view(torch.int32)}[change](w.data)
+    assert not unchanged()
