@@ -200,8 +200,9 @@ def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
     cores = [megatron_adapter.unwrap(c) for c in chunks]
     head = _head(cores)
     memo = _DESCRIBED.get(memo_key)
-    same_chunks = memo is not None and memo[0] == ids and memo[1] == head
-    if same_chunks and _snapshots_work() and memo[2].unchanged():  # the same parameter objects: not DTensors
+    if memo is not None and (memo[0] != ids or memo[1] != head):
+        memo = None  # other chunks
+    if memo is not None and _snapshots_work() and memo[2].unchanged():  # the same parameter objects: not DTensors
         STATS["describe_reused"] += 1
         return memo[3], memo[4]
     first = next(iter(chunks[0].parameters()), None)
@@ -209,7 +210,7 @@ def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
         entries = dtensor_adapter.entries(model, group=group, rank_offset=rank_offset)
         return entries, _signature(entries)
     snap = _snapshot(cores)
-    if same_chunks and snap.fingerprint == memo[2].fingerprint:  # e.g. a dict rewritten with the same items
+    if memo is not None and snap.fingerprint == memo[2].fingerprint:  # e.g. a dict rewritten with the same items
         STATS["describe_reused"] += 1
         _DESCRIBED[memo_key] = (ids, head, snap, memo[3], memo[4])
         return memo[3], memo[4]

@@ -4,6 +4,8 @@
 // and per tensor, the hot loop of a warm swap, and Python's interpreter was most of its cost.
 // A plain tensor's metadata is read through torch's C shim (TensorAbi), not its Python
 // attributes: each of those built a Python object per read (shape, strides, data_ptr).
+// model_snapshot records what the walk read, so that a warm swap re-checks it (unchanged())
+// in a fraction of a walk: per dict one version compare, per tensor one metadata read.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -246,7 +248,9 @@ class Packer {
         PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
         for (Py_ssize_t i = 0; i < n; ++i) value(items[i]);
       }
-      if (snap_ != nullptr) snap_->rereads.push_back({py::reinterpret_borrow<py::object>(v), false, begin, out_.size()});
+      if (snap_ != nullptr) {
+        snap_->rereads.push_back({py::reinterpret_borrow<py::object>(v), false, begin, out_.size()});
+      }
     } else {
       put(kOther);
       put(reinterpret_cast<intptr_t>(Py_TYPE(v)));
