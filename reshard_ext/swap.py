@@ -17,6 +17,10 @@ together. A warm call does no metadata exchange and no planning.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
+import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +40,8 @@ from .layout import Layout
 from .options import Options
 from .planning import STATS
 from .transforms import Transform
+
+log = logging.getLogger("reshard_ext")
 
 ModelLike = nn.Module | list | tuple | Mapping[str, tuple[torch.Tensor, Layout]] | None
 Adapter = Callable[..., Entries]
@@ -65,6 +71,7 @@ def _release_at_exit() -> None:
     this fix). A short sleep lets such a release finish first."""
     _PLANS.clear()
     _DESCRIBED.clear()
+    _GROUP_KEYS.clear()
     if STATS["exchanges"]:
         time.sleep(0.05)
 
@@ -74,19 +81,72 @@ def clear_caches() -> None:
     communicators exist: their destruction is (every rank of each group must call it)."""
     _PLANS.clear()
     _DESCRIBED.clear()
+    _GROUP_KEYS.clear()
     from . import _nccl
 
     _nccl.clear_communicators()
 
 
-# Megatron descriptions of the last models seen: (side, group, offset) -> (model ids,
-# fingerprint, entries, signature). A warm swap re-reads only what the description
-# depends on (one walk over the modules) instead of describing the model again.
-_DESCRIBED: dict[tuple, tuple[tuple, tuple, Entries, _Signature]] = {}
+# Megatron descriptions of the last models seen: (side, group, offset) -> (model ids, head,
+# snapshot, entries, signature). A warm swap re-checks only what the description depends on
+# (the snapshot) instead of describing the model again.
+_DESCRIBED: dict[tuple, tuple[tuple, tuple, Any, Entries, _Signature]] = {}
 
 
 # The tensor attributes the Megatron adapter reads (reshard_ext/adapters/megatron.py).
 _TENSOR_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_sizes", "allreduce")
+
+
+_SHIM = ("data_ptr", "dim", "sizes", "strides", "dtype", "device_type", "device_index")
+
+
+def _shim_abi(names: tuple[str, ...] = _SHIM) -> Any:
+    """_C.TensorAbi over torch's C shim functions aoti_torch_get_<name> (libtorch exports them)."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    fns = tuple(ctypes.cast(getattr(lib, f"aoti_torch_get_{n}"), ctypes.c_void_p).value for n in names)
+    return _C.TensorAbi((*fns, torch.Tensor, nn.Parameter))
+
+
+def _reads_like_python(abi: Any) -> bool:
+    """Whether `abi` reads probe tensors (strided, offset, 0-d, empty, several dtypes, a
+    Parameter, a CUDA one where there is CUDA) exactly as their Python attributes do."""
+    to_dtype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_int)(
+        int(torch._C._dynamo.guards._torchinductor_get_thp_dtype))  # type: ignore[attr-defined]
+    base = torch.arange(40, dtype=torch.float64).view(5, 8)
+    probes = [base, base[1:, ::3], base.t(), torch.zeros((), dtype=torch.bfloat16), torch.empty(0, 3),
+              nn.Parameter(torch.zeros(3, 2, dtype=torch.int32), requires_grad=False), torch.zeros(2, 1, 4)[:, 0]]
+    if torch.cuda.is_available():
+        probes.append(torch.zeros(3, 4, device="cuda")[:, 1:])
+    for t in probes:
+        got = abi.read(t)
+        if got is None:
+            return False
+        ptr, dev, idx, dtype, n, *rest = got
+        index = t.device.index if t.device.index is not None else -1
+        if ((ptr, dev, idx, n, tuple(rest[:n]), tuple(rest[n:])) !=
+                (t.data_ptr(), int(t.is_cuda), index, t.dim(), tuple(t.shape), t.stride())
+                or to_dtype(dtype) is not t.dtype):
+            return False
+    return True
+
+
+@functools.cache
+def _tensor_abi() -> Any:
+    """torch's C shim for the fingerprint's tensor reads, or None (Python reads) where this
+    torch lacks it or it reads anything but what Python reads."""
+    try:
+        abi = _shim_abi()
+        if _reads_like_python(abi):
+            return abi
+        log.debug("swap fingerprint: torch's C shim reads other tensor metadata than Python")
+    except Exception as e:  # noqa: BLE001 - any failure means: read tensors through Python
+        log.debug("swap fingerprint: torch's C shim is unusable (%s: %s)", type(e).__name__, e)
+    return None
+
+
+def _head(cores: list[nn.Module]) -> tuple:
+    return tuple((c, getattr(c, "pg_collection", None), getattr(getattr(c, "config", None), "num_moe_experts", None),
+                  getattr(c, "share_embeddings_and_output_weights", None)) for c in cores)
 
 
 def _fingerprint(chunks: list[nn.Module]) -> tuple:
@@ -95,11 +155,32 @@ def _fingerprint(chunks: list[nn.Module]) -> tuple:
     module tree (names, layer numbers, non-persistent buffer names) and of every parameter
     and buffer (object, data_ptr, shape, strides, dtype, parallel attributes). Equal
     fingerprints give equal descriptions, so a changed model is described (and planned)
-    again. The tree walk is C++ (_C.model_fingerprint): it runs on every warm swap."""
+    again. The tree walk is C++ (_C.model_fingerprint)."""
     cores = [megatron_adapter.unwrap(c) for c in chunks]
-    head = tuple((c, getattr(c, "pg_collection", None), getattr(getattr(c, "config", None), "num_moe_experts", None),
-                  getattr(c, "share_embeddings_and_output_weights", None)) for c in cores)
-    return head, _C.model_fingerprint(cores, _TENSOR_ATTRS)
+    return _head(cores), _C.model_fingerprint(cores, _TENSOR_ATTRS, _tensor_abi())
+
+
+def _snapshot(cores: list[nn.Module]) -> Any:
+    """_fingerprint's bytes as a _C.ModelSnapshot, whose unchanged() a warm swap calls instead
+    of walking the trees again: one version compare per dict the walk read, and a re-read of
+    each tensor's metadata and each list or set value."""
+    return _C.model_snapshot(cores, _TENSOR_ATTRS, _tensor_abi())
+
+
+@functools.cache
+def _snapshots_work() -> bool:
+    """Whether this Python's dict versions move as ModelSnapshot.unchanged() needs (3.14 has none)."""
+    m = nn.Linear(2, 2)
+    changes = (lambda: setattr(m, "layer_number", 1), lambda: m._parameters.__setitem__("bias", None),
+               lambda: setattr(m.weight, "partition_dim", 0), lambda: m._modules.__setitem__("x", nn.Module()))
+    for change in changes:
+        snap = _snapshot([m])
+        if not snap.unchanged():
+            return False
+        change()
+        if snap.unchanged():
+            return False
+    return True
 
 
 def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
@@ -114,27 +195,46 @@ def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
         entries = adapter(model, group=group, rank_offset=rank_offset)
         return entries, _signature(entries)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    memo_key = (side, _group_key(group), rank_offset)
+    ids = tuple(id(c) for c in chunks)
+    cores = [megatron_adapter.unwrap(c) for c in chunks]
+    head = _head(cores)
+    memo = _DESCRIBED.get(memo_key)
+    if memo is not None and (memo[0] != ids or memo[1] != head):
+        memo = None  # other chunks
+    if memo is not None and _snapshots_work() and memo[2].unchanged():  # the same parameter objects: not DTensors
+        STATS["describe_reused"] += 1
+        return memo[3], memo[4]
     first = next(iter(chunks[0].parameters()), None)
     if isinstance(first, dtensor_adapter.DTensor):
         entries = dtensor_adapter.entries(model, group=group, rank_offset=rank_offset)
         return entries, _signature(entries)
-    memo_key = (side, _group_key(group), rank_offset)
-    ids = tuple(id(c) for c in chunks)
-    fp = _fingerprint(chunks)
-    memo = _DESCRIBED.get(memo_key)
-    if memo is not None and memo[0] == ids and memo[1] == fp:
+    snap = _snapshot(cores)
+    if memo is not None and snap.fingerprint == memo[2].fingerprint:  # e.g. a dict rewritten with the same items
         STATS["describe_reused"] += 1
-        return memo[2], memo[3]
+        _DESCRIBED[memo_key] = (ids, head, snap, memo[3], memo[4])
+        return memo[3], memo[4]
     entries = megatron_adapter.entries(model, group=group, rank_offset=rank_offset,
                                        tie_output_to_embedding=side == "src")
     sig = _signature(entries)
-    _DESCRIBED[memo_key] = (ids, fp, entries, sig)
+    _DESCRIBED[memo_key] = (ids, head, snap, entries, sig)
     return entries, sig
 
 
-def _group_key(group: Any) -> tuple:
+# process group -> (its key: backend and ranks, this rank in it); held: none of them ever changes
+_GROUP_KEYS: dict[Any, tuple[tuple, int]] = {}
+
+
+def _group_info(group: Any) -> tuple[tuple, int]:
     g = group if group is not None else dist.group.WORLD
-    return (dist.get_backend(g), tuple(dist.get_process_group_ranks(g)))
+    info = _GROUP_KEYS.get(g)
+    if info is None:
+        info = _GROUP_KEYS[g] = ((dist.get_backend(g), tuple(dist.get_process_group_ranks(g))), dist.get_rank(g))
+    return info
+
+
+def _group_key(group: Any) -> tuple:
+    return _group_info(group)[0]
 
 
 class _Signature:
@@ -182,8 +282,8 @@ def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False) -
     """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`,
     whether any rank rebinds)."""
     g = group if group is not None else dist.group.WORLD
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(g) == "nccl" else torch.device("cpu")
-    rank = dist.get_rank(g)
+    (backend, _), rank = _group_info(g)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
     values = [-(rank + 1) if failed else -(2**62), generation, -generation, int(rebinding)]
     if device.type == "cuda":
