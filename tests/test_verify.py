@@ -207,6 +207,43 @@ def test_first_ordinal_is_checked():
             _C.digest_boxes_cpu(box(first, digest), PASSES["src"])
 
 
+def _reference_digest(bits: np.ndarray, size: int, first: int) -> int:
+    """kernels/digest.h from its definition: the sum, lane by lane, of the 64-bit squares of
+    each element's 32-bit words xor their ordinal's key (an 8-byte element's high word
+    keyed + kHiSalt)."""
+    k = np.arange(first, first + bits.size, dtype=np.uint64)
+    key = ((k & np.uint64(0xFFFFFFFF)) * np.uint64(0x9E3779B9) + (k >> np.uint64(32)) * np.uint64(0x7FEB352D)) \
+        & np.uint64(0xFFFFFFFF)
+    words = [(bits.astype(np.uint64) & np.uint64(0xFFFFFFFF), key)]
+    if size == 8:
+        words.append((bits.astype(np.uint64) >> np.uint64(32), (key + np.uint64(0x6A09E667)) & np.uint64(0xFFFFFFFF)))
+    lo = hi = 0
+    for w, kw in words:
+        sq = (w ^ kw) * (w ^ kw)
+        lo += int((sq & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
+        hi += int((sq >> np.uint64(32)).sum(dtype=np.uint64))
+    return (lo & 0xFFFFFFFF) | (hi & 0xFFFFFFFF) << 32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+def test_digest_matches_its_definition(backend, dtype):
+    """Every length (vector bodies and scalar tails of the CPU twin, partial items of the
+    kernel), and first ordinals whose low word wraps inside the run: the digest is the one
+    kernels/digest.h defines, computed here independently."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(23)
+    raw = torch.randint(0, 256, (200 * es,), dtype=torch.uint8, generator=g)
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[es]
+    for n, first in [(1, 0), (7, 3), (16, 0), (33, 5), (200, 0), (200, 2**32 - 37), (64, 2**33 + 2**32 - 16)]:
+        x = raw[:n * es].clone()
+        bufs = {"x": x, "y": torch.zeros_like(x)}
+        row = lambda b: table([(b["x"].data_ptr(), b["y"].data_ptr(), (n,), (1,), (1,), code_of(dtype),  # noqa: E731
+                                code_of(dtype), 0, first)])
+        want = _reference_digest(x.numpy().view(uint), es, first)
+        assert digests(backend, row, bufs, "src") == [want], (n, first)
+
+
 def _added(ds: list[int]) -> int:
     """digest::add over digests (kernels/digest.h: two 32-bit lanes)."""
     return (sum(d & 0xFFFFFFFF for d in ds) & 0xFFFFFFFF) | (sum(d >> 32 for d in ds) & 0xFFFFFFFF) << 32
