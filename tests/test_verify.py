@@ -324,7 +324,8 @@ def _direct(rank, world, case):
 @pytest.mark.parametrize("case", ["tp", "casts", "pp_experts"])
 def test_verified_direct_messages(case):
     """Ops sent straight from / received into tensors have no pack or unpack: their
-    digests come from reading the source before and the destination after."""
+    digests come from reading each round's sources before it leaves and its destinations
+    once it landed (several rounds: test_verify_rounds_cut_alike_and_add_up)."""
     run_ranks(4, verified, _direct, case)
 
 
@@ -461,6 +462,8 @@ def _rounds(rank, world):
                     assert end == ptr + n
                 assert next(at, None) is None
     assert len(cuts) > VERIFY_ROUNDS, "a 2 MiB message must be cut into rounds (and the small one stays whole)"
+    import reshard_ext.transports.cpu as cpu
+    cpu.VERIFY_PIECE = 4 * 16384  # the verified execute moves the 2 MiB message in 32 rounds
     rx.execute(plan, verify=True)
     if rank == 1:
         assert all(torch.equal(dst[k], full[k]) for k in full)
@@ -471,6 +474,23 @@ def _rounds(rank, world):
             for r in range(VERIFY_ROUNDS):
                 tables.digest_direct_recv_round_cpu(b, r, VERIFY_ROUNDS, added)
         assert len(direct) == 1 and added[direct[0]] == recv[direct[0]] != 0
+    # gloo's rounds of `piece` bytes (transports/cpu.py): each end's pieces add up too
+    side = 0 if rank == 0 else 1
+    whole = plan.transport.read_digests(tables)[side]
+    added = np.zeros_like(whole)
+    piece = 4 * 16384
+    for b in range(tables.num_batches):
+        n = tables.piece_rounds(b, piece)
+        if tables.direct_sends(b) or tables.direct_recvs(b):
+            assert n == (2 << 20) // piece  # the 2 MiB message, in 64 KiB rounds
+        for r in range(n):
+            if side == 0:
+                tables.digest_direct_send_round_cpu(b, r, n, added, piece)
+            else:
+                tables.digest_direct_recv_round_cpu(b, r, n, added, piece)
+    direct = [op for b in range(tables.num_batches) for op in (tables.direct_recvs(b) if side else
+                                                               tables.direct_sends(b))]
+    assert len(direct) == 1 and added[direct[0]] == whole[direct[0]] != 0
     return cuts
 
 

@@ -153,12 +153,21 @@ class ExecTables {
   // of each message that is one op alone (Message::own), cut down to a multiple of
   // kRoundAlign, and round 0 every other message whole (a batch without large ops
   // stays one exchange); both ends cut alike, since only op sizes decide.
-  // round_messages: the pieces of round r; direct_recv_round: aligned with
-  // direct_recvs(b), the piece of each direct receive that lands in round r as a 1-D box
-  // (shape 0 where none does) whose ordinals go on from the op's (RX_BOX_FIRST_ORDINAL, core/box.h).
+  // With piece > 0 (gloo), round r carries bytes [piece r, piece (r + 1)) of each such
+  // message instead, so a round stays small enough to hash from cache however large the
+  // batch; the batch then has piece_rounds(b, piece) rounds on this rank (a pair's
+  // messages are cut alike at both ends, whatever the round counts of other pairs).
+  // round_messages: the pieces of round r; direct_round: aligned with direct_sends(b)
+  // (send) or direct_recvs(b), the piece of each direct op that moves in round r as a
+  // 1-D box (shape 0 where none does) whose ordinals go on from the op's
+  // (RX_BOX_FIRST_ORDINAL, core/box.h).
   static constexpr int64_t kRoundAlign = 16384;  // a multiple of 32 elements of every size (MX blocks)
-  std::vector<Message> round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const;
-  std::vector<rx_box> direct_recv_round(int32_t b, int32_t r, int32_t rounds) const;
+  std::vector<Message> round_messages(int32_t b, bool send, int32_t r, int32_t rounds, int64_t piece = 0) const;
+  std::vector<rx_box> direct_round(int32_t b, bool send, int32_t r, int32_t rounds, int64_t piece = 0) const;
+  std::vector<rx_box> direct_recv_round(int32_t b, int32_t r, int32_t rounds) const {
+    return direct_round(b, false, r, rounds);
+  }
+  int32_t piece_rounds(int32_t b, int64_t piece) const;
 
  private:
   std::shared_ptr<const RankPlan> plan_;
