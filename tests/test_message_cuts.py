@@ -114,6 +114,14 @@ def assert_ends_agree(tables: list) -> None:
             assert sent == received, f"batch {b}, round {rounds}: senders cut {sent}, receivers {received}"
         for t in tables:
             _direct_pieces_tile(t, b, PIECE)
+            n = t.piece_rounds(b, PIECE)
+            for side in (0, 1):  # a pair's stream is cut at most once per round boundary
+                whole = t.messages(b)[side]
+                peers = len({m[0] for m in whole})
+                for count, pieces in ((VERIFY_ROUNDS, [t.round_messages(b, r, VERIFY_ROUNDS)[side]
+                                                       for r in range(VERIFY_ROUNDS)]),
+                                      (n, [t.round_messages(b, r, n, PIECE)[side] for r in range(n)])):
+                    assert sum(map(len, pieces)) <= len(whole) + (count - 1) * peers
 
 
 # ---- A: aliasing must not change the cut ------------------------------------------------

@@ -147,16 +147,16 @@ class ExecTables {
   const std::vector<int32_t>& direct_sends(int32_t b) const { return direct_sends_[b]; }
   const std::vector<int32_t>& direct_recvs(int32_t b) const { return direct_recvs_[b]; }
 
-  // Verified refits move batch b in `rounds` rounds, so that the receiver digests the
-  // direct receives that landed in round r while round r + 1 moves (a direct message
-  // has no unpack to hash in). Round r carries bytes [n r / rounds, n (r + 1) / rounds)
-  // of each message that is one op alone (Message::own), cut down to a multiple of
-  // kRoundAlign, and round 0 every other message whole (a batch without large ops
-  // stays one exchange); both ends cut alike, since only op sizes decide.
-  // With piece > 0 (gloo), round r carries bytes [piece r, piece (r + 1)) of each such
-  // message instead, so a round stays small enough to hash from cache however large the
-  // batch; the batch then has piece_rounds(b, piece) rounds on this rank (a pair's
-  // messages are cut alike at both ends, whatever the round counts of other pairs).
+  // Verified refits move batch b in rounds, so that the receiver digests the direct
+  // receives that landed in round r while round r + 1 moves (a direct message has no
+  // unpack to hash in). A pair's messages that are one op alone (Message::own), in order,
+  // form one stream of T bytes; round r carries its bytes [T r / rounds, T (r + 1) / rounds),
+  // or with piece > 0 (gloo: a round small enough to hash from cache) bytes
+  // [piece r, piece (r + 1)), a message cut only where a round boundary falls inside it
+  // (down to a multiple of kRoundAlign from its start), so a batch of many small messages
+  // keeps about one message per op. Round 0 carries every other message whole (a batch
+  // without large ops stays one exchange). Both ends of a pair cut alike, since only op
+  // sizes decide; with pieces, a batch has piece_rounds(b, piece) rounds on this rank.
   // round_messages: the pieces of round r; direct_round: aligned with direct_sends(b)
   // (send) or direct_recvs(b), the piece of each direct op that moves in round r as a
   // 1-D box (shape 0 where none does) whose ordinals go on from the op's
