@@ -238,8 +238,11 @@ def test_digest_matches_its_definition(backend, dtype):
     for n, first in [(1, 0), (7, 3), (16, 0), (33, 5), (200, 0), (200, 2**32 - 37), (64, 2**33 + 2**32 - 16)]:
         x = raw[:n * es].clone()
         bufs = {"x": x, "y": torch.zeros_like(x)}
-        row = lambda b: table([(b["x"].data_ptr(), b["y"].data_ptr(), (n,), (1,), (1,), code_of(dtype),  # noqa: E731
-                                code_of(dtype), 0, first)])
+
+        def row(b, n=n, first=first):
+            return table([(b["x"].data_ptr(), b["y"].data_ptr(), (n,), (1,), (1,), code_of(dtype), code_of(dtype), 0,
+                           first)])
+
         want = _reference_digest(x.numpy().view(uint), es, first)
         assert digests(backend, row, bufs, "src") == [want], (n, first)
 

@@ -102,19 +102,20 @@ class CpuTransport:
             per_round = [message_ops(tables.round_messages(b, r, rounds, VERIFY_PIECE), self._bufs)
                          for r in range(rounds)] if verify else [ops]
 
-            def submit(r: int, b: int = b, per_round: list = per_round, rounds: int = rounds) -> Any:
+            def submit(r: int, writes: bool, good: set[int], b: int = b, per_round: list = per_round,
+                       rounds: int = rounds) -> Any:
                 if verify:
                     tables.digest_direct_send_round_cpu(b, r, rounds, send, VERIFY_PIECE)
                 use = [(kind, peer, t if writes or kind == "send" or self._staged(t) else torch.empty_like(t))
                        for kind, peer, t in per_round[r] if peer in good]
                 return ch.submit(functools.partial(ch.exchange, use, tag, session))
 
-            task = submit(0)
+            task = submit(0, writes, good)
             if b == 0 and writes:
                 tables.run_copies_cpu()  # same-rank copies while the worker moves batch 0
                 wrote = True
             for r in range(rounds):
-                following = submit(r + 1) if r + 1 < rounds else None  # queued behind round r: no gap
+                following = submit(r + 1, writes, good) if r + 1 < rounds else None  # queued behind round r
                 errors = ch.wait(task, session, f"moving batch {b} of {len(self._ops)}")
                 if errors:
                     failed.update(errors)
