@@ -16,7 +16,8 @@
 // Squaring is injective on 32-bit words, so one changed element (a NaN payload, -0.0 for
 // +0.0) always changes at least one lane of the sum; the key makes it nonlinear in the
 // ordinal, so moved elements (swapped rows, shifted boxes) change it too, short of a
-// ~2^-64 coincidence. A checksum against corruption, not a MAC.
+// coincidence: ~2^-64, or ~2^-32 for changes confined to the words' top bits (a square's
+// low word ignores them). A checksum against corruption, not a MAC.
 #pragma once
 
 #include <stdint.h>
