@@ -64,14 +64,21 @@ def bind_all(src: dict[str, Layout], dst: dict[str, Layout], world: int, direct_
     return tables
 
 
-def cuts(tables: list, b: int, rounds: int | None) -> tuple[dict, dict]:
-    """{(sender, receiver): message sizes} of batch b (round r of `rounds`, or whole) as
-    the senders and as the receivers see them."""
+PIECE = 8 * 16384  # a verify round of gloo (ExecTables::round_messages, piece mode) small enough to cut 1 MiB
+
+
+def cuts(tables: list, b: int, rounds: tuple | None) -> tuple[dict, dict]:
+    """{(sender, receiver): message sizes} of batch b (round r of `rounds`, or of
+    `piece`-byte rounds, or whole) as the senders and as the receivers see them."""
     sent: dict = {}
     received: dict = {}
     for me, t in enumerate(tables):
         if rounds is None:
             sends, recvs = t.messages(b)
+        elif rounds[0] == "piece":  # each rank runs its own number of rounds
+            r, piece = rounds[1], rounds[2]
+            n = t.piece_rounds(b, piece)
+            sends, recvs = t.round_messages(b, r, n, piece) if r < n else ([], [])
         else:
             sends, recvs = t.round_messages(b, rounds[0], rounds[1])
         for peer, _, n in sends:
@@ -81,22 +88,40 @@ def cuts(tables: list, b: int, rounds: int | None) -> tuple[dict, dict]:
     return sent, received
 
 
-def assert_ends_agree(tables: list) -> None:
-    for b in range(tables[0].num_batches):
-        for rounds in [None] + [(r, VERIFY_ROUNDS) for r in range(VERIFY_ROUNDS)]:
-            sent, received = cuts(tables, b, rounds)
-            assert sent == received, f"batch {b}, round {rounds}: senders cut {sent}, receivers {received}"
-        for t in tables:  # each direct receive lands whole over the rounds, its ordinals in order
-            pieces = [np.frombuffer(t.direct_recv_round_boxes(b, r, VERIFY_ROUNDS), dtype=BOX)
-                      for r in range(VERIFY_ROUNDS)]
-            whole = np.frombuffer(t.direct_recv_boxes(b), dtype=BOX)
-            for j, box in enumerate(whole):
+def _direct_pieces_tile(t, b: int, piece: int) -> None:
+    """Each direct send and receive moves whole over the rounds, its ordinals in order."""
+    cut = [(r, VERIFY_ROUNDS, 0) for r in range(VERIFY_ROUNDS)]
+    n = t.piece_rounds(b, piece)
+    for rounds in (cut, [(r, n, piece) for r in range(n)]):
+        for whole, per_round in ((t.direct_recv_boxes(b), t.direct_recv_round_boxes),
+                                 (t.direct_send_boxes(b), t.direct_send_round_boxes)):
+            pieces = [np.frombuffer(per_round(b, *r), dtype=BOX) for r in rounds]
+            for j, box in enumerate(np.frombuffer(whole, dtype=BOX)):
                 at = 0
                 for per in pieces:
                     if per[j]["shape"][0] > 0:
                         assert per[j]["param"][0] == at
                         at += int(per[j]["shape"][0])
                 assert at == int(np.prod(box["shape"][: int(box["ndim"])]))
+
+
+def assert_ends_agree(tables: list) -> None:
+    for b in range(tables[0].num_batches):
+        most = max(t.piece_rounds(b, PIECE) for t in tables)
+        for rounds in [None] + [(r, VERIFY_ROUNDS) for r in range(VERIFY_ROUNDS)] + \
+                [("piece", r, PIECE) for r in range(most)]:
+            sent, received = cuts(tables, b, rounds)
+            assert sent == received, f"batch {b}, round {rounds}: senders cut {sent}, receivers {received}"
+        for t in tables:
+            _direct_pieces_tile(t, b, PIECE)
+            n = t.piece_rounds(b, PIECE)
+            for side in (0, 1):  # a pair's stream is cut at most once per round boundary
+                whole = t.messages(b)[side]
+                peers = len({m[0] for m in whole})
+                for count, pieces in ((VERIFY_ROUNDS, [t.round_messages(b, r, VERIFY_ROUNDS)[side]
+                                                       for r in range(VERIFY_ROUNDS)]),
+                                      (n, [t.round_messages(b, r, n, PIECE)[side] for r in range(n)])):
+                    assert sum(map(len, pieces)) <= len(whole) + (count - 1) * peers
 
 
 # ---- A: aliasing must not change the cut ------------------------------------------------

@@ -207,6 +207,46 @@ def test_first_ordinal_is_checked():
             _C.digest_boxes_cpu(box(first, digest), PASSES["src"])
 
 
+def _reference_digest(bits: np.ndarray, size: int, first: int) -> int:
+    """kernels/digest.h from its definition: the sum, lane by lane, of the 64-bit squares of
+    each element's 32-bit words xor their ordinal's key (an 8-byte element's high word
+    keyed + kHiSalt)."""
+    k = np.arange(first, first + bits.size, dtype=np.uint64)
+    key = ((k & np.uint64(0xFFFFFFFF)) * np.uint64(0x9E3779B9) + (k >> np.uint64(32)) * np.uint64(0x7FEB352D)) \
+        & np.uint64(0xFFFFFFFF)
+    words = [(bits.astype(np.uint64) & np.uint64(0xFFFFFFFF), key)]
+    if size == 8:
+        words.append((bits.astype(np.uint64) >> np.uint64(32), (key + np.uint64(0x6A09E667)) & np.uint64(0xFFFFFFFF)))
+    lo = hi = 0
+    for w, kw in words:
+        sq = (w ^ kw) * (w ^ kw)
+        lo += int((sq & np.uint64(0xFFFFFFFF)).sum(dtype=np.uint64))
+        hi += int((sq >> np.uint64(32)).sum(dtype=np.uint64))
+    return (lo & 0xFFFFFFFF) | (hi & 0xFFFFFFFF) << 32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+def test_digest_matches_its_definition(backend, dtype):
+    """Every length (vector bodies and scalar tails of the CPU twin, partial items of the
+    kernel), and first ordinals whose low word wraps inside the run: the digest is the one
+    kernels/digest.h defines, computed here independently."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(23)
+    raw = torch.randint(0, 256, (200 * es,), dtype=torch.uint8, generator=g)
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[es]
+    for n, first in [(1, 0), (7, 3), (16, 0), (33, 5), (200, 0), (200, 2**32 - 37), (64, 2**33 + 2**32 - 16)]:
+        x = raw[:n * es].clone()
+        bufs = {"x": x, "y": torch.zeros_like(x)}
+
+        def row(b, n=n, first=first):
+            return table([(b["x"].data_ptr(), b["y"].data_ptr(), (n,), (1,), (1,), code_of(dtype), code_of(dtype), 0,
+                           first)])
+
+        want = _reference_digest(x.numpy().view(uint), es, first)
+        assert digests(backend, row, bufs, "src") == [want], (n, first)
+
+
 def _added(ds: list[int]) -> int:
     """digest::add over digests (kernels/digest.h: two 32-bit lanes)."""
     return (sum(d & 0xFFFFFFFF for d in ds) & 0xFFFFFFFF) | (sum(d >> 32 for d in ds) & 0xFFFFFFFF) << 32
@@ -287,7 +327,8 @@ def _direct(rank, world, case):
 @pytest.mark.parametrize("case", ["tp", "casts", "pp_experts"])
 def test_verified_direct_messages(case):
     """Ops sent straight from / received into tensors have no pack or unpack: their
-    digests come from reading the source before and the destination after."""
+    digests come from reading each round's sources before it leaves and its destinations
+    once it landed (several rounds: test_verify_rounds_cut_alike_and_add_up)."""
     run_ranks(4, verified, _direct, case)
 
 
@@ -424,6 +465,8 @@ def _rounds(rank, world):
                     assert end == ptr + n
                 assert next(at, None) is None
     assert len(cuts) > VERIFY_ROUNDS, "a 2 MiB message must be cut into rounds (and the small one stays whole)"
+    import reshard_ext.transports.cpu as cpu
+    cpu.VERIFY_PIECE = 4 * 16384  # the verified execute moves the 2 MiB message in 32 rounds
     rx.execute(plan, verify=True)
     if rank == 1:
         assert all(torch.equal(dst[k], full[k]) for k in full)
@@ -434,6 +477,23 @@ def _rounds(rank, world):
             for r in range(VERIFY_ROUNDS):
                 tables.digest_direct_recv_round_cpu(b, r, VERIFY_ROUNDS, added)
         assert len(direct) == 1 and added[direct[0]] == recv[direct[0]] != 0
+    # gloo's rounds of `piece` bytes (transports/cpu.py): each end's pieces add up too
+    side = 0 if rank == 0 else 1
+    whole = plan.transport.read_digests(tables)[side]
+    added = np.zeros_like(whole)
+    piece = 4 * 16384
+    for b in range(tables.num_batches):
+        n = tables.piece_rounds(b, piece)
+        if tables.direct_sends(b) or tables.direct_recvs(b):
+            assert n == (2 << 20) // piece  # the 2 MiB message, in 64 KiB rounds
+        for r in range(n):
+            if side == 0:
+                tables.digest_direct_send_round_cpu(b, r, n, added, piece)
+            else:
+                tables.digest_direct_recv_round_cpu(b, r, n, added, piece)
+    direct = [op for b in range(tables.num_batches) for op in (tables.direct_recvs(b) if side else
+                                                               tables.direct_sends(b))]
+    assert len(direct) == 1 and added[direct[0]] == whole[direct[0]] != 0
     return cuts
 
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -305,59 +306,107 @@ Aliasing check_memory(const RankPlan& plan, const std::vector<TensorRef>& src, c
   return out;
 }
 
-// Bytes [begin, end) of message m that round r of `rounds` carries (ExecTables::
-// round_messages).
-std::pair<int64_t, int64_t> round_piece(const Message& m, int32_t r, int32_t rounds) {
-  if (!m.own) return {0, r == 0 ? m.bytes : 0};
-  const auto cut = [&](int32_t q) -> int64_t {
-    if (q >= rounds) return m.bytes;
-    const int64_t at = m.bytes / rounds * q + m.bytes % rounds * q / rounds;  // floor(n q / rounds), no overflow
-    return at / ExecTables::kRoundAlign * ExecTables::kRoundAlign;
-  };
-  return {cut(r), cut(r + 1)};
+void check_cut(int32_t r, int32_t rounds, int64_t piece) {
+  RX_HOST_ASSERT(rounds >= 1 && r >= 0 && r < rounds, "bad verify round");
+  RX_HOST_ASSERT(piece >= 0 && piece % ExecTables::kRoundAlign == 0, "bad verify round piece");
 }
 
-// Calls fn(message, begin, end) for the nonempty piece of each message in round r.
-template <typename Fn>
-void for_each_piece(const std::vector<Message>& msgs, int32_t r, int32_t rounds, Fn fn) {
-  RX_HOST_ASSERT(rounds >= 1 && r >= 0 && r < rounds, "bad verify round");
+// Bytes of each pair's own messages in `msgs` (their stream, ExecTables::round_messages).
+std::unordered_map<int32_t, int64_t> pair_bytes(const std::vector<Message>& msgs) {
+  std::unordered_map<int32_t, int64_t> total;
+  for (const Message& m : msgs)
+    if (m.own) total[m.peer] = checked_add(total[m.peer], m.bytes, "bytes of a batch's messages to one peer");
+  return total;
+}
+
+// The bytes [begin, end) of each message of `msgs` that round r carries (ExecTables::
+// round_messages): stream bytes [c(r), c(r + 1)) of its pair, c(q) = floor(T q / rounds)
+// (or q piece) for a stream of T bytes, cut inside a message down to a multiple of
+// kRoundAlign from its start; other messages whole in round 0.
+std::vector<std::pair<int64_t, int64_t>> round_pieces(const std::vector<Message>& msgs, int32_t r, int32_t rounds,
+                                                      int64_t piece) {
+  check_cut(r, rounds, piece);
+  const auto total = pair_bytes(msgs);
+  std::unordered_map<int32_t, int64_t> done;  // stream bytes before the message, per pair
+  std::vector<std::pair<int64_t, int64_t>> out;
+  out.reserve(msgs.size());
   for (const Message& m : msgs) {
-    const auto [begin, end] = round_piece(m, r, rounds);
-    if (begin < end) fn(m, begin, end);
+    if (!m.own) {
+      out.push_back({0, r == 0 ? m.bytes : 0});
+      continue;
+    }
+    int64_t& before = done[m.peer];
+    const int64_t t = total.at(m.peer);
+    const auto cut = [&](int32_t q) -> int64_t {  // stream boundary q, as an offset into m
+      int64_t c = t;
+      if (q < rounds && piece > 0)
+        c = q > t / piece ? t : q * piece;  // q * piece <= t: no overflow
+      else if (q < rounds)
+        c = t / rounds * q + t % rounds * q / rounds;  // floor(t q / rounds), no overflow
+      const int64_t in = std::clamp<int64_t>(c - before, 0, m.bytes);
+      return in == m.bytes ? in : in / ExecTables::kRoundAlign * ExecTables::kRoundAlign;
+    };
+    out.push_back({cut(r), cut(r + 1)});
+    before += m.bytes;
   }
+  return out;
 }
 
 }  // namespace
 
-std::vector<Message> ExecTables::round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const {
+std::vector<Message> ExecTables::round_messages(int32_t b, bool send, int32_t r, int32_t rounds, int64_t piece) const {
+  const std::vector<Message>& msgs = send ? send_msgs_[b] : recv_msgs_[b];
+  const auto pieces = round_pieces(msgs, r, rounds, piece);
   std::vector<Message> out;
-  for_each_piece(send ? send_msgs_[b] : recv_msgs_[b], r, rounds, [&](const Message& m, int64_t begin, int64_t end) {
-    out.push_back({m.peer, m.ptr + static_cast<uint64_t>(begin), end - begin});
-  });
+  for (size_t i = 0; i < msgs.size(); ++i)
+    if (pieces[i].first < pieces[i].second)
+      out.push_back({msgs[i].peer, msgs[i].ptr + static_cast<uint64_t>(pieces[i].first),
+                     pieces[i].second - pieces[i].first});
   return out;
 }
 
-std::vector<rx_box> ExecTables::direct_recv_round(int32_t b, int32_t r, int32_t rounds) const {
+std::vector<rx_box> ExecTables::direct_round(int32_t b, bool send, int32_t r, int32_t rounds, int64_t piece) const {
+  const std::vector<int32_t>& ops = send ? direct_sends_[b] : direct_recvs_[b];
+  const auto& plan_ops = send ? plan_->sends : plan_->recvs;
+  const std::vector<Message>& msgs = send ? send_msgs_[b] : recv_msgs_[b];
+  const auto pieces = round_pieces(msgs, r, rounds, piece);
   std::vector<rx_box> out;
-  for (int32_t op : direct_recvs_[b]) {
-    rx_box box = recv_boxes_[static_cast<size_t>(op)];
+  // A direct op's message is the one to its peer at its box's tensor end (src for a send,
+  // dst for a receive: cut_messages), in op order: a source sent to several peers, or
+  // twice to one, has a message per op.
+  std::map<std::pair<int32_t, uint64_t>, std::vector<size_t>> at;
+  for (int32_t op : ops) {
+    rx_box box = (send ? send_boxes_ : recv_boxes_)[static_cast<size_t>(op)];
+    at[{plan_ops[static_cast<size_t>(op)].peer, send ? box.src : box.dst}].push_back(out.size());
     box.shape[0] = 0;  // no piece in this round unless one is found below
     out.push_back(box);
   }
-  // A direct receive's message is the one at its box's dst (cut_messages).
-  std::unordered_map<uint64_t, size_t> at;
-  for (size_t j = 0; j < out.size(); ++j) at[out[j].dst] = j;
-  for_each_piece(recv_msgs_[b], r, rounds, [&](const Message& m, int64_t begin, int64_t end) {
-    const auto it = at.find(m.ptr);
-    if (it == at.end()) return;  // a staging message
-    rx_box& box = out[it->second];
+  std::map<std::pair<int32_t, uint64_t>, size_t> taken;
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    const auto it = at.find({msgs[i].peer, msgs[i].ptr});
+    if (it == at.end()) continue;  // a staging message
+    size_t& next = taken[it->first];
+    if (next == it->second.size()) continue;
+    rx_box& box = out[it->second[next++]];
+    const auto [begin, end] = pieces[i];
+    if (begin == end) continue;
     const int64_t es = dtype_size(box.dst_dtype);
     box.src += static_cast<uint64_t>(begin);
     box.dst += static_cast<uint64_t>(begin);
     box.shape[0] = (end - begin) / es;
-    box.param[0] = begin / es;  // its first verify ordinal (RX_BOX_FIRST_ORDINAL): a direct receive is a copy
-  });
+    box.param[0] = begin / es;  // its first verify ordinal (RX_BOX_FIRST_ORDINAL): a direct op is a copy
+  }
   return out;
+}
+
+int32_t ExecTables::piece_rounds(int32_t b, int64_t piece) const {
+  check_cut(0, 1, piece);
+  RX_HOST_ASSERT(piece > 0, "bad verify round piece");
+  int64_t rounds = 1;
+  for (const auto* msgs : {&send_msgs_[b], &recv_msgs_[b]})
+    for (const auto& [peer, t] : pair_bytes(*msgs)) rounds = std::max(rounds, t / piece + (t % piece != 0));
+  RX_USER_CHECK(rounds <= INT32_MAX, "a batch of ", rounds, " verify rounds: pass a larger piece");
+  return static_cast<int32_t>(rounds);
 }
 
 std::vector<std::vector<rx_box>> ExecTables::copies_split(int32_t parts) const {

@@ -147,18 +147,27 @@ class ExecTables {
   const std::vector<int32_t>& direct_sends(int32_t b) const { return direct_sends_[b]; }
   const std::vector<int32_t>& direct_recvs(int32_t b) const { return direct_recvs_[b]; }
 
-  // Verified refits move batch b in `rounds` rounds, so that the receiver digests the
-  // direct receives that landed in round r while round r + 1 moves (a direct message
-  // has no unpack to hash in). Round r carries bytes [n r / rounds, n (r + 1) / rounds)
-  // of each message that is one op alone (Message::own), cut down to a multiple of
-  // kRoundAlign, and round 0 every other message whole (a batch without large ops
-  // stays one exchange); both ends cut alike, since only op sizes decide.
-  // round_messages: the pieces of round r; direct_recv_round: aligned with
-  // direct_recvs(b), the piece of each direct receive that lands in round r as a 1-D box
-  // (shape 0 where none does) whose ordinals go on from the op's (RX_BOX_FIRST_ORDINAL, core/box.h).
+  // Verified refits move batch b in rounds, so that the receiver digests the direct
+  // receives that landed in round r while round r + 1 moves (a direct message has no
+  // unpack to hash in). A pair's messages that are one op alone (Message::own), in order,
+  // form one stream of T bytes; round r carries its bytes [T r / rounds, T (r + 1) / rounds),
+  // or with piece > 0 (gloo: a round small enough to hash from cache) bytes
+  // [piece r, piece (r + 1)), a message cut only where a round boundary falls inside it
+  // (down to a multiple of kRoundAlign from its start), so a batch of many small messages
+  // keeps about one message per op. Round 0 carries every other message whole (a batch
+  // without large ops stays one exchange). Both ends of a pair cut alike, since only op
+  // sizes decide; with pieces, a batch has piece_rounds(b, piece) rounds on this rank.
+  // round_messages: the pieces of round r; direct_round: aligned with direct_sends(b)
+  // (send) or direct_recvs(b), the piece of each direct op that moves in round r as a
+  // 1-D box (shape 0 where none does) whose ordinals go on from the op's
+  // (RX_BOX_FIRST_ORDINAL, core/box.h).
   static constexpr int64_t kRoundAlign = 16384;  // a multiple of 32 elements of every size (MX blocks)
-  std::vector<Message> round_messages(int32_t b, bool send, int32_t r, int32_t rounds) const;
-  std::vector<rx_box> direct_recv_round(int32_t b, int32_t r, int32_t rounds) const;
+  std::vector<Message> round_messages(int32_t b, bool send, int32_t r, int32_t rounds, int64_t piece = 0) const;
+  std::vector<rx_box> direct_round(int32_t b, bool send, int32_t r, int32_t rounds, int64_t piece = 0) const;
+  std::vector<rx_box> direct_recv_round(int32_t b, int32_t r, int32_t rounds) const {
+    return direct_round(b, false, r, rounds);
+  }
+  int32_t piece_rounds(int32_t b, int64_t piece) const;
 
  private:
   std::shared_ptr<const RankPlan> plan_;

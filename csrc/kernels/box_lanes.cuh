@@ -331,9 +331,10 @@ RX_LANE void run_copy(const rx_box& b, const rx_tile& t, W& w, int64_t first, Dg
 // geometry lives (see Walk).
 template <int P, int ND, typename G>
 RX_LANE void run_tile(const rx_box& b, const rx_tile& t, int lane, G& g, Dg& dg) {
-  // The general walk keeps fewer accesses in flight: its digits cost registers, as do
-  // a verify pass's digests.
-  constexpr int U = ND <= 2 && P == RX_PASS_NONE ? kUnroll : 2;
+  // The general walk keeps fewer accesses in flight: its digits cost registers, as does
+  // the copy pass's digest beside its stores. The read-only passes (direct messages,
+  // rx.verify) stream from HBM with nothing else in flight: they need the loads.
+  constexpr int U = ND <= 2 && P != RX_PASS_COPY ? kUnroll : 2;
   const int64_t first = t.begin + lane;
   if (first >= t.end) return;
   init_geom<ND>(g, b, t);

@@ -1,6 +1,9 @@
 // CPU twin of the box-copy kernel: the reference the CUDA kernel must match bit for bit,
 // and the data path of the CPU (gloo) refit.
 #include <string.h>
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "common/dtype.h"
 #include "core/box.h"
@@ -44,44 +47,95 @@ uint64_t load_bits(const char* p, int size) {
 }
 
 // Contiguous elements of one size, no conversion: the hot loop of a verified refit
-// (digest::element with its words summed apart, so it vectorizes; the key steps by
-// kKeyLo while the ordinal's high word stays, so the loop is split where the low word
-// wraps).
+// (digest::keyed over a run: the key steps by kKeyLo while the ordinal's high word stays,
+// so the run is split where the low word wraps). kk: the first element's key.
 template <typename T>
-inline __attribute__((always_inline)) uint64_t hash_run(const char* p, uint64_t k0, int64_t n) {
-  uint32_t lo = 0, hi = 0;
+uint64_t hash_scalar(const char* p, uint32_t kk, int64_t m) {
+  uint64_t acc = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    T v;
+    memcpy(&v, p + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+    acc = dg::add(acc, dg::keyed(kk + static_cast<uint32_t>(i) * dg::kKeyLo, static_cast<uint64_t>(v), sizeof(T)));
+  }
+  return acc;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+// GCC 12 flags the intrinsics' own _mm512_undefined_epi32() placeholders.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define RX_AVX512 __attribute__((target("avx512f")))
+// hash_scalar with 16 32-bit words per vector: each word (an element zero-extended, or
+// one half of an 8-byte element) xor its key, squared by vpmuludq (even and odd words
+// apart); adding the 64-bit squares as 32-bit lanes is digest::add.
+template <typename T>
+RX_AVX512 uint64_t hash_avx512(const char* p, uint32_t kk, int64_t m) {
+  constexpr int kElems = sizeof(T) == 8 ? 8 : 16;  // elements per vector
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i key;
+  if constexpr (sizeof(T) == 8) {  // words 2e, 2e + 1: element e's low and high word
+    const __m512i e = _mm512_srli_epi32(lane, 1), hi = _mm512_and_si512(lane, _mm512_set1_epi32(1));
+    key = _mm512_add_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(kk)),
+                                            _mm512_mullo_epi32(e, _mm512_set1_epi32(static_cast<int>(dg::kKeyLo)))),
+                           _mm512_mullo_epi32(hi, _mm512_set1_epi32(static_cast<int>(dg::kHiSalt))));
+  } else {
+    key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(kk)),
+                           _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(dg::kKeyLo))));
+  }
+  const __m512i step = _mm512_set1_epi32(static_cast<int>(kElems * dg::kKeyLo));
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + kElems <= m; i += kElems) {
+    const char* at = p + i * static_cast<int64_t>(sizeof(T));
+    __m512i w;
+    if constexpr (sizeof(T) == 1)
+      w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    else if constexpr (sizeof(T) == 2)
+      w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    else
+      w = _mm512_loadu_si512(at);
+    const __m512i x = _mm512_xor_si512(w, key);
+    key = _mm512_add_epi32(key, step);
+    const __m512i xo = _mm512_srli_epi64(x, 32);
+    even = _mm512_add_epi32(even, _mm512_mul_epu32(x, x));
+    odd = _mm512_add_epi32(odd, _mm512_mul_epu32(xo, xo));
+  }
+  alignas(64) uint32_t w[16];
+  _mm512_store_si512(w, _mm512_add_epi32(even, odd));
+  uint64_t acc = 0;
+  for (int j = 0; j < 16; j += 2) acc = dg::add(acc, w[j] | static_cast<uint64_t>(w[j + 1]) << 32);
+  return dg::add(acc, hash_scalar<T>(p + i * static_cast<int64_t>(sizeof(T)),
+                                     kk + static_cast<uint32_t>(i) * dg::kKeyLo, m - i));
+}
+
+#pragma GCC diagnostic pop
+
+bool have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+#endif
+
+template <typename T>
+uint64_t hash_run(const char* p, uint64_t k0, int64_t n) {
+  uint64_t acc = 0;
   while (n > 0) {
     const int64_t room = static_cast<int64_t>((uint64_t{1} << 32) - (k0 & 0xffffffffu));
     const int64_t m = n < room ? n : room;
-    const uint32_t k = dg::key(k0);
-    for (int64_t i = 0; i < m; ++i) {
-      T v;
-      memcpy(&v, p + i * sizeof(T), sizeof(T));
-      const uint32_t kk = k + static_cast<uint32_t>(i) * dg::kKeyLo;
-      const uint32_t x = static_cast<uint32_t>(v) ^ kk;
-      lo += dg::mix(x, dg::kLoA, 15);
-      hi += dg::mix(x, dg::kLoB, 13);
-      if constexpr (sizeof(T) == 8) {
-        const uint32_t y = static_cast<uint32_t>(static_cast<uint64_t>(v) >> 32) ^ kk;
-        lo += dg::mix(y, dg::kHiA, 15);
-        hi += dg::mix(y, dg::kHiB, 13);
-      }
-    }
-    p += m * sizeof(T);
+    const uint32_t kk = dg::key(k0);
+#if defined(__GNUC__) && defined(__x86_64__)
+    acc = dg::add(acc, have_avx512() ? hash_avx512<T>(p, kk, m) : hash_scalar<T>(p, kk, m));
+#else
+    acc = dg::add(acc, hash_scalar<T>(p, kk, m));
+#endif
+    p += m * static_cast<int64_t>(sizeof(T));
     k0 += static_cast<uint64_t>(m);
     n -= m;
   }
-  return lo | static_cast<uint64_t>(hi) << 32;
+  return acc;
 }
 
-// Compiled for the widest vectors the CPU has (SSE2 has no 32-bit multiply), chosen once
-// at load time.
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define RX_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define RX_VECTOR_CLONES
-#endif
-RX_VECTOR_CLONES uint64_t hash_contiguous(const char* p, int size, uint64_t k0, int64_t n) {
+uint64_t hash_contiguous(const char* p, int size, uint64_t k0, int64_t n) {
   switch (size) {
     case 1: return hash_run<uint8_t>(p, k0, n);
     case 2: return hash_run<uint16_t>(p, k0, n);

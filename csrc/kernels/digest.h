@@ -11,10 +11,13 @@
 //     elements in the same order however differently they fold.
 //   bits: the element as the receiver holds it (after casts and codecs), zero-extended.
 // A sum of per-element terms lets any split of a box (tiles, warps, chunks) add up in
-// any order. The low word of each term is a bijection of the element's (keyed) bits, so
-// one changed element (a NaN payload, -0.0 for +0.0) always changes the digest; the
-// ordinal keys the term, so moved elements (swapped rows, shifted boxes) change it too,
-// short of a ~2^-64 coincidence. A checksum against corruption, not a MAC.
+// any order. A term is the exact 64-bit square of the element's 32-bit word xor its
+// ordinal's key: one widening multiply per element (vpmuludq on CPUs, IMAD.WIDE on GPUs).
+// Squaring is injective on 32-bit words, so one changed element (a NaN payload, -0.0 for
+// +0.0) always changes at least one lane of the sum; the key makes it nonlinear in the
+// ordinal, so moved elements (swapped rows, shifted boxes) change it too, short of a
+// coincidence: ~2^-64, or ~2^-32 for changes confined to the words' top bits (a square's
+// low word ignores them). A checksum against corruption, not a MAC.
 #pragma once
 
 #include <stdint.h>
@@ -25,37 +28,27 @@ namespace rx::digest {
 
 constexpr uint32_t kKeyLo = 0x9E3779B9u;  // ordinal -> 32-bit key
 constexpr uint32_t kKeyHi = 0x7FEB352Du;
-// Odd multipliers of the two halves of a term: for an element's low word, its high word
-// (8-byte elements) and a scale byte.
-constexpr uint32_t kLoA = 0x846CA68Bu, kLoB = 0xCAF649A9u;
-constexpr uint32_t kHiA = 0xE6546B65u, kHiB = 0x2C1B3C6Du;
-constexpr uint32_t kScaleA = 0x297A2D39u, kScaleB = 0x85EBCA77u;
+// Added to an element's key for the high word of an 8-byte element, and to a block's key
+// for its scale byte, so that those words do not share keys with the low words.
+constexpr uint32_t kHiSalt = 0x6A09E667u;
+constexpr uint32_t kScaleSalt = 0xBB67AE85u;
 
 RX_HD uint32_t key(uint64_t k) { return (uint32_t)k * kKeyLo + (uint32_t)(k >> 32) * kKeyHi; }
-
-// A bijection of 32-bit words: an odd multiply, then a xorshift. 32-bit lanes only, so
-// it vectorizes on CPUs (vpmulld) and costs a few integer ops on GPUs.
-RX_HD uint32_t mix(uint32_t x, uint32_t mul, int shift) {
-  x *= mul;
-  return x ^ (x >> shift);
-}
 
 // Digests add word by word: (low + low) mod 2^32, (high + high) mod 2^32.
 RX_HD uint64_t add(uint64_t a, uint64_t b) {
   return (uint64_t)((uint32_t)a + (uint32_t)b) | (uint64_t)((uint32_t)(a >> 32) + (uint32_t)(b >> 32)) << 32;
 }
 
-// The term of a keyed word x: two independent mixes, as the low and high word.
-RX_HD uint64_t term(uint32_t x, uint32_t a, uint32_t b) {
-  return (uint64_t)mix(x, a, 15) | (uint64_t)mix(x, b, 13) << 32;
-}
+// The term of a keyed 32-bit word: its exact square (low and high word).
+RX_HD uint64_t sq(uint32_t x) { return (uint64_t)x * x; }
 
 // The term of one element of `size` bytes with (zero-extended) `bits` under key kk.
 // key(k + j) = key(k) + j * kKeyLo while the low word of k + j does not wrap, so a run of
 // elements needs one key() and then one add per element.
 RX_HD uint64_t keyed(uint32_t kk, uint64_t bits, int size) {
-  const uint64_t h = term((uint32_t)bits ^ kk, kLoA, kLoB);
-  return size == 8 ? add(h, term((uint32_t)(bits >> 32) ^ kk, kHiA, kHiB)) : h;
+  const uint64_t h = sq((uint32_t)bits ^ kk);
+  return size == 8 ? add(h, sq((uint32_t)(bits >> 32) ^ (kk + kHiSalt))) : h;
 }
 
 // The term of one element of `size` bytes with (zero-extended) `bits` at ordinal k.
@@ -70,6 +63,6 @@ RX_HD uint64_t bytes4(uint64_t k, uint32_t q) {
 
 // The scale byte of the block with ordinal `block` of a block-scaled codec (MXFP8: its
 // first element's ordinal / 32).
-RX_HD uint64_t scale(uint64_t block, uint8_t e) { return term(e ^ key(block), kScaleA, kScaleB); }
+RX_HD uint64_t scale(uint64_t block, uint8_t e) { return sq(e ^ (key(block) + kScaleSalt)); }
 
 }  // namespace rx::digest

@@ -319,22 +319,41 @@ void register_core(py::module_& m) {
         for (const auto& m : t.recv_messages(b)) r.append(py::make_tuple(m.peer, m.ptr, m.bytes));
         return py::make_tuple(s, r);
       }, "([(peer, ptr, bytes)] sends, [...] recvs) of batch b, in the order both ends post them")
-      .def("round_messages", [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds) {
+      .def("round_messages", [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, int64_t piece) {
         py::list s, rv;
-        for (const auto& m : t.round_messages(b, true, r, rounds)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));
-        for (const auto& m : t.round_messages(b, false, r, rounds)) rv.append(py::make_tuple(m.peer, m.ptr, m.bytes));
+        for (const auto& m : t.round_messages(b, true, r, rounds, piece)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));
+        for (const auto& m : t.round_messages(b, false, r, rounds, piece))
+          rv.append(py::make_tuple(m.peer, m.ptr, m.bytes));
         return py::make_tuple(s, rv);
-      }, "messages(b) of verify round r of `rounds` (ExecTables::round_messages)")
+      }, py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("piece") = 0,
+      "messages(b) of verify round r of `rounds` (or of `piece` bytes: ExecTables::round_messages)")
+      .def("piece_rounds", &ExecTables::piece_rounds, py::arg("b"), py::arg("piece"),
+           "This rank's verify rounds of batch b when messages are cut into `piece` bytes")
       .def("direct_recv_round_boxes",
-           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds) {
-             return boxes_bytes(t.direct_recv_round(b, r, rounds));
+           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, int64_t piece) {
+             return boxes_bytes(t.direct_round(b, false, r, rounds, piece));
            },
+           py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("piece") = 0,
            "Aligned with direct_recvs(b): the piece of each direct receive landing in verify round r")
-      .def("digest_direct_recv_round_cpu",
-           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, py::array_t<uint64_t>& recv) {
-             digest_cpu(t.direct_recv_round(b, r, rounds), RX_PASS_DST, t.direct_recvs(b), recv, true);
+      .def("direct_send_round_boxes",
+           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, int64_t piece) {
+             return boxes_bytes(t.direct_round(b, true, r, rounds, piece));
            },
+           py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("piece") = 0,
+           "Aligned with direct_sends(b): the piece of each direct send leaving in verify round r")
+      .def("digest_direct_recv_round_cpu",
+           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, py::array_t<uint64_t>& recv, int64_t piece) {
+             digest_cpu(t.direct_round(b, false, r, rounds, piece), RX_PASS_DST, t.direct_recvs(b), recv, true);
+           },
+           py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("recv"), py::arg("piece") = 0,
            "Adds the digests of the direct-receive pieces that landed in verify round r into recv[op]")
+      .def("digest_direct_send_round_cpu",
+           [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, py::array_t<uint64_t>& send, int64_t piece) {
+             digest_cpu(t.direct_round(b, true, r, rounds, piece), RX_PASS_SRC, t.direct_sends(b), send, true);
+           },
+           py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("send"), py::arg("piece") = 0,
+           "Adds the digests of the direct-send pieces that leave in verify round r (reading their source) into "
+           "send[op]")
       .def_property_readonly("send_total", [](const ExecTables& t) { return t.plan().send_total(); })
       .def_property_readonly("recv_total", [](const ExecTables& t) { return t.plan().recv_total(); })
       .def_property_readonly("copy_total", [](const ExecTables& t) { return t.plan().copy_total(); })
@@ -392,18 +411,12 @@ void register_core(py::module_& m) {
              digest_cpu(t.pack(b), RX_PASS_COPY, t.pack_ops(b), send);
            },
            "run_pack_cpu, digesting each packed send op as it is written into send[op]")
-      .def("digest_direct_sends_cpu",
-           [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& send) {
-             digest_cpu(pick(t.send_boxes(), t.direct_sends(b)), RX_PASS_SRC, t.direct_sends(b), send);
-           },
-           "Digests the send ops of batch b that travel as direct messages (reading their source) into send[op]")
       .def("run_unpack_cpu_verified",
            [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& recv) {
              digest_cpu(t.unpack(b), RX_PASS_COPY, t.unpack_ops(b), recv);
-             digest_cpu(pick(t.recv_boxes(), t.direct_recvs(b)), RX_PASS_DST, t.direct_recvs(b), recv);
            },
-           "run_unpack_cpu, digesting each recv op (unpacked ones as they are written, direct ones by reading "
-           "where they landed) into recv[op]")
+           "run_unpack_cpu, digesting each unpacked recv op as it is written into recv[op] (direct receives: "
+           "digest_direct_recv_round_cpu)")
       .def("read_digests_cpu",
            [](const ExecTables& t, py::array_t<uint64_t>& send, py::array_t<uint64_t>& recv,
               py::array_t<uint64_t>& copy_src, py::array_t<uint64_t>& copy_dst) {

@@ -13,6 +13,10 @@ from ..options import Options
 from .channel import Session, channel_of, data_tag, exchange_headers
 from .p2p import message_ops
 
+# Bytes of a direct message per round of a verified execute (ExecTables::round_messages):
+# small enough that a round is still in cache when it is hashed.
+VERIFY_PIECE = 8 << 20
+
 
 class CpuTransport:
     def __init__(self, group: Any, options: Options):
@@ -25,6 +29,7 @@ class CpuTransport:
         self.send_buf = torch.empty(0, dtype=torch.uint8)
         self.recv_buf = torch.empty(0, dtype=torch.uint8)
         self._ops: list[list[tuple[str, int, torch.Tensor]]] = []
+        self._bufs: list[torch.Tensor] = []
         self.peers: list[int] = []
         self.staging_bytes = 0
 
@@ -38,8 +43,8 @@ class CpuTransport:
         return [self.send_buf.data_ptr()], [self.recv_buf.data_ptr()]
 
     def prepare(self, tables: Any) -> None:
-        bufs = [self.send_buf, self.recv_buf]
-        self._ops = [message_ops(tables.messages(b), bufs) for b in range(tables.num_batches)]
+        self._bufs = [self.send_buf, self.recv_buf]
+        self._ops = [message_ops(tables.messages(b), self._bufs) for b in range(tables.num_batches)]
         self.peers = sorted({peer for ops in self._ops for _, peer, _ in ops})
 
     def abort(self) -> None:
@@ -90,19 +95,37 @@ class CpuTransport:
                 break
             if b > 0:
                 pack(b)
-            use = [(kind, peer, t if writes or kind == "send" or self._staged(t) else torch.empty_like(t))
-                   for kind, peer, t in ops if peer in good]
-            task = ch.submit(functools.partial(ch.exchange, use, tag, session))
-            if verify:  # direct messages have no pack: read their sources while the worker sends them
-                tables.digest_direct_sends_cpu(b, send)
+            # Verified: direct messages move in rounds of VERIFY_PIECE bytes, each hashed while
+            # it is still in cache: the sources of round r + 1 while round r moves (just before
+            # the worker sends them), the destinations of round r as soon as it landed.
+            rounds = tables.piece_rounds(b, VERIFY_PIECE) if verify else 1
+            per_round = [message_ops(tables.round_messages(b, r, rounds, VERIFY_PIECE), self._bufs)
+                         for r in range(rounds)] if verify else [ops]
+
+            def submit(r: int, writes: bool, good: set[int], b: int = b, per_round: list = per_round,
+                       rounds: int = rounds) -> Any:
+                if verify:
+                    tables.digest_direct_send_round_cpu(b, r, rounds, send, VERIFY_PIECE)
+                use = [(kind, peer, t if writes or kind == "send" or self._staged(t) else torch.empty_like(t))
+                       for kind, peer, t in per_round[r] if peer in good]
+                return ch.submit(functools.partial(ch.exchange, use, tag, session))
+
+            task = submit(0, writes, good)
             if b == 0 and writes:
                 tables.run_copies_cpu()  # same-rank copies while the worker moves batch 0
                 wrote = True
-            errors = ch.wait(task, session, f"moving batch {b} of {len(self._ops)}")
-            if errors:
-                failed.update(errors)
-                good -= set(errors)
-                writes = False
+            for r in range(rounds):
+                following = submit(r + 1, writes, good) if r + 1 < rounds else None  # queued behind round r
+                errors = ch.wait(task, session, f"moving batch {b} of {len(self._ops)}")
+                if errors:
+                    failed.update(errors)
+                    good -= set(errors)
+                    writes = False
+                if writes and verify:
+                    tables.digest_direct_recv_round_cpu(b, r, rounds, recv, VERIFY_PIECE)
+                if following is None:
+                    break
+                task = following
             if writes:
                 if verify:
                     tables.run_unpack_cpu_verified(b, recv)
