@@ -100,18 +100,28 @@ _TENSOR_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "
 _SHIM = ("data_ptr", "dim", "sizes", "strides", "dtype", "device_type", "device_index")
 
 
+@functools.cache
+def _shim_lib() -> Any:
+    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+
+
 def _shim_abi(names: tuple[str, ...] = _SHIM) -> Any:
     """_C.TensorAbi over torch's C shim functions aoti_torch_get_<name> (libtorch exports them)."""
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    lib = _shim_lib()
     fns = tuple(ctypes.cast(getattr(lib, f"aoti_torch_get_{n}"), ctypes.c_void_p).value for n in names)
     return _C.TensorAbi((*fns, torch.Tensor, nn.Parameter))
+
+
+def _shim_dtype(dtype: torch.dtype) -> int:
+    """The shim's code of `dtype` (its exported aoti_torch_dtype_<name>)."""
+    fn = getattr(_shim_lib(), f"aoti_torch_dtype_{str(dtype).removeprefix('torch.')}")
+    fn.restype = ctypes.c_int32
+    return int(fn())
 
 
 def _reads_like_python(abi: Any) -> bool:
     """Whether `abi` reads probe tensors (strided, offset, 0-d, empty, several dtypes, a
     Parameter, a CUDA one where there is CUDA) exactly as their Python attributes do."""
-    to_dtype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_int)(
-        int(torch._C._dynamo.guards._torchinductor_get_thp_dtype))  # type: ignore[attr-defined]
     base = torch.arange(40, dtype=torch.float64).view(5, 8)
     probes = [base, base[1:, ::3], base.t(), torch.zeros((), dtype=torch.bfloat16), torch.empty(0, 3),
               nn.Parameter(torch.zeros(3, 2, dtype=torch.int32), requires_grad=False), torch.zeros(2, 1, 4)[:, 0]]
@@ -125,7 +135,7 @@ def _reads_like_python(abi: Any) -> bool:
         index = t.device.index if t.device.index is not None else -1
         if ((ptr, dev, idx, n, tuple(rest[:n]), tuple(rest[n:])) !=
                 (t.data_ptr(), int(t.is_cuda), index, t.dim(), tuple(t.shape), t.stride())
-                or to_dtype(dtype) is not t.dtype):
+                or dtype != _shim_dtype(t.dtype)):
             return False
     return True
 
