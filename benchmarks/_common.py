@@ -42,9 +42,9 @@ def _comm_of(plan: Any) -> Any:
     tr = plan.transport
     comm = getattr(tr, "comm", None) or getattr(getattr(tr, "inner", None), "comm", None)
     if comm is None and plan.backend == "direct":  # a plan of direct pairs only has none of its own
-        from reshard_ext import _nccl
+        from reshard_ext.transports import nccl_lib
 
-        comm = _nccl.communicator(plan.group) if _nccl.available() else None
+        comm = nccl_lib.communicator(plan.group) if nccl_lib.available() else None
     return comm
 
 

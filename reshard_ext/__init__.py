@@ -36,9 +36,9 @@ def build_info() -> dict[str, Any]:
     """What the compiled extension contains: version, CUDA kernels (and their arch and
     runtime linkage), the NCCL transport (and the nccl.h it was built against), the NVSHMEM
     transport and the libnvshmem_host it loaded ('' until a plan or `info` loads one)."""
-    from . import _nvshmem
+    from .transports import nvshmem_lib
 
-    return dict(_C._build_info, nvshmem_library=_nvshmem.loaded_library())
+    return dict(_C._build_info, nvshmem_library=nvshmem_lib.loaded_library())
 
 
 __all__ = [

@@ -20,19 +20,20 @@ def info_rows() -> list[tuple[str, str]]:
     """(what, value) rows of `info`: what was built, what this process can load and use."""
     import torch
 
-    from . import _nccl, _nvshmem, build_info
+    from . import build_info
+    from .transports import nccl_lib, nvshmem_lib
 
     built = build_info()
     cuda_ok = torch.cuda.is_available()
     devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda_ok else ""
-    nccl_runtime = _nccl.runtime_status() if built["nccl"] else "not built"
+    nccl_runtime = nccl_lib.runtime_status() if built["nccl"] else "not built"
     nccl_usable = built["nccl"] and cuda_ok and not nccl_runtime.startswith("not")
     transports = ["cpu (C++ kernels, gloo)"]
     if built["cuda"] and cuda_ok:
         transports.append("torch (CUDA kernels, torch.distributed p2p)")
     if nccl_usable:
         transports.append("nccl (CUDA kernels, C++ NCCL)")
-    nvshmem_runtime = _nvshmem.runtime_status() if built["nvshmem"] else "not built"
+    nvshmem_runtime = nvshmem_lib.runtime_status() if built["nvshmem"] else "not built"
     if built["nvshmem"] and cuda_ok and not nvshmem_runtime.startswith("not"):
         transports.append("nvshmem (CUDA kernels, NVSHMEM put-with-signal)")
     unusable = []

@@ -86,9 +86,9 @@ def _make_transport(backend: str, device: str | None, group: Any, options: Optio
     if backend not in BACKENDS:
         raise ReshardError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "nvshmem":
-        from . import _nvshmem
+        from .transports import nvshmem_lib
 
-        _nvshmem.check_group(group)  # what any rank misses (build, CUDA, libnvshmem), on every rank
+        nvshmem_lib.check_group(group)  # what any rank misses (build, CUDA, libnvshmem), on every rank
         if device not in (None, "cuda"):
             raise ReshardError(f"backend 'nvshmem' needs CUDA tensors, got {device} tensors")
         from .transports.nvshmem import NvshmemTransport
@@ -99,7 +99,7 @@ def _make_transport(backend: str, device: str | None, group: Any, options: Optio
         if device == "cuda" and _auto_direct(group, options):
             backend = "direct"
         elif device == "cuda":
-            from ._nccl import runtime_status
+            from .transports.nccl_lib import runtime_status
 
             # torch's CUDA builds bring libnccl; without one, torch's point-to-point still works
             backend = "nccl" if _C._build_info["nccl"] and not runtime_status().startswith("not") else "torch"

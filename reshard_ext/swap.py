@@ -82,9 +82,9 @@ def clear_caches() -> None:
     _PLANS.clear()
     _DESCRIBED.clear()
     _GROUP_KEYS.clear()
-    from . import _nccl
+    from .transports import nccl_lib
 
-    _nccl.clear_communicators()
+    nccl_lib.clear_communicators()
 
 
 # Megatron descriptions of the last models seen: (side, group, offset) -> (model ids, head,

@@ -5,10 +5,11 @@ import os
 
 import pytest
 import torch.distributed as dist
+from _dist import run_ranks
 
 import reshard_ext as rx
-from reshard_ext import _C, _nccl, options
-from _dist import run_ranks
+from reshard_ext import _C, options
+from reshard_ext.transports import nccl_lib as _nccl
 
 HAS_NCCL = _nccl.available()
 HAS_LIBNCCL = HAS_NCCL and not _nccl.runtime_status().startswith("not found")

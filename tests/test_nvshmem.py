@@ -8,8 +8,8 @@ import torch
 from _dist import run_ranks
 
 import reshard_ext as rx
-from reshard_ext import _nvshmem
 from reshard_ext.layout import Layout, Mesh, Replicate, Shard
+from reshard_ext.transports import nvshmem_lib as _nvshmem
 
 
 def test_build_info_reports_the_transport() -> None:

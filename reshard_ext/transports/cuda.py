@@ -108,9 +108,9 @@ def make_cuda_transport(backend: str, group: Any, options: Options, register: bo
     if not _C._build_info["cuda"]:
         raise ReshardError("reshard_ext was built without CUDA kernels (RESHARD_EXT_CUDA=OFF or no nvcc at build time)")
     if backend == "nccl":
-        from .. import _nccl
+        from . import nccl_lib
 
-        comm = _nccl.communicator(group, options.resolved_timeout("nccl"))
+        comm = nccl_lib.communicator(group, options.resolved_timeout("nccl"))
         return CudaTransport(group, comm, options, register)
     return CudaTransport(group, None, options)
 
@@ -251,12 +251,12 @@ class CudaTransport:
         """The header exchange (unless the caller made it: the direct transport); (peers to
         move data with, whether this rank writes its destinations). Rebuilds the NCCL
         communicator where an end of a pair needs it."""
-        from .. import _nccl
+        from . import nccl_lib
 
         if session.verdict is None:
             self.channel.drain(session)
             if self.nccl:
-                session.epoch = _nccl.epoch(self.group)
+                session.epoch = nccl_lib.epoch(self.group)
                 session.comm_unusable = not self.comm.usable
             ok = session.status == 0
             exchange_headers(self.channel, self.peers, session, tables.num_batches, pack0 if ok else None)
@@ -268,7 +268,7 @@ class CudaTransport:
             # Collective over the group: every rank whose communicator failed, and every
             # rank a peer of which says so, builds the next one together.
             self._registered = []  # the old communicator's registrations went with it
-            self.comm = _nccl.communicator(self.group, self.nccl_timeout, fresh=True)
+            self.comm = nccl_lib.communicator(self.group, self.nccl_timeout, fresh=True)
             self.executor.set_transport(_C.nccl_transport(self.comm))
             if self.register:
                 self._register()

@@ -143,7 +143,7 @@ class CudaDevice:
         from .cuda import CudaTransport, make_cuda_transport
 
         if nccl and _C._build_info["nccl"]:
-            from .._nccl import runtime_status
+            from .nccl_lib import runtime_status
 
             if not runtime_status().startswith("not"):
                 return make_cuda_transport("nccl", group, options, register)
@@ -399,9 +399,9 @@ class DirectTransport:
         # direct writes land in the peers' tensors, so every pair must agree before them.
         self.channel.drain(session)
         if getattr(self.inner, "comm", None) is not None:
-            from .. import _nccl
+            from . import nccl_lib
 
-            session.epoch = _nccl.epoch(self.group)
+            session.epoch = nccl_lib.epoch(self.group)
             session.comm_unusable = not self.inner.comm.usable
         if self._broken and session.status == 0:
             session.status, session.error = 1, self._broken

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _C, _nvshmem
-from ..errors import InternalError, ReshardError
+from .. import _C
+from ..errors import InternalError
 from ..options import Options
 from ..planning import _raise, first_failed_rank
+from . import nvshmem_lib
 from .cuda import CudaTransport
 
 # Symmetric staging slots of a plan with several batches: batch b + 1 is packed and put while
@@ -67,7 +68,7 @@ class _Puts:
 class NvshmemTransport(CudaTransport):
     def __init__(self, group: Any, options: Options):
         # collective: every rank raises alike if one cannot run it
-        self.pe_of = _nvshmem.world(group, options.resolved_batch_bytes())
+        self.pe_of = nvshmem_lib.world(group, options.resolved_batch_bytes())
         super().__init__(group, comm=_Puts(), options=options, nccl=False)
         self.group = group
         self.direct_bytes = 0  # every message is staged: puts land in symmetric memory only
@@ -82,7 +83,7 @@ class NvshmemTransport(CudaTransport):
         tables = plan.tables
         need = (tables.send_buffer_bytes, tables.recv_buffer_bytes, STAGING_SLOTS if tables.num_batches > 1 else 1)
         votes: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(votes, (errors, need, _nvshmem.free_regions()), group=self.group)
+        dist.all_gather_object(votes, (errors, need, nvshmem_lib.free_regions()), group=self.group)
         agreed = [e for v in votes for e in v[0]]
         if agreed:
             _raise(agreed)
@@ -92,7 +93,7 @@ class NvshmemTransport(CudaTransport):
         slots = max(v[1][2] for v in votes)
         npes = len(self.pe_of)
         signal_offset = slots * stride
-        self._region, base = _nvshmem.take_region([v[2] for v in votes], signal_offset + 16 * npes)
+        self._region, base = nvshmem_lib.take_region([v[2] for v in votes], signal_offset + 16 * npes)
         self._layout = (base, slots, stride, _up(tables.recv_buffer_bytes))
         self.staging_bytes = signal_offset
         # The counters restart with this plan: its signal words are zeroed (in the constructor)
@@ -175,4 +176,4 @@ class NvshmemTransport(CudaTransport):
         self.puts.set_batches(table, recvs)
 
     def __del__(self) -> None:
-        _nvshmem.release_region(getattr(self, "_region", -1))
+        nvshmem_lib.release_region(getattr(self, "_region", -1))

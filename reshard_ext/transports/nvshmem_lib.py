@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
-from ._libfiles import library_files
-from .errors import ReshardError
-from .options import set_process_env_default
+from .. import _C
+from ..errors import ReshardError
+from ..options import set_process_env_default
+from .libfiles import library_files
 
 _SONAME = "libnvshmem_host.so.3"
 _WORLD: tuple[int, ...] | None = None  # global ranks of the NVSHMEM world, in PE order

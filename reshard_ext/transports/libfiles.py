@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from .options import external_env
+from ..options import external_env
 
 
 def library_files(home_var: str, wheel_package: str, soname: str) -> list[str]:

@@ -13,10 +13,10 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C
-from ._libfiles import library_files
-from .errors import ReshardError
-from .options import env_default, skip_nccl_check
+from .. import _C
+from ..errors import ReshardError
+from ..options import env_default, skip_nccl_check
+from .libfiles import library_files
 
 # Set to 1 to run with a libnccl different from torch's (at your own risk).
 _SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
@@ -181,7 +181,7 @@ def communicator(group: dist.ProcessGroup | None = None, timeout_s: float | None
     rank = dist.get_rank(group)
     if rank < 0:
         raise ReshardError(f"communicator(): this process is not a member of the group (ranks {list(ranks)})")
-    from .collectives import all_gather_objects
+    from ..collectives import all_gather_objects
 
     uid = all_gather_objects(_C.nccl_unique_id() if rank == 0 else None, group, "creating the NCCL communicator")[0]
     comm = _C.NcclComm(rank, len(ranks), uid, device, timeout)
