@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import reshard_ext as rx
-from reshard_ext import _C, _nccl
+from reshard_ext import _C
+from reshard_ext.transports import nccl_lib as _nccl
 from _dist import run_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
