@@ -160,8 +160,8 @@ struct Snapshot {
 
 class Packer {
  public:
-  // `out` is a buffer kept between calls (cleared here): a fresh ~100 KB one per call was
-  // mapped, page-faulted and unmapped each time.
+  // `out` is kept between calls (cleared here) so that a warm swap does not map and
+  // page-fault a fresh buffer of the fingerprint's size each time.
   Packer(const Names& n, const py::tuple& attrs, const TensorAbi* abi, std::vector<int64_t>& out,
          Snapshot* snap = nullptr)
       : n_(n), attrs_(attrs), abi_(abi), out_(out), snap_(snap) {

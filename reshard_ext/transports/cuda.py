@@ -205,12 +205,12 @@ class CudaTransport:
         whole, direct messages by their own range (they point into the bound tensors,
         which the plan keeps alive). Drops the registrations of an earlier binding."""
         self.deregister()
-        staging = [(t.data_ptr(), t.numel()) for t in self.send + self.recv]
-        ranges = set(staging)
+        staging = self.staging_ranges()
+        ranges = {(lo, hi - lo) for lo, hi in staging}
         for b in range(self._tables.num_batches):
             sends, recvs = self._tables.messages(b)
             for _, ptr, n in sends + recvs:
-                if n > 0 and not any(a <= ptr and ptr + n <= a + m for a, m in staging):
+                if n > 0 and not any(lo <= ptr and ptr + n <= hi for lo, hi in staging):
                     ranges.add((ptr, n))
         self._registered = [self.comm.register_buffer(p, n) for p, n in sorted(ranges)]
 

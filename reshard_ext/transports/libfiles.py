@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
+from ..errors import ReshardError
 from ..options import external_env
 
 
@@ -22,3 +24,14 @@ def library_files(home_var: str, wheel_package: str, soname: str) -> list[str]:
     for root in (spec.submodule_search_locations or []) if spec else []:
         out.append(os.path.join(root, "lib", soname))
     return [p for p in out if os.path.exists(p)]
+
+
+def runtime_status(built: bool, load: Callable[[], str], version: Callable[[], str]) -> str:
+    """'<version> (<file>)' of the library `load` finds, "not built", or why there is none."""
+    if not built:
+        return "not built"
+    try:
+        path = load()
+        return f"{version()} ({path})"
+    except ReshardError as e:
+        return "not found: " + " ".join(str(e).split())

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import ReshardError
 from ..options import env_default, skip_nccl_check
-from .libfiles import library_files
+from . import libfiles
 
 # Set to 1 to run with a libnccl different from torch's (at your own risk).
 _SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
@@ -36,7 +36,7 @@ def available() -> bool:
 def library_candidates() -> list[str]:
     """Where libnccl.so.2 may be, after the one already in the process (torch's): NCCL_HOME,
     then the nvidia-nccl wheel beside torch."""
-    return library_files("NCCL_HOME", "nvidia.nccl", "libnccl.so.2")
+    return libfiles.library_files("NCCL_HOME", "nvidia.nccl", "libnccl.so.2")
 
 
 def load_library() -> str:
@@ -47,13 +47,7 @@ def load_library() -> str:
 
 def runtime_status() -> str:
     """'<version> (<file>)' of the libnccl the transport uses, or why there is none."""
-    if not available():
-        return "not built"
-    try:
-        path = load_library()
-        return f"{_fmt(_C.nccl_version())} ({path})"
-    except ReshardError as e:
-        return "not found: " + " ".join(str(e).split())
+    return libfiles.runtime_status(available(), load_library, lambda: _fmt(_C.nccl_version()))
 
 
 def _require_built() -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import ReshardError
 from ..options import set_process_env_default
-from .libfiles import library_files
+from . import libfiles
 
 _SONAME = "libnvshmem_host.so.3"
 _WORLD: tuple[int, ...] | None = None  # global ranks of the NVSHMEM world, in PE order
@@ -29,7 +29,7 @@ def available() -> bool:
 def library_candidates() -> list[str]:
     """Where libnvshmem_host may be, after one already in the process: NVSHMEM_HOME, then
     the nvidia-nvshmem wheel beside torch."""
-    return library_files("NVSHMEM_HOME", "nvidia.nvshmem", _SONAME)
+    return libfiles.library_files("NVSHMEM_HOME", "nvidia.nvshmem", _SONAME)
 
 
 def load_library() -> str:
@@ -43,13 +43,7 @@ def load_library() -> str:
 
 def runtime_status() -> str:
     """'<version> (<file>)' of the libnvshmem_host the transport uses, or why there is none."""
-    if not available():
-        return "not built"
-    try:
-        path = load_library()
-        return f"{'.'.join(map(str, _C.nvshmem_version()))} ({path})"
-    except ReshardError as e:
-        return "not found: " + " ".join(str(e).split())
+    return libfiles.runtime_status(available(), load_library, lambda: ".".join(map(str, _C.nvshmem_version())))
 
 
 def loaded_library() -> str:
