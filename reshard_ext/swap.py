@@ -17,10 +17,8 @@ together. A warm call does no metadata exchange and no planning.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C
+from . import _C, torch_shim
 from .adapters import Entries, NameMap, apply_name_map
 from .adapters import dtensor as dtensor_adapter
 from .adapters import megatron as megatron_adapter
@@ -100,23 +98,9 @@ _TENSOR_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "
 _SHIM = ("data_ptr", "dim", "sizes", "strides", "dtype", "device_type", "device_index")
 
 
-@functools.cache
-def _shim_lib() -> Any:
-    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-
-
 def _shim_abi(names: tuple[str, ...] = _SHIM) -> Any:
-    """_C.TensorAbi over torch's C shim functions aoti_torch_get_<name> (libtorch exports them)."""
-    lib = _shim_lib()
-    fns = tuple(ctypes.cast(getattr(lib, f"aoti_torch_get_{n}"), ctypes.c_void_p).value for n in names)
-    return _C.TensorAbi((*fns, torch.Tensor, nn.Parameter))
-
-
-def _shim_dtype(dtype: torch.dtype) -> int:
-    """The shim's code of `dtype` (its exported aoti_torch_dtype_<name>)."""
-    fn = getattr(_shim_lib(), f"aoti_torch_dtype_{str(dtype).removeprefix('torch.')}")
-    fn.restype = ctypes.c_int32
-    return int(fn())
+    """_C.TensorAbi over torch's C shim functions aoti_torch_get_<name>."""
+    return _C.TensorAbi((*(torch_shim.function(f"get_{n}") for n in names), torch.Tensor, nn.Parameter))
 
 
 def _reads_like_python(abi: Any) -> bool:
@@ -135,7 +119,7 @@ def _reads_like_python(abi: Any) -> bool:
         index = t.device.index if t.device.index is not None else -1
         if ((ptr, dev, idx, n, tuple(rest[:n]), tuple(rest[n:])) !=
                 (t.data_ptr(), int(t.is_cuda), index, t.dim(), tuple(t.shape), t.stride())
-                or dtype != _shim_dtype(t.dtype)):
+                or dtype != torch_shim.dtype_code(t.dtype)):
             return False
     return True
 

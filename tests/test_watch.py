@@ -1,7 +1,10 @@
 """The bound-storage check alone (reshard_ext/watch.py, csrc/python/bind_watch.cc): a change
 to any one of many bound tensors is found, wherever it sits in the C++ loop (which reads
-ahead of itself) and through the Tensor.data_ptr fallback."""
+ahead of itself), with the raw words compared first or torch's shim alone, and through the
+Tensor.data_ptr fallback; the raw layout is proven before use, and a wrong one fails its proof."""
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -22,31 +25,83 @@ def _change(t: torch.Tensor, how: str) -> None:
         t.data = t.data.clone()
     elif how == "grow":
         t.resize_(4096)
+    elif how == "offset":  # same storage, the view moved
+        t.data = t.data[1:]
+    elif how == "shift":  # same storage, another offset (and numel where the offset was 0)
+        off = t.storage_offset()
+        t.set_(t.untyped_storage(), off - 1 if off else 1, (t.numel() if off else t.numel() - 1,), (1,))
+    elif how == "empty":  # same storage; an empty tensor's data_ptr is null
+        t.resize_(0)
     else:  # as FSDP frees parameters
         t.untyped_storage().resize_(0)
 
 
-@pytest.mark.parametrize("how", ["data", "grow", "free_storage"])
-def test_data_ptr_watch_finds_a_change_at_any_position(how):
+def _layout(raw: bool):
+    """The raw layout as discovered, unproven: a loop that compares the words wrongly fails
+    these tests rather than only its proof (which would make the check fall back silently)."""
     if not watch.DATA_PTR_FN:
         pytest.skip("this torch exports no C data_ptr reader")
+    layout = watch._discover() if raw else None
+    if raw and layout is None:
+        pytest.skip("no raw layout found on this torch")
+    return layout
+
+
+def test_the_raw_layout_is_proven_where_it_is_found():
+    if watch._discover() is not None:
+        assert watch.RAW_LAYOUT == watch._discover()
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "shim"])
+@pytest.mark.parametrize("how", ["data", "grow", "free_storage", "offset", "shift", "empty"])
+def test_data_ptr_watch_finds_a_change_at_any_position(how, raw):
+    layout = _layout(raw)
     for pos in POSITIONS:
         ts = _tensors()
-        w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts)
+        w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts, layout)
+        assert w.raw == raw
         assert len(w) == N and list(w.ptrs) == [t.data_ptr() for t in ts]
         assert w.changed() == []
         _change(ts[pos], how)
         assert w.changed() == [pos], (how, pos)
 
 
-def test_data_ptr_watch_finds_every_change():
-    if not watch.DATA_PTR_FN:
-        pytest.skip("this torch exports no C data_ptr reader")
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "shim"])
+def test_data_ptr_watch_finds_every_change(raw):
+    layout = _layout(raw)
     ts = _tensors()
-    w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts)
+    w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts, layout)
+    hows = ("data", "grow", "free_storage", "offset", "shift", "empty")
     for i, pos in enumerate(POSITIONS):
-        _change(ts[pos], ("data", "grow", "free_storage")[i % 3])
+        _change(ts[pos], hows[i % len(hows)])
     assert w.changed() == POSITIONS
+    assert w.changed() == POSITIONS  # and again: a changed tensor stays changed
+
+
+def test_raw_words_that_move_without_the_data_ptr_are_not_a_change():
+    layout = _layout(True)
+    ts = _tensors()
+    w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts, layout)
+    for pos in POSITIONS:  # a new storage object over the same memory: the raw words move, data_ptr does not
+        t = ts[pos]
+        t.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        t.data = t.data.view(t.shape)
+    assert w.changed() == []
+    ts[3].data = ts[3].data.clone()
+    assert w.changed() == [3]
+
+
+def test_a_wrong_raw_layout_fails_its_proof():
+    layout = _layout(True)
+    assert watch._proven(watch.DATA_PTR_FN, layout)
+    for k in range(3):  # each TensorImpl word pointed one word off
+        wrong = tuple(off + 8 if i == k else off for i, off in enumerate(layout))
+        assert not watch._proven(watch.DATA_PTR_FN, wrong), wrong
+    # The StorageImpl word after the data pointer (its deleter context) moves with it in every
+    # change a proof can make; the discovery tells them apart on a foreign buffer's storage.
+    t = torch.frombuffer(bytearray(64), dtype=torch.float32)
+    row = (ctypes.c_uint64 * 8).from_address(t.untyped_storage()._cdata)
+    assert row[layout[3] // 8] == t.data_ptr() and row[layout[3] // 8 + 1] != t.data_ptr()
 
 
 def test_data_ptr_watch_refuses_what_is_not_a_tensor():
@@ -54,6 +109,8 @@ def test_data_ptr_watch_refuses_what_is_not_a_tensor():
         pytest.skip("this torch exports no C data_ptr reader")
     with pytest.raises(TypeError, match="item 1"):
         _C.DataPtrWatch(watch.DATA_PTR_FN, [torch.zeros(2), object()])
+    with pytest.raises(Exception, match="TensorImpl offset"):  # offsets outside a TensorImpl are refused
+        _C.DataPtrWatch(watch.DATA_PTR_FN, [torch.zeros(2)], (16, 4096, 8, 16))
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["c_data_ptr", "tensor_data_ptr"])

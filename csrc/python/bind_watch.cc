@@ -1,13 +1,19 @@
-// DataPtrWatch: the data pointers of a plan's bound tensors, re-read before every execute
-// in one C++ loop. Reading them through Python (Tensor.data_ptr per tensor) cost more than
-// the rest of a 10,000-tensor execute; here each costs one call into torch through a plain
-// function `void* (PyObject*)` that torch exports for Inductor's generated wrappers, whose
-// address Python passes in (no torch headers or link, DESIGN section 3).
+// DataPtrWatch: the data pointers of a plan's bound tensors, re-checked before every execute
+// in one C++ loop. The authority is torch's C shim (aoti_torch_get_data_ptr, whose address
+// Python passes in: no torch headers or link, DESIGN section 3), called on each tensor's
+// TensorImpl (Tensor._cdata). A shim call per tensor costs more than the memory it reads, so
+// with a RawLayout the loop first compares the words that data_ptr is computed from (the
+// TensorImpl's storage, storage offset and numel, the StorageImpl's data pointer) at offsets
+// that Python found and tested on probe tensors, and calls the shim only where a word moved.
+// The reads are dependent (TensorImpl, then StorageImpl): both are prefetched ahead.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/check.h"
@@ -18,46 +24,82 @@ namespace py = pybind11;
 namespace rx::python {
 namespace {
 
-using DataPtrFn = void* (*)(PyObject*);
+using DataPtrFn = int32_t (*)(void* tensor_handle, void** ret);  // the shim's: 0 on success
 
-// The Python object of the tensor this many places ahead is prefetched: of each read's
-// dependent chain (object -> tensor -> storage), the one address known without torch's layouts.
-constexpr size_t kAhead = 8;
+// Prefetch distances, in tensors: the TensorImpl twice as far ahead as its StorageImpl,
+// whose address is read out of the (by then cached) TensorImpl.
+constexpr size_t kImplAhead = 16;
+constexpr size_t kStorageAhead = 8;
+// Every offset must fall inside a TensorImpl (192 bytes in c10) / the StorageImpl head.
+constexpr int64_t kImplBytes = 192;
+constexpr int64_t kStorageBytes = 64;
+
+// Byte offsets of the words data_ptr is computed from.
+struct RawLayout {
+  int64_t storage;         // TensorImpl: the StorageImpl pointer
+  int64_t storage_offset;  // TensorImpl: storage offset, in elements
+  int64_t numel;           // TensorImpl: element count (an empty tensor's data_ptr is null)
+  int64_t data;            // StorageImpl: the data pointer
+};
+
+uintptr_t cdata(PyObject* o) {
+  PyObject* c = PyObject_GetAttrString(o, "_cdata");
+  if (c == nullptr) throw py::error_already_set();
+  const uintptr_t v = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(c));
+  Py_DECREF(c);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+template <class T>
+T word(const void* base, int64_t offset) {
+  T v;
+  std::memcpy(&v, static_cast<const char*>(base) + offset, sizeof(v));
+  return v;
+}
 
 class DataPtrWatch {
  public:
-  DataPtrWatch(uintptr_t fn, const py::list& tensors) : fn_(reinterpret_cast<DataPtrFn>(fn)) {
+  DataPtrWatch(uintptr_t fn, const py::list& tensors, std::optional<std::tuple<int64_t, int64_t, int64_t, int64_t>> raw)
+      : fn_(reinterpret_cast<DataPtrFn>(fn)) {
     RX_HOST_ASSERT(fn != 0, "DataPtrWatch: no data_ptr function");
+    if (raw) {
+      const auto [s, o, n, d] = *raw;
+      for (int64_t off : {s, o, n})
+        RX_HOST_ASSERT(off >= 0 && off % 8 == 0 && off + 8 <= kImplBytes, "DataPtrWatch: TensorImpl offset ", off);
+      RX_HOST_ASSERT(d >= 0 && d % 8 == 0 && d + 8 <= kStorageBytes, "DataPtrWatch: StorageImpl offset ", d);
+      raw_ = RawLayout{s, o, n, d};
+    }
     owned_.reserve(tensors.size());
     entries_.reserve(tensors.size());
     for (const auto& t : tensors) {
+      const std::string item = "DataPtrWatch: item " + std::to_string(entries_.size());
+      if (!py::hasattr(t, "_cdata") || !py::hasattr(t, "untyped_storage")) throw py::type_error(item + " is not a tensor");
+      Entry e{};
+      e.impl = reinterpret_cast<void*>(cdata(t.ptr()));
+      if (e.impl == nullptr || !shim_read(e.impl, &e.ptr)) throw py::type_error(item + " has no readable data_ptr");
+      if (raw_) snapshot(e);
       owned_.push_back(py::reinterpret_borrow<py::object>(t));
-      // torch's function throws a C++ exception for anything but a tensor (or a tensor
-      // without storage): refused here, so the loop in changed() only meets tensors.
-      Entry e{t.ptr(), 0};
-      try {
-        e.ptr = read(e.obj);
-      } catch (...) {
-        throw py::type_error("DataPtrWatch: item " + std::to_string(entries_.size()) + " has no readable data_ptr");
-      }
       entries_.push_back(e);
     }
   }
 
   // Indices of the tensors whose data pointer differs from the one read at construction.
-  std::vector<int64_t> changed() const {
+  std::vector<int64_t> changed() {
     std::vector<int64_t> out;
     const size_t n = entries_.size();
-    const Entry* e = entries_.data();
+    Entry* e = entries_.data();
     for (size_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) __builtin_prefetch(e[i + kAhead].obj);
-      uintptr_t p;
-      try {
-        p = read(e[i].obj);
-      } catch (...) {  // a tensor that lost its storage: changed, whatever torch says why
-        p = ~e[i].ptr;
+      if (raw_) {
+        prefetch(i, n);
+        if (same_words(e[i])) continue;
       }
-      if (p != e[i].ptr) out.push_back(static_cast<int64_t>(i));
+      uintptr_t p = 0;
+      if (!shim_read(e[i].impl, &p) || p != e[i].ptr) {
+        out.push_back(static_cast<int64_t>(i));  // unreadable counts as changed
+      } else if (raw_) {
+        snapshot(e[i]);  // words moved, data_ptr did not (e.g. a new storage on the same memory)
+      }
     }
     return out;
   }
@@ -70,17 +112,53 @@ class DataPtrWatch {
   }
 
   size_t size() const { return entries_.size(); }
+  bool raw() const { return raw_.has_value(); }
 
  private:
   struct Entry {
-    PyObject* obj;  // kept alive by owned_
-    uintptr_t ptr;  // its data pointer at construction
+    void* impl;      // the TensorImpl; alive while owned_ holds the tensor
+    uintptr_t ptr;   // its data pointer at construction
+    uintptr_t storage, storage_offset, numel, data;  // the raw words when ptr was read
   };
 
-  uintptr_t read(PyObject* t) const { return reinterpret_cast<uintptr_t>(fn_(t)); }
+  bool shim_read(void* impl, uintptr_t* p) const {
+    void* handle = impl;  // an at::Tensor is one TensorImpl pointer: &handle is a tensor handle
+    void* out = nullptr;
+    if (fn_(&handle, &out) != 0) return false;
+    *p = reinterpret_cast<uintptr_t>(out);
+    return true;
+  }
+
+  void snapshot(Entry& e) const {
+    e.storage = word<uintptr_t>(e.impl, raw_->storage);
+    e.storage_offset = word<uintptr_t>(e.impl, raw_->storage_offset);
+    e.numel = word<uintptr_t>(e.impl, raw_->numel);
+    e.data = e.storage != 0 ? word<uintptr_t>(reinterpret_cast<const void*>(e.storage), raw_->data) : 0;
+  }
+
+  bool same_words(const Entry& e) const {
+    const uintptr_t storage = word<uintptr_t>(e.impl, raw_->storage);
+    if (storage == 0 || storage != e.storage) return false;  // no storage: the shim decides
+    return word<uintptr_t>(e.impl, raw_->storage_offset) == e.storage_offset &&
+           word<uintptr_t>(e.impl, raw_->numel) == e.numel &&
+           word<uintptr_t>(reinterpret_cast<const void*>(storage), raw_->data) == e.data;
+  }
+
+  void prefetch(size_t i, size_t n) const {
+    if (i + kImplAhead < n) {
+      const char* impl = static_cast<const char*>(entries_[i + kImplAhead].impl);
+      __builtin_prefetch(impl + raw_->storage);
+      __builtin_prefetch(impl + raw_->numel);
+    }
+    if (i + kStorageAhead < n) {
+      const uintptr_t storage = word<uintptr_t>(entries_[i + kStorageAhead].impl, raw_->storage);
+      __builtin_prefetch(reinterpret_cast<const char*>(storage) + raw_->data);  // a hint: never faults
+    }
+  }
 
   DataPtrFn fn_;
-  std::vector<py::object> owned_;  // the references that keep the watched objects alive
+  std::optional<RawLayout> raw_;   // none: the shim for every tensor
+  std::vector<py::object> owned_;  // the references that keep the watched tensors alive
   std::vector<Entry> entries_;     // what the loop reads, in order, in one array
 };
 
@@ -88,11 +166,15 @@ class DataPtrWatch {
 
 void register_watch(py::module_& m) {
   py::class_<DataPtrWatch>(m, "DataPtrWatch",
-                           "The data pointers of a list of tensors, read with `fn` (the address of a C function "
-                           "void* fn(PyObject* tensor)) now and again by changed().")
-      .def(py::init<uintptr_t, const py::list&>(), py::arg("fn"), py::arg("tensors"))
+                           "The data pointers of a list of tensors (exact torch.Tensor / nn.Parameter), read with "
+                           "`fn` (the address of torch's C shim aoti_torch_get_data_ptr) now and again by changed(); "
+                           "`raw`: byte offsets (TensorImpl storage, storage offset, numel; StorageImpl data) of the "
+                           "words compared first, each tensor's shim read only where one moved.")
+      .def(py::init<uintptr_t, const py::list&, std::optional<std::tuple<int64_t, int64_t, int64_t, int64_t>>>(),
+           py::arg("fn"), py::arg("tensors"), py::arg("raw") = py::none())
       .def("changed", &DataPtrWatch::changed, "Indices of the tensors whose data_ptr differs from construction time.")
       .def_property_readonly("ptrs", &DataPtrWatch::ptrs, "The data pointers read at construction.")
+      .def_property_readonly("raw", &DataPtrWatch::raw, "Whether the raw words are compared first.")
       .def("__len__", &DataPtrWatch::size);
 }
 
