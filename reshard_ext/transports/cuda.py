@@ -57,6 +57,17 @@ def _max_blocks(send_bytes: int, recv_bytes: int, copy_bytes: int, override: int
     return sms * 3 // 4 if copy_bytes * 10 > max(send_bytes, recv_bytes) * 11 else sms // 2
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds of torch
+
+
+def current_stream_handle() -> int:
+    """The caller's current CUDA stream as an integer, with one call into torch per execute
+    (torch.cuda.current_stream() builds a Stream object through several Python layers)."""
+    if _RAW_STREAM is None:
+        return int(torch.cuda.current_stream().cuda_stream)
+    return int(_RAW_STREAM(torch._C._cuda_getDevice()))
+
+
 def _upload(host: list) -> torch.Tensor:
     """Uploads DeviceBoxTables into one device buffer (returned: it owns their memory)."""
     offsets, total = [], 0
@@ -283,7 +294,7 @@ class CudaTransport:
         ex = self.executor
         if verify:
             self._verified()
-        ex.begin(torch.cuda.current_stream().cuda_stream, verify, self.trace)
+        ex.begin(current_stream_handle(), verify, self.trace)
         if not self.peers:  # only same-rank copies: nobody to agree with (the direct transport's may disagree)
             self._raise(session)
             for i in range(ex.num_copy_slices):

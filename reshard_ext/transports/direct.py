@@ -150,7 +150,9 @@ class CudaDevice:
         return CudaTransport(group, None, options)
 
     def stream(self) -> int:
-        return int(torch.cuda.current_stream().cuda_stream)
+        from .cuda import current_stream_handle
+
+        return current_stream_handle()
 
 
 class DirectTransport:
