@@ -11,12 +11,18 @@ it over gloo (there the execute time includes the copies themselves, which run o
 calling thread).
 
     torchrun --nproc-per-node 2 benchmarks/host_overhead.py [--tensors 10000] [--device cpu] [--tensor-data-ptr]
+        [--profile]
+
+--profile then prints rank 0's top functions (cProfile, by own time) over warm executes of
+the same plan built with rx.Options(check_storage=False): where the rest of the host time goes.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import os
+import pstats
 import statistics
 import time
 
@@ -33,6 +39,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tensor-data-ptr", action="store_true", help="the storage check's fallback path")
+    ap.add_argument("--profile", action="store_true", help="rank 0's top functions of executes without the check")
     args = ap.parse_args()
     if args.tensor_data_ptr:
         from reshard_ext import watch
@@ -84,6 +91,25 @@ def main() -> None:
                   f"execute CPU time {1e3 * statistics.median(c):.3f} ms (min {1e3 * min(c):.3f}), of which "
                   f"storage check ({how}) {1e3 * statistics.median(chk):.3f} ms (min {1e3 * min(chk):.3f}{each}); "
                   f"medians of {args.iters}")
+    if args.profile:
+        unchecked = rx.plan(src, dst, options=rx.Options(check_storage=False))
+        for _ in range(3):
+            rx.execute(unchecked)
+        sync()
+        prof = cProfile.Profile()  # wall time: a wait shows as the lock's acquire
+        cpu = []
+        for _ in range(args.iters):
+            t0 = time.thread_time()
+            prof.enable()
+            rx.execute(unchecked)
+            prof.disable()
+            cpu.append(time.thread_time() - t0)
+            sync()
+        if rank == 0:
+            print(f"host_overhead --profile: rank 0, check_storage=False: execute CPU time "
+                  f"{1e3 * statistics.median(cpu):.3f} ms under cProfile (median of {args.iters}); "
+                  "top functions by own time:")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     dist.destroy_process_group()
 
 

@@ -113,12 +113,18 @@ stage_megatron() {
   export PYTHONPATH="$PWD:/tmp/site"
   python3 -c "import megatron.core as m; print('megatron-core', m.__version__)"
   [ -n "${RX_SKIP_MEGATRON_TESTS:-}" ] || (cd tests && timeout 300 python3 -m pytest -q -p no:warnings -rs test_megatron_real.py 2>&1 | tee "$OUT/megatron_tests.log" | tail -12)
-  for args in "--case tp2-tp1" "--case tp1-tp2"; do
-    step "megatron_compare $args"
-    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/megatron_compare.py $args 2>&1 \
-      | grep -v "^W\|^\[W\|Warning\|warn" | tee -a "$OUT/megatron_compare.log" | tail -8
+  # RX_MEGATRON_TREES=".ab/base ." runs the comparison in a base tree too (A/B; `ab` explains .ab/base)
+  for tree in ${RX_MEGATRON_TREES:-.}; do
+    [ "$tree" = . ] || [ -f "$tree"/reshard_ext/_C*.so ] || (cd "$tree" && rm -rf build/dev-on && scripts/dev_build.sh ON > "$OUT/ab_build.log" 2>&1) \
+      || { tail -20 "$OUT/ab_build.log"; continue; }
+    for c in ${RX_MEGATRON_CASES:-tp2-tp1 tp1-tp2}; do
+      step "megatron_compare --case $c ($tree)"
+      (cd "$tree" && PYTHONPATH="$PWD:/tmp/site" timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/megatron_compare.py \
+        --case "$c" 2>&1 | grep -v "^W\|^\[W\|Warning\|warn" | tee -a "$OUT/megatron_compare.log" | tail -8)
+    done
   done
 }
+
 stage_direct() {
   gpus 2 direct || return 0
   step "direct transport: tests"
@@ -172,6 +178,8 @@ stage_host() {
   step "host time: execute of a 10,000-tensor plan, warm swap vs execute, 1,000 executes / plans"
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py --tensor-data-ptr 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
+  [ -z "${RX_HOST_PROFILE:-}" ] || timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py --profile \
+    --iters 200 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -40
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/swap_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/churn_bench.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -8
 }
