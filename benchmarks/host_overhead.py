@@ -5,7 +5,8 @@ launches and one grouped NCCL call per batch, whatever the tensor count. Also re
 the check that no bound tensor's storage was replaced or resized (`storage check`), which
 reads every bound tensor once per execute: one C++ loop over torch's C data_ptr reader, or
 with `--tensor-data-ptr` the fallback used where torch has none (Tensor.data_ptr per tensor).
-Both are CPU time of the calling thread; the check's line also gives its cost per bound
+Both are CPU time of the calling thread; the check's line also gives its wall time (helper
+threads share the check of a large plan: RESHARD_EXT_CHECK_THREADS) and its wall time per bound
 tensor (every src and dst piece: 20,000 for the default 10,000 tensors). `--device cpu` runs
 it over gloo (there the execute time includes the copies themselves, which run on the
 calling thread).
@@ -68,29 +69,32 @@ def main() -> None:
     for _ in range(3):
         rx.execute(plan)
     sync()
-    cpu, check = [], []
+    cpu, check, check_wall = [], [], []
     for _ in range(args.iters):
         t0 = time.thread_time()
         rx.execute(plan)
         cpu.append(time.thread_time() - t0)
         sync()
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         if hasattr(plan, "_watch"):  # absent before the storage check existed
             plan._watch.changed(rank)
         check.append(time.thread_time() - t0)
+        check_wall.append(time.perf_counter() - w0)
     watch = getattr(plan, "_watch", None)
     how = "none" if watch is None else "C++ loop" if getattr(watch, "fast", None) is not None else "Tensor.data_ptr"
     bound = len(watch.tensors) if watch is not None else 0
-    row = (rank, plan_s, cpu, sum(plan.num_ops), check, how, bound)
+    threads = plan.options.resolved_check_threads() if hasattr(plan.options, "resolved_check_threads") else 1
+    how += f", {threads} threads" if threads > 1 else ""
+    row = (rank, plan_s, cpu, sum(plan.num_ops), check, how, bound, check_wall)
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
-        for r, ps, c, ops, chk, how, bound in rows:
-            each = f", {1e9 * statistics.median(chk) / bound:.1f} ns per bound tensor" if bound else ""
+        for r, ps, c, ops, chk, how, bound, chk_wall in rows:
+            each = f", {1e9 * statistics.median(chk_wall) / bound:.1f} ns per bound tensor" if bound else ""
             print(f"host_overhead ({args.device}): rank {r}: {args.tensors} tensors, {ops} boxes, plan {ps:.2f} s, "
                   f"execute CPU time {1e3 * statistics.median(c):.3f} ms (min {1e3 * min(c):.3f}), of which "
-                  f"storage check ({how}) {1e3 * statistics.median(chk):.3f} ms (min {1e3 * min(chk):.3f}{each}); "
-                  f"medians of {args.iters}")
+                  f"storage check ({how}) {1e3 * statistics.median(chk):.3f} ms (min {1e3 * min(chk):.3f}), wall "
+                  f"{1e3 * statistics.median(chk_wall):.3f} ms{each}; medians of {args.iters}")
     if args.profile:
         unchecked = rx.plan(src, dst, options=rx.Options(check_storage=False))
         for _ in range(3):

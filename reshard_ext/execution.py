@@ -217,7 +217,7 @@ class Plan:
             src, dst = self._bound_refs()
             self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._codec_receivers)
             self.transport.prepare(self.tables)
-        self._watch = Watch(self._entries)
+        self._watch = Watch(self._entries, self.options.resolved_check_threads())
 
     # --- public -------------------------------------------------------------------
     @property

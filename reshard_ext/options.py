@@ -123,6 +123,9 @@ KNOBS: dict[str, Knob] = {
              "NCCL elsewhere"),
         Knob("RESHARD_EXT_CHECK_STORAGE", True, _flag,
              "0 skips the per-execute check that no bound tensor's storage was replaced or resized"),
+        Knob("RESHARD_EXT_CHECK_THREADS", 4, _count(1),
+             "threads that run the storage check of a plan with thousands of bound tensors at once (the "
+             "caller and helpers that sleep between executes; 1: the caller alone)"),
         Knob("RESHARD_EXT_TRACE", False, _flag,
              "1: every GPU execute logs a CUDA-event timeline of its steps (synchronises: diagnostics only)"),
     )
@@ -190,6 +193,9 @@ class Options:
     - check_storage: every execute first checks that no bound tensor's storage was
       replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; one data_ptr read per
       bound tensor, in C++ where torch allows).
+    - check_threads: threads that run that check at once on plans with >= 4,096 bound
+      pieces: the caller and helper threads asleep between executes (RESHARD_EXT_CHECK_THREADS,
+      default 4 but at most this process's share of the cores; 1: the caller alone).
     """
 
     batch_bytes: int | None = None
@@ -210,6 +216,7 @@ class Options:
     direct_ipc: bool | None = None
     auto_direct: bool | None = None
     check_storage: bool | None = None
+    check_threads: int | None = None
 
     def __post_init__(self) -> None:
         checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
@@ -231,6 +238,7 @@ class Options:
             "direct_ipc": (bool, lambda v: True, "a bool"),
             "auto_direct": (bool, lambda v: True, "a bool"),
             "check_storage": (bool, lambda v: True, "a bool"),
+            "check_threads": (int, lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
         }
         for name, (kind, ok, what) in checks.items():
             value = getattr(self, name)
@@ -319,6 +327,15 @@ class Options:
         if self.check_storage is not None:
             return self.check_storage
         return bool(env_default("RESHARD_EXT_CHECK_STORAGE"))
+
+    def resolved_check_threads(self) -> int:
+        if self.check_threads is not None:
+            return self.check_threads
+        # a default never takes more than this process's share of the cores (torchrun's local ranks)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        local = external_env("LOCAL_WORLD_SIZE") or "1"
+        share = max(1, cores // max(1, int(local))) if local.isdigit() else 1
+        return max(1, min(int(env_default("RESHARD_EXT_CHECK_THREADS")), share, 64))
 
 
 def skip_nccl_check() -> bool:

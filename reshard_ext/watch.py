@@ -131,7 +131,7 @@ class Watch:
     per-execute cost) catches; a tensor resize_ that keeps the pointer stays inside memory
     its storage owns."""
 
-    def __init__(self, entries: dict[str, dict]):
+    def __init__(self, entries: dict[str, dict], threads: int = 1):
         self.where: list[tuple[str, str]] = []
         self.tensors: list[torch.Tensor] = []
         for side in ("src", "dst"):
@@ -144,7 +144,7 @@ class Watch:
         self.freed: list[Any] = []  # a bound storage died (its weakrefs, appended by their callbacks)
         self._refs = [weakref.ref(x.untyped_storage(), self.freed.append) for x in self.tensors]
         fast = [i for i, x in enumerate(self.tensors) if type(x) in _FAST_TYPES] if DATA_PTR_FN else []
-        self.fast = _C.DataPtrWatch(DATA_PTR_FN, [self.tensors[i] for i in fast], RAW_LAYOUT) if fast else None
+        self.fast = _C.DataPtrWatch(DATA_PTR_FN, [self.tensors[i] for i in fast], RAW_LAYOUT, threads) if fast else None
         self._fast_index = fast
         fast_set = set(fast)
         self.slow = [i for i in range(len(self.tensors)) if i not in fast_set]

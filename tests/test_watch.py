@@ -5,6 +5,7 @@ Tensor.data_ptr fallback; the raw layout is proven before use, and a wrong one f
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -147,3 +148,50 @@ def test_watch_reads_subclasses_through_python_beside_the_fast_path():
     ts[30].data = torch.zeros(2)
     message = w.changed(0)
     assert "src tensor 's5'" in message and "src tensor 's30'" in message and message.count("tensor '") == 2
+
+
+BIG = 5000  # above the size where helper threads share the check
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "shim"])
+@pytest.mark.parametrize("threads", [2, 4, 7])
+def test_a_threaded_check_finds_changes_at_its_parts_edges(raw, threads):
+    layout = _layout(raw)
+    ts = [torch.arange(4.0 + i % 3)[i % 2:] for i in range(BIG)]
+    w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts, layout, threads)
+    assert w.changed() == []
+    edges = sorted({min(max(BIG * p // k + d, 0), BIG - 1) for k in range(2, 8) for p in range(k + 1) for d in (-1, 0)})
+    hows = ("data", "grow", "free_storage", "offset", "shift", "empty")
+    for i, pos in enumerate(edges):
+        _change(ts[pos], hows[i % len(hows)])
+    assert w.changed() == edges
+    assert w.changed() == edges
+
+
+def test_a_threaded_check_works_in_a_forked_child():
+    if not watch.DATA_PTR_FN or not hasattr(os, "fork"):
+        pytest.skip("no C data_ptr reader, or no fork")
+    ts = [torch.zeros(2) for _ in range(BIG)]
+    w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts, watch.RAW_LAYOUT, 4)
+    assert w.changed() == []  # the parent's helper threads exist now; a child has none of them
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ts[4321].data = torch.zeros(3)
+            os.write(write, repr(w.changed()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = os.read(read, 1000).decode()
+    os.waitpid(pid, 0)
+    assert got == "[4321]"
+    assert w.changed() == []
+
+
+def test_threads_are_checked():
+    if not watch.DATA_PTR_FN:
+        pytest.skip("this torch exports no C data_ptr reader")
+    for bad in (0, 65):
+        with pytest.raises(Exception, match="threads must be 1..64"):
+            _C.DataPtrWatch(watch.DATA_PTR_FN, [torch.zeros(2)], None, bad)

@@ -9,10 +9,18 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -33,6 +41,76 @@ constexpr size_t kStorageAhead = 8;
 // Every offset must fall inside a TensorImpl (192 bytes in c10) / the StorageImpl head.
 constexpr int64_t kImplBytes = 192;
 constexpr int64_t kStorageBytes = 64;
+
+// Below this many tensors one thread checks them all: waking helpers would cost more.
+constexpr size_t kParallelMin = 4096;
+
+// Helper threads for the check of large watches: its loop is bound by the memory latency one
+// core can hide, so parts checked on several cores at once finish sooner. Made on first use,
+// asleep between checks, kept for the process (a forked child makes its own).
+class CheckPool {
+ public:
+  // The pool with `helpers` threads (the first call's count; later calls share it).
+  static CheckPool& get(size_t helpers) {
+    static std::mutex made;
+    static CheckPool* pool = nullptr;
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> lock(made);
+    if (pool == nullptr || owner != getpid()) {  // after fork() the parent's threads are gone
+      pool = new CheckPool(helpers);             // never deleted: its threads live until exit
+      owner = getpid();
+    }
+    return *pool;
+  }
+
+  size_t helpers() const { return helpers_; }
+
+  // Runs part(0) .. part(parts - 1) at once, part(0) on the caller; parts <= helpers() + 1.
+  void run(size_t parts, const std::function<void(size_t)>& part) {
+    std::lock_guard<std::mutex> one_run(run_mu_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      part_ = &part;
+      parts_ = parts;
+      pending_.store(parts - 1);
+      ++generation_;
+    }
+    cv_.notify_all();
+    part(0);
+    while (pending_.load() != 0) std::this_thread::yield();
+  }
+
+ private:
+  explicit CheckPool(size_t helpers) : helpers_(helpers) {
+    for (size_t i = 1; i <= helpers; ++i) std::thread([this, i] { work(i); }).detach();
+  }
+
+  void work(size_t index) {
+    uint64_t seen = 0;
+    while (true) {
+      const std::function<void(size_t)>* part = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index < parts_) part = part_;
+      }
+      if (part != nullptr) {
+        (*part)(index);
+        pending_.fetch_sub(1);
+      }
+    }
+  }
+
+  const size_t helpers_;
+  std::mutex run_mu_;  // one check at a time (two plans may check from two threads)
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t generation_ = 0;
+  size_t parts_ = 0;
+  const std::function<void(size_t)>* part_ = nullptr;
+  std::atomic<size_t> pending_{0};
+};
 
 // Byte offsets of the words data_ptr is computed from.
 struct RawLayout {
@@ -60,9 +138,11 @@ T word(const void* base, int64_t offset) {
 
 class DataPtrWatch {
  public:
-  DataPtrWatch(uintptr_t fn, const py::list& tensors, std::optional<std::tuple<int64_t, int64_t, int64_t, int64_t>> raw)
-      : fn_(reinterpret_cast<DataPtrFn>(fn)) {
+  DataPtrWatch(uintptr_t fn, const py::list& tensors, std::optional<std::tuple<int64_t, int64_t, int64_t, int64_t>> raw,
+               int64_t threads)
+      : fn_(reinterpret_cast<DataPtrFn>(fn)), threads_(static_cast<size_t>(threads)) {
     RX_HOST_ASSERT(fn != 0, "DataPtrWatch: no data_ptr function");
+    RX_HOST_ASSERT(threads >= 1 && threads <= 64, "DataPtrWatch: threads must be 1..64, got ", threads);
     if (raw) {
       const auto [s, o, n, d] = *raw;
       for (int64_t off : {s, o, n})
@@ -86,12 +166,24 @@ class DataPtrWatch {
 
   // Indices of the tensors whose data pointer differs from the one read at construction.
   std::vector<int64_t> changed() {
-    std::vector<int64_t> out;
     const size_t n = entries_.size();
+    if (threads_ < 2 || n < kParallelMin) return changed_in(0, n);
+    CheckPool& pool = CheckPool::get(threads_ - 1);
+    const size_t parts = std::min(threads_, pool.helpers() + 1);
+    std::vector<std::vector<int64_t>> found(parts);
+    pool.run(parts, [&](size_t p) { found[p] = changed_in(n * p / parts, n * (p + 1) / parts); });
+    std::vector<int64_t> out;
+    for (const auto& f : found) out.insert(out.end(), f.begin(), f.end());
+    return out;
+  }
+
+  // changed() over entries [begin, end): touches those entries only, so parts run at once.
+  std::vector<int64_t> changed_in(size_t begin, size_t end) {
+    std::vector<int64_t> out;
     Entry* e = entries_.data();
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = begin; i < end; ++i) {
       if (raw_) {
-        prefetch(i, n);
+        prefetch(i, end);
         if (same_words(e[i])) continue;
       }
       uintptr_t p = 0;
@@ -157,6 +249,7 @@ class DataPtrWatch {
   }
 
   DataPtrFn fn_;
+  size_t threads_;                 // threads that check at once (the caller and pool helpers)
   std::optional<RawLayout> raw_;   // none: the shim for every tensor
   std::vector<py::object> owned_;  // the references that keep the watched tensors alive
   std::vector<Entry> entries_;     // what the loop reads, in order, in one array
@@ -169,9 +262,11 @@ void register_watch(py::module_& m) {
                            "The data pointers of a list of tensors (exact torch.Tensor / nn.Parameter), read with "
                            "`fn` (the address of torch's C shim aoti_torch_get_data_ptr) now and again by changed(); "
                            "`raw`: byte offsets (TensorImpl storage, storage offset, numel; StorageImpl data) of the "
-                           "words compared first, each tensor's shim read only where one moved.")
-      .def(py::init<uintptr_t, const py::list&, std::optional<std::tuple<int64_t, int64_t, int64_t, int64_t>>>(),
-           py::arg("fn"), py::arg("tensors"), py::arg("raw") = py::none())
+                           "words compared first, each tensor's shim read only where one moved; `threads`: how many threads check a "
+                           "large watch at once (the caller and helpers of a process-wide pool).")
+      .def(py::init<uintptr_t, const py::list&, std::optional<std::tuple<int64_t, int64_t, int64_t, int64_t>>,
+                    int64_t>(),
+           py::arg("fn"), py::arg("tensors"), py::arg("raw") = py::none(), py::arg("threads") = 1)
       .def("changed", &DataPtrWatch::changed, "Indices of the tensors whose data_ptr differs from construction time.")
       .def_property_readonly("ptrs", &DataPtrWatch::ptrs, "The data pointers read at construction.")
       .def_property_readonly("raw", &DataPtrWatch::raw, "Whether the raw words are compared first.")
