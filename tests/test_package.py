@@ -202,8 +202,18 @@ def test_every_knob_is_documented_in_the_readme() -> None:
         assert f"`{name}`" in text, name
 
 
+def test_check_threads_default_is_capped_by_the_cores_per_local_rank(monkeypatch, fresh_env) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    monkeypatch.setenv("RESHARD_EXT_CHECK_THREADS", "64")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert rx.Options().resolved_check_threads() == min(64, cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 2))  # more ranks than cores: the caller alone
+    assert rx.Options().resolved_check_threads() == 1
+    assert rx.Options(check_threads=6).resolved_check_threads() == 6  # an explicit value is taken as it is
+
+
 @pytest.mark.parametrize("kwargs", [{"timeout": 0}, {"timeout": "10"}, {"batch_bytes": -1}, {"trace": 1},
-                                    {"max_blocks": 1.5}])
+                                    {"max_blocks": 1.5}, {"check_threads": 0}, {"check_threads": 65}])
 def test_bad_options_raise(kwargs: dict) -> None:
     with pytest.raises(rx.ReshardError, match="rx.Options"):
         rx.Options(**kwargs)
