@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,3 +197,12 @@ def test_threads_are_checked():
     for bad in (0, 65):
         with pytest.raises(Exception, match="threads must be 1..64"):
             _C.DataPtrWatch(watch.DATA_PTR_FN, [torch.zeros(2)], None, bad)
+
+
+def test_importing_the_package_makes_no_cuda_context():
+    # The storage check's probes run at import: on CUDA tensors they would make a context on
+    # whatever device is current, before the caller picked its own.
+    code = "import reshard_ext, torch; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))  # the package this test imports
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
