@@ -199,10 +199,13 @@ def test_threads_are_checked():
             _C.DataPtrWatch(watch.DATA_PTR_FN, [torch.zeros(2)], None, bad)
 
 
-def test_importing_the_package_makes_no_cuda_context():
+def test_importing_the_package_makes_no_cuda_context(tmp_path):
     # The storage check's probes run at import: on CUDA tensors they would make a context on
     # whatever device is current, before the caller picked its own.
+    import reshard_ext
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(reshard_ext.__file__))))
     code = "import reshard_ext, torch; print(torch.cuda.is_initialized())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))  # the package this test imports
+                         cwd=tmp_path, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
