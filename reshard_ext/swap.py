@@ -9,10 +9,16 @@ meshes, placements) of both sides, the group's ranks, backend, batch bound and
 transform -- never by object identity or parallel sizes, so a changed model replans
 and a re-created model with the same layouts reuses the plan (rebinding its tensors).
 
-Every call starts with one 3-integer all-reduce over the group, so that ranks never
-diverge: a rank that failed to describe its model makes every rank raise, and the plan
-is reused only if every rank hit the same cached plan; otherwise all ranks plan again
-together. A warm call does no metadata exchange and no planning.
+Ranks never diverge: a rank that failed to describe its model makes every rank raise, and
+the plan is reused only if every rank hit the same cached plan; otherwise all ranks plan
+again together. In groups of at most HEADER_AGREEMENT_RANKS ranks that agreement rides in
+the cached plan's execute (the swap round): a rank that hit its cache executes with its
+plan generation in the headers, which then go to every rank of the group; a rank that
+missed sends a REPLAN header from outside any execute. Every rank reads every header, so
+all see the same thing: any REPLAN or generation mismatch and no rank moves data, and all
+take the slow path together (one 4-integer all-reduce, then plan or rebind, then
+execute). Larger groups make that all-reduce first on every call. A warm call does no
+metadata exchange and no planning.
 """
 from __future__ import annotations
 

@@ -10,11 +10,10 @@ by the round; a failed description raises on every rank; large groups all-reduce
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks
 from _models import GPT, Config, expected_local, fill, make_groups, tensors_with_origin
 
@@ -30,19 +29,20 @@ MOE = Config(num_moe_experts=4)
 LAYOUTS = {"peers": (dict(base=0), dict(base=1)), "local": (dict(dp=2), dict(dp=2))}
 
 
-def _build(world: int, spec: dict, cfg: Config, device: str) -> Optional[GPT]:
+def _build(world: int, spec: dict, cfg: Config, device: str) -> GPT | None:
     groups = make_groups(world, **{"tp": 1, "pp": 1, "dp": 1, "base": 0, **spec})
     return None if groups is None else GPT(cfg, groups).to(device)
 
 
-def _bad(model: Optional[GPT], seed: int) -> list[str]:
+def _bad(model: GPT | None, seed: int) -> list[str]:
     """Tensors of `model` that differ (bit for bit) from the seed's logical weights."""
     if model is None:
         return []
-    return [n for n, t in tensors_with_origin(model) if not torch.equal(t.cpu(), expected_local(t._origin, seed, t.dtype))]
+    return [n for n, t in tensors_with_origin(model)
+            if not torch.equal(t.cpu(), expected_local(t._origin, seed, t.dtype))]
 
 
-def _change(rank: int, how: str, dst: Optional[GPT]) -> Optional[GPT]:
+def _change(rank: int, how: str, dst: GPT | None) -> GPT | None:
     from reshard_ext.swap import clear_caches
 
     if how == "clear":  # a lookup miss without any model change
@@ -58,7 +58,7 @@ def _change(rank: int, how: str, dst: Optional[GPT]) -> Optional[GPT]:
 
 
 def _scenario(rank: int, world: int, layout: str, device: str, backend: str, how: str, changer: int,
-              header_ranks: Optional[int] = None) -> Any:
+              header_ranks: int | None = None) -> Any:
     from reshard_ext import planning, swap
     from reshard_ext.errors import ReshardError
 
@@ -105,7 +105,7 @@ def _scenario(rank: int, world: int, layout: str, device: str, backend: str, how
 
 
 def _run(world: int, layout: str, how: str, changer: int, device: str = "cpu", backend: str = "auto",
-         header_ranks: Optional[int] = None) -> list[dict]:
+         header_ranks: int | None = None) -> list[dict]:
     results = run_ranks(world, _scenario, layout, device, backend, how, changer, header_ranks,
                         backend="nccl" if device == "cuda" else "gloo")
     for r in results:
@@ -113,7 +113,7 @@ def _run(world: int, layout: str, how: str, changer: int, device: str = "cpu", b
     return results
 
 
-def _check_slow_path(results: list[dict], how: str, header_ranks: Optional[int] = None) -> None:
+def _check_slow_path(results: list[dict], how: str, header_ranks: int | None = None) -> None:
     warm_agreements = 0 if header_ranks is None else 1
     for rank, r in enumerate(results):
         assert r["warm"] == [(0, warm_agreements)] * 3, f"rank {rank}: warm swaps planned or all-reduced: {r['warm']}"
