@@ -198,3 +198,33 @@ def test_gpu_failed_description_raises_everywhere(backend: str) -> None:
     for rank, r in enumerate(_run(2, "peers", "fail", changer=1, device="cuda", backend=backend)):
         assert isinstance(r["changed"], str) and r["changed"].startswith("raised"), f"rank {rank}: {r}"
         assert r["untouched"] == [], f"rank {rank}: data moved"
+
+
+def _relayed(rank: int, world: int) -> Any:
+    from reshard_ext import planning, relay, swap
+
+    swap.clear_caches()
+    src = _build(world, dict(base=0), MOE, "cpu")  # one source, four replicas: a relayed plan
+    dst = _build(world, dict(dp=world), MOE, "cpu")
+    kinds = []
+    cold = planning.STATS["plans"]
+    for seed in (1, 2, 3):
+        if src is not None:
+            fill(src, seed)
+        swap.swap_model_weights(src, dst)
+        kinds.append(type(swap._PLANS[next(iter(swap._PLANS))].plan) is relay.RelayPlan)
+    plans = planning.STATS["plans"]
+    cold = plans - cold  # a relayed plan counts its stages
+    if rank == 3:
+        swap.clear_caches()
+    if src is not None:
+        fill(src, 4)
+    swap.swap_model_weights(src, dst)
+    return kinds, cold, planning.STATS["plans"] - plans, _bad(dst, 4)
+
+
+def test_a_relayed_plan_carries_the_round_in_its_first_stage() -> None:
+    for rank, (relayed, cold, replans, bad) in enumerate(run_ranks(4, _relayed)):
+        assert relayed == [True] * 3, f"rank {rank}: not a relayed plan, the test misses its point"
+        # rank 3 missed its cache: every rank planned again, once, as cold; warm swaps planned nothing
+        assert replans == cold > 0 and bad == [], f"rank {rank}: {replans} plans (cold {cold}), wrong tensors {bad}"
