@@ -16,7 +16,7 @@ from .layout import Layout, code_of
 from .options import Options
 from .planning import Entries, _check_local, _raise, batch_bytes_error, plan_collective
 from .transforms import Piece, Transform
-from .transports.channel import Session
+from .transports.channel import Session, SwapReplan, exchange_headers
 from .watch import Watch
 
 BACKENDS = ("auto", "cpu", "torch", "nccl", "direct", "nvshmem")
@@ -308,8 +308,10 @@ class Plan:
             self._abort.set()
             self.transport.abort()
 
-    def execute(self, verify: bool = False, version: int | None = None, timeout: float | None = None) -> None:
-        """See rx.execute."""
+    def execute(self, verify: bool = False, version: int | None = None, timeout: float | None = None,
+                swap: int | None = None) -> None:
+        """See rx.execute. swap: rx.swap_model_weights' warm call (Session.swap): its agreement
+        travels in the headers; SwapReplan where some rank takes the slow path."""
         channel = self.transport.channel
         channel.enter()
         try:
@@ -317,16 +319,16 @@ class Plan:
             self._abort.clear()
             self._running = True
             try:
-                self._execute(verify, version, timeout)
+                self._execute(verify, version, timeout, swap)
             finally:
                 self._running = False
             self.version = version
         finally:
             channel.leave()
 
-    def _execute(self, verify: bool, version: int | None, timeout: float | None) -> None:
+    def _execute(self, verify: bool, version: int | None, timeout: float | None, swap: int | None = None) -> None:
         """The body of execute, with the group's channel held (a relayed plan runs two)."""
-        self._run(verify, version, timeout, self._local_problem(version, timeout), self._abort)
+        self._run(verify, version, timeout, self._local_problem(version, timeout), self._abort, swap)
 
     def _local_problem(self, version: Any, timeout: Any) -> str:
         """What is wrong on this rank alone before an execute ("" if nothing): told to the
@@ -337,13 +339,16 @@ class Plan:
         return problem
 
     def _run(self, verify: bool, version: int | None, timeout: float | None, problem: str,
-             abort: threading.Event) -> None:
+             abort: threading.Event, swap: int | None = None) -> None:
         """One execute on the caller's channel (held); raises `problem` (after telling the peers)."""
         timeout_s = self._timeout_s if timeout is None or problem else float(timeout)
         session = Session(self.plan_id, self._seq + 1, None if problem else version, 1 if problem else 0,
-                          time.monotonic() + timeout_s, timeout_s, abort)
+                          time.monotonic() + timeout_s, timeout_s, abort, swap=swap)
         session.error = problem
-        if problem and not self.transport.peers:
+        if swap is not None and not self.transport.peers:  # a swap round hears every rank, data peers or not
+            self.transport.channel.drain(session)
+            exchange_headers(self.transport.channel, [], session, self.tables.num_batches)
+        if problem and not self.transport.peers and session.verdict is None:
             raise ReshardError(problem)
         try:
             if not problem:
@@ -351,6 +356,10 @@ class Plan:
                     for step in self._steps[side][0]:
                         step()
             digests = self.transport.run(self.tables, session, verify)
+        except ReshardError as e:
+            if session.verdict is not None and session.verdict.replan:
+                raise SwapReplan(f"rank {self.rank}: a rank takes the swap's slow path; no data moved") from e
+            raise
         finally:
             self._advance(session)
         for side in ("src", "dst"):

@@ -44,6 +44,7 @@ from .execution import Plan, rebind_errors
 from .layout import Layout, Mesh, Replicate, Shard, dtype_of
 from .options import Options
 from .planning import Entries, _raise, _table, plan_collective
+from .transports.channel import SwapReplan
 
 
 @functools.lru_cache(maxsize=4096)
@@ -295,7 +296,7 @@ class RelayPlan(Plan):
             for p in self.phases:
                 p.transport.abort()
 
-    def _execute(self, verify: bool, version: int | None, timeout: float | None) -> None:
+    def _execute(self, verify: bool, version: int | None, timeout: float | None, swap: int | None = None) -> None:
         # Collective, stage by stage on every rank, within Plan.execute's hold of the
         # group's channel. A problem of this rank (arguments, a replaced tensor of any
         # stage) goes into every stage's headers, so the peers raise in each stage instead
@@ -307,7 +308,10 @@ class RelayPlan(Plan):
             if self._abort.is_set():
                 raise ReshardError("rx.execute was aborted (plan.abort()) between two stages of the relay")
             try:
-                p._run(verify, version, timeout, problem, self._abort)
+                # the first stage's headers carry a swap's agreement (every rank leaves there together)
+                p._run(verify, version, timeout, problem, self._abort, swap if p is self.phases[0] else None)
+            except SwapReplan:
+                raise  # every rank left at the first stage: no later stage runs anywhere
             except ReshardError as e:
                 if not problem:
                     raise

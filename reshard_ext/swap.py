@@ -9,16 +9,23 @@ meshes, placements) of both sides, the group's ranks, backend, batch bound and
 transform -- never by object identity or parallel sizes, so a changed model replans
 and a re-created model with the same layouts reuses the plan (rebinding its tensors).
 
-Every call starts with one 3-integer all-reduce over the group, so that ranks never
-diverge: a rank that failed to describe its model makes every rank raise, and the plan
-is reused only if every rank hit the same cached plan; otherwise all ranks plan again
-together. A warm call does no metadata exchange and no planning.
+Ranks never diverge: a rank that failed to describe its model makes every rank raise, and
+the plan is reused only if every rank hit the same cached plan; otherwise all ranks plan
+again together. In groups of at most HEADER_AGREEMENT_RANKS ranks that agreement rides in
+the cached plan's execute (the swap round): a rank that hit its cache executes with its
+plan generation in the headers, which then go to every rank of the group; a rank that
+missed sends a REPLAN header from outside any execute. Every rank reads every header, so
+all see the same thing: any REPLAN or generation mismatch and no rank moves data, and all
+take the slow path together (one 4-integer all-reduce, then plan or rebind, then
+execute). Larger groups make that all-reduce first on every call. A warm call does no
+metadata exchange and no planning.
 """
 from __future__ import annotations
 
 import atexit
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +45,7 @@ from .layout import Layout
 from .options import Options
 from .planning import STATS
 from .transforms import Transform
+from .transports.channel import SwapReplan
 
 log = logging.getLogger("reshard_ext")
 
@@ -265,6 +273,11 @@ def _bindings(src: Entries, dst: Entries) -> dict[str, tuple[int, tuple[int, ...
 
 _AGREE_STREAMS: dict[int, Any] = {}
 
+# Groups of at most this many ranks carry a warm swap's agreement in its execute's headers
+# (every rank to every rank, beside the first pack); larger ones all-reduce it first
+# (log-depth), as the all-to-all would cost O(ranks) messages per rank.
+HEADER_AGREEMENT_RANKS = 8
+
 
 def _agree_stream(device: int) -> Any:
     if device not in _AGREE_STREAMS:
@@ -272,9 +285,10 @@ def _agree_stream(device: int) -> Any:
     return _AGREE_STREAMS[device]
 
 
-def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False) -> tuple[int, bool, bool]:
+def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False,
+           timeout_s: float | None = None) -> tuple[int, bool, bool]:
     """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`,
-    whether any rank rebinds)."""
+    whether any rank rebinds). timeout_s: wait at most that long (ReshardError), polling."""
     g = group if group is not None else dist.group.WORLD
     (backend, _), rank = _group_info(g)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -286,31 +300,48 @@ def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False) -
         # are queued while that work still runs.
         with torch.cuda.stream(_agree_stream(device.index)):
             t = torch.tensor(values, dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+            _all_reduce_max(t, g, timeout_s)
             worst, gen_max, neg_gen_min, any_rebind = t.tolist()  # one device sync, not four
     else:
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        _all_reduce_max(t, g, timeout_s)
         worst, gen_max, neg_gen_min, any_rebind = t.tolist()
     first_failed = 0 if worst == -(2**62) else -worst
     return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min, bool(any_rebind)
 
 
-def _get_plan(
-    src_model: ModelLike,
-    dst_model: ModelLike,
-    backend: str,
-    group: Any,
-    src_rank_offset: int,
-    dst_rank_offset: int,
-    name_map: NameMap | None,
-    max_batch_bytes: int | None,
-    transform: Transform | None,
-    adapter: Adapter | None,
-    options: Options | None = None,
-) -> Any:
-    from . import plan as rx_plan  # the core API; imported late (package init order)
+def _all_reduce_max(t: torch.Tensor, group: Any, timeout_s: float | None) -> None:
+    if timeout_s is None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    else:
+        from .collectives import wait
 
+        wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True),
+             "rx.swap_model_weights (agreeing after a swap round)", timeout_s)
+
+
+@dataclass
+class _Lookup:
+    """This rank's side of a swap, found without communicating: its description of both
+    models, the plan-cache key and entry, and whether the entry's tensors must be rebound."""
+
+    error: BaseException | None
+    src: Entries
+    dst: Entries
+    key: tuple
+    cached: _Cached | None
+    bound: dict[str, tuple[int, tuple[int, ...]]] | None  # None: the very entries the plan last bound
+    rebinding: bool
+
+    @property
+    def clean(self) -> bool:
+        """Whether this rank can run the cached plan as it is (if every rank can)."""
+        return self.error is None and self.cached is not None and not self.rebinding
+
+
+def _lookup(src_model: ModelLike, dst_model: ModelLike, backend: str, group: Any, src_rank_offset: int,
+            dst_rank_offset: int, name_map: NameMap | None, max_batch_bytes: int | None,
+            transform: Transform | None, adapter: Adapter | None, options: Options | None) -> _Lookup:
     error: BaseException | None = None
     src: Entries = {}
     dst: Entries = {}
@@ -326,16 +357,26 @@ def _get_plan(
             transform.cache_key() if transform is not None else None,
             options, src_sig, dst_sig,
         )
-    except Exception as e:  # reported to every rank below, so no rank is left waiting
+    except Exception as e:  # reported to every rank (a swap round, then _agree), so no rank is left waiting
         error = e
     cached = _PLANS.get(key) if error is None else None
     same = cached is not None and len(cached.entries) == 2 and cached.entries[0] is src and cached.entries[1] is dst
     bound = _bindings(src, dst) if cached is not None and not same else None
     rebinding = bound is not None and cached is not None and bound != cached.bound
-    first_failed, all_hit, any_rebind = _agree(group, error is not None, cached.generation if cached else -1,
-                                               rebinding)
-    if error is not None:
-        raise error
+    return _Lookup(error, src, dst, key, cached, bound, rebinding)
+
+
+def _settle(look: _Lookup, group: Any, backend: str, max_batch_bytes: int | None, transform: Transform | None,
+            options: Options | None, timeout_s: float | None = None) -> Any:
+    """The collective part of a lookup: every rank learns whether any failed, reuses the
+    cached plan (rebinding it where needed) or plans again, together."""
+    from . import plan as rx_plan  # the core API; imported late (package init order)
+
+    cached, src, dst, bound, rebinding = look.cached, look.src, look.dst, look.bound, look.rebinding
+    first_failed, all_hit, any_rebind = _agree(group, look.error is not None, cached.generation if cached else -1,
+                                               rebinding, timeout_s)
+    if look.error is not None:
+        raise look.error
     if first_failed:
         raise ReshardError(f"swap_model_weights: rank {first_failed - 1} failed to describe its models (see its error)")
     if all_hit and cached is not None:
@@ -344,15 +385,49 @@ def _get_plan(
         if rebinding or (collective and any_rebind):  # same layouts, new storages (a re-created model)
             cached.plan.rebind(src=src, dst=dst)
             cached.bound = bound if bound is not None else cached.bound
-        if same:
-            return cached.plan
         cached.entries = (src, dst)
         return cached.plan
     plan = rx_plan(src=src, dst=dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, transform=transform,
                    options=options)
-    gen = next(_GENERATIONS.setdefault(key[0], count()))
-    _PLANS[key] = _Cached(plan, gen, _bindings(src, dst), (src, dst))
+    gen = next(_GENERATIONS.setdefault(look.key[0], count()))
+    _PLANS[look.key] = _Cached(plan, gen, _bindings(src, dst), (src, dst))
     return plan
+
+
+def _replan_round(group: Any, options: Options | None) -> float:
+    """A swap round of a rank that takes the slow path: a REPLAN header to every rank of the
+    group (those that hit their cache wait for it in their execute, and leave it on reading
+    it). Returns the timeout its waits used."""
+    from .transports.channel import REPLAN_HERE, Session, channel_of, exchange_headers
+
+    ch = channel_of(group if group is not None else dist.group.WORLD)
+    timeout_s = (options if isinstance(options, Options) else Options()).resolved_timeout("gloo")
+    session = Session(0, 0, None, 0, time.monotonic() + timeout_s, timeout_s, threading.Event(), swap=REPLAN_HERE)
+    ch.enter("rx.swap_model_weights")
+    try:
+        ch.drain(session)
+        exchange_headers(ch, [], session, 0)
+    finally:
+        ch.leave()
+    return timeout_s
+
+
+def _get_plan(
+    src_model: ModelLike,
+    dst_model: ModelLike,
+    backend: str,
+    group: Any,
+    src_rank_offset: int,
+    dst_rank_offset: int,
+    name_map: NameMap | None,
+    max_batch_bytes: int | None,
+    transform: Transform | None,
+    adapter: Adapter | None,
+    options: Options | None = None,
+) -> Any:
+    look = _lookup(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset, name_map,
+                   max_batch_bytes, transform, adapter, options)
+    return _settle(look, group, backend, max_batch_bytes, transform, options)
 
 
 def prepare_swap_model_weights(
@@ -385,7 +460,32 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
     """
     from . import execute
 
-    execute(prepare_swap_model_weights(src_model, dst_model, backend, group, **options))
+    src_off, dst_off, name_map, max_batch_bytes, transform, adapter, opts = _swap_args(**options)
+    look = _lookup(src_model, dst_model, backend, group, src_off, dst_off, name_map, max_batch_bytes, transform,
+                   adapter, opts)
+    timeout_s = None
+    if len(_group_key(group)[1]) <= HEADER_AGREEMENT_RANKS:
+        if look.clean:
+            cached = look.cached
+            assert cached is not None  # clean
+            if look.bound is not None:  # new entries, same tensors: the plan keeps them bound
+                cached.entries = (look.src, look.dst)
+            try:
+                cached.plan.execute(swap=cached.generation)  # the swap round: every rank's flags in the headers
+                return
+            except SwapReplan:
+                timeout_s = cached.plan.options.resolved_timeout("gloo")
+        else:
+            timeout_s = _replan_round(group, opts)
+    # Every rank is here together: the one agreement, then planning or rebinding where needed.
+    execute(_settle(look, group, backend, max_batch_bytes, transform, opts, timeout_s))
+
+
+def _swap_args(src_rank_offset: int = 0, dst_rank_offset: int = 0, name_map: NameMap | None = None,
+               max_batch_bytes: int | None = None, transform: Transform | None = None,
+               adapter: Adapter | None = None, options: Options | None = None) -> tuple:
+    """swap_model_weights' options (those of prepare_swap_model_weights), in _lookup's order."""
+    return src_rank_offset, dst_rank_offset, name_map, max_batch_bytes, transform, adapter, options
 
 
 __all__ = ["swap_model_weights", "prepare_swap_model_weights", "clear_caches"]

@@ -88,9 +88,14 @@ struct TensorAbi {
   bool handles(PyObject* o) const { return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(exact[0]) ||
                                            Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(exact[1]); }
 
-  // Appends (data_ptr, device type, device index, dtype, dim, sizes, strides) of tensor `o`
-  // (an exact torch.Tensor or Parameter); false, with `out` as it was, when torch refuses.
-  bool read(PyObject* o, std::vector<int64_t>& out) const {
+  struct Meta {
+    int64_t head[5];  // data_ptr, device type, device index, dtype, dim
+    const int64_t* sizes;
+    const int64_t* strides;
+  };
+
+  // The metadata of tensor `o` (an exact torch.Tensor or Parameter); false when torch refuses.
+  bool meta(PyObject* o, Meta& m) const {
     PyObject* c = PyObject_GetAttr(o, cdata.ptr());
     if (c == nullptr) throw py::error_already_set();
     void* impl = PyLong_AsVoidPtr(c);
@@ -101,16 +106,45 @@ struct TensorAbi {
     }
     Handle h = &impl;  // an at::Tensor is one TensorImpl pointer
     void* ptr = nullptr;
-    int64_t n = 0;
     int64_t *sz = nullptr, *st = nullptr;
     int32_t dt = 0, dev = 0, idx = 0;
-    if (data_ptr(h, &ptr) || device_type(h, &dev) || device_index(h, &idx) || dtype(h, &dt) || dim(h, &n) ||
-        sizes(h, &sz) || strides(h, &st)) {
+    if (data_ptr(h, &ptr) || device_type(h, &dev) || device_index(h, &idx) || dtype(h, &dt) ||
+        dim(h, &m.head[4]) || sizes(h, &sz) || strides(h, &st)) {
       return false;
     }
-    out.insert(out.end(), {static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)), dev, idx, dt, n});
-    out.insert(out.end(), sz, sz + n);
-    out.insert(out.end(), st, st + n);
+    m.head[0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr));
+    m.head[1] = dev;
+    m.head[2] = idx;
+    m.head[3] = dt;
+    m.sizes = sz;
+    m.strides = st;
+    return true;
+  }
+
+  // Appends (data_ptr, device type, device index, dtype, dim, sizes, strides) of tensor `o`;
+  // false, with `out` as it was, when torch refuses.
+  bool read(PyObject* o, std::vector<int64_t>& out) const {
+    Meta m;
+    if (!meta(o, m)) return false;
+    const int64_t n = m.head[4];
+    out.insert(out.end(), m.head, m.head + 5);
+    out.insert(out.end(), m.sizes, m.sizes + n);
+    out.insert(out.end(), m.strides, m.strides + n);
+    return true;
+  }
+
+  // Whether read(o) would append exactly w[0, len): compared in place, the warm check's hot loop.
+  bool reads_as(PyObject* o, const int64_t* w, size_t len) const {
+    Meta m;
+    if (len < 5 || !meta(o, m)) return false;
+    const int64_t n = m.head[4];
+    if (n < 0 || len != 5 + 2 * static_cast<size_t>(n)) return false;
+    for (int i = 0; i < 5; ++i) {
+      if (w[i] != m.head[i]) return false;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (w[5 + i] != m.sizes[i] || w[5 + n + i] != m.strides[i]) return false;
+    }
     return true;
   }
 };
@@ -402,8 +436,26 @@ bool Snapshot::unchanged() const {
     d.version = dict_version(d.dict.ptr());  // the same items: this version reads as the recorded one
   }
   std::vector<int64_t> now;
-  Packer p(names(), attrs, abi.is_none() ? nullptr : abi.cast<const TensorAbi*>(), now);
+  const TensorAbi* shim = abi.is_none() ? nullptr : abi.cast<const TensorAbi*>();
+  Packer p(names(), attrs, shim, now);
   for (const Reread& r : rereads) {
+    const int64_t* w = words.data() + r.begin;
+    PyObject* o = r.obj.ptr();
+    // The usual cases compared in place: a tensor the shim read, an empty set (most modules'
+    // non-persistent buffer names); the words are those Packer::tensor and value() write.
+    if (r.tensor && shim != nullptr && r.end - r.begin > 2 && w[0] == kShimTensor && shim->handles(o)) {
+      if (w[1] != reinterpret_cast<intptr_t>(o)) return false;
+      try {
+        if (!shim->reads_as(o, w + 2, r.end - r.begin - 2)) return false;
+      } catch (py::error_already_set&) {
+        return false;
+      }
+      continue;
+    }
+    if (!r.tensor && PyAnySet_Check(o) && PySet_GET_SIZE(o) == 0 && r.end - r.begin == 3) {
+      if (w[0] != kSeq || w[1] != reinterpret_cast<intptr_t>(Py_TYPE(o)) || w[2] != 0) return false;
+      continue;
+    }
     now.clear();
     try {
       if (r.tensor) {

@@ -39,10 +39,14 @@ from ..options import env_default, scoped_external_env
 HEADER_TAG = 1
 _MAGIC = 0x52584844  # "RXHD"
 # Header fields (int64): what both ends of a pair must agree on before data moves.
-MAGIC, PLAN, SEQ, VERSION, FLAGS, STATUS, BATCHES, EPOCH = range(8)
+MAGIC, PLAN, SEQ, VERSION, FLAGS, STATUS, BATCHES, EPOCH, SWAP_GEN = range(9)
+HEADER_LEN = 9
 HAS_VERSION = 1  # FLAGS bit
 COMM_UNUSABLE = 2  # FLAGS bit: the sender's NCCL communicator needs a rebuild
+IN_SWAP = 4  # FLAGS bit: a warm rx.swap_model_weights round (headers go to every rank of the group)
+REPLAN = 8  # FLAGS bit (with IN_SWAP): the sender takes the swap's slow path; nobody moves data
 _POLL_S = 0.05  # how often a waiting caller looks at its abort flag
+REPLAN_HERE = -1  # Session.swap of a rank that takes the swap's slow path
 
 
 def data_tag(plan_id: int, seq: int) -> int:
@@ -66,10 +70,16 @@ class Session:
     comm_unusable: bool = False
     error: str = ""  # with status 1: this rank's own problem, raised after telling the peers
     verdict: Verdict | None = None  # filled by exchange_headers
+    # A swap round (rx.swap_model_weights): the generation of the cached plan this rank runs,
+    # or REPLAN_HERE where it takes the slow path. None: a plain execute.
+    swap: int | None = None
 
     def header(self, batches: int) -> list[int]:
         flags = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
-        return [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch]
+        if self.swap is not None:
+            flags |= IN_SWAP | (REPLAN if self.swap == REPLAN_HERE else 0)
+        return [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch,
+                self.swap if self.swap is not None else 0]
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -81,8 +91,8 @@ class _Headers:
     __slots__ = ("mine", "mine_np", "received_np", "rows")
 
     def __init__(self, peers: int):
-        self.mine_np = np.zeros(8, dtype=np.int64)
-        self.received_np = np.zeros((peers, 8), dtype=np.int64)
+        self.mine_np = np.zeros(HEADER_LEN, dtype=np.int64)
+        self.received_np = np.zeros((peers, HEADER_LEN), dtype=np.int64)
         self.mine = torch.from_numpy(self.mine_np)
         self.rows = list(torch.from_numpy(self.received_np))
 
@@ -110,6 +120,7 @@ class Channel:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.others = [r for r in range(self.size) if r != self.rank]  # a swap round's header ranks
         key = "-".join(map(str, self.ranks)) if len(self.ranks) <= 16 else f"{hash(self.ranks) & 0xFFFFFFFF:x}"
         self._prefix = f"reshard_ext/channel/{self.size}/{key}/"
         self.store = dist.distributed_c10d._get_default_store()
@@ -284,6 +295,10 @@ class Channel:
         return errors
 
 
+class SwapReplan(ReshardError):
+    """A swap round in which some rank takes the slow path: no data moved on any rank."""
+
+
 @dataclass
 class Verdict:
     """What the header exchange of an execute found, pair by pair."""
@@ -292,6 +307,7 @@ class Verdict:
     seqs: dict[int, int]  # peer -> the execute number its header carried (same plan only)
     rebuild: bool = False  # GPU: some peer's NCCL communicator needs a rebuild (or a newer one exists)
     agreed: bool = False  # every peer's header matched (data failures later do not change it)
+    replan: bool = False  # a swap round in which some rank takes the slow path: no data moves anywhere
 
     def message(self, rank: int) -> str:
         lines = [f"rank {p}: {why}" for p, why in sorted(self.bad.items())]
@@ -301,11 +317,19 @@ class Verdict:
 def exchange_headers(channel: Channel, peers: list[int], session: Session, batches: int,
                      before_wait: Callable[[], None] | None = None) -> Verdict:
     """Every peer's header against ours; `before_wait` runs while the headers travel
-    (the first pack). Pairs are judged one by one, alike at both ends."""
-    bufs = channel.header_buffers(len(peers))
+    (the first pack). Pairs are judged one by one, alike at both ends.
+
+    A swap round (session.swap set) carries rx.swap_model_weights' agreement instead of an
+    all-reduce of its own: headers go to every rank of the group, so every rank sees every
+    rank's plan generation and REPLAN flag and reaches the same `replan` (then nobody moves
+    data and every rank takes the swap's slow path together). The plan's checks (status,
+    plan, execute number, version, batches) still apply to the data peers only."""
+    swap = session.swap is not None
+    ranks = channel.others if swap else peers
+    bufs = channel.header_buffers(len(ranks))
     ours = session.header(batches)
     bufs.mine_np[:] = ours
-    ops = [("send", p, bufs.mine) for p in peers] + [("recv", p, row) for p, row in zip(peers, bufs.rows)]
+    ops = [("send", p, bufs.mine) for p in ranks] + [("recv", p, row) for p, row in zip(ranks, bufs.rows)]
     task = channel.submit(lambda: channel.exchange(ops, HEADER_TAG, session, retry_closed=True))
     if before_wait is not None:
         before_wait()
@@ -313,7 +337,9 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     if not errors:
         channel.keep_headers(bufs)
     verdict = Verdict({}, {})
-    for p, h in zip(peers, bufs.received_np.tolist()):  # a row is read only where its receive completed
+    data = set(peers) if swap else None
+    replan = session.swap == REPLAN_HERE
+    for p, h in zip(ranks, bufs.received_np.tolist()):  # a row is read only where its receive completed
         if p in errors:
             verdict.bad[p] = (f"no header within {session.timeout:g} s: it did not call rx.execute for this plan, "
                               f"stalled or died ({errors[p]})")
@@ -321,6 +347,13 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
         why = ""
         if h[MAGIC] != _MAGIC:
             why = "sent something other than an execute header"
+        elif bool(h[FLAGS] & IN_SWAP) != swap:
+            why = ("runs rx.swap_model_weights and this rank rx.execute" if not swap else
+                   "runs rx.execute (or another collective) and this rank rx.swap_model_weights")
+        elif swap and (h[FLAGS] & REPLAN or h[SWAP_GEN] != session.swap):
+            replan = True  # its models changed, it failed to describe them, or it holds another plan
+        elif data is not None and p not in data:
+            pass  # no data with it: only its swap fields matter
         elif h[STATUS] != 0:
             why = "failed a check of its own before moving data (see its error)"
         elif h[PLAN] != session.plan_id:
@@ -334,10 +367,16 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
                    f"{session.version}")
         elif h[BATCHES] != batches:
             why = f"has {h[BATCHES]} batches in this plan and this rank {batches}"
-        if h[MAGIC] == _MAGIC and (h[FLAGS] & COMM_UNUSABLE or h[EPOCH] != session.epoch):
+        if (h[MAGIC] == _MAGIC and (data is None or p in data)
+                and (h[FLAGS] & COMM_UNUSABLE or h[EPOCH] != session.epoch)):
             verdict.rebuild = True
         if why:
             verdict.bad[p] = why
+    if replan:
+        # Every rank saw the same headers: all leave together (no rebuild, a collective, either).
+        verdict.replan, verdict.rebuild, verdict.seqs = True, False, {}
+        for p in ranks:
+            verdict.bad.setdefault(p, "takes rx.swap_model_weights' slow path with every rank (a model changed)")
     verdict.agreed = not verdict.bad
     session.verdict = verdict
     return verdict

@@ -275,9 +275,10 @@ class CudaTransport:
             pack0()
         verdict = session.verdict
         assert verdict is not None  # exchange_headers set it
-        if self.nccl and (verdict.rebuild or session.comm_unusable):
+        if self.nccl and not verdict.replan and (verdict.rebuild or session.comm_unusable):
             # Collective over the group: every rank whose communicator failed, and every
-            # rank a peer of which says so, builds the next one together.
+            # rank a peer of which says so, builds the next one together (not in a swap
+            # round that every rank leaves for the slow path: the next execute does).
             self._registered = []  # the old communicator's registrations went with it
             self.comm = nccl_lib.communicator(self.group, self.nccl_timeout, fresh=True)
             self.executor.set_transport(_C.nccl_transport(self.comm))

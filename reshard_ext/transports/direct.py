@@ -407,7 +407,8 @@ class DirectTransport:
             session.comm_unusable = not self.inner.comm.usable
         if self._broken and session.status == 0:
             session.status, session.error = 1, self._broken
-        exchange_headers(self.channel, self.peers, session, tables.num_batches)
+        if session.verdict is None:  # else Plan exchanged them (a swap round of a rank without peers)
+            exchange_headers(self.channel, self.peers, session, tables.num_batches)
         assert session.verdict is not None  # exchange_headers set it
         if self.exec is None or session.status != 0 or session.verdict.bad:
             return self.inner.run(tables, session, verify)  # raises where headers disagree
