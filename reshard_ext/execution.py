@@ -51,9 +51,10 @@ def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[
 
 
 def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: Any = None,
-          src_dtypes: list[int] | None = None) -> list[tuple]:
-    """TensorRef tuples of `names` (aligned with the tables' src_used or dst_used); a
-    Piece binds itself, told (destinations) whether its boxes keep its blocks whole."""
+          src_dtypes: list[int] | None = None) -> list[_C.TensorRef]:
+    """TensorRefs of `names` (aligned with the tables' src_used or dst_used); a Piece binds
+    itself, told (destinations) whether its boxes keep its blocks whole. Each carries its
+    shape and name for ExecTables.bind's memory checks."""
     whole: dict[tuple[int, int], set[int]] = {}
     out = []
     for i, name in enumerate(names):
@@ -62,11 +63,9 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
             key = (t.group, code_of(t.dtype))
             if t.group and key not in whole:
                 whole[key] = set(tables.whole_group_dsts(src_dtypes, *key))
-            ref = tuple(t.ref(bool(t.group) and i in whole[key]))
-            ref += (0, 0, 0, 1)[len(ref) - 3:]
+            out.append(t.ref(bool(t.group) and i in whole[key]).replace(shape=t.shape, name=name))
         else:
-            ref = (t.data_ptr(), list(t.stride()), code_of(t.dtype), 0, 0, 0, 1)
-        out.append(ref + (list(t.shape), name))  # shape and name: the memory checks of ExecTables.bind
+            out.append(_C.TensorRef(t.data_ptr(), t.stride(), code_of(t.dtype), t.shape, name))
     return out
 
 
@@ -183,8 +182,8 @@ class Plan:
         self._steps = steps
         self._agreement = agreement
         self._verify_ops: verification.Ops | None = None  # built by the first verify
-        # dst table index -> (digest, grain, dtype) of the tensors whose receiver converts
-        # them (verify digests cover the converted bytes; both ends derive it from the transform)
+        # dst table index -> _C.ReceiverCodec of the tensors whose receiver converts them
+        # (verify digests cover the converted bytes; both ends derive it from the transform)
         self._codec_receivers = {} if transform is None else {
             i: r for i, name in enumerate(agreement.dst_table.names())
             if (r := transform.receiver_codec(name)) is not None}
@@ -200,10 +199,10 @@ class Plan:
         self.src_names = [self._agreement.src_table.name(i) for i in tables.src_used]
         self.dst_names = [self._agreement.dst_table.name(i) for i in tables.dst_used]
 
-    def _bound_refs(self) -> tuple[list[tuple], list[tuple]]:
+    def _bound_refs(self) -> tuple[list[_C.TensorRef], list[_C.TensorRef]]:
         """The TensorRefs of the bound tensors, aligned with the tables' src_used / dst_used."""
         src = _refs(self.src_names, self._entries["src"])
-        return src, _refs(self.dst_names, self._entries["dst"], self.tables, [r[2] for r in src])
+        return src, _refs(self.dst_names, self._entries["dst"], self.tables, [r.dtype for r in src])
 
     def _bind(self, errors: list[str] | None = None) -> None:
         if getattr(self.transport, "collective_bind", False):
