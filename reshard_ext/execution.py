@@ -51,22 +51,26 @@ def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[
 
 
 def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: Any = None,
-          src_dtypes: list[int] | None = None) -> list[_C.TensorRef]:
+          src: list[_C.TensorRef] | None = None) -> list[_C.TensorRef]:
     """TensorRefs of `names` (aligned with the tables' src_used or dst_used); a Piece binds
-    itself, told (destinations) whether its boxes keep its blocks whole. Each carries its
-    shape and name for ExecTables.bind's memory checks."""
+    itself, told (destinations: `src` are the source refs) whether its boxes keep its
+    blocks whole. Each carries its shape and name for ExecTables.bind's memory checks."""
+    tensors = [entries[name][0] for name in names]
+    plain = [i for i, t in enumerate(tensors) if not isinstance(t, Piece)]
+    ts = [tensors[i] for i in plain]
+    refs = _C.TensorRef.many([t.data_ptr() for t in ts], [t.stride() for t in ts], [code_of(t.dtype) for t in ts],
+                             [t.shape for t in ts], [names[i] for i in plain])
+    if len(plain) == len(names):
+        return refs
+    out = dict(zip(plain, refs))
     whole: dict[tuple[int, int], set[int]] = {}
-    out = []
-    for i, name in enumerate(names):
-        t = entries[name][0]
+    for i, (name, t) in enumerate(zip(names, tensors)):
         if isinstance(t, Piece):
             key = (t.group, code_of(t.dtype))
             if t.group and key not in whole:
-                whole[key] = set(tables.whole_group_dsts(src_dtypes, *key))
-            out.append(t.ref(bool(t.group) and i in whole[key]).replace(shape=t.shape, name=name))
-        else:
-            out.append(_C.TensorRef(t.data_ptr(), t.stride(), code_of(t.dtype), t.shape, name))
-    return out
+                whole[key] = set(tables.whole_group_dsts([r.dtype for r in src or ()], *key))
+            out[i] = t.ref(bool(t.group) and i in whole[key]).replace(shape=t.shape, name=name)
+    return [out[i] for i in range(len(names))]
 
 
 def _staging_depth(backend: str, device: str | None) -> int:
@@ -202,7 +206,7 @@ class Plan:
     def _bound_refs(self) -> tuple[list[_C.TensorRef], list[_C.TensorRef]]:
         """The TensorRefs of the bound tensors, aligned with the tables' src_used / dst_used."""
         src = _refs(self.src_names, self._entries["src"])
-        return src, _refs(self.dst_names, self._entries["dst"], self.tables, [r.dtype for r in src])
+        return src, _refs(self.dst_names, self._entries["dst"], self.tables, src)
 
     def _bind(self, errors: list[str] | None = None) -> None:
         if getattr(self.transport, "collective_bind", False):

@@ -61,7 +61,7 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
         names_s = [src_t.name(i) for i in tables[r].src_used]
         names_d = [dst_t.name(i) for i in tables[r].dst_used]
         s_refs = _refs(names_s, src_w[r])
-        refs.append((s_refs, _refs(names_d, dst_w[r], tables[r], [x.dtype for x in s_refs])))
+        refs.append((s_refs, _refs(names_d, dst_w[r], tables[r], s_refs)))
     nbuf = 2 if k > 1 else 1
     staging = []
     for r in range(world):

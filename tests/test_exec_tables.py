@@ -40,7 +40,9 @@ def test_copies_split_keeps_order_and_balances_bytes():
                 for i in used]
 
     staging = torch.empty(16, dtype=torch.uint8)  # unused: nothing travels
-    tables.bind(refs(src, tables.src_used), refs(dst, tables.dst_used), [staging.data_ptr()], [staging.data_ptr()])
+    bound = refs(src, tables.src_used), refs(dst, tables.dst_used)
+    tables.bind(*bound, [staging.data_ptr()], [staging.data_ptr()])
+    assert bound == (refs(src, tables.src_used), refs(dst, tables.dst_used))  # bind copies, never moves from them
     whole = _boxes(tables.copy_boxes())
     assert len(whole) == 40
     for parts in (1, 3, 7, 64):
@@ -130,6 +132,8 @@ def test_tensor_ref_fields_repr_eq_and_pickle():
     assert (plain.codec, plain.side, plain.arg, plain.grain, plain.shape, plain.name) == (0, 0, 0, 1, [], "")
     assert repr(plain) == "TensorRef(0x10, [], 7 (float32))"
     assert _C.PeerPiece(2, 5, ref).ref == ref
+    many = _C.TensorRef.many([16, 32], [(), (1,)], [7, 6], [(), (3,)], ["a", "b"])
+    assert many == [_C.TensorRef(16, [], 7, [], "a"), _C.TensorRef(32, [1], 6, [3], "b")]
     m = _C.Message(1, 0x40, 8)
     assert (m.peer, m.ptr, m.bytes, m.own) == (1, 0x40, 8, False) and m == _C.Message(1, 0x40, 8)
     assert m != _C.Message(1, 0x40, 8, own=True) and repr(m) == "Message(peer=1, ptr=0x40, bytes=8)"
@@ -148,6 +152,15 @@ def test_tensor_ref_rejects_bad_fields(kwargs, match):
     fields = dict(ptr=0x1000, strides=[8, 1], dtype=code_of(torch.float32), shape=[4, 8], name="w") | kwargs
     with pytest.raises(rx.ReshardError, match=match):
         _C.TensorRef(**fields)
+
+
+def test_tensor_refs_made_many_at_once_are_checked():
+    with pytest.raises(rx.ReshardError, match="TensorRef of 'b': unknown dtype code 16"):
+        _C.TensorRef.many([16, 32], [(), ()], [7, 16], [(), ()], ["a", "b"])
+    with pytest.raises(rx.ReshardError, match="TensorRef of 'a': 2 strides for a shape of 1 dims"):
+        _C.TensorRef.many([16], [(1, 1)], [7], [(3,)], ["a"])
+    with pytest.raises(_C.InternalError, match="different lengths"):
+        _C.TensorRef.many([16], [()], [7], [()], [])
 
 
 def test_tensor_ref_copies_are_checked_and_tuples_refused():

@@ -79,16 +79,19 @@ int64_t ExecTables::recv_buffer_bytes() const {
 }
 
 std::string tensor_ref_error(const TensorRef& ref) {
-  const std::string who = ref.name.empty() ? std::string("TensorRef") : "TensorRef of '" + ref.name + "'";
-  if (dtype_size(ref.dtype) == 0) return detail::format(who, ": unknown dtype code ", ref.dtype);
+  auto error = [&](const auto&... why) {
+    return detail::format(ref.name.empty() ? std::string("TensorRef") : "TensorRef of '" + ref.name + "'", ": ",
+                          why...);
+  };
+  if (dtype_size(ref.dtype) == 0) return error("unknown dtype code ", ref.dtype);
   if (!ref.shape.empty() && ref.shape.size() != ref.strides.size())
-    return detail::format(who, ": ", ref.strides.size(), " strides for a shape of ", ref.shape.size(), " dims");
+    return error(ref.strides.size(), " strides for a shape of ", ref.shape.size(), " dims");
   for (int64_t n : ref.shape)
-    if (n < 0) return detail::format(who, ": negative extent ", n, " in its shape");
-  if (ref.grain < 1) return detail::format(who, ": grain must be >= 1, got ", ref.grain);
+    if (n < 0) return error("negative extent ", n, " in its shape");
+  if (ref.grain < 1) return error("grain must be >= 1, got ", ref.grain);
   if (ref.codec == 0 && (ref.side != 0 || ref.arg != 0 || ref.grain != 1))
-    return detail::format(who, ": side, arg and grain are a codec's fields, but codec is 0");
-  return "";
+    return error("side, arg and grain are a codec's fields, but codec is 0");
+  return {};
 }
 
 namespace {

@@ -138,6 +138,23 @@ void register_pieces(py::module_& m) {
            py::arg("ptr"), py::arg("strides"), py::arg("dtype"), py::arg("shape") = std::vector<int64_t>{},
            py::arg("name") = "", py::kw_only(), py::arg("codec") = 0, py::arg("side") = 0, py::arg("arg") = 0,
            py::arg("grain") = 1)
+      .def_static(
+          "many",
+          [](const std::vector<uint64_t>& ptrs, std::vector<std::vector<int64_t>> strides,
+             const std::vector<int32_t>& dtypes, std::vector<std::vector<int64_t>> shapes,
+             std::vector<std::string> names) {
+            const size_t n = ptrs.size();
+            RX_HOST_ASSERT(strides.size() == n && dtypes.size() == n && shapes.size() == n && names.size() == n,
+                           "TensorRef.many: field lists of different lengths");
+            py::list out(n);
+            for (size_t i = 0; i < n; ++i)
+              out[i] = py::cast(checked_ref(TensorRef{ptrs[i], std::move(strides[i]), dtypes[i], std::move(shapes[i]),
+                                                      std::move(names[i])}));
+            return out;
+          },
+          py::arg("ptrs"), py::arg("strides"), py::arg("dtypes"), py::arg("shapes"), py::arg("names"),
+          "The plain refs of many pieces, field by field (one call: a plan makes one per bound tensor, and "
+          "each constructor call costs pybind11's dispatch); each checked as the constructor checks it")
       .def_readonly("ptr", &TensorRef::ptr, "address of element 0")
       .def_readonly("strides", &TensorRef::strides, "in elements")
       .def_readonly("dtype", &TensorRef::dtype, "rx dtype code")
