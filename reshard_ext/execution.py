@@ -69,7 +69,11 @@ def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: A
             key = (t.group, code_of(t.dtype))
             if t.group and key not in whole:
                 whole[key] = set(tables.whole_group_dsts([r.dtype for r in src or ()], *key))
-            out[i] = t.ref(bool(t.group) and i in whole[key]).replace(shape=t.shape, name=name)
+            ref = t.ref(bool(t.group) and i in whole[key])
+            if not isinstance(ref, _C.TensorRef):
+                raise ReshardError(f"tensor '{name}': {type(t).__name__}.ref returned a {type(ref).__name__}, "
+                                   f"not a _C.TensorRef")
+            out[i] = ref.replace(shape=t.shape, name=name)
     return [out[i] for i in range(len(names))]
 
 

@@ -190,3 +190,15 @@ def test_receiver_codec_fields_and_checks():
         _C.ReceiverCodec(rc.digest, 0, rc.dtype)
     with pytest.raises(rx.ReshardError, match="unknown dtype code 42"):
         _C.ReceiverCodec(rc.digest, BLOCK, 42)
+
+
+def test_a_piece_must_bind_as_a_tensor_ref():
+    from reshard_ext.execution import _refs
+    from reshard_ext.transforms import Piece
+
+    class OldStyle(Piece):
+        def ref(self, whole):
+            return (0x1000, [1], code_of(torch.float32))
+
+    with pytest.raises(rx.ReshardError, match="tensor 'w': OldStyle.ref returned a tuple, not a _C.TensorRef"):
+        _refs(["w"], {"w": (OldStyle((4,), torch.float32, torch.device("cpu")), None)})
