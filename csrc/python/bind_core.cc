@@ -121,15 +121,14 @@ auto ref_fields(const TensorRef& r) {
   return std::tie(r.ptr, r.strides, r.dtype, r.codec, r.side, r.arg, r.grain, r.shape, r.name);
 }
 
-// The piece records that cross between Python and the tables: a bound tensor piece, a
-// receiver's piece as a direct sender maps it, and a message of a batch.
+// The records that cross between Python and the tables: a bound tensor piece, a receiver's
+// piece as a direct sender maps it, a receiver-side conversion and a message of a batch.
 void register_pieces(py::module_& m) {
   py::class_<TensorRef>(m, "TensorRef",
                         "One bound tensor piece as the kernels address it (TensorRef, core/exec_tables.h); checked "
                         "when made: raises ReshardError for an unknown dtype code, strides that do not match "
                         "`shape`, grain < 1 or codec fields without a codec.")
-      // shape and name may go by position: keyword arguments cost pybind11's dispatch about
-      // a microsecond per call, and a plan makes one ref per bound piece
+      // shape and name, which every bound piece has, may go by position
       .def(py::init([](uint64_t ptr, std::vector<int64_t> strides, int32_t dtype, std::vector<int64_t> shape,
                        std::string name, int32_t codec, uint64_t side, int64_t arg, int64_t grain) {
              return checked_ref(TensorRef{ptr, std::move(strides), dtype, std::move(shape), std::move(name), codec,
