@@ -86,7 +86,7 @@ def hbm_per_byte(plan: Any) -> float:
     staged = 0
     for b in range(tables.num_batches):
         sends, recvs = tables.messages(b)
-        staged += sum(n for _, ptr, n in sends + recvs if any(lo <= ptr < hi for lo, hi in bufs))
+        staged += sum(m.bytes for m in sends + recvs if any(lo <= m.ptr < hi for lo, hi in bufs))
     local = tables.copy_total
     delivered = local + plan.bytes_received
     touched = 2 * local + plan.bytes_sent + plan.bytes_received + 2 * staged

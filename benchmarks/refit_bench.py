@@ -251,7 +251,9 @@ def main() -> None:
 
     if args.transfers_only and plan.backend == "nccl":
         tr = plan.transport
-        batches = [tr.transfers(b) for b in range(plan.num_batches)]
+        # NcclComm.exchange takes (peer, ptr, bytes) tuples
+        batches = [tuple([(m.peer, m.ptr, m.bytes) for m in side] for side in tr.transfers(b))
+                   for b in range(plan.num_batches)]
 
         def transfers() -> None:
             stream = torch.cuda.current_stream().cuda_stream

@@ -51,23 +51,30 @@ def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[
 
 
 def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: Any = None,
-          src_dtypes: list[int] | None = None) -> list[tuple]:
-    """TensorRef tuples of `names` (aligned with the tables' src_used or dst_used); a
-    Piece binds itself, told (destinations) whether its boxes keep its blocks whole."""
+          src: list[_C.TensorRef] | None = None) -> list[_C.TensorRef]:
+    """TensorRefs of `names` (aligned with the tables' src_used or dst_used); a Piece binds
+    itself, told (destinations: `src` are the source refs) whether its boxes keep its
+    blocks whole. Each carries its shape and name for ExecTables.bind's memory checks."""
+    tensors = [entries[name][0] for name in names]
+    plain = [i for i, t in enumerate(tensors) if not isinstance(t, Piece)]
+    ts = [tensors[i] for i in plain]
+    refs = _C.TensorRef.many([t.data_ptr() for t in ts], [t.stride() for t in ts], [code_of(t.dtype) for t in ts],
+                             [t.shape for t in ts], [names[i] for i in plain])
+    if len(plain) == len(names):
+        return refs
+    out = dict(zip(plain, refs))
     whole: dict[tuple[int, int], set[int]] = {}
-    out = []
-    for i, name in enumerate(names):
-        t = entries[name][0]
+    for i, (name, t) in enumerate(zip(names, tensors)):
         if isinstance(t, Piece):
             key = (t.group, code_of(t.dtype))
             if t.group and key not in whole:
-                whole[key] = set(tables.whole_group_dsts(src_dtypes, *key))
-            ref = tuple(t.ref(bool(t.group) and i in whole[key]))
-            ref += (0, 0, 0, 1)[len(ref) - 3:]
-        else:
-            ref = (t.data_ptr(), list(t.stride()), code_of(t.dtype), 0, 0, 0, 1)
-        out.append(ref + (list(t.shape), name))  # shape and name: the memory checks of ExecTables.bind
-    return out
+                whole[key] = set(tables.whole_group_dsts([r.dtype for r in src or ()], *key))
+            ref = t.ref(bool(t.group) and i in whole[key])
+            if not isinstance(ref, _C.TensorRef):
+                raise ReshardError(f"tensor '{name}': {type(t).__name__}.ref returned a {type(ref).__name__}, "
+                                   f"not a _C.TensorRef")
+            out[i] = ref.replace(shape=t.shape, name=name)
+    return [out[i] for i in range(len(names))]
 
 
 def _staging_depth(backend: str, device: str | None) -> int:
@@ -183,8 +190,8 @@ class Plan:
         self._steps = steps
         self._agreement = agreement
         self._verify_ops: verification.Ops | None = None  # built by the first verify
-        # dst table index -> (digest, grain, dtype) of the tensors whose receiver converts
-        # them (verify digests cover the converted bytes; both ends derive it from the transform)
+        # dst table index -> _C.ReceiverCodec of the tensors whose receiver converts them
+        # (verify digests cover the converted bytes; both ends derive it from the transform)
         self._codec_receivers = {} if transform is None else {
             i: r for i, name in enumerate(agreement.dst_table.names())
             if (r := transform.receiver_codec(name)) is not None}
@@ -200,10 +207,10 @@ class Plan:
         self.src_names = [self._agreement.src_table.name(i) for i in tables.src_used]
         self.dst_names = [self._agreement.dst_table.name(i) for i in tables.dst_used]
 
-    def _bound_refs(self) -> tuple[list[tuple], list[tuple]]:
+    def _bound_refs(self) -> tuple[list[_C.TensorRef], list[_C.TensorRef]]:
         """The TensorRefs of the bound tensors, aligned with the tables' src_used / dst_used."""
         src = _refs(self.src_names, self._entries["src"])
-        return src, _refs(self.dst_names, self._entries["dst"], self.tables, [r[2] for r in src])
+        return src, _refs(self.dst_names, self._entries["dst"], self.tables, src)
 
     def _bind(self, errors: list[str] | None = None) -> None:
         if getattr(self.transport, "collective_bind", False):

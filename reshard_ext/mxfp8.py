@@ -164,7 +164,7 @@ class MXFP8(Transform):
             name = name[:-len(DATA_SUFFIX)]
         return GRAIN if self._select(name) else None
 
-    def receiver_codec(self, name: str) -> tuple[int, int, int] | None:
+    def receiver_codec(self, name: str) -> _C.ReceiverCodec | None:
         return receiver_digest(self.rounding) if self.where == "receiver" and self._select(name) else None
 
     def _rank(self) -> int:

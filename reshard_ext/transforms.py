@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import _C
 from .layout import Layout
 
 
@@ -35,10 +36,10 @@ class Piece:
     """A local piece that a transform binds itself instead of a plain tensor.
 
     The planner checks `shape`, `dtype` and `device` against the layout as it does a
-    tensor's. When the plan binds, it calls `ref(whole)` for the kernels' TensorRef:
-    a tuple (ptr, strides, rx dtype code[, codec, side pointer, arg, grain]) (TensorRef
-    in csrc/core/exec_tables.h: a codec of csrc/kernels/codecs/ runs in the boxes of the
-    piece; reshard_ext/codecs/ holds the codecs' Python side).
+    tensor's. When the plan binds, it calls `ref(whole)` for the kernels' `_C.TensorRef`
+    (TensorRef in csrc/core/exec_tables.h: a codec of csrc/kernels/codecs/ runs in the
+    boxes of the piece; reshard_ext/codecs/ holds the codecs' Python side); the plan adds
+    the piece's shape and name.
     `group` > 0 (destinations only) asks whether every box into the piece reads the
     piece's `dtype` and keeps `group`-element blocks of the last dim whole; `whole` is
     the answer (always False for group 0).
@@ -54,7 +55,7 @@ class Piece:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def ref(self, whole: bool) -> tuple:
+    def ref(self, whole: bool) -> _C.TensorRef:
         raise NotImplementedError
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -91,10 +92,10 @@ class Transform:
         answer alike, from the name alone."""
         return None
 
-    def receiver_codec(self, name: str) -> tuple[int, int, int] | None:
+    def receiver_codec(self, name: str) -> _C.ReceiverCodec | None:
         """For verify digests: when the receiver of dst `name` converts it with a codec
-        after it lands, (rx_box.digest of a copy into it: RX_DIGEST_CODEC with the codec's
-        id and flags, the codec's block along the last dim, the rx dtype code it reads),
-        so that sender and receiver both digest the converted bytes; None otherwise.
-        Both ends must answer alike."""
+        after it lands, a `_C.ReceiverCodec(digest, grain, dtype)` (rx_box.digest of a copy
+        into it: RX_DIGEST_CODEC with the codec's id and flags, the codec's block along the
+        last dim, the rx dtype code it reads), so that sender and receiver both digest the
+        converted bytes; None otherwise. Both ends must answer alike."""
         return None

@@ -61,7 +61,7 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
         names_s = [src_t.name(i) for i in tables[r].src_used]
         names_d = [dst_t.name(i) for i in tables[r].dst_used]
         s_refs = _refs(names_s, src_w[r])
-        refs.append((s_refs, _refs(names_d, dst_w[r], tables[r], [x[2] for x in s_refs])))
+        refs.append((s_refs, _refs(names_d, dst_w[r], tables[r], s_refs)))
     nbuf = 2 if k > 1 else 1
     staging = []
     for r in range(world):
@@ -76,7 +76,7 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
         for q in range(world):
             for peer, pos in tables[q].direct_recv_pieces():
                 if peer == r:
-                    pieces.append((q, int(tables[q].dst_used[pos]), refs[q][1][pos]))
+                    pieces.append(_C.PeerPiece(q, int(tables[q].dst_used[pos]), refs[q][1][pos]))
         tables[r].bind_direct(refs[r][0], pieces)
     if stats is not None:
         stats.update(batches=k, staging=[t.send_buffer_bytes + t.recv_buffer_bytes for t in tables],
@@ -112,15 +112,15 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             tables[r].run_pack_cpu(b)
         for r in range(world):
             sends = tables[r].messages(b)[0]
-            for q in sorted({peer for peer, _, _ in sends}):
-                out = [(p, n) for peer, p, n in sends if peer == q]
-                into = [(p, n) for peer, p, n in tables[q].messages(b)[1] if peer == r]
+            for q in sorted({m.peer for m in sends}):
+                out = [(m.ptr, m.bytes) for m in sends if m.peer == q]
+                into = [(m.ptr, m.bytes) for m in tables[q].messages(b)[1] if m.peer == r]
                 assert [n for _, n in out] == [n for _, n in into], f"batch {b}: ranks {r}->{q} disagree on messages"
                 for (sp, n), (dp, _) in zip(out, into):
                     ctypes.memmove(dp, sp, n)
             recvs = tables[r].messages(b)[1]
-            for q in {peer for peer, _, _ in recvs}:
-                assert any(peer == r for peer, _, _ in tables[q].messages(b)[0]), f"rank {r} waits for {q} in vain"
+            for q in {m.peer for m in recvs}:
+                assert any(m.peer == r for m in tables[q].messages(b)[0]), f"rank {r} waits for {q} in vain"
         for r in range(world):
             tables[r].run_unpack_cpu(b)
     for (_, src_steps), (_, dst_steps) in rewritten:

@@ -152,7 +152,7 @@ def test_verify_rounds_digest_each_round_as_it_lands() -> None:
     assert "main: pack 0 cap 66 digest 0 pass 1" in lines
     direct_sends = [i for i, line in enumerate(lines) if line.startswith("main: direct sends 0")]
     assert len(direct_sends) == 1 and direct_sends[0] > lines.index(posts[-1])
-    assert sum(m.bytes for m in transport.received) == sum(n for _, _, n in tables.messages(0)[1])
+    assert sum(m.bytes for m in transport.received) == sum(m.bytes for m in tables.messages(0)[1])
 
 
 def _degraded(good: set, writes: bool, status: int = 0) -> tuple[list[str], str, Any, Any]:
@@ -175,9 +175,9 @@ def test_degraded_rank_moves_agreeing_pairs_only_and_writes_nothing() -> None:
     assert len(posts) == 1 and "(2," not in posts[0] and posts[0].endswith(" partial")
     assert not any("copy" in line or "unpack" in line for line in lines)  # no destination written
     # what arrives from rank 1 lands in staging or scratch memory, never in a tensor
-    expected = [m for m in tables.messages(0)[1] if m[0] == 1]
-    assert [(m.peer, m.bytes) for m in transport.received] == [(p, n) for p, _, n in expected]
-    direct = [(m.ptr, ptr) for m, (_, ptr, _) in zip(transport.received, expected) if m.ptr != ptr]
+    expected = [m for m in tables.messages(0)[1] if m.peer == 1]
+    assert [(m.peer, m.bytes) for m in transport.received] == [(m.peer, m.bytes) for m in expected]
+    direct = [(m.ptr, e.ptr) for m, e in zip(transport.received, expected) if m.ptr != e.ptr]
     assert direct and all(got >= 1 << 56 for got, _ in direct)  # the recording device's scratch
     assert lines[-1] == "main: synchronize"  # the scratch memory outlives the transfers
     assert "rank 2: is executing another plan" in error and "wrote no destination" in error

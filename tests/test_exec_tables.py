@@ -1,4 +1,6 @@
 """ExecTables pieces the transports rely on, checked without a process group."""
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -34,10 +36,13 @@ def test_copies_split_keeps_order_and_balances_bytes():
     names = sorted(layouts)  # the planner's table order
 
     def refs(tensors, used):
-        return [(tensors[names[i]].data_ptr(), list(tensors[names[i]].stride()), code_of(torch.float32)) for i in used]
+        return [_C.TensorRef(tensors[names[i]].data_ptr(), tensors[names[i]].stride(), code_of(torch.float32))
+                for i in used]
 
     staging = torch.empty(16, dtype=torch.uint8)  # unused: nothing travels
-    tables.bind(refs(src, tables.src_used), refs(dst, tables.dst_used), [staging.data_ptr()], [staging.data_ptr()])
+    bound = refs(src, tables.src_used), refs(dst, tables.dst_used)
+    tables.bind(*bound, [staging.data_ptr()], [staging.data_ptr()])
+    assert bound == (refs(src, tables.src_used), refs(dst, tables.dst_used))  # bind copies, never moves from them
     whole = _boxes(tables.copy_boxes())
     assert len(whole) == 40
     for parts in (1, 3, 7, 64):
@@ -76,18 +81,18 @@ def test_codec_refs_bind_params_and_grain():
 
     tables, staging = _codec_tables((4, 64), torch.bfloat16)
     data, scale = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
-    src = [(x.data_ptr(), list(x.stride()), code_of(torch.bfloat16))]
-    dst = [(data.data_ptr(), list(data.stride()), code_of(torch.uint8), codec(int(_C.BOX_MX_DATA), "floor"),
-            scale.data_ptr(), 64, 1)]
+    src = [_C.TensorRef(x.data_ptr(), x.stride(), code_of(torch.bfloat16))]
+    dst = [_C.TensorRef(data.data_ptr(), data.stride(), code_of(torch.uint8), codec=codec(int(_C.BOX_MX_DATA), "floor"),
+                        side=scale.data_ptr(), arg=64)]
     tables.bind(src, dst, [staging.data_ptr()], [staging.data_ptr()])
     tables.run_copies_cpu()
     assert torch.equal(data, want_data) and torch.equal(scale, want_scale)
 
     tables, staging = _codec_tables((4, 2), torch.uint8)
     got = torch.zeros(4, 2, dtype=torch.uint8)
-    src = [(x.data_ptr(), list(x.stride()), code_of(torch.bfloat16), codec(int(_C.BOX_MX_SCALE), "floor"), 0, 0,
-            int(_C.MX_BLOCK))]
-    tables.bind(src, [(got.data_ptr(), list(got.stride()), code_of(torch.uint8))], [staging.data_ptr()],
+    src = [_C.TensorRef(x.data_ptr(), x.stride(), code_of(torch.bfloat16), codec=codec(int(_C.BOX_MX_SCALE), "floor"),
+                        grain=int(_C.MX_BLOCK))]
+    tables.bind(src, [_C.TensorRef(got.data_ptr(), got.stride(), code_of(torch.uint8))], [staging.data_ptr()],
                 [staging.data_ptr()])
     tables.run_copies_cpu()
     assert torch.equal(got, want_scale)
@@ -102,9 +107,98 @@ def test_codec_boxes_are_checked_at_bind():
     tables, staging = _codec_tables((4, 64), torch.bfloat16)
     x = torch.ones(4, 64, dtype=torch.bfloat16)
     data, scale = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
-    src = [(x.data_ptr(), list(x.stride()), code_of(torch.bfloat16))]
-    dst = [(data.data_ptr(), list(data.stride()), code_of(torch.uint8), codec(int(_C.BOX_MX_DATA), "ceil"),
-            scale.data_ptr(), 48, 1)]
+    src = [_C.TensorRef(x.data_ptr(), x.stride(), code_of(torch.bfloat16))]
+    dst = [_C.TensorRef(data.data_ptr(), data.stride(), code_of(torch.uint8), codec=codec(int(_C.BOX_MX_DATA), "ceil"),
+                        side=scale.data_ptr(), arg=48)]
     with pytest.raises(_C.InternalError, match="bad box for codec"):
         tables.bind(src, dst, [staging.data_ptr()], [staging.data_ptr()])
     assert not data.any() and not scale.any()
+
+
+def test_tensor_ref_fields_repr_eq_and_pickle():
+    """A TensorRef keeps what it was given, compares by value, survives pickling (the direct
+    transport sends receivers' refs to their senders) and replace() makes a checked copy."""
+    ref = _C.TensorRef(0x1000, (8, 1), code_of(torch.bfloat16), codec=3, side=0x2000, arg=8, grain=2,
+                       shape=torch.Size([4, 8]), name="w")
+    assert (ref.ptr, ref.strides, ref.dtype, ref.codec, ref.side, ref.arg, ref.grain, ref.shape, ref.name) == \
+        (0x1000, [8, 1], code_of(torch.bfloat16), 3, 0x2000, 8, 2, [4, 8], "w")
+    assert repr(ref) == "TensorRef(0x1000, [8, 1], 6 (bfloat16), codec=0x3, side=0x2000, arg=8, grain=2, " \
+                        "shape=[4, 8], name='w')"
+    assert pickle.loads(pickle.dumps(ref)) == ref
+    moved = ref.replace(ptr=0x5000, side=0x6000)
+    assert (moved.ptr, moved.side) == (0x5000, 0x6000) and moved != ref
+    assert moved.replace(ptr=0x1000, side=0x2000) == ref
+    plain = _C.TensorRef(ptr=16, strides=[], dtype=code_of(torch.float32))
+    assert (plain.codec, plain.side, plain.arg, plain.grain, plain.shape, plain.name) == (0, 0, 0, 1, [], "")
+    assert repr(plain) == "TensorRef(0x10, [], 7 (float32))"
+    assert _C.PeerPiece(2, 5, ref).ref == ref
+    many = _C.TensorRef.many([16, 32], [(), (1,)], [7, 6], [(), (3,)], ["a", "b"])
+    assert many == [_C.TensorRef(16, [], 7, [], "a"), _C.TensorRef(32, [1], 6, [3], "b")]
+    m = _C.Message(1, 0x40, 8)
+    assert (m.peer, m.ptr, m.bytes, m.own) == (1, 0x40, 8, False) and m == _C.Message(1, 0x40, 8)
+    assert m != _C.Message(1, 0x40, 8, own=True) and repr(m) == "Message(peer=1, ptr=0x40, bytes=8)"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=99), "TensorRef of 'w': unknown dtype code 99"),
+    (dict(dtype=-1), "unknown dtype code -1"),
+    (dict(strides=[1]), "TensorRef of 'w': 1 strides for a shape of 2 dims"),
+    (dict(shape=[4, -1]), "negative extent -1"),
+    (dict(codec=3, grain=0), "grain must be >= 1, got 0"),
+    (dict(grain=32), "side, arg and grain are a codec's fields, but codec is 0"),
+    (dict(side=0x100), "codec's fields"),
+])
+def test_tensor_ref_rejects_bad_fields(kwargs, match):
+    fields = dict(ptr=0x1000, strides=[8, 1], dtype=code_of(torch.float32), shape=[4, 8], name="w") | kwargs
+    with pytest.raises(rx.ReshardError, match=match):
+        _C.TensorRef(**fields)
+
+
+def test_tensor_refs_made_many_at_once_are_checked():
+    with pytest.raises(rx.ReshardError, match="TensorRef of 'b': unknown dtype code 16"):
+        _C.TensorRef.many([16, 32], [(), ()], [7, 16], [(), ()], ["a", "b"])
+    with pytest.raises(rx.ReshardError, match="TensorRef of 'a': 2 strides for a shape of 1 dims"):
+        _C.TensorRef.many([16], [(1, 1)], [7], [(3,)], ["a"])
+    with pytest.raises(_C.InternalError, match="different lengths"):
+        _C.TensorRef.many([16], [()], [7], [()], [])
+
+
+def test_tensor_ref_copies_are_checked_and_tuples_refused():
+    good = _C.TensorRef(0x1000, [8, 1], code_of(torch.float32), shape=[4, 8], name="w")
+    with pytest.raises(rx.ReshardError, match="2 strides for a shape of 1 dims"):
+        good.replace(shape=[4])
+    with pytest.raises(rx.ReshardError, match="codec's fields"):
+        good.replace(side=0x100)
+    state = good.__getstate__()
+    with pytest.raises(rx.ReshardError, match="grain must be >= 1"):
+        _C.TensorRef.__new__(_C.TensorRef).__setstate__(state[:3] + (1, 0, 0, 0) + state[7:])
+    tables, staging = _codec_tables((4, 8), torch.float32)
+    x = torch.zeros(4, 8)
+    with pytest.raises(TypeError):  # the tuple form is gone
+        tables.bind([(x.data_ptr(), list(x.stride()), code_of(x.dtype))], [_C.TensorRef(x.data_ptr(), x.stride(), 7)],
+                    [staging.data_ptr()], [staging.data_ptr()])
+
+
+def test_receiver_codec_fields_and_checks():
+    from reshard_ext.codecs.mxfp8 import BLOCK, ROUNDINGS, receiver_digest
+
+    rc = receiver_digest("floor")
+    want = (int(_C.DIGEST_MX) | ROUNDINGS["floor"] << 8, BLOCK, code_of(torch.bfloat16))
+    assert (rc.digest, rc.grain, rc.dtype) == want
+    assert rc == _C.ReceiverCodec(rc.digest, BLOCK, rc.dtype) != receiver_digest("ceil")
+    with pytest.raises(rx.ReshardError, match="grain must be >= 1, got 0"):
+        _C.ReceiverCodec(rc.digest, 0, rc.dtype)
+    with pytest.raises(rx.ReshardError, match="unknown dtype code 42"):
+        _C.ReceiverCodec(rc.digest, BLOCK, 42)
+
+
+def test_a_piece_must_bind_as_a_tensor_ref():
+    from reshard_ext.execution import _refs
+    from reshard_ext.transforms import Piece
+
+    class OldStyle(Piece):
+        def ref(self, whole):
+            return (0x1000, [1], code_of(torch.float32))
+
+    with pytest.raises(rx.ReshardError, match="tensor 'w': OldStyle.ref returned a tuple, not a _C.TensorRef"):
+        _refs(["w"], {"w": (OldStyle((4,), torch.float32, torch.device("cpu")), None)})

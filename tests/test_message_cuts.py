@@ -28,13 +28,14 @@ from reshard_ext.transports.nvshmem import check_one_message_per_pair
 _SPAN = 1 << 32  # bytes between made-up pieces: none overlaps another unless placed so
 
 
-def _ref(rank: int, name: str, side: int, src: dict[str, Layout], dst: dict[str, Layout], in_place: frozenset) -> tuple:
+def _ref(rank: int, name: str, side: int, src: dict[str, Layout], dst: dict[str, Layout],
+         in_place: frozenset) -> _C.TensorRef:
     """A made-up TensorRef of `rank`'s contiguous piece of `name` (side 0: source, 1: destination)."""
     lay = (src, dst)[side][name]
     shape = list(lay.local_shape(rank) or ())
     strides = [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(len(shape))]
     slot = 2 * sorted(src | dst).index(name) + (1 if (rank, name) in in_place else side)
-    return ((rank + 1) << 48) + slot * _SPAN, strides, code_of(lay.dtype), 0, 0, 0, 1, shape, name
+    return _C.TensorRef(((rank + 1) << 48) + slot * _SPAN, strides, code_of(lay.dtype), shape=shape, name=name)
 
 
 def bind_all(src: dict[str, Layout], dst: dict[str, Layout], world: int, direct_bytes: int,
@@ -81,10 +82,10 @@ def cuts(tables: list, b: int, rounds: tuple | None) -> tuple[dict, dict]:
             sends, recvs = t.round_messages(b, r, n, piece) if r < n else ([], [])
         else:
             sends, recvs = t.round_messages(b, rounds[0], rounds[1])
-        for peer, _, n in sends:
-            sent.setdefault((me, peer), []).append(n)
-        for peer, _, n in recvs:
-            received.setdefault((peer, me), []).append(n)
+        for m in sends:
+            sent.setdefault((me, m.peer), []).append(m.bytes)
+        for m in recvs:
+            received.setdefault((m.peer, me), []).append(m.bytes)
     return sent, received
 
 
@@ -117,7 +118,7 @@ def assert_ends_agree(tables: list) -> None:
             n = t.piece_rounds(b, PIECE)
             for side in (0, 1):  # a pair's stream is cut at most once per round boundary
                 whole = t.messages(b)[side]
-                peers = len({m[0] for m in whole})
+                peers = len({m.peer for m in whole})
                 for count, pieces in ((VERIFY_ROUNDS, [t.round_messages(b, r, VERIFY_ROUNDS)[side]
                                                        for r in range(VERIFY_ROUNDS)]),
                                       (n, [t.round_messages(b, r, n, PIECE)[side] for r in range(n)])):
@@ -151,7 +152,7 @@ def test_in_place_on_one_end_cuts_alike(direct_bytes):
     assert_ends_agree(tables)
     if direct_bytes == 1 << 20:
         sends, recvs = tables[0].messages(0)
-        assert sorted(n for _, _, n in sends) == [32, 4 * N] and [n for _, _, n in recvs] == [4 * N]
+        assert sorted(m.bytes for m in sends) == [32, 4 * N] and [m.bytes for m in recvs] == [4 * N]
         assert not tables[0].direct_sends(0) and not tables[0].direct_recvs(0)  # aliased: staged both ways
         assert tables[1].direct_sends(0) and tables[1].direct_recvs(0)
 
@@ -286,9 +287,10 @@ def test_one_message_per_pair_and_batch(case):
 
 
 def test_one_message_per_pair_check_names_the_pair():
-    two = SimpleNamespace(num_batches=2, messages=lambda b: ([(1, 0, 8), (2, 0, 8)], [(3, 0, 8), (3, 64, 8)]) if b
-                          else ([(1, 0, 8)], []))
+    M = _C.Message
+    two = SimpleNamespace(num_batches=2, messages=lambda b: ([M(1, 0, 8), M(2, 0, 8)], [M(3, 0, 8), M(3, 64, 8)])
+                          if b else ([M(1, 0, 8)], []))
     with pytest.raises(InternalError, match=r"rank 5 receives 2 messages from rank 3 in batch 1"):
         check_one_message_per_pair(two, 5)
-    empty = SimpleNamespace(num_batches=1, messages=lambda b: ([(1, 0, 8), (1, 64, 0)], []))
+    empty = SimpleNamespace(num_batches=1, messages=lambda b: ([M(1, 0, 8), M(1, 64, 0)], []))
     check_one_message_per_pair(empty, 0)  # an empty message is never put

@@ -115,9 +115,19 @@ def _global(name: str, shape, step: int) -> torch.Tensor:
 
 
 def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu",
-                 direct_bytes: int = 0, backend: str = "auto") -> dict:
+                 direct_bytes: int = 0, backend: str = "auto", shared: bool = False) -> dict:
+    """shared: the destinations live in memory other processes can map (the CPU stand-in of
+    the direct transport, tests/_direct_fake.py), and only the cases whose receiver pieces
+    are fused run (a staged piece's staging is private memory)."""
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     specs = cases(world, where)
+    if shared:
+        from _direct_fake import shared_poison
+
+        specs = {n: v for n, v in specs.items() if expected_path(n, where, layout_kind, backend) == "fused"}
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return shared_poison(tuple(t.shape), t.dtype).copy_(t) if shared else t.to(dev)
     names = sorted(specs)
     transform = MXFP8(params=names, scale_layout=layout_kind, where=where, rounding=rounding)
     mxfp8.PATHS.clear()
@@ -132,18 +142,18 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
         if rank in dl.mesh:
             local = dl.local_shape(rank)
             # poisoned (never 0): every byte the refit leaves alone or zeroes is visible
-            data = _poison(math.prod(local), n + "data").view(torch.float8_e4m3fn).view(local).to(dev)
+            data = place(_poison(math.prod(local), n + "data")).view(torch.float8_e4m3fn).view(local)
             if layout_kind == "2d":
-                scale = _poison(math.prod(local[:-1]) * -(-local[-1] // 32), n).view(
-                    local[:-1] + (-(-local[-1] // 32),)).to(dev)
+                scale = place(_poison(math.prod(local[:-1]) * -(-local[-1] // 32), n).view(
+                    local[:-1] + (-(-local[-1] // 32),)))
             else:
-                scale = _poison(scale_numel(local, "swizzled"), n).to(dev)
+                scale = place(_poison(scale_numel(local, "swizzled"), n))
             dst[n] = ((data, scale), dl)
     # an unconverted tensor passes through untouched
     bl_src, bl_dst = _L((12,), [0], [Replicate()], F32), _L((12,), list(range(world)), [Shard(0)], F32)
     if rank == 0:
         src["bias"] = (bias_global.clone().to(dev), bl_src)
-    bias_out = torch.empty(bl_dst.local_shape(rank), dtype=F32, device=dev)
+    bias_out = place(torch.empty(bl_dst.local_shape(rank), dtype=F32))
     dst["bias"] = (bias_out, bl_dst)
 
     # small direct_bytes: ops travel straight from/into tensors
@@ -179,7 +189,8 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
                 piece = ref_swizzle(piece.reshape(-1, piece.shape[-1]))
             assert_bytes_equal(scale, piece, f"{n} scale step {step}")
         assert torch.equal(bias_out.cpu(), bl_dst.local_part(bias_global, rank))
-    return {"sent": plan.bytes_sent, "paths": dict(mxfp8.PATHS)}
+    return {"sent": plan.bytes_sent, "paths": dict(mxfp8.PATHS),
+            "direct_peers": plan.transport.direct_peers if plan.backend == "direct" else []}
 
 
 @pytest.mark.parametrize("rounding", ["ceil", "floor"])
@@ -194,6 +205,25 @@ def test_refit_direct_messages(where):
     """Every op big enough to travel as its own message: fused boxes are never sent
     as flat bytes of the tensor, they still pack and unpack."""
     run_ranks(WORLD, refit_worker, where, "2d", "ceil", "cpu", 1)
+
+
+def _fake_direct_worker(rank: int, world: int, layout_kind: str) -> dict:
+    from _direct_fake import release_shared, use_fake_device
+
+    use_fake_device()
+    try:
+        return refit_worker(rank, world, "receiver", layout_kind, "ceil", backend="direct", shared=True)
+    finally:
+        release_shared()
+
+
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+def test_refit_fused_receiver_over_direct_transport(layout_kind):
+    """backend "direct" on the CPU stand-in of the device: senders quantize straight into
+    the receivers' mapped data buffers and place the scales in their mapped scale buffers,
+    whose addresses each receiver sent in its TensorRefs (ptr and side, translated)."""
+    got = run_ranks(WORLD, _fake_direct_worker, layout_kind)
+    assert all(r["direct_peers"] == [p for p in range(WORLD) if p != rank] for rank, r in enumerate(got)), got
 
 
 def bytes_worker(rank: int, world: int, where: str) -> int:

@@ -451,18 +451,18 @@ def _rounds(rank, world):
     for b in range(tables.num_batches):
         for side in (0, 1):
             rounds = [tables.round_messages(b, r, VERIFY_ROUNDS)[side] for r in range(VERIFY_ROUNDS)]
-            cuts += [(b, r, m[2]) for r, ms in enumerate(rounds) for m in ms]
+            cuts += [(b, r, m.bytes) for r, ms in enumerate(rounds) for m in ms]
             pieces = [m for ms in rounds for m in ms]
-            for peer in {m[0] for m in tables.messages(b)[side]}:
-                whole_msgs = [m for m in tables.messages(b)[side] if m[0] == peer]
-                at = iter(sorted((m for m in pieces if m[0] == peer), key=lambda m: m[1]))
-                for _, ptr, n in sorted(whole_msgs, key=lambda m: m[1]):  # each message is its pieces, in order
-                    end = ptr
-                    while end < ptr + n:
-                        _, p, m = next(at)
-                        assert p == end and (p - ptr) % 16384 == 0, (p, ptr)
-                        end += m
-                    assert end == ptr + n
+            for peer in {m.peer for m in tables.messages(b)[side]}:
+                whole_msgs = [m for m in tables.messages(b)[side] if m.peer == peer]
+                at = iter(sorted((m for m in pieces if m.peer == peer), key=lambda m: m.ptr))
+                for whole in sorted(whole_msgs, key=lambda m: m.ptr):  # each message is its pieces, in order
+                    end = whole.ptr
+                    while end < whole.ptr + whole.bytes:
+                        piece = next(at)
+                        assert piece.ptr == end and (piece.ptr - whole.ptr) % 16384 == 0, (piece, whole)
+                        end += piece.bytes
+                    assert end == whole.ptr + whole.bytes
                 assert next(at, None) is None
     assert len(cuts) > VERIFY_ROUNDS, "a 2 MiB message must be cut into rounds (and the small one stays whole)"
     import reshard_ext.transports.cpu as cpu

@@ -78,6 +78,22 @@ int64_t ExecTables::recv_buffer_bytes() const {
   return n;
 }
 
+std::string tensor_ref_error(const TensorRef& ref) {
+  auto error = [&](const auto&... why) {
+    return detail::format(ref.name.empty() ? std::string("TensorRef") : "TensorRef of '" + ref.name + "'", ": ",
+                          why...);
+  };
+  if (dtype_size(ref.dtype) == 0) return error("unknown dtype code ", ref.dtype);
+  if (!ref.shape.empty() && ref.shape.size() != ref.strides.size())
+    return error(ref.strides.size(), " strides for a shape of ", ref.shape.size(), " dims");
+  for (int64_t n : ref.shape)
+    if (n < 0) return error("negative extent ", n, " in its shape");
+  if (ref.grain < 1) return error("grain must be >= 1, got ", ref.grain);
+  if (ref.codec == 0 && (ref.side != 0 || ref.arg != 0 || ref.grain != 1))
+    return error("side, arg and grain are a codec's fields, but codec is 0");
+  return {};
+}
+
 namespace {
 
 // Strides of a piece's coordinates: a codec reading blocks steps `grain` elements along

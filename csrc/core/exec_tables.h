@@ -37,6 +37,11 @@ struct TensorRef {
   int64_t grain = 1;
 };
 
+// What is wrong with `ref` on its own ("" if nothing): an unknown dtype code, strides
+// whose count differs from a given shape, a negative extent, grain < 1, or codec fields
+// (side, arg, grain) without a codec. Named after ref.name where it has one.
+std::string tensor_ref_error(const TensorRef& ref);
+
 // A codec's per-box parameters (rx_box.param); all 0 for a copy.
 struct BoxParams {
   int64_t p[3] = {0, 0, 0};

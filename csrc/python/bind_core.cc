@@ -3,10 +3,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdio>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 
 #include "common/check.h"
+#include "common/dtype.h"
 #include "core/direct.h"
 #include "core/exec_tables.h"
 #include "core/layout.h"
@@ -85,22 +89,158 @@ std::vector<rx_box> pick(const std::vector<rx_box>& boxes, const std::vector<int
   return v;
 }
 
-std::vector<TensorRef> refs_from_py(const py::list& l) {
-  std::vector<TensorRef> out;
-  out.reserve(l.size());
-  for (const auto& item : l) {
-    auto t = item.cast<py::tuple>();
-    TensorRef r{t[0].cast<uint64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int32_t>()};
-    if (t.size() > 3) r.codec = t[3].cast<int32_t>();
-    if (t.size() > 4) r.side = t[4].cast<uint64_t>();
-    if (t.size() > 5) r.arg = t[5].cast<int64_t>();
-    if (t.size() > 6) r.grain = t[6].cast<int64_t>();
-    if (t.size() > 7) r.shape = t[7].cast<std::vector<int64_t>>();
-    if (t.size() > 8) r.name = t[8].cast<std::string>();
-    RX_HOST_ASSERT(r.grain >= 1, "bind: a TensorRef grain must be >= 1, got ", r.grain);
-    out.push_back(std::move(r));
-  }
-  return out;
+TensorRef checked_ref(TensorRef r) {
+  const std::string why = tensor_ref_error(r);
+  if (!why.empty()) throw ReshardError(why);
+  return r;
+}
+
+std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string ints(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+std::string ref_repr(const TensorRef& r) {
+  std::string out = "TensorRef(" + hex(r.ptr) + ", " + ints(r.strides) + ", " + std::to_string(r.dtype) + " (" +
+                    dtype_name(r.dtype) + ")";
+  if (r.codec) out += ", codec=" + hex(static_cast<uint32_t>(r.codec)) + ", side=" + hex(r.side) +
+                      ", arg=" + std::to_string(r.arg) + ", grain=" + std::to_string(r.grain);
+  if (!r.shape.empty()) out += ", shape=" + ints(r.shape);
+  if (!r.name.empty()) out += ", name=" + py::repr(py::str(r.name)).cast<std::string>();
+  return out + ")";
+}
+
+auto ref_fields(const TensorRef& r) {
+  return std::tie(r.ptr, r.strides, r.dtype, r.codec, r.side, r.arg, r.grain, r.shape, r.name);
+}
+
+// The records that cross between Python and the tables: a bound tensor piece, a receiver's
+// piece as a direct sender maps it, a receiver-side conversion and a message of a batch.
+void register_pieces(py::module_& m) {
+  py::class_<TensorRef>(m, "TensorRef",
+                        "One bound tensor piece as the kernels address it (TensorRef, core/exec_tables.h); checked "
+                        "when made: raises ReshardError for an unknown dtype code, strides that do not match "
+                        "`shape`, grain < 1 or codec fields without a codec.")
+      // shape and name, which every bound piece has, may go by position
+      .def(py::init([](uint64_t ptr, std::vector<int64_t> strides, int32_t dtype, std::vector<int64_t> shape,
+                       std::string name, int32_t codec, uint64_t side, int64_t arg, int64_t grain) {
+             return checked_ref(TensorRef{ptr, std::move(strides), dtype, std::move(shape), std::move(name), codec,
+                                          side, arg, grain});
+           }),
+           py::arg("ptr"), py::arg("strides"), py::arg("dtype"), py::arg("shape") = std::vector<int64_t>{},
+           py::arg("name") = "", py::kw_only(), py::arg("codec") = 0, py::arg("side") = 0, py::arg("arg") = 0,
+           py::arg("grain") = 1)
+      .def_static(
+          "many",
+          [](const std::vector<uint64_t>& ptrs, std::vector<std::vector<int64_t>> strides,
+             const std::vector<int32_t>& dtypes, std::vector<std::vector<int64_t>> shapes,
+             std::vector<std::string> names) {
+            const size_t n = ptrs.size();
+            RX_HOST_ASSERT(strides.size() == n && dtypes.size() == n && shapes.size() == n && names.size() == n,
+                           "TensorRef.many: field lists of different lengths");
+            py::list out(n);
+            for (size_t i = 0; i < n; ++i)
+              out[i] = py::cast(checked_ref(TensorRef{ptrs[i], std::move(strides[i]), dtypes[i], std::move(shapes[i]),
+                                                      std::move(names[i])}));
+            return out;
+          },
+          py::arg("ptrs"), py::arg("strides"), py::arg("dtypes"), py::arg("shapes"), py::arg("names"),
+          "The plain refs of many pieces, field by field (one call: a plan makes one per bound tensor, and "
+          "each constructor call costs pybind11's dispatch); each checked as the constructor checks it")
+      .def_readonly("ptr", &TensorRef::ptr, "address of element 0")
+      .def_readonly("strides", &TensorRef::strides, "in elements")
+      .def_readonly("dtype", &TensorRef::dtype, "rx dtype code")
+      .def_readonly("codec", &TensorRef::codec, "rx_box.codec fused into the piece's boxes (0: plain)")
+      .def_readonly("side", &TensorRef::side, "a dst codec's side buffer (MXFP8: scales)")
+      .def_readonly("arg", &TensorRef::arg, "a dst codec's argument (MXFP8: the data rows' length)")
+      .def_readonly("grain", &TensorRef::grain, "elements at ptr per coordinate of the last dim")
+      .def_readonly("shape", &TensorRef::shape, "the piece's shape; empty: unknown (no memory checks)")
+      .def_readonly("name", &TensorRef::name)
+      .def(
+          "replace",
+          [](const TensorRef& r, std::optional<uint64_t> ptr, std::optional<uint64_t> side,
+             std::optional<std::vector<int64_t>> shape, std::optional<std::string> name) {
+            TensorRef out = r;
+            if (ptr) out.ptr = *ptr;
+            if (side) out.side = *side;
+            if (shape) out.shape = std::move(*shape);
+            if (name) out.name = std::move(*name);
+            return checked_ref(std::move(out));
+          },
+          py::kw_only(), py::arg("ptr") = py::none(), py::arg("side") = py::none(), py::arg("shape") = py::none(),
+          py::arg("name") = py::none(),
+          "A copy with the given fields replaced: the piece at a peer's mapping of its memory, or named")
+      .def("__repr__", &ref_repr)
+      .def("__eq__", [](const TensorRef& a, const TensorRef& b) { return ref_fields(a) == ref_fields(b); },
+           py::is_operator())
+      .def(py::pickle(
+          [](const TensorRef& r) {
+            return py::make_tuple(r.ptr, r.strides, r.dtype, r.codec, r.side, r.arg, r.grain, r.shape, r.name);
+          },
+          [](const py::tuple& t) {
+            RX_HOST_ASSERT(t.size() == 9, "TensorRef state has 9 fields, got ", t.size());
+            return checked_ref(TensorRef{t[0].cast<uint64_t>(), t[1].cast<std::vector<int64_t>>(),
+                                         t[2].cast<int32_t>(), t[7].cast<std::vector<int64_t>>(),
+                                         t[8].cast<std::string>(), t[3].cast<int32_t>(), t[4].cast<uint64_t>(),
+                                         t[5].cast<int64_t>(), t[6].cast<int64_t>()});
+          }));
+
+  py::class_<PeerPiece>(m, "PeerPiece",
+                        "A receiver's dst piece as a direct sender writes it (ExecTables.bind_direct): ref in the "
+                        "sender's mapping of the receiver's memory")
+      .def(py::init([](int32_t peer, int32_t dst_name, TensorRef ref) {
+             return PeerPiece{peer, dst_name, std::move(ref)};
+           }),
+           py::arg("peer"), py::arg("dst_name"), py::arg("ref"))
+      .def_readonly("peer", &PeerPiece::peer, "the receiver's group rank")
+      .def_readonly("dst_name", &PeerPiece::dst_name, "dst table index")
+      .def_readonly("ref", &PeerPiece::ref)
+      .def("__repr__", [](const PeerPiece& p) {
+        return "PeerPiece(" + std::to_string(p.peer) + ", " + std::to_string(p.dst_name) + ", " + ref_repr(p.ref) +
+               ")";
+      });
+
+  py::class_<ReceiverCodec>(m, "ReceiverCodec",
+                            "How the receiver of a dst converts it after it lands (ReceiverCodec, "
+                            "core/exec_tables.h): what verify digests of the boxes into it cover")
+      .def(py::init([](int32_t digest, int64_t grain, int32_t dtype) {
+             RX_USER_CHECK(grain >= 1, "ReceiverCodec: grain must be >= 1, got ", grain);
+             RX_USER_CHECK(dtype_size(dtype) != 0, "ReceiverCodec: unknown dtype code ", dtype);
+             return ReceiverCodec{digest, grain, dtype};
+           }),
+           py::arg("digest"), py::arg("grain"), py::arg("dtype"))
+      .def_readonly("digest", &ReceiverCodec::digest, "rx_box.digest of a copy into the tensor (RX_DIGEST_CODEC)")
+      .def_readonly("grain", &ReceiverCodec::grain, "the codec's block along the last dim")
+      .def_readonly("dtype", &ReceiverCodec::dtype, "the rx dtype code the boxes must read")
+      .def("__repr__", [](const ReceiverCodec& c) {
+        return "ReceiverCodec(digest=" + hex(static_cast<uint32_t>(c.digest)) + ", grain=" + std::to_string(c.grain) +
+               ", dtype=" + std::to_string(c.dtype) + ")";
+      })
+      .def("__eq__", [](const ReceiverCodec& a, const ReceiverCodec& b) {
+        return std::tie(a.digest, a.grain, a.dtype) == std::tie(b.digest, b.grain, b.dtype);
+      }, py::is_operator());
+
+  py::class_<Message>(m, "Message", "One point-to-point message of a batch (Message, core/exec_tables.h)")
+      .def(py::init([](int32_t peer, uint64_t ptr, int64_t bytes, bool own) { return Message{peer, ptr, bytes, own}; }),
+           py::arg("peer"), py::arg("ptr"), py::arg("bytes"), py::kw_only(), py::arg("own") = false)
+      .def_readonly("peer", &Message::peer, "group rank of the other end")
+      .def_readonly("ptr", &Message::ptr, "address of the bytes: staging, or the tensor itself")
+      .def_readonly("bytes", &Message::bytes)
+      .def_readonly("own", &Message::own, "one op of at least direct_bytes alone")
+      .def("__repr__", [](const Message& x) {
+        return "Message(peer=" + std::to_string(x.peer) + ", ptr=" + hex(x.ptr) + ", bytes=" + std::to_string(x.bytes) +
+               (x.own ? ", own=True)" : ")");
+      })
+      .def("__eq__", [](const Message& a, const Message& b) {
+        return std::tie(a.peer, a.ptr, a.bytes, a.own) == std::tie(b.peer, b.ptr, b.bytes, b.own);
+      }, py::is_operator());
 }
 
 // Core builds codec boxes without reading their codec's fields: the codec's own checks
@@ -122,6 +262,7 @@ void check_codec_boxes(const ExecTables& t) {
 }  // namespace
 
 void register_core(py::module_& m) {
+  register_pieces(m);
   py::class_<Mesh, std::shared_ptr<Mesh>>(m, "Mesh")
       .def(py::init<std::vector<int64_t>, std::vector<int32_t>>(), py::arg("shape"), py::arg("ranks"))
       .def_property_readonly("shape", &Mesh::shape)
@@ -294,37 +435,28 @@ void register_core(py::module_& m) {
       .def_property_readonly("send_buffer_bytes", &ExecTables::send_buffer_bytes)
       .def_property_readonly("recv_buffer_bytes", &ExecTables::recv_buffer_bytes)
       .def("bind",
-           [](ExecTables& t, const py::list& src, const py::list& dst, const std::vector<uint64_t>& send_bufs,
-              const std::vector<uint64_t>& recv_bufs, int64_t direct_bytes,
-              const std::unordered_map<int32_t, std::tuple<int32_t, int64_t, int32_t>>& codec_receivers) {
-             std::unordered_map<int32_t, ReceiverCodec> rc;
-             for (const auto& [i, v] : codec_receivers)
-               rc[i] = ReceiverCodec{std::get<0>(v), std::get<1>(v), std::get<2>(v)};
-             t.bind(refs_from_py(src), refs_from_py(dst), send_bufs, recv_bufs, direct_bytes, rc);
+           [](ExecTables& t, const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
+              const std::vector<uint64_t>& send_bufs, const std::vector<uint64_t>& recv_bufs, int64_t direct_bytes,
+              const std::unordered_map<int32_t, ReceiverCodec>& codec_receivers) {
+             t.bind(src, dst, send_bufs, recv_bufs, direct_bytes, codec_receivers);
              check_codec_boxes(t);
            },
            py::arg("src"), py::arg("dst"), py::arg("send_bufs"), py::arg("recv_bufs"), py::arg("direct_bytes") = 0,
-           py::arg("codec_receivers") = std::unordered_map<int32_t, std::tuple<int32_t, int64_t, int32_t>>{},
-           "src/dst: lists of (data_ptr, strides, dtype_code[, codec, side_ptr, arg, grain[, shape[, name]]]) "
-           "aligned with src_used/dst_used (TensorRef, core/exec_tables.h); codec_receivers: {dst table index: "
-           "(digest, grain, dtype_code)} of the tensors the receiver converts with a codec after they land "
+           py::arg("codec_receivers") = std::unordered_map<int32_t, ReceiverCodec>{},
+           "src/dst: TensorRefs aligned with src_used/dst_used; codec_receivers: {dst table index: "
+           "ReceiverCodec} of the tensors the receiver converts with a codec after they land "
            "(verify digests cover the converted bytes); raises ReshardError where pieces break the memory rules")
       .def("whole_group_dsts", &ExecTables::whole_group_dsts, py::arg("src_dtypes"), py::arg("group"),
            py::arg("dtype"),
            "Positions in dst_used of the pieces whose every incoming box reads `dtype` and keeps "
            "`group`-element blocks of the last dim whole (where a block codec's dst may bind).")
       .def("messages", [](const ExecTables& t, int32_t b) {
-        py::list s, r;
-        for (const auto& m : t.send_messages(b)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));
-        for (const auto& m : t.recv_messages(b)) r.append(py::make_tuple(m.peer, m.ptr, m.bytes));
-        return py::make_tuple(s, r);
-      }, "([(peer, ptr, bytes)] sends, [...] recvs) of batch b, in the order both ends post them")
+        // copies: the tables rebuild their message lists when the plan binds again
+        const auto copy = py::return_value_policy::copy;
+        return py::make_tuple(py::cast(t.send_messages(b), copy), py::cast(t.recv_messages(b), copy));
+      }, py::arg("b"), "([Message] sends, [Message] recvs) of batch b, in the order both ends post them")
       .def("round_messages", [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, int64_t piece) {
-        py::list s, rv;
-        for (const auto& m : t.round_messages(b, true, r, rounds, piece)) s.append(py::make_tuple(m.peer, m.ptr, m.bytes));
-        for (const auto& m : t.round_messages(b, false, r, rounds, piece))
-          rv.append(py::make_tuple(m.peer, m.ptr, m.bytes));
-        return py::make_tuple(s, rv);
+        return py::make_tuple(t.round_messages(b, true, r, rounds, piece), t.round_messages(b, false, r, rounds, piece));
       }, py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("piece") = 0,
       "messages(b) of verify round r of `rounds` (or of `piece` bytes: ExecTables::round_messages)")
       .def("piece_rounds", &ExecTables::piece_rounds, py::arg("b"), py::arg("piece"),
@@ -370,21 +502,13 @@ void register_core(py::module_& m) {
       }, py::arg("parts"), "copy_boxes cut into `parts` tables of about equal bytes, in order")
       .def(
           "bind_direct",
-          [](ExecTables& t, const py::list& src, const py::list& pieces) {
-            std::vector<PeerPiece> v;
-            for (const auto& item : pieces) {
-              auto tup = item.cast<py::tuple>();
-              RX_HOST_ASSERT(tup.size() == 3, "bind_direct pieces are (peer, dst_name, ref) tuples");
-              py::list one;
-              one.append(tup[2]);
-              v.push_back(PeerPiece{tup[0].cast<int32_t>(), tup[1].cast<int32_t>(), refs_from_py(one)[0]});
-            }
-            t.bind_direct(refs_from_py(src), v);
+          [](ExecTables& t, const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces) {
+            t.bind_direct(src, pieces);
             check_codec_boxes(t.direct());
           },
           py::arg("src"), py::arg("pieces"),
-          "src: as for bind; pieces: (peer, dst table index, ref) of every receiver piece this rank writes into "
-          "directly, ref = (ptr, strides, dtype[, codec, side_ptr, arg, grain]) in this process's addresses")
+          "src: as for bind; pieces: the PeerPiece of every receiver piece this rank writes into directly, its ref "
+          "in this process's addresses")
       .def("direct_boxes", [](const ExecTables& t) { return boxes_bytes(t.direct()); })
       .def("direct_recv_pieces", &ExecTables::direct_recv_pieces,
            "(peer, position in dst_used) of every dst piece a peer writes into directly")

@@ -37,19 +37,6 @@ py::array_t<uint64_t> to_array(const std::vector<uint64_t>& v) {
 
 void register_executor(py::module_& m) {
   m.attr("VERIFY_ROUNDS") = Executor::kVerifyRounds;
-  py::class_<Message>(m, "Message", "One point-to-point message of a batch (core/exec_tables.h).")
-      .def(py::init([](int32_t peer, uint64_t ptr, int64_t bytes) { return Message{peer, ptr, bytes, false}; }),
-           py::arg("peer"), py::arg("ptr"), py::arg("bytes"))
-      .def_readonly("peer", &Message::peer)
-      .def_readonly("ptr", &Message::ptr)
-      .def_readonly("bytes", &Message::bytes)
-      .def("__eq__",
-           [](const Message& a, const Message& b) { return a.peer == b.peer && a.ptr == b.ptr && a.bytes == b.bytes; })
-      .def("__repr__", [](const Message& x) {
-        return "Message(peer=" + std::to_string(x.peer) + ", ptr=" + std::to_string(x.ptr) +
-               ", bytes=" + std::to_string(x.bytes) + ")";
-      });
-
   py::class_<RecordingLog, std::shared_ptr<RecordingLog>>(m, "RecordingLog",
                                                           "What a recording device and transport were asked, in order.")
       .def(py::init<>())

@@ -113,10 +113,9 @@ def codec(kind: int, rounding: str, layout: str = "2d") -> int:
     return kind | ROUNDINGS[rounding] << 8 | SCALE_LAYOUTS[layout] << 16
 
 
-def receiver_digest(rounding: str) -> tuple[int, int, int]:
-    """How verify digests a BF16 copy whose receiver quantizes it after it lands:
-    (rx_box.digest, block along the last dim, dtype code the boxes must read)."""
-    return int(_C.DIGEST_MX) | ROUNDINGS[rounding] << 8, BLOCK, code_of(torch.bfloat16)
+def receiver_digest(rounding: str) -> _C.ReceiverCodec:
+    """How verify digests a BF16 copy whose receiver quantizes it after it lands."""
+    return _C.ReceiverCodec(int(_C.DIGEST_MX) | ROUNDINGS[rounding] << 8, BLOCK, code_of(torch.bfloat16))
 
 
 # ---- pieces that quantize inside the box kernels --------------------------------------
@@ -152,18 +151,19 @@ class ReceivedData(Piece):
         self.scale_layout, self.rounding = scale_layout, rounding
         self.staging: torch.Tensor | None = None
 
-    def ref(self, whole: bool) -> tuple:
+    def ref(self, whole: bool) -> _C.TensorRef:
         PATHS[("dst", self.name)] = "fused" if whole else "staged"
         if whole:
             self.staging = None
             cols = self.shape[-1]
             if self.scale_layout == "swizzled":
                 _zero_swizzled_padding(self.scale, math.prod(self.shape[:-1]), scale_cols(cols))
-            return (self.data.data_ptr(), list(self.data.stride()), code_of(self.data.dtype),
-                    codec(int(_C.BOX_MX_DATA), self.rounding, self.scale_layout), self.scale.data_ptr(), cols)
+            return _C.TensorRef(self.data.data_ptr(), self.data.stride(), code_of(self.data.dtype),
+                                codec=codec(int(_C.BOX_MX_DATA), self.rounding, self.scale_layout),
+                                side=self.scale.data_ptr(), arg=cols)
         if self.staging is None:
             self.staging = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
-        return (self.staging.data_ptr(), list(self.staging.stride()), code_of(torch.bfloat16))
+        return _C.TensorRef(self.staging.data_ptr(), self.staging.stride(), code_of(torch.bfloat16))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.given, self.scale)
@@ -184,9 +184,9 @@ class SentFromSource(Piece):
         # A scale coordinate reads a whole block of the source's last dim.
         self.grain = BLOCK if kind == int(_C.BOX_MX_SCALE) else 1
 
-    def ref(self, whole: bool) -> tuple:
-        return (self.source.data_ptr(), list(self.source.stride()), code_of(torch.bfloat16), self.codec, 0, 0,
-                self.grain)
+    def ref(self, whole: bool) -> _C.TensorRef:
+        return _C.TensorRef(self.source.data_ptr(), self.source.stride(), code_of(torch.bfloat16), codec=self.codec,
+                            grain=self.grain)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.source,)

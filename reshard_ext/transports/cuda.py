@@ -220,9 +220,9 @@ class CudaTransport:
         ranges = {(lo, hi - lo) for lo, hi in staging}
         for b in range(self._tables.num_batches):
             sends, recvs = self._tables.messages(b)
-            for _, ptr, n in sends + recvs:
-                if n > 0 and not any(lo <= ptr and ptr + n <= hi for lo, hi in staging):
-                    ranges.add((ptr, n))
+            for m in sends + recvs:
+                if m.bytes > 0 and not any(lo <= m.ptr and m.ptr + m.bytes <= hi for lo, hi in staging):
+                    ranges.add((m.ptr, m.bytes))
         self._registered = [self.comm.register_buffer(p, n) for p, n in sorted(ranges)]
 
     def deregister(self) -> None:
@@ -237,8 +237,8 @@ class CudaTransport:
         except Exception:  # noqa: BLE001 - interpreter shutdown or a failed communicator
             pass
 
-    def transfers(self, b: int) -> tuple[list, list]:
-        """(sends, recvs) of batch b as (peer, device ptr, bytes)."""
+    def transfers(self, b: int) -> tuple[list[_C.Message], list[_C.Message]]:
+        """(sends, recvs) of batch b (ExecTables.messages)."""
         return self._tables.messages(b)
 
     def _verified(self) -> None:

@@ -214,7 +214,7 @@ class DirectTransport:
                 failed.add(pair(self.rank, peer))
         return failed
 
-    def _exports(self, tables: Any, dst_refs: list[tuple]) -> tuple[dict[int, Any], set[Pair]]:
+    def _exports(self, tables: Any, dst_refs: list[_C.TensorRef]) -> tuple[dict[int, Any], set[Pair]]:
         """For each peer that writes into this rank directly, its pieces with every pointer
         as (index into a handle list, offset): {peer: (handles, [(dst_name, ref)])}; and the
         pairs whose memory CUDA IPC cannot share."""
@@ -232,7 +232,7 @@ class DirectTransport:
             if pair(self.rank, peer) in failed:
                 continue
             ref = dst_refs[pos]
-            ptrs = [ref[0]] + ([ref[4]] if len(ref) > 4 and ref[4] else [])
+            ptrs = [ref.ptr] + ([ref.side] if ref.side else [])
             got = [export(p) for p in ptrs]
             bad = [g for g in got if isinstance(g, str)]
             if bad:
@@ -252,7 +252,9 @@ class DirectTransport:
     def _open(self, gathered_exports: Sequence[dict[int, Any]], direct: set[Pair]) -> tuple[list, list, set[Pair]]:
         """Maps what each direct receiver exposed to this rank. Returns (pieces for
         bind_direct, mapped [base, end) ranges, pairs that failed)."""
-        pieces, ranges, failed = [], [], set()
+        pieces: list[_C.PeerPiece] = []
+        ranges: list[tuple[int, int]] = []
+        failed: set[Pair] = set()
         maps: list[Any] = []
         for peer in peers_of(direct, self.rank):
             handles, peer_pieces = gathered_exports[peer].get(self.rank, ([], []))
@@ -264,12 +266,11 @@ class DirectTransport:
                 continue
             maps += opened
             for dst_name, ref, where in peer_pieces:
-                mapped = list(ref)
                 # the data pointer, then a codec's side buffer (MXFP8 scales)
-                for slot, (i, offset, size) in zip((0, 4), where):
-                    mapped[slot] = opened[i].base + offset
-                    ranges.append((opened[i].base, opened[i].base + size))
-                pieces.append((peer, dst_name, tuple(mapped)))
+                addrs = [opened[i].base + offset for i, offset, _ in where]
+                ranges += [(opened[i].base, opened[i].base + size) for i, _, size in where]
+                mapped = ref.replace(ptr=addrs[0], side=addrs[1] if len(addrs) > 1 else None)
+                pieces.append(_C.PeerPiece(peer, dst_name, mapped))
         self._maps = maps
         return pieces, ranges, failed
 
@@ -319,7 +320,7 @@ class DirectTransport:
                 self.signals.unlink_page()  # every peer has mapped it by now
                 first = False
             dead = agree([(e, f) for e, f, _ in got])
-            pieces: list = []
+            pieces: list[_C.PeerPiece] = []
             ranges: list = []
             try:
                 pieces, ranges, open_failed = self._open([x for _, _, x in got], self.pairs - dead)
@@ -335,8 +336,8 @@ class DirectTransport:
         self._finish(plan, split, refs, pieces, ranges, max(k for _, _, k, _ in got2),
                      any(n for *_, n in got2))
 
-    def _finish(self, plan: Any, split: Any, refs: tuple[list, list], pieces: list, ranges: list, k: int,
-                nccl_anywhere: bool) -> None:
+    def _finish(self, plan: Any, split: Any, refs: tuple[list, list], pieces: list[_C.PeerPiece], ranges: list,
+                k: int, nccl_anywhere: bool) -> None:
         src_refs, dst_refs = refs
         # Every rank knows nccl_anywhere alike: creating the NCCL communicator is collective.
         if self.inner is None or (nccl_anywhere and getattr(self.inner, "comm", None) is None):
@@ -354,7 +355,7 @@ class DirectTransport:
             if hi > lo and not any(a <= lo and hi <= b for a, b in mapped):
                 raise ReshardError(f"rank {self.rank}: a direct write [{lo:#x}, {hi:#x}) falls outside every "
                                    f"mapped peer allocation (internal error)")
-        receivers = sorted({p for p, _, _ in pieces})
+        receivers = sorted({p.peer for p in pieces})
         senders = sorted({p for p, _ in tables.direct_recv_pieces()})
         self.nccl_peers = sorted({op[1] for op in split.sends()} | {op[1] for op in split.recvs()})
         self.staging_bytes = self.inner.staging_bytes  # of the NCCL pairs, every pipelined copy

@@ -46,7 +46,7 @@ def check_one_message_per_pair(tables: Any, rank: int) -> None:
     forever. The planner's op order (by peer) makes one run per pair; this is its guard."""
     for b in range(tables.num_batches):
         for side, verb in ((0, "sends"), (1, "receives")):
-            peers = [peer for peer, _, n in tables.messages(b)[side] if n > 0]
+            peers = [m.peer for m in tables.messages(b)[side] if m.bytes > 0]
             twice = sorted({p for p in peers if peers.count(p) > 1})
             if twice:
                 raise InternalError(f"NVSHMEM plan: rank {rank} {verb} {peers.count(twice[0])} messages "
@@ -141,9 +141,9 @@ class NvshmemTransport(CudaTransport):
         base = self._layout[0]
         out: dict[int, list[tuple[int, int, int]]] = {}
         for b in range(tables.num_batches):
-            for peer, ptr, n in tables.messages(b)[1]:
-                if n > 0:
-                    out.setdefault(peer, []).append((b, ptr - base, n))
+            for m in tables.messages(b)[1]:
+                if m.bytes > 0:
+                    out.setdefault(m.peer, []).append((b, m.ptr - base, m.bytes))
         return out
 
     def _set_batches(self, tables: Any, offsets: list[dict]) -> None:
@@ -154,9 +154,8 @@ class NvshmemTransport(CudaTransport):
         recvs: list[list[int]] = [[] for _ in range(tables.num_batches)]
         for b in range(tables.num_batches):
             out, inc = tables.messages(b)
-            for peer, ptr, n in (m for m in out if m[2] > 0):
-                sends[b].append((peer, ptr, n))
-            recvs[b] = [self.pe_of[peer] for peer, _, n in inc if n > 0]
+            sends[b] = [(m.peer, m.ptr, m.bytes) for m in out if m.bytes > 0]
+            recvs[b] = [self.pe_of[m.peer] for m in inc if m.bytes > 0]
         for peer in {p for batch in sends for p, _, _ in batch}:
             theirs = offsets[peer].get(me, [])
             ours = [(b, n) for b, batch in enumerate(sends) for p, _, n in batch if p == peer]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from ..errors import ReshardError
 
 
@@ -21,11 +22,12 @@ def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tenso
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
 
 
-def message_ops(messages: tuple[list, list], buffers: list[torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
-    """(kind, peer, byte view) of a batch's (peer, ptr, bytes) messages, in posting order."""
+def message_ops(messages: tuple[list[_C.Message], list[_C.Message]],
+                buffers: list[torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
+    """(kind, peer, byte view) of a batch's messages (ExecTables.messages), in posting order."""
     sends, recvs = messages
-    return [("send", peer, byte_view(ptr, n, buffers)) for peer, ptr, n in sends] + \
-        [("recv", peer, byte_view(ptr, n, buffers)) for peer, ptr, n in recvs]
+    return [("send", m.peer, byte_view(m.ptr, m.bytes, buffers)) for m in sends] + \
+        [("recv", m.peer, byte_view(m.ptr, m.bytes, buffers)) for m in recvs]
 
 
 class P2PExchange:
@@ -44,15 +46,15 @@ class P2PExchange:
             g = self._global[group_rank] = dist.get_global_rank(self.group, group_rank)
         return g
 
-    def views(self, messages: tuple[list, list], buffers: list[torch.Tensor]) -> list[Any]:
-        """Turns (peer, ptr, bytes) messages into P2P ops once, at bind time."""
+    def views(self, messages: tuple[list[_C.Message], list[_C.Message]], buffers: list[torch.Tensor]) -> list[Any]:
+        """Turns a batch's messages (ExecTables.messages) into P2P ops once, at bind time."""
         sends, recvs = messages
         return [
-            dist.P2POp(dist.isend, byte_view(ptr, n, buffers), self.global_rank(peer), self.group)
-            for peer, ptr, n in sends
+            dist.P2POp(dist.isend, byte_view(m.ptr, m.bytes, buffers), self.global_rank(m.peer), self.group)
+            for m in sends
         ] + [
-            dist.P2POp(dist.irecv, byte_view(ptr, n, buffers), self.global_rank(peer), self.group)
-            for peer, ptr, n in recvs
+            dist.P2POp(dist.irecv, byte_view(m.ptr, m.bytes, buffers), self.global_rank(m.peer), self.group)
+            for m in recvs
         ]
 
     @staticmethod
