@@ -61,6 +61,9 @@ def _transport(tables: Any, rounds: bool = False, max_blocks: int = 0, trace: bo
 @pytest.fixture(autouse=True)
 def _main_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": MAIN})())
+    # where torch has CUDA, executes read the stream through its raw getter: the recording's here
+    monkeypatch.setattr(cuda_transport, "_RAW_STREAM", lambda device: MAIN)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
 
 
 def _session() -> Session:
