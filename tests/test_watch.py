@@ -155,19 +155,49 @@ def test_watch_reads_subclasses_through_python_beside_the_fast_path():
 BIG = 5000  # above the size where helper threads share the check
 
 
+CHUNK = 512  # tensors a thread takes at a time (bind_watch.cc kChunk)
+
+
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "shim"])
 @pytest.mark.parametrize("threads", [2, 4, 7])
-def test_a_threaded_check_finds_changes_at_its_parts_edges(raw, threads):
+def test_a_threaded_check_finds_changes_at_its_chunks_edges(raw, threads):
     layout = _layout(raw)
     ts = [torch.arange(4.0 + i % 3)[i % 2:] for i in range(BIG)]
     w = _C.DataPtrWatch(watch.DATA_PTR_FN, ts, layout, threads)
     assert w.changed() == []
-    edges = sorted({min(max(BIG * p // k + d, 0), BIG - 1) for k in range(2, 8) for p in range(k + 1) for d in (-1, 0)})
+    edges = sorted({min(max(c * CHUNK + d, 0), BIG - 1) for c in range(BIG // CHUNK + 2) for d in (-1, 0, 1)})
     hows = ("data", "grow", "free_storage", "offset", "shift", "empty")
     for i, pos in enumerate(edges):
         _change(ts[pos], hows[i % len(hows)])
     assert w.changed() == edges
     assert w.changed() == edges
+
+
+def test_threaded_checks_back_to_back_and_from_two_threads():
+    # Runs follow each other faster than helpers wake, and two plans may check at once.
+    import threading
+
+    if not watch.DATA_PTR_FN:
+        pytest.skip("this torch exports no C data_ptr reader")
+    layout = watch._discover()
+    sets = [[torch.zeros(2) for _ in range(BIG)] for _ in range(2)]
+    watches = [_C.DataPtrWatch(watch.DATA_PTR_FN, ts, layout, 4) for ts in sets]
+    sets[1][777].data = torch.zeros(3)
+    want = [[], [777]]
+    errors: list[str] = []
+
+    def check(k: int) -> None:
+        for _ in range(150):
+            got = watches[k].changed()
+            if got != want[k]:
+                errors.append(f"watch {k}: {got}")
+
+    threads = [threading.Thread(target=check, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
 
 
 def test_a_threaded_check_works_in_a_forked_child():

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -44,9 +45,12 @@ constexpr int64_t kStorageBytes = 64;
 
 // Below this many tensors one thread checks them all: waking helpers would cost more.
 constexpr size_t kParallelMin = 4096;
+// Tensors per chunk that a thread takes at a time: many chunks per thread, so that threads
+// waking late still share the work; long enough for the prefetch to pay within a chunk.
+constexpr size_t kChunk = 512;
 
 // Helper threads for the check of large watches: its loop is bound by the memory latency one
-// core can hide, so parts checked on several cores at once finish sooner. Made on first use,
+// core can hide, so chunks checked on several cores at once finish sooner. Made on first use,
 // asleep between checks, kept for the process (a forked child makes its own).
 class CheckPool {
  public:
@@ -65,40 +69,56 @@ class CheckPool {
 
   size_t helpers() const { return helpers_; }
 
-  // Runs part(0) .. part(parts - 1) at once, part(0) on the caller; parts <= helpers() + 1.
-  void run(size_t parts, const std::function<void(size_t)>& part) {
+  // Runs chunk(0) .. chunk(chunks - 1), each once, on the caller and up to `helpers` helpers
+  // that wake while chunks remain (they take the next one as they come: a helper that wakes late
+  // leaves the caller no idle wait). Returns when every chunk has run.
+  void run(size_t chunks, size_t helpers, const std::function<void(size_t)>& chunk) {
     std::lock_guard<std::mutex> one_run(run_mu_);
+    auto job = std::make_shared<Job>(chunk, chunks, helpers);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      part_ = &part;
-      parts_ = parts;
-      pending_.store(parts - 1);
+      job_ = job;
       ++generation_;
     }
     cv_.notify_all();
-    part(0);
-    while (pending_.load() != 0) std::this_thread::yield();
+    job->drain();
+    while (job->done.load(std::memory_order_acquire) != chunks) std::this_thread::yield();
+    std::lock_guard<std::mutex> lock(mu_);
+    job_.reset();
   }
 
  private:
+  // One run's chunks. A helper that wakes after the run ended finds none left to take, so
+  // it never calls `chunk` (a reference into the finished caller's frame).
+  struct Job {
+    Job(const std::function<void(size_t)>& c, size_t n, size_t h) : chunk(c), chunks(n), helpers(h) {}
+    void drain() {
+      for (size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+        chunk(c);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+    const std::function<void(size_t)>& chunk;
+    const size_t chunks;
+    const size_t helpers;  // how many helpers may join
+    std::atomic<size_t> next{0}, done{0}, joined{0};
+  };
+
   explicit CheckPool(size_t helpers) : helpers_(helpers) {
-    for (size_t i = 1; i <= helpers; ++i) std::thread([this, i] { work(i); }).detach();
+    for (size_t i = 0; i < helpers; ++i) std::thread([this] { work(); }).detach();
   }
 
-  void work(size_t index) {
+  void work() {
     uint64_t seen = 0;
     while (true) {
-      const std::function<void(size_t)>* part = nullptr;
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return generation_ != seen; });
         seen = generation_;
-        if (index < parts_) part = part_;
+        job = job_;
       }
-      if (part != nullptr) {
-        (*part)(index);
-        pending_.fetch_sub(1);
-      }
+      if (job && job->joined.fetch_add(1) < job->helpers) job->drain();
     }
   }
 
@@ -107,9 +127,7 @@ class CheckPool {
   std::mutex mu_;
   std::condition_variable cv_;
   uint64_t generation_ = 0;
-  size_t parts_ = 0;
-  const std::function<void(size_t)>* part_ = nullptr;
-  std::atomic<size_t> pending_{0};
+  std::shared_ptr<Job> job_;  // the run in progress, if any
 };
 
 // Byte offsets of the words data_ptr is computed from.
@@ -169,15 +187,15 @@ class DataPtrWatch {
     const size_t n = entries_.size();
     if (threads_ < 2 || n < kParallelMin) return changed_in(0, n);
     CheckPool& pool = CheckPool::get(threads_ - 1);
-    const size_t parts = std::min(threads_, pool.helpers() + 1);
-    std::vector<std::vector<int64_t>> found(parts);
-    pool.run(parts, [&](size_t p) { found[p] = changed_in(n * p / parts, n * (p + 1) / parts); });
+    const size_t chunks = (n + kChunk - 1) / kChunk;
+    std::vector<std::vector<int64_t>> found(chunks);
+    pool.run(chunks, threads_ - 1, [&](size_t c) { found[c] = changed_in(c * kChunk, std::min(n, (c + 1) * kChunk)); });
     std::vector<int64_t> out;
     for (const auto& f : found) out.insert(out.end(), f.begin(), f.end());
     return out;
   }
 
-  // changed() over entries [begin, end): touches those entries only, so parts run at once.
+  // changed() over entries [begin, end): touches those entries only, so chunks run at once.
   std::vector<int64_t> changed_in(size_t begin, size_t end) {
     std::vector<int64_t> out;
     Entry* e = entries_.data();
