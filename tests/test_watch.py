@@ -239,3 +239,26 @@ def test_importing_the_package_makes_no_cuda_context(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_the_helper_pool_grows_to_the_most_threads_asked(tmp_path):
+    if not watch.DATA_PTR_FN or not os.path.isdir("/proc/self/task"):
+        pytest.skip("no C data_ptr reader, or no /proc")
+    import reshard_ext
+
+    code = """
+import os, torch
+from reshard_ext import _C, watch
+ts = [torch.zeros(2) for _ in range(5000)]
+tasks = lambda: len(os.listdir("/proc/self/task"))
+counts = [tasks()]
+for threads in (3, 2, 6):
+    assert _C.DataPtrWatch(watch.DATA_PTR_FN, ts, watch.RAW_LAYOUT, threads).changed() == []
+    counts.append(tasks())
+print([c - counts[0] for c in counts[1:]])
+"""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(reshard_ext.__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[2, 2, 5]"  # helpers: 2 for 3 threads, none more for 2, 3 more for 6

@@ -54,20 +54,19 @@ constexpr size_t kChunk = 512;
 // asleep between checks, kept for the process (a forked child makes its own).
 class CheckPool {
  public:
-  // The pool with `helpers` threads (the first call's count; later calls share it).
+  // The pool, with at least `helpers` threads (it grows to the most any call asked for).
   static CheckPool& get(size_t helpers) {
     static std::mutex made;
     static CheckPool* pool = nullptr;
     static pid_t owner = 0;
     std::lock_guard<std::mutex> lock(made);
     if (pool == nullptr || owner != getpid()) {  // after fork() the parent's threads are gone
-      pool = new CheckPool(helpers);             // never deleted: its threads live until exit
+      pool = new CheckPool();                    // never deleted: its threads live until exit
       owner = getpid();
     }
+    for (; pool->helpers_ < helpers; ++pool->helpers_) std::thread([p = pool] { p->work(); }).detach();
     return *pool;
   }
-
-  size_t helpers() const { return helpers_; }
 
   // Runs chunk(0) .. chunk(chunks - 1), each once, on the caller and up to `helpers` helpers
   // that wake while chunks remain (they take the next one as they come: a helper that wakes late
@@ -104,9 +103,7 @@ class CheckPool {
     std::atomic<size_t> next{0}, done{0}, joined{0};
   };
 
-  explicit CheckPool(size_t helpers) : helpers_(helpers) {
-    for (size_t i = 0; i < helpers; ++i) std::thread([this] { work(); }).detach();
-  }
+  CheckPool() = default;
 
   void work() {
     uint64_t seen = 0;
@@ -122,7 +119,7 @@ class CheckPool {
     }
   }
 
-  const size_t helpers_;
+  size_t helpers_ = 0;  // threads started (under get()'s lock)
   std::mutex run_mu_;  // one check at a time (two plans may check from two threads)
   std::mutex mu_;
   std::condition_variable cv_;
