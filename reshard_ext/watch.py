@@ -9,7 +9,7 @@ import logging
 import operator
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -94,11 +94,10 @@ def _discover() -> tuple[int, int, int, int] | None:
              _offset(probes, impl, _IMPL_WORDS, lambda t: int(t.storage_offset())),
              _offset(probes, impl, _IMPL_WORDS, lambda t: int(t.numel())),
              _offset(probes, storage, _STORAGE_WORDS, lambda t: t.untyped_storage().data_ptr())]
-    offsets = [f for f in found if f is not None]
-    if len(offsets) != len(found):
+    if None in found:
         log.debug("bound-storage check: no raw layout found on the probes (%s)", found)
         return None
-    return offsets[0], offsets[1], offsets[2], offsets[3]
+    return cast(tuple[int, int, int, int], tuple(found))
 
 
 def _raw_layout(fn: int) -> tuple[int, int, int, int] | None:
@@ -115,7 +114,7 @@ def _raw_layout(fn: int) -> tuple[int, int, int, int] | None:
     return None
 
 
-RAW_LAYOUT = _raw_layout(DATA_PTR_FN)  # None: a shim call per tensor (tests set it to None to run that path)
+RAW_LAYOUT = _raw_layout(DATA_PTR_FN)  # None: a shim call per tensor
 log.debug("bound-storage check: %s", ("one C++ loop over raw words, torch's C shim where one moved" if RAW_LAYOUT else
           "one C++ loop over torch's C shim") if DATA_PTR_FN else "Tensor.data_ptr per tensor")
 

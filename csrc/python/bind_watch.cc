@@ -169,7 +169,8 @@ class DataPtrWatch {
     entries_.reserve(tensors.size());
     for (const auto& t : tensors) {
       const std::string item = "DataPtrWatch: item " + std::to_string(entries_.size());
-      if (!py::hasattr(t, "_cdata") || !py::hasattr(t, "untyped_storage")) throw py::type_error(item + " is not a tensor");
+      if (!py::hasattr(t, "_cdata") || !py::hasattr(t, "untyped_storage"))
+        throw py::type_error(item + " is not a tensor");
       Entry e{};
       e.impl = reinterpret_cast<void*>(cdata(t.ptr()));
       if (e.impl == nullptr || !shim_read(e.impl, &e.ptr)) throw py::type_error(item + " has no readable data_ptr");
@@ -186,7 +187,8 @@ class DataPtrWatch {
     CheckPool& pool = CheckPool::get(threads_ - 1);
     const size_t chunks = (n + kChunk - 1) / kChunk;
     std::vector<std::vector<int64_t>> found(chunks);
-    pool.run(chunks, threads_ - 1, [&](size_t c) { found[c] = changed_in(c * kChunk, std::min(n, (c + 1) * kChunk)); });
+    pool.run(chunks, threads_ - 1,
+             [&](size_t c) { found[c] = changed_in(c * kChunk, std::min(n, (c + 1) * kChunk)); });
     std::vector<int64_t> out;
     for (const auto& f : found) out.insert(out.end(), f.begin(), f.end());
     return out;
@@ -277,8 +279,8 @@ void register_watch(py::module_& m) {
                            "The data pointers of a list of tensors (exact torch.Tensor / nn.Parameter), read with "
                            "`fn` (the address of torch's C shim aoti_torch_get_data_ptr) now and again by changed(); "
                            "`raw`: byte offsets (TensorImpl storage, storage offset, numel; StorageImpl data) of the "
-                           "words compared first, each tensor's shim read only where one moved; `threads`: how many threads check a "
-                           "large watch at once (the caller and helpers of a process-wide pool).")
+                           "words compared first, each tensor's shim read only where one moved; `threads`: how many "
+                           "threads check a large watch at once (the caller and helpers of a process-wide pool).")
       .def(py::init<uintptr_t, const py::list&, std::optional<std::tuple<int64_t, int64_t, int64_t, int64_t>>,
                     int64_t>(),
            py::arg("fn"), py::arg("tensors"), py::arg("raw") = py::none(), py::arg("threads") = 1)
