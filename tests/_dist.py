@@ -5,11 +5,13 @@ spawned once per test session and reused: `run_ranks(n, fn, *args)` runs the
 module-level function `fn(rank, world_size, *args)` on every rank of an n-process group
 (gloo on CPU, nccl on GPU) and returns the per-rank results. A rank that raises makes
 `run_ranks` raise with that rank's traceback; a rank that does not answer within the
-timeout (a hang) fails the test and the pool is torn down.
+timeout (a hang) fails the test and the pool is torn down. RX_TEST_DUMP_AFTER=S makes a
+rank print every thread's stack to stderr when one call runs S seconds (run pytest with -s).
 """
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import queue
 import socket
@@ -49,15 +51,20 @@ def _worker(rank: int, world: int, port: int, backend: str, inq, outq) -> None:
         **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
     )
     outq.put((rank, "ready", None))
+    dump_after = float(os.environ.get("RX_TEST_DUMP_AFTER", "0"))
     while True:
         item = inq.get()
         if item is None:
             break
         fn, args = item
+        if dump_after:  # every thread's stack on stderr if the call runs that long (a hang's where)
+            faulthandler.dump_traceback_later(dump_after)
         try:
             outq.put((rank, "ok", fn(rank, world, *args)))
         except BaseException as e:  # report everything, keep serving
             outq.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
