@@ -368,6 +368,46 @@ def test_transport_rebind_is_collective():
         assert "rank 1" in ok[4] and "(3, 3)" in ok[4], ok[4]
 
 
+def _rebind_alone(rank, world):
+    """Rank 1 rebinds a direct plan alone (it is collective) while rank 0 executes: both
+    raise within the reshard timeout, not the process group's."""
+    import time
+
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    try:
+        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
+        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+        out = shared_poison(dl.local_shape(rank), F32)
+        p = rx.plan({"w": (sl.local_part(g, rank).clone(), sl)}, {"w": (out, dl)}, backend="direct",
+                    options=rx.Options(timeout=3))
+        rx.execute(p)
+        t0 = time.monotonic()
+        try:
+            if rank == 1:
+                p.rebind(dst={"w": (shared_poison(dl.local_shape(rank), F32), dl)})
+            else:
+                rx.execute(p)
+            return "no error", time.monotonic() - t0
+        except rx.ReshardError as e:
+            return str(e), time.monotonic() - t0
+    finally:
+        release_shared()
+
+
+def test_a_rank_that_rebinds_a_direct_plan_alone_raises_within_the_timeout():
+    from _dist import close_pool
+
+    try:
+        (executed, t_exec), (rebound, t_rebind) = run_ranks(2, _rebind_alone)
+    finally:
+        close_pool(2)  # rank 1's given-up gather stays posted in its group: the next test gets fresh ranks
+    assert "rank 1" in executed and "did not call rx.execute" in executed and t_exec < 20, (executed, t_exec)
+    assert "collective" in rebound and "within 3 s" in rebound and t_rebind < 20, (rebound, t_rebind)
+
+
 # --- GPUs -------------------------------------------------------------------------------
 
 def _pairs_of(plan) -> tuple:

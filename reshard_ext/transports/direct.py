@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..collectives import all_gather_objects
 from ..errors import ReshardError
 from ..options import Options
 from .channel import Session, channel_of, exchange_headers
@@ -96,10 +97,11 @@ def agree(gathered: Sequence[tuple[list[str], set[Pair]]]) -> set[Pair]:
     return {p for _, failed in gathered for p in failed}
 
 
-def _gather(group: Any, obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def _gather(group: Any, obj: Any, timeout_s: float) -> list[Any]:
+    # Bounded: a rank that calls plan.rebind alone (with direct pairs it is collective)
+    # raises after the reshard timeout instead of the process group's.
+    return all_gather_objects(obj, group, "binding a plan with direct pairs (rx.plan or plan.rebind, collective: "
+                              "every rank of the group calls it)", timeout_s)
 
 
 class CudaDevice:
@@ -168,6 +170,7 @@ class DirectTransport:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = options.resolved_timeout("direct")
+        self.gather_timeout = options.resolved_timeout("gloo")  # rx.plan's own collectives use it too
         self.device = device if device is not None else CudaDevice()
         self.signals: Any = None
         self._why_not = ""
@@ -287,7 +290,7 @@ class DirectTransport:
                 info = self._info()
             except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
                 errs0.append(f"rank {rank}: {e}")
-            infos = _gather(group, (errs0, info))
+            infos = _gather(group, (errs0, info), self.gather_timeout)
             agree([(errs, set()) for errs, _ in infos])
             infos = [info for _, info in infos]
             self.pairs = candidate_pairs(infos)
@@ -299,7 +302,7 @@ class DirectTransport:
                 errs0 = []
             first = True
         else:
-            agree(_gather(group, (list(errors), set())))
+            agree(_gather(group, (list(errors), set()), self.gather_timeout))
             errs0, first = [], False
         agreement = plan._agreement
         while True:
@@ -315,7 +318,7 @@ class DirectTransport:
                 failed |= export_failed
             except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
                 errs.append(f"rank {rank}: {e}")
-            got = _gather(group, (errs, failed, exports))
+            got = _gather(group, (errs, failed, exports), self.gather_timeout)
             if first and self.signals is not None:
                 self.signals.unlink_page()  # every peer has mapped it by now
                 first = False
@@ -327,7 +330,7 @@ class DirectTransport:
             except Exception as e:  # noqa: BLE001
                 errs, open_failed = [f"rank {rank}: {e}"], set()
             got2 = _gather(group, (errs, open_failed, int(split.wanted_batches()),
-                                   bool(split.send_total() or split.recv_total())))
+                                   bool(split.send_total() or split.recv_total())), self.gather_timeout)
             dead |= agree([(e, f) for e, f, _, _ in got2])
             failed = set()
             if not dead & self.pairs:
