@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,12 +103,14 @@ def d2d_time(nbytes: int, iters: int) -> float:
     return cuda_time(lambda: b.copy_(a), iters)
 
 
-def peer_copy_ceiling(plan: Any, iters: int) -> float:
+def peer_copy_ceiling(plan: Any, iters: int, local_bytes: int = 0) -> float:
     """Seconds for copy-engine peer copies of the bytes `plan` sends to each peer, every
     rank at once (both ways at once where the refit moves both ways): each process copies
     from its GPU into a buffer it allocates on the peer's GPU (torch's cross-device copy_,
     cudaMemcpyPeerAsync), as the direct transport's copy engines do. 0 on every rank when
-    some rank's peer GPU is not visible to it (another host, CUDA_VISIBLE_DEVICES)."""
+    some rank's peer GPU is not visible to it (another host, CUDA_VISIBLE_DEVICES).
+    local_bytes > 0: a D2D copy of that many bytes runs at the same time on a second stream
+    (the whole work of a collocated refit: its wire bytes and its same-rank bytes at once)."""
     import socket
 
     world = dist.get_world_size(plan.group)
@@ -122,12 +125,21 @@ def peer_copy_ceiling(plan: Any, iters: int) -> float:
         return 0.0
     bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda"),
              torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", where[p][1]))) for p, n in sends.items()]
+    local = [torch.empty(local_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)] if local_bytes > 0 else []
+    side = torch.cuda.Stream()
 
     def copy() -> None:
+        if local:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                local[1].copy_(local[0])
         for src, dst in bufs:
             dst.copy_(src, non_blocking=True)
+        if local:
+            torch.cuda.current_stream().wait_stream(side)
 
     try:
         return cuda_time(copy, iters)
     finally:
-        del bufs
+        bufs.clear()  # free the peer buffers now, not when the closure goes
+        local.clear()

@@ -30,11 +30,12 @@ import torch.distributed as dist
 # transport under RESHARD_EXT_NCCL_REGISTER=1); unregistered transfers ignore it.
 os.environ.setdefault("NCCL_LEGACY_CUDA_REGISTER", "1")
 
-import reshard_ext as rx  # noqa: E402
-from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts, total_bytes
-from reshard_ext.execution import BACKENDS  # noqa: E402
+from _common import cuda_time as _time
+from _common import d2d_time, hbm_per_byte, nccl_ceiling, peer_copy_ceiling
 
-from _common import cuda_time as _time, d2d_time, hbm_per_byte, nccl_ceiling, peer_copy_ceiling
+import reshard_ext as rx  # noqa: E402
+from reshard_ext.execution import BACKENDS  # noqa: E402
+from reshard_ext.synthetic import LLAMA3_8B, ModelShape, Parallel, model_layouts, total_bytes
 
 MOE_SMALL = ModelShape(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, vocab=151936,
                        experts=64, moe_ffn=384, first_dense_layers=0)
@@ -186,6 +187,10 @@ def _relay_bench(args: argparse.Namespace, rank: int, world: int) -> None:
           f"G stages (G + 1) / 3G); bit for bit relay == no relay on every rank: {all(r[4] for r in rows)}")
 
 
+def _ratio(ceil: float, t: float) -> str:
+    return f"{ceil / t:7.2f}" if ceil and t else "      -"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=sorted(CASES) + [RELAY_CASE], required=True)
@@ -202,7 +207,8 @@ def main() -> None:
                     help="';'-separated rx.Options variants, each timed with every backend on the same tensors "
                          "(an A/B in one run), e.g. ';direct_local_engine_bytes=0;direct_engine_batch=false' "
                          "(an empty variant = the defaults)")
-    ap.add_argument("--mxfp8", choices=["receiver", "sender"], help="also refit with rx.MXFP8 converting the linear weights")
+    ap.add_argument("--mxfp8", choices=["receiver", "sender"],
+                    help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
     ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True) (a column)")
@@ -261,7 +267,8 @@ def main() -> None:
                 tr.comm.exchange(sends, recvs, stream, 0)
 
         t_xfer = _time(transfers, args.iters)
-        line = f"rank {rank}: {plan.num_batches} batched transfers alone {t_xfer * 1e3:.2f} ms (refit {t_refit * 1e3:.2f} ms)"
+        line = (f"rank {rank}: {plan.num_batches} batched transfers alone {t_xfer * 1e3:.2f} ms "
+                f"(refit {t_refit * 1e3:.2f} ms)")
         print(line, flush=True)
     # ceilings, same run: NCCL send/recv of the same per-peer bytes; D2D copy of the local bytes
     t_nccl = nccl_ceiling(plan, args.iters)
@@ -270,23 +277,27 @@ def main() -> None:
     t_link = min(t for t in (t_nccl, t_ce) if t) if (t_nccl or t_ce) else 0.0  # the faster carrier
     local_bytes = sum(t.numel() * t.element_size() for t, _ in dst.values()) - plan.bytes_received
     t_d2d = d2d_time(local_bytes, args.iters)
+    # the physical floor of a collocated refit: its peer copies and its same-rank copy at once
+    t_both = peer_copy_ceiling(plan, args.iters, local_bytes) if t_ce and local_bytes > 0 else 0.0
     t_base = 0.0
     if not args.no_baseline:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_link, t_d2d, t_base, plan.num_ops,
            plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verify, t_refits, [p.routes for p in plans],
-           [hbm_per_byte(p) for p in plans])
+           [hbm_per_byte(p) for p in plans], t_both)
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
-        print(f"\n== {args.case}: {model.layers} layers, {len(src_l)} tensors, {torch.cuda.get_device_name()} x{world}, "
+        print(f"\n== {args.case}: {model.layers} layers, {len(src_l)} tensors, "
+              f"{torch.cuda.get_device_name()} x{world}, "
               f"batches {plan.num_batches}, backend {backends[0]}")
         print(f"{'rank':>4} {'sent GB':>8} {'recv GB':>8} {'local GB':>8} {'refit ms':>9} {'link GB/s':>9} "
               f"{'link ms':>8} {'vs ceil':>7} {'d2d ms':>7} {'megatron-style ms':>17} {'speedup':>7} "
-              f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7} {'hbm/B':>5}" +
+              f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7} {'ce+loc ms':>9} {'vs phys':>7} "
+              f"{'hbm/B':>5}" +
               (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-        for r, sent, recv, loc, t, tn, td, tb, ops, nb, tnr, _, _, t_n, t_c, tv, *_, hbm in rows:
+        for r, sent, recv, loc, t, tn, td, tb, _ops, _nb, tnr, _, _, t_n, t_c, tv, _, _, hbm, t_both in rows:
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
             ceil = max(tn, td)  # link and local copies run concurrently: the slower is the floor
@@ -296,29 +307,33 @@ def main() -> None:
             cost = f" {1e3 * tv:9.2f} {100 * (tv / t - 1):+5.1f}%" if args.verify and t else ""
             print(f"{r:4d} {sent / 1e9:8.2f} {recv / 1e9:8.2f} {loc / 1e9:8.2f} {1e3 * t:9.2f} {gbs:9.1f} "
                   f"{1e3 * tn:8.2f} {vs} {1e3 * td:7.2f} {1e3 * tb:17.2f} {sp_} {1e3 * tnr:11.2f} {vr} "
-                  f"{1e3 * t_n:8.2f} {1e3 * t_c:7.2f} {hbm[0]:5.2f}{cost}")
+                  f"{1e3 * t_n:8.2f} {1e3 * t_c:7.2f} {1e3 * t_both:9.2f} {_ratio(max(t_both, tn, td), t)} "
+                  f"{hbm[0]:5.2f}{cost}")
         print("link = the faster of NCCL send/recv of the same bytes (nccl) and copy-engine peer copies of them "
               "(ce), every rank at once; vs ceil = max(link, D2D copy of the local bytes) / refit time "
-              "(1.00 = at the ceiling); hbm/B = HBM bytes read + written on the GPU per byte landing in its "
+              "(1.00 = at the ceiling); ce+loc = the ce copies and a D2D copy of the local bytes at the same "
+              "time (the physical floor of a refit that moves both), vs phys = max(ce+loc, link, D2D) / refit time; "
+              "hbm/B = HBM bytes read + written on the GPU per byte landing in its "
               "destinations, from the plan (same-rank copies 2, direct writes and unstaged messages 1 per end, "
               "staging 2 more per end); "
               "speedup = megatron-style time / refit time; nccl reg = the same send/recv between buffers "
               "registered with ncclCommRegister (NCCL's zero-copy intra-node path)")
         if len(backends) > 1:
             print(f"\n-- backends on the same tensors (refit ms, vs ceil; pairs of rank 0: "
-                  f"{'; '.join(f'{b}: {p}' for b, p in zip(backends, rows[0][-2]))})")
-            print(f"{'rank':>4} " + " ".join(f"{b + ' ms':>12} {'vs ceil':>7} {'hbm/B':>5}" for b in backends))
+                  f"{'; '.join(f'{b}: {p}' for b, p in zip(backends, rows[0][-3]))})")
+            print(f"{'rank':>4} " + " ".join(f"{b + ' ms':>12} {'vs ceil':>7} {'vs phys':>7} {'hbm/B':>5}"
+                                             for b in backends))
             for r, _, _, _, _, tn, td, *rest in rows:
-                ceil = max(tn, td)
-                cells = [f"{1e3 * t:12.2f} {(ceil / t if ceil and t else 0):7.2f} {h:5.2f}"
-                         for t, h in zip(rest[-3], rest[-1])]
+                ceil, phys = max(tn, td), max(tn, td, rest[-1])
+                cells = [f"{1e3 * t:12.2f} {_ratio(ceil, t)} {_ratio(phys, t)} {h:5.2f}"
+                         for t, h in zip(rest[-4], rest[-2])]
                 print(f"{r:4d} " + " ".join(cells))
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
                   f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}" +
                   (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv), _, _, _, _, _, _, _ in rows:  # noqa: B007
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv), _, _, _, _, _, _, _, _ in rows:  # noqa: B007
                 other = sent - conv_bf16  # bytes of tensors that travel unconverted
                 conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
@@ -326,7 +341,7 @@ def main() -> None:
                 cost = f" {1e3 * mx_tv:9.2f} {100 * (mx_tv / mx_t - 1):+5.1f}%" if args.verify and mx_t else ""
                 print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
                       f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}{cost}")
-        for r, *_, timeline, _, _, _, _, _, _ in rows:
+        for r, *_, timeline, _, _, _, _, _, _, _ in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")
     dist.destroy_process_group()

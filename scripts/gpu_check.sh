@@ -118,9 +118,12 @@ stage_megatron() {
     [ "$tree" = . ] || [ -f "$tree"/reshard_ext/_C*.so ] || (cd "$tree" && rm -rf build/dev-on && scripts/dev_build.sh ON > "$OUT/ab_build.log" 2>&1) \
       || { tail -20 "$OUT/ab_build.log"; continue; }
     for c in ${RX_MEGATRON_CASES:-tp2-tp1 tp1-tp2}; do
-      step "megatron_compare --case $c ($tree)"
-      (cd "$tree" && PYTHONPATH="$PWD:/tmp/site" timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/megatron_compare.py \
-        --case "$c" 2>&1 | grep -v "^W\|^\[W\|Warning\|warn" | tee -a "$OUT/megatron_compare.log" | tail -8)
+      for b in ${RX_MEGATRON_BACKENDS:-auto}; do  # e.g. "auto nccl": the default (direct) and NCCL, same machine
+        step "megatron_compare --case $c --backend $b ($tree)"
+        (cd "$tree" && PYTHONPATH="$PWD:/tmp/site" timeout 300 torchrun --standalone --nproc-per-node 2 \
+          benchmarks/megatron_compare.py --case "$c" --backend "$b" 2>&1 | grep -v "^W\|^\[W\|Warning\|warn" \
+          | tee -a "$OUT/megatron_compare.log" | tail -8)
+      done
     done
   done
 }
