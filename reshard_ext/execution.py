@@ -134,8 +134,8 @@ def _make_transport(backend: str, device: str | None, group: Any, options: Optio
 def _auto_direct(group: Any, options: Options) -> bool:
     """Whether backend "auto" uses the direct transport: only when every rank asks for it
     (rx.Options.auto_direct), since the transports' setups are collectives of their own."""
-    votes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(votes, options.resolved_auto_direct(), group=group)
+    votes = all_gather_objects(options.resolved_auto_direct(), group, "rx.plan (backend 'auto')",
+                               options.resolved_timeout("gloo"))
     if any(votes) and not all(votes):
         log.warning("backend 'auto': ranks %s ask for the direct transport, others do not: using NCCL",
                     [r for r, v in enumerate(votes) if v])

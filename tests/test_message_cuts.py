@@ -169,7 +169,8 @@ def _refit_in_place(rank, world, device="cpu"):
         s["y"] = (y, src["y"])
     else:
         d["y"] = (torch.zeros(8, device=dev), dst["y"])
-    plan = rx.plan(s, d, options=rx.Options(direct_bytes=1 << 20, timeout=60))
+    plan = rx.plan(s, d, options=rx.Options(direct_bytes=1 << 20, timeout=60),
+                   backend="nccl" if device == "cuda" else "auto")  # NCCL's direct messages, not the direct transport
     ok = []
     for verify in (False, True):
         xs.copy_(full[rank * N:(rank + 1) * N])  # rank 0's last refit overwrote its source

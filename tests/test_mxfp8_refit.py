@@ -305,7 +305,7 @@ def test_refit_one_gpu(where, layout_kind):
 
 
 @pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
-@pytest.mark.parametrize("backend", ["auto", "direct", "nvshmem"])
+@pytest.mark.parametrize("backend", ["nccl", "direct", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])

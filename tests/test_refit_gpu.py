@@ -80,7 +80,7 @@ def test_capped_kernel_grid_2gpu(max_blocks):
     run_ranks(2, _batched, "soft", "tp", "nccl", {"max_blocks": max_blocks}, backend="nccl")
 
 
-def _rebind_registered(rank, world, options, backend="auto"):
+def _rebind_registered(rank, world, options, backend="nccl"):
     """Registered direct messages into a dst tensor that is then freed, its memory
     reused by another tensor, and a new dst bound: the refit must land in the new
     tensor only, and the old memory's new owner must stay untouched. (backend "direct":

@@ -523,7 +523,7 @@ NEEDS_2_GPUS = pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]),
 
 @pytest.mark.gpu
 @NEEDS_2_GPUS
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("backend", ["nccl", "direct", "torch"])
 @pytest.mark.parametrize("max_batch_bytes", [None, 4096])
 def test_verified_matrix_cuda(backend, max_batch_bytes):
     run_ranks(2, verified, run_case, "two", "cuda", max_batch_bytes, backend, backend="nccl")
@@ -541,7 +541,7 @@ def test_verified_mxfp8_cuda(where):
 
 def _direct_cuda(rank, world):
     # every contiguous op is its own NCCL message
-    return run_case(rank, world, "two", "cuda", None, options=rx.Options(direct_bytes=1))
+    return run_case(rank, world, "two", "cuda", None, "nccl", options=rx.Options(direct_bytes=1))
 
 
 @pytest.mark.gpu
