@@ -133,6 +133,24 @@ class FakeDevice:
     def stream(self) -> int:
         return 0
 
+    def digest_reader(self, tables: Any) -> Any:
+        return _CpuReader(tables)
+
+
+class _CpuReader:
+    """The CPU twin's read passes (CpuTransport.read_digests) over bound tables."""
+
+    def __init__(self, tables: Any):
+        self.tables = tables
+
+    def read(self) -> tuple:
+        import numpy as np
+
+        out = tuple(np.zeros(n, dtype=np.uint64) for n in self.tables.num_ops)
+        copy_dst = np.zeros_like(out[2])
+        self.tables.read_digests_cpu(*out, copy_dst)
+        return out + (copy_dst,)
+
 
 def use_fake_device(refuse: set[int] = frozenset()) -> None:
     """Makes backend="direct" build the direct transport on FakeDevice in this process."""

@@ -408,6 +408,61 @@ def test_a_rank_that_rebinds_a_direct_plan_alone_raises_within_the_timeout():
     assert "collective" in rebound and "within 3 s" in rebound and t_rebind < 20, (rebound, t_rebind)
 
 
+def _fake_verified(rank, world, case):
+    """Every execute verified (read passes after the direct writes) and followed by rx.verify."""
+    from test_verify import verified
+
+    return verified(rank, world, _fake_refit, case, None)
+
+
+@pytest.mark.parametrize("case,world", [("two", 2), ("casts", 2), ("meshes", 4)])
+def test_verified_direct_refits(case, world):
+    for rank, (direct, _, _, _) in enumerate(run_ranks(world, _fake_verified, case)):
+        assert direct == [r for r in range(world) if r != rank], (rank, direct)
+
+
+def _corrupt_landed(rank, world):
+    """Rank 1 flips one bit of what rank 0 wrote into it, after the writes landed and before
+    the verify pass: execute(verify=True) must name the tensor on both ranks; a clean
+    verified execute passes first."""
+    import _direct_fake
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    try:
+        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
+        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(5))
+        out = shared_poison(dl.local_shape(rank), F32)
+        p = rx.plan({"w": (sl.local_part(g, rank).clone(), sl)}, {"w": (out, dl)}, backend="direct")
+        rx.execute(p, verify=True, version=1)
+        got = [bits_equal(out, dl.local_part(g, rank)), p.version]
+        end = _direct_fake._Exec.end
+
+        def flip(self, stream):
+            end(self, stream)
+            if rank == 1:
+                out.view(torch.int32)[7, 3] ^= 1  # rank 1 holds rows 0-31: one that rank 0 wrote
+        _direct_fake._Exec.end = flip
+        try:
+            rx.execute(p, verify=True, version=2)
+            got.append("no error")
+        except rx.ReshardError as e:
+            got.append(str(e))
+        finally:
+            _direct_fake._Exec.end = end
+        return got + [p.version]
+    finally:
+        release_shared()
+
+
+def test_a_direct_write_corrupted_after_landing_fails_verify_on_both_ranks():
+    for rank, (ok, v1, err, v2) in enumerate(run_ranks(2, _corrupt_landed)):
+        assert ok and v1 == 1, (rank, ok, v1)
+        assert "'w'[0:32, 0:256] from rank 0 to rank 1" in err, (rank, err)
+        assert v2 is None, (rank, v2)
+
+
 # --- GPUs -------------------------------------------------------------------------------
 
 def _pairs_of(plan) -> tuple:

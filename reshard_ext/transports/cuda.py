@@ -84,6 +84,29 @@ def _upload(host: list) -> torch.Tensor:
     return blob
 
 
+class DigestReader:
+    """Read passes over bound tables (rx.verify; the direct transport's verified executes):
+    one launch per part reads every op's source (what it would send) and destination (what
+    it holds), on the current stream, moving nothing."""
+
+    def __init__(self, tables: Any):
+        copies = _C.DeviceBoxTable(tables.copy_boxes())
+        # (send, recv, copy_src, copy_dst) digests, in that order
+        parts = [_C.DeviceBoxTable(tables.send_boxes()), _C.DeviceBoxTable(tables.recv_boxes()), copies, copies]
+        self._blob = _upload(parts[:3])
+        self._digests = _Digests(parts)
+        self._sizes = tables.num_ops
+
+    def read(self) -> tuple[np.ndarray, ...]:
+        r = self._digests
+        r.buf.zero_()
+        s = torch.cuda.current_stream().cuda_stream
+        for i, pass_ in enumerate((_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)):
+            r.tables[i].launch(s, 0, *r.args(i, pass_))
+        sends, recvs, copies_n = self._sizes
+        return r.collect((sends, recvs, copies_n, copies_n))
+
+
 class _Digests:
     """rx.verify's digests on the GPU (reshard_ext/verification.py): one device buffer
     with a uint64 per box of the tables that digest, zeroed per call; each part's boxes
@@ -166,7 +189,7 @@ class CudaTransport:
         self.last_timeline = ""
         self.max_blocks = 0  # set per plan in prepare
         self._registered: list[int] = []  # NCCL registration handles of the bound buffers
-        self._read: _Digests | None = None
+        self._read: DigestReader | None = None
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
         nbuf = 2 if (tables.num_batches > 1 and self.comm is not None) else 1
@@ -348,18 +371,8 @@ class CudaTransport:
         """rx.verify: one launch per side reads every op's source (what it would send) and
         destination (what it holds), moving nothing."""
         if self._read is None:
-            copies = _C.DeviceBoxTable(tables.copy_boxes())
-            # (send, recv, copy_src, copy_dst) digests, in that order
-            parts = [_C.DeviceBoxTable(tables.send_boxes()), _C.DeviceBoxTable(tables.recv_boxes()), copies, copies]
-            self._read_blob = _upload(parts[:3])
-            self._read = _Digests(parts)
-        r = self._read
-        r.buf.zero_()
-        s = torch.cuda.current_stream().cuda_stream
-        for i, pass_ in enumerate((_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)):
-            r.tables[i].launch(s, 0, *r.args(i, pass_))
-        sends, recvs, copies_n = tables.num_ops
-        return r.collect((sends, recvs, copies_n, copies_n))
+            self._read = DigestReader(tables)
+        return self._read.read()
 
     def _finish(self, verify: bool) -> Any:
         if self.trace:

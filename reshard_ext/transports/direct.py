@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from .channel import Session, channel_of, exchange_headers
 _log = logging.getLogger("reshard_ext")
 
 Pair = tuple[int, int]  # (lower rank, higher rank)
+_UNREAD_STAGING = 1 << 44  # staging base of the verify tables: their read passes never touch it
 
 
 def pair(a: int, b: int) -> Pair:
@@ -156,6 +158,12 @@ class CudaDevice:
 
         return current_stream_handle()
 
+    def digest_reader(self, tables: Any) -> Any:
+        """Read passes over bound tables on the current stream (`.read()`: the digests)."""
+        from .cuda import DigestReader
+
+        return DigestReader(tables)
+
 
 class DirectTransport:
     """Direct pairs through DirectExec; NCCL pairs and same-rank copies through an inner
@@ -194,6 +202,8 @@ class DirectTransport:
         self.channel = channel_of(group)
         self.peers: list[int] = []
         self._broken = ""  # why the direct part cannot run again (a failed or aborted execute)
+        self._plan: Any = None  # weakref to the bound plan (its whole tables are built for verify)
+        self._reader: Any = None  # read passes over those tables, built by the first verify
 
     # --- plan time ----------------------------------------------------------------------
     def _info(self) -> RankInfo:
@@ -364,6 +374,7 @@ class DirectTransport:
         self.staging_bytes = self.inner.staging_bytes  # of the NCCL pairs, every pipelined copy
         self.peers = sorted(set(receivers) | set(senders) | set(self.inner.peers))
         self._broken = ""
+        self._plan, self._reader = weakref.ref(plan), None
         self.exec, self._table = None, None
         # Without NCCL pairs nothing else runs beside the direct writes: the executor takes
         # the same-rank copies too, on a copy engine or its kernel (rx.Options.direct_local_*).
@@ -396,11 +407,29 @@ class DirectTransport:
         if self.inner is not None:
             self.inner.abort()
 
+    def _read_digests(self) -> tuple:
+        """(send, recv, copy src, copy dst) digests of every op of the plan, read from the
+        bound tensors on the current stream: the plan's whole tables as the NCCL transport
+        would stage them, bound to the same tensors (the read passes never touch staging,
+        so none is allocated)."""
+        if self._reader is None:
+            from ..execution import _refs
+
+            plan = self._plan()
+            agreement = plan._agreement
+            whole = _C.ExecTables(agreement.rank_plan)
+            src = _refs([agreement.src_table.name(i) for i in whole.src_used], plan._entries["src"])
+            dst = _refs([agreement.dst_table.name(i) for i in whole.dst_used], plan._entries["dst"], whole, src)
+            nowhere = [_UNREAD_STAGING] * max(1, whole.num_batches)
+            whole.bind(src, dst, nowhere, nowhere, 0, plan._codec_receivers)
+            self._reader = (whole, self.device.digest_reader(whole))
+        return tuple(self._reader[1].read())
+
     def run(self, tables: Any, session: Session, verify: bool = False) -> Any:
-        if verify and self.exec is not None:
-            # every rank passes verify alike (it is an argument of the collective execute)
-            raise ReshardError("rx.execute(verify=True) is not supported yet where pairs write straight into "
-                               "their peers (backend 'direct'); use backend='nccl' to verify")
+        # A verified execute with direct pairs digests by read passes once its data has
+        # landed (the copy engines cannot hash what they move); every rank passes verify alike.
+        read_after = verify and self.exec is not None
+        verify = verify and not read_after
         # Headers with every peer first (the inner transport reuses the verdict): the
         # direct writes land in the peers' tensors, so every pair must agree before them.
         self.channel.drain(session)
@@ -423,6 +452,8 @@ class DirectTransport:
             self.exec.begin(stream)
             digests = None if self.owns_copies else self.inner.run(tables, session, verify)
             self.exec.end(stream)
+            if read_after:  # after end(): this stream waits for the peers' writes into this rank
+                digests = self._read_digests()[:2]
         except ReshardError as e:
             # The ranks of a direct pair no longer agree on its sequence: rebinding
             # (plan.rebind, collective) builds a new one.
@@ -433,6 +464,5 @@ class DirectTransport:
 
     def read_digests(self, tables: Any) -> tuple:
         if self.exec is not None:
-            raise ReshardError("rx.verify is not supported yet where pairs write straight into their peers "
-                               "(backend 'direct'); use backend='nccl' to verify")
+            return self._read_digests()
         return tuple(self.inner.read_digests(tables))
