@@ -162,7 +162,8 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     side = "src" if where == "sender" else "dst"
     for n in names:
         if rank in specs[n][side == "dst"].mesh:
-            assert mxfp8.PATHS[(side, n)] == expected_path(n, where, layout_kind, backend), (n, mxfp8.PATHS)
+            # the plan's own backend: "auto" may be direct (RESHARD_EXT_AUTO_DIRECT)
+            assert mxfp8.PATHS[(side, n)] == expected_path(n, where, layout_kind, plan.backend), (n, mxfp8.PATHS)
         if side == "dst" and n in dst and layout_kind == "swizzled" and mxfp8.PATHS[(side, n)] == "fused":
             # binding zeroes the padding of a fused swizzled buffer (the boxes never write
             # it) and leaves its scales alone (an engine may read them until the refit)

@@ -562,7 +562,7 @@ def _corrupt_one_round_cuda(rank, world, which):
     d = rx.Layout((1024, 512), torch.float32, rx.Mesh([1]), [rx.Replicate()])
     dst = torch.zeros(1024, 512, device=dev)
     plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {}, {"x": (dst, d)} if rank == 1 else {},
-                   options=rx.Options(direct_bytes=1 << 20))
+                   options=rx.Options(direct_bytes=1 << 20), backend="nccl")  # NCCL's verify rounds
     rx.execute(plan, verify=True)
     hit = []
     if rank == 1:
