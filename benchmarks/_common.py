@@ -35,7 +35,7 @@ def peer_bytes(plan: Any) -> dict[tuple[str, int], int]:
     out: dict[tuple[str, int], int] = {}
     for kind, ops in (("send", rank_plan.sends()), ("recv", rank_plan.recvs())):
         for op in ops:
-            out[(kind, op[1])] = out.get((kind, op[1]), 0) + op[6]
+            out[(kind, op.peer)] = out.get((kind, op.peer), 0) + op.nbytes
     return out
 
 

@@ -68,12 +68,13 @@ def _table(layouts: Mapping[str, Layout]) -> _C.LayoutTable:
 
 def _ops(table: _C.LayoutTable, raw: list, as_sender_copy: bool = False) -> list[TransferOp]:
     out = []
-    for dst_name, peer, mine, size, theirs, _glob, nbytes, *_ in raw:
-        a = tuple(slice(s, s + n) for s, n in zip(mine, size))
-        b = tuple(slice(s, s + n) for s, n in zip(theirs, size))
+    for op in raw:  # _C.PlannedOp
+        size = op.size
+        a = tuple(slice(s, s + n) for s, n in zip(op.mine_start, size))
+        b = tuple(slice(s, s + n) for s, n in zip(op.theirs_start, size))
         if as_sender_copy:  # a copy is stored receiver-side: mine = dst box
             a, b = b, a
-        out.append(TransferOp(table.name(dst_name), peer, a, b, nbytes))
+        out.append(TransferOp(table.name(op.dst_name), op.peer, a, b, op.nbytes))
     return out
 
 

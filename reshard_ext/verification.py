@@ -38,17 +38,16 @@ class Ops:
         self.sends = rank_plan.sends()
         self.recvs = rank_plan.recvs()
         self.copies = rank_plan.copies()
-        self.send_peers = np.array([op[1] for op in self.sends], dtype=np.int64)
-        self.recv_peers = np.array([op[1] for op in self.recvs], dtype=np.int64)
+        self.send_peers = np.array([op.peer for op in self.sends], dtype=np.int64)
+        self.recv_peers = np.array([op.peer for op in self.recvs], dtype=np.int64)
         self.p2p = P2PExchange(group, timeout_s)
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def describe(self, op: tuple) -> str:
-        """`'name'[global box]` of one op tuple (RankPlan.sends/recvs/copies)."""
-        dst_name, _, _, size, _, glob = op[:6]
-        box = ", ".join(f"{g}:{g + n}" for g, n in zip(glob, size))
-        return f"'{self.names.name(dst_name)}'[{box}]"
+    def describe(self, op: Any) -> str:
+        """`'name'[global box]` of one op (a _C.PlannedOp of RankPlan.sends/recvs/copies)."""
+        box = ", ".join(f"{g}:{g + n}" for g, n in zip(op.global_start, op.size))
+        return f"'{self.names.name(op.dst_name)}'[{box}]"
 
 
 def _groups(peers: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -105,7 +104,7 @@ def check(ops: Ops, send: np.ndarray, recv: np.ndarray, what: str,
     errors = []
     for j in np.flatnonzero(theirs != recv):
         op = ops.recvs[j]
-        errors.append(f"{ops.describe(op)} from rank {op[1]} to rank {ops.rank}: the sender's digest "
+        errors.append(f"{ops.describe(op)} from rank {op.peer} to rank {ops.rank}: the sender's digest "
                       f"{int(theirs[j]):016x}, the receiver's {int(recv[j]):016x}")
     if copies is not None:
         for c in np.flatnonzero(copies[0] != copies[1]):

@@ -31,8 +31,8 @@ def test_codec_table():
 def _last_dim_cuts(plan, dst_t, name: str) -> set[tuple[int, int]]:
     """(start, size) along the last dim of every send and receive of `name`."""
     c = plan._c
-    return {(glob[-1], size[-1]) for ops in (c.sends(), c.recvs())
-            for dst_name, _, _, size, _, glob, *_ in ops if dst_t.name(dst_name) == name}
+    return {(op.global_start[-1], op.size[-1]) for ops in (c.sends(), c.recvs())
+            for op in ops if dst_t.name(op.dst_name) == name}
 
 
 def _tables(world_layouts):
@@ -129,7 +129,7 @@ def _entries(rank: int):
 def _plan_worker(rank: int, world: int) -> set:
     plan = rx.plan(*_entries(rank), transform=_Coarse(), max_batch_bytes=1200)
     rp = plan._agreement.rank_plan
-    return {(glob[-1], size[-1]) for ops in (rp.sends(), rp.recvs()) for _, _, _, size, _, glob, *_ in ops}
+    return {(op.global_start[-1], op.size[-1]) for ops in (rp.sends(), rp.recvs()) for op in ops}
 
 
 def test_plan_passes_transform_grain():

@@ -160,7 +160,7 @@ def test_tapered_batches():
         c.assign_batches(k)
         per = [0] * k
         for op in c.recvs():
-            per[op[7]] += op[6]
+            per[op.batch] += op.nbytes
         assert max(per) <= limit
         if taper:
             assert per[0] * 2 == per[1] == per[-1] * 2, per
@@ -186,7 +186,7 @@ def test_batches_of_a_pair_stay_near_their_share():
             per: dict = {}
             totals: dict = {}
             for op in ops:
-                peer, nbytes, batch = op[1], op[6], op[7]
+                peer, nbytes, batch = op.peer, op.nbytes, op.batch
                 per[(peer, batch)] = per.get((peer, batch), 0) + nbytes
                 totals[peer] = totals.get(peer, 0) + nbytes
             for (peer, batch), n in per.items():

@@ -56,7 +56,7 @@ def test_fewer_receivers_than_holders_spread_by_name():
     dst = {f"w{i}": Layout((4, 4), torch.float32, dst_mesh, [Replicate()])._c for i in range(24)}
     served: dict[int, set] = {}
     for rank, (sends, _, copies, _) in enumerate(_plan_dump(src, dst, 5)):
-        served[rank] = {peer for _, peer, *_ in sends}
+        served[rank] = {op.peer for op in sends}
         if rank < 3:
             assert len(copies) == 24  # a holder copies its own replica
     assert all(served[h] & {3, 4} for h in range(3)), served
@@ -76,7 +76,7 @@ def test_small_pairs_are_not_cut_into_many_boxes():
     assert k >= 16
     p.assign_batches(k)
     per_peer: dict[int, int] = {}
-    for _, peer, *_ in p.sends():
-        per_peer[peer] = per_peer.get(peer, 0) + 1
+    for op in p.sends():
+        per_peer[op.peer] = per_peer.get(op.peer, 0) + 1
     assert per_peer[2] == 1
     assert per_peer[1] >= k

@@ -38,15 +38,38 @@ py::list piece_to_py(const Piece& piece) {
   return dims;
 }
 
-py::tuple op_to_py(const TransferOp& op) {
-  return py::make_tuple(op.dst_name, op.peer, op.mine.start, op.mine.size, op.theirs.start, op.global, op.nbytes,
-                        op.batch, op.offset, op.wire_dtype);
+py::list ops_to_py(const std::vector<TransferOp>& ops) {
+  py::list l(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) l[i] = py::cast(ops[i]);  // PlannedOp copies
+  return l;
 }
 
-py::list ops_to_py(const std::vector<TransferOp>& ops) {
-  py::list l;
-  for (const auto& op : ops) l.append(op_to_py(op));
-  return l;
+// The fields Python reads (what the digest check, the plan summary and the tests compare).
+auto op_fields(const TransferOp& op) {
+  return std::tie(op.dst_name, op.src_name, op.peer, op.mine.start, op.mine.size, op.theirs.start, op.global,
+                  op.nbytes, op.batch, op.offset, op.wire_dtype);
+}
+
+void bind_planned_op(py::module_& m) {
+  py::class_<TransferOp>(m, "PlannedOp", "One op of a RankPlan (read-only): a send, a receive or a same-rank copy")
+      .def_readonly("dst_name", &TransferOp::dst_name, "index into the dst layout table")
+      .def_readonly("src_name", &TransferOp::src_name, "index into the src layout table")
+      .def_readonly("peer", &TransferOp::peer, "the other rank (this rank for a copy)")
+      .def_property_readonly("mine_start", [](const TransferOp& op) { return op.mine.start; },
+                             "the box's origin in this rank's piece (the src piece of a send, else the dst piece)")
+      .def_property_readonly("size", [](const TransferOp& op) { return op.mine.size; })
+      .def_property_readonly("theirs_start", [](const TransferOp& op) { return op.theirs.start; },
+                             "the box's origin in the peer's piece (a copy: the src piece)")
+      .def_readonly("global_start", &TransferOp::global, "the box's origin in the global tensor")
+      .def_readonly("nbytes", &TransferOp::nbytes, "bytes on the wire")
+      .def_readonly("batch", &TransferOp::batch)
+      .def_readonly("offset", &TransferOp::offset, "byte offset in the peer's region of its batch's staging")
+      .def_readonly("wire_dtype", &TransferOp::wire_dtype)
+      .def("__eq__", [](const TransferOp& a, const TransferOp& b) { return op_fields(a) == op_fields(b); })
+      .def("__repr__", [](const TransferOp& op) {
+        return "PlannedOp(dst_name=" + std::to_string(op.dst_name) + ", peer=" + std::to_string(op.peer) +
+               ", nbytes=" + std::to_string(op.nbytes) + ", batch=" + std::to_string(op.batch) + ")";
+      });
 }
 
 py::bytes boxes_bytes(const std::vector<rx_box>& v) {
@@ -263,6 +286,7 @@ void check_codec_boxes(const ExecTables& t) {
 
 void register_core(py::module_& m) {
   register_pieces(m);
+  bind_planned_op(m);
   py::class_<Mesh, std::shared_ptr<Mesh>>(m, "Mesh")
       .def(py::init<std::vector<int64_t>, std::vector<int32_t>>(), py::arg("shape"), py::arg("ranks"))
       .def_property_readonly("shape", &Mesh::shape)
@@ -353,8 +377,7 @@ void register_core(py::module_& m) {
       .def_property_readonly("num_ops", [](const RankPlan& p) {
         return py::make_tuple(p.sends.size(), p.recvs.size(), p.copies.size());
       })
-      .def("sends", [](const RankPlan& p) { return ops_to_py(p.sends); },
-           "(dst_name, peer, my_start, size, peer_start, global, nbytes, batch, offset, wire_dtype) tuples")
+      .def("sends", [](const RankPlan& p) { return ops_to_py(p.sends); }, "[PlannedOp], sorted by peer")
       .def("recvs", [](const RankPlan& p) { return ops_to_py(p.recvs); })
       .def("copies", [](const RankPlan& p) { return ops_to_py(p.copies); })
       .def("direct_sends", [](const RankPlan& p) { return ops_to_py(p.direct_sends); })

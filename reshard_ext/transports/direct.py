@@ -370,7 +370,7 @@ class DirectTransport:
                                    f"mapped peer allocation (internal error)")
         receivers = sorted({p.peer for p in pieces})
         senders = sorted({p for p, _ in tables.direct_recv_pieces()})
-        self.nccl_peers = sorted({op[1] for op in split.sends()} | {op[1] for op in split.recvs()})
+        self.nccl_peers = sorted({op.peer for op in split.sends()} | {op.peer for op in split.recvs()})
         self.staging_bytes = self.inner.staging_bytes  # of the NCCL pairs, every pipelined copy
         self.peers = sorted(set(receivers) | set(senders) | set(self.inner.peers))
         self._broken = ""
