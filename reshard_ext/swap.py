@@ -84,7 +84,8 @@ def _release_at_exit() -> None:
 
 def clear_caches() -> None:
     """Drops every cached plan, model description and NCCL communicator. Collective when
-    communicators exist: their destruction is (every rank of each group must call it)."""
+    communicators exist: their destruction is (every rank of each group must call it; on
+    one rank alone NCCL's finalize, then its abort, wait for the other ranks of the host)."""
     _PLANS.clear()
     _DESCRIBED.clear()
     _GROUP_KEYS.clear()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host] [ab]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autodirect] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host] [ab]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -51,13 +51,24 @@ stage_kernels() {
       2>&1 | tee "$OUT/kernels.log" | tail -12)
 }
 
+gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4-GPU ones skip below 4)
+  (cd tests && RX_TEST_DUMP_AFTER="${RX_TEST_DUMP_AFTER:-240}" timeout "${RX_TESTS_TIMEOUT:-520}" python3 -m pytest -q \
+      -p no:warnings -rs --durations=15 \
+      test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py \
+      test_mxfp8_refit.py test_verify.py test_relay.py test_direct.py test_package.py test_trust_gpu.py test_swap.py \
+      test_swap_fingerprint.py test_swap_round.py test_watch.py test_cuda_pipeline.py test_message_cuts.py test_nvshmem.py \
+      -k "not mypy" 2>&1 | tee "$OUT/$1.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -25)
+}
+
 stage_tests() {
   step "GPU tests"
-  (cd tests && timeout 520 python3 -m pytest -q -p no:warnings -rs --durations=15 \
-      test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py \
-      test_verify.py test_relay.py test_direct.py test_package.py test_trust_gpu.py test_swap.py test_swap_fingerprint.py \
-      test_nvshmem.py -k "not mypy" \
-      2>&1 | tee "$OUT/tests.log" | tail -25)
+  gpu_tests tests
+}
+
+stage_autodirect() {
+  # backend="auto" as the direct transport (RESHARD_EXT_AUTO_DIRECT=1): what flipping its default needs green
+  step "GPU tests with RESHARD_EXT_AUTO_DIRECT=1"
+  RESHARD_EXT_AUTO_DIRECT=1 gpu_tests tests_autodirect
 }
 
 stage_tests4() {
