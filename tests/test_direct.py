@@ -330,19 +330,30 @@ def test_transport_ranks_with_nccl_pairs_keep_their_copies():
             assert not own and nccl == [3] and local_engine == local_kernel == 0, (rank, got)
 
 
+_SL = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])  # columns -> rows: each rank sends half to the other
+_DL = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
+
+
+def _fake_pair_plan(rank, seed, **plan_kw):
+    """A direct plan of 2 ranks on FakeDevice (call release_shared() after): (plan, the
+    sources, the destination, the logical tensor)."""
+    from _direct_fake import shared_poison, use_fake_device
+
+    use_fake_device()
+    g = torch.randn(64, 512, generator=torch.Generator().manual_seed(seed))
+    src = {"w": (_SL.local_part(g, rank).clone(), _SL)}
+    out = shared_poison(_DL.local_shape(rank), F32)
+    return rx.plan(src, {"w": (out, _DL)}, backend="direct", **plan_kw), src, out, g
+
+
 def _fake_rebind(rank, world, bad_rank):
     """Collective rebind of the destinations onto new shared tensors; then a rebind that is
     wrong on `bad_rank` raises on every rank (no rank left waiting)."""
-    from _direct_fake import release_shared, shared_poison, use_fake_device
+    from _direct_fake import release_shared, shared_poison
 
-    use_fake_device()
+    dl = _DL
     try:
-        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
-        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
-        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(2))
-        src = {"w": (sl.local_part(g, rank).clone(), sl)}
-        old = shared_poison(dl.local_shape(rank), F32)
-        p = rx.plan(src, {"w": (old, dl)}, backend="direct")
+        p, src, old, g = _fake_pair_plan(rank, 2)
         rx.execute(p)
         ok = [bits_equal(old, dl.local_part(g, rank))]
         new = shared_poison(dl.local_shape(rank), F32)
@@ -373,21 +384,15 @@ def _rebind_alone(rank, world):
     raise within the reshard timeout, not the process group's."""
     import time
 
-    from _direct_fake import release_shared, shared_poison, use_fake_device
+    from _direct_fake import release_shared, shared_poison
 
-    use_fake_device()
     try:
-        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
-        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
-        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
-        out = shared_poison(dl.local_shape(rank), F32)
-        p = rx.plan({"w": (sl.local_part(g, rank).clone(), sl)}, {"w": (out, dl)}, backend="direct",
-                    options=rx.Options(timeout=3))
+        p, _, _, _ = _fake_pair_plan(rank, 3, options=rx.Options(timeout=3))
         rx.execute(p)
         t0 = time.monotonic()
         try:
             if rank == 1:
-                p.rebind(dst={"w": (shared_poison(dl.local_shape(rank), F32), dl)})
+                p.rebind(dst={"w": (shared_poison(_DL.local_shape(rank), F32), _DL)})
             else:
                 rx.execute(p)
             return "no error", time.monotonic() - t0
@@ -426,17 +431,12 @@ def _corrupt_landed(rank, world):
     the verify pass: execute(verify=True) must name the tensor on both ranks; a clean
     verified execute passes first."""
     import _direct_fake
-    from _direct_fake import release_shared, shared_poison, use_fake_device
+    from _direct_fake import release_shared
 
-    use_fake_device()
     try:
-        sl = Layout((64, 512), F32, Mesh([0, 1]), [Shard(1)])
-        dl = Layout((64, 512), F32, Mesh([1, 0]), [Shard(0)])
-        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(5))
-        out = shared_poison(dl.local_shape(rank), F32)
-        p = rx.plan({"w": (sl.local_part(g, rank).clone(), sl)}, {"w": (out, dl)}, backend="direct")
+        p, _, out, g = _fake_pair_plan(rank, 5)
         rx.execute(p, verify=True, version=1)
-        got = [bits_equal(out, dl.local_part(g, rank)), p.version]
+        got = [bits_equal(out, _DL.local_part(g, rank)), p.version]
         end = _direct_fake._Exec.end
 
         def flip(self, stream):
