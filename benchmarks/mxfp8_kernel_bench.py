@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _common import cuda_time
 
 from reshard_ext import mxfp8
-
-from _common import cuda_time
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ memory and the CPU twin's copies of it.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -167,7 +167,7 @@ def random_spec(rng: random.Random, src: Arena, dst: Arena, max_elems: int, cast
 
 
 def random_specs(seed: int, count: int, max_elems: int, casts: bool, copies: bool = True,
-                 big: Optional[int] = None) -> tuple[list[Spec], int, int]:
+                 big: int | None = None) -> tuple[list[Spec], int, int]:
     """`count` random boxes (plus, with `big`, one contiguous 1-D box of `big` bytes with
     equally misaligned ends); returns (specs, src_bytes, dst_bytes)."""
     rng = random.Random(seed)

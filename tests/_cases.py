@@ -3,7 +3,7 @@ src layout, dst dtype, dst layout)} for a given world size. Built inside the wor
 (layouts hold C++ objects and are not pickled), identical on every rank."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

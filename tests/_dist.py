@@ -16,7 +16,8 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

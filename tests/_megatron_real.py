@@ -3,7 +3,7 @@ is installed). Models are built one after another in the same processes; each ke
 process groups of its own pg_collection, so differently-parallel models coexist."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -12,7 +12,7 @@ VOCAB, SEQ = 128, 16
 
 def build(tp: int = 1, ep: int = 1, pp: int = 1, experts: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32,
           hidden: int = 64, layers: int = 2, heads: int = 4, query_groups: int = 2, ffn: int = 0,
-          moe_ffn: int = 0, vocab: int = VOCAB, cuda: Optional[bool] = None, tied: bool = False) -> Any:
+          moe_ffn: int = 0, vocab: int = VOCAB, cuda: bool | None = None, tied: bool = False) -> Any:
     """A GPTModel (local spec, SwiGLU) with TP `tp`, PP `pp` (this rank's stage: embedding
     on the first, head on the last) and, for experts > 0, MoE layers with EP `ep`; `tied`
     shares the embedding with the head. The benchmark builds large ones with the same code."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ class Config:
     hidden: int = 8
     ffn: int = 8
     layers: int = 2
-    num_moe_experts: Optional[int] = None
+    num_moe_experts: int | None = None
     moe_ffn: int = 4
     tied: bool = False
     bias_dtype: torch.dtype = torch.float32  # router expert_bias buffer
@@ -43,7 +43,7 @@ class PGCollection:  # Megatron's ProcessGroupCollection fields used here, plus 
     pp_ranks: list
 
 
-def make_groups(world: int, base: int, tp: int, pp: int, dp: int, ep: int = 1, etp: Optional[int] = None) -> Optional[PGCollection]:
+def make_groups(world: int, base: int, tp: int, pp: int, dp: int, ep: int = 1, etp: int | None = None) -> PGCollection | None:
     """Creates (on every rank of the world, in the same order) the groups of a model on
     ranks base .. base+tp*dp*pp-1 in Megatron order (tp fastest, then dp, then pp; experts:
     etp, ep, edp). Returns this rank's groups, None if it is not in the model."""
@@ -108,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((out_f // P,), (gname + ".bias", (out_f,), 0, stride, P, r),
                            tensor_model_parallel=True, partition_dim=0, partition_stride=stride) if bias else None
 
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight if weight is None else weight, self.bias)
         if self.gather_output and dist.get_world_size(self.group) > 1:
             parts = [torch.empty_like(y) for _ in range(dist.get_world_size(self.group))]
@@ -236,7 +236,7 @@ class TransformerLayer(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: Config, pg: PGCollection, layer_ids: Optional[list[int]] = None):
+    def __init__(self, cfg: Config, pg: PGCollection, layer_ids: list[int] | None = None):
         super().__init__()
         self.config, self.pg_collection = cfg, pg
         pp = len(pg.pp_ranks)

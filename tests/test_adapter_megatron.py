@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from _dist import run_ranks
 from _models import GPT, Config, fill, global_tensor, make_groups
 

@@ -13,10 +13,9 @@ import random
 
 import pytest
 import torch
+from _boxes import FLOATS, Spec, itemsize, nan_free_bytes, random_specs, specs_table, table, view
 
 from reshard_ext import _C
-from _boxes import (FLOATS, Spec, contiguous_strides, itemsize, nan_free_bytes, random_specs, specs_table,
-                          table, view)
 from reshard_ext.layout import code_of
 
 HAVE_KERNEL = hasattr(_C, "DeviceBoxTable")
@@ -29,7 +28,7 @@ BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def run_kernel(backend: str, specs: list[Spec], src: torch.Tensor, dst: torch.Tensor, tile_bytes: int = 0,
-               stream: "torch.cuda.Stream | None" = None, max_blocks: int = 0, flat: bool = True) -> torch.Tensor:
+               stream: torch.cuda.Stream | None = None, max_blocks: int = 0, flat: bool = True) -> torch.Tensor:
     """Copies specs from src into a copy of dst (CPU uint8 buffers); returns it on the CPU.
     flat=False: every tile takes the kernel's general path (reads its box record)."""
     if backend == "emulated":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard_ext import ReshardError, _C
+from reshard_ext import _C, ReshardError
 from reshard_ext.layout import code_of, dtype_of
 
 ROWS = _C.dtype_info()

@@ -3,10 +3,10 @@ no dst tensor changes, nothing hangs, and the process group is still usable."""
 import pytest
 import torch
 import torch.distributed as dist
-
-import reshard_ext as rx
 from _cases import bits_equal
 from _dist import run_ranks
+
+import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate, Shard
 
 F32 = torch.float32

@@ -4,12 +4,11 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from _boxes import BOX
 
 import reshard_ext as rx
-from reshard_ext import Layout, Mesh, Replicate, _C
+from reshard_ext import _C, Layout, Mesh, Replicate
 from reshard_ext.layout import code_of, dtype_of
-
-from _boxes import BOX
 
 
 def _boxes(blob: bytes) -> list[bytes]:

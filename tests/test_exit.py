@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
 from _dist import free_port
 
 WORLD = 4

@@ -5,7 +5,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks
 
 G, HPG, D, H, I, E = 2, 2, 2, 4, 4, 4  # kv groups, q heads per group, head dim, hidden, ffn, experts

@@ -9,16 +9,16 @@ must stay untouched, and every box is checked against quantizing its BF16 window
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
+from _boxes import table
+from test_mxfp8_kernels import CASES, ROUNDINGS, assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
 
 from reshard_ext import _C
 from reshard_ext.layout import code_of
-from _boxes import table
 from reshard_ext.mxfp8 import swizzled_size
-from test_mxfp8_kernels import CASES, ROUNDINGS, assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
 
 HAVE_KERNEL = hasattr(_C, "DeviceBoxTable")
 HAVE_GPU = HAVE_KERNEL and torch.cuda.is_available()

@@ -7,14 +7,12 @@ import zlib
 
 import pytest
 import torch
-
-import reshard_ext as rx
-from reshard_ext import Layout, Mesh, Replicate, Shard
-from reshard_ext import mxfp8
-from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout, scale_numel
-
 from _dist import run_ranks
 from test_mxfp8_kernels import assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
+
+import reshard_ext as rx
+from reshard_ext import Layout, Mesh, Replicate, Shard, mxfp8
+from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout, scale_numel
 
 BF16, F32 = torch.bfloat16, torch.float32
 WORLD = 4

@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_ranks
 
 import reshard_ext as rx
 from reshard_ext import _C
 from reshard_ext.transports import nccl_lib as _nccl
-from _dist import run_ranks
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_nccl = pytest.mark.skipif(not _nccl.available(), reason="built without NCCL")
@@ -98,7 +98,7 @@ def test_exchange_nothing() -> None:
 
 # --- errors instead of hangs -------------------------------------------------------------
 
-def _fresh_comm(rank: int, world: int, timeout: float) -> "_C.NcclComm":
+def _fresh_comm(rank: int, world: int, timeout: float) -> _C.NcclComm:
     """A communicator outside the cache, so breaking it leaves the cached one alone."""
     box = [_C.nccl_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -107,7 +107,7 @@ def _fresh_comm(rank: int, world: int, timeout: float) -> "_C.NcclComm":
     return comm
 
 
-def _one_way(comm: "_C.NcclComm", peer: int, n: int) -> list[torch.Tensor]:
+def _one_way(comm: _C.NcclComm, peer: int, n: int) -> list[torch.Tensor]:
     device = torch.device("cuda", torch.cuda.current_device())
     a = torch.ones(n, dtype=torch.uint8, device=device)
     b = torch.zeros(n, dtype=torch.uint8, device=device)

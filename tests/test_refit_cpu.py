@@ -1,6 +1,5 @@
 """CPU refits over real gloo process groups: the layout matrix, bit for bit."""
 import pytest
-
 from _cases import CASES, run_case
 from _dist import run_ranks
 
@@ -37,9 +36,9 @@ def test_direct_messages(case, direct_bytes):
 
 def _rebind(rank, world):
     import torch
+    from _cases import bits_equal
 
     import reshard_ext as rx
-    from _cases import bits_equal
     from reshard_ext import Layout, Mesh, Shard
 
     sl = Layout((8, 6), torch.float32, Mesh([0, 1]), [Shard(0)])

@@ -2,7 +2,6 @@
 transport, torch.distributed point-to-point and the NVSHMEM transport."""
 import pytest
 import torch
-
 from _cases import run_case
 from _dist import run_ranks
 
@@ -85,8 +84,9 @@ def _rebind_registered(rank, world, options, backend="nccl"):
     reused by another tensor, and a new dst bound: the refit must land in the new
     tensor only, and the old memory's new owner must stay untouched. (backend "direct":
     the sender maps the new tensor; rebind is collective there.)"""
-    import reshard_ext as rx
     from _cases import bits_equal
+
+    import reshard_ext as rx
     from reshard_ext import Layout, Mesh, Replicate, Shard
 
     shape = (256, 4096)  # row shards -> whole tensor: one contiguous 2 MiB message each way

@@ -7,18 +7,17 @@ models compute the same logits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks
 from _models import GPT, Config, check_filled, fill, make_groups
 
 IDS = torch.tensor([0, 3, 7, 12, 15, 9])
 
 
-def _build(world: int, spec: Optional[dict], cfg: Config, seed: Optional[int]) -> Optional[GPT]:
+def _build(world: int, spec: dict | None, cfg: Config, seed: int | None) -> GPT | None:
     if spec is None:
         return None
     pg = make_groups(world, **spec)
@@ -30,7 +29,7 @@ def _build(world: int, spec: Optional[dict], cfg: Config, seed: Optional[int]) -
     return model
 
 
-def _refit(rank: int, world: int, src_spec, dst_spec, cfg: Config, dst_cfg: Optional[Config], kwargs: dict) -> Any:
+def _refit(rank: int, world: int, src_spec, dst_spec, cfg: Config, dst_cfg: Config | None, kwargs: dict) -> Any:
     import reshard_ext as rx
     from reshard_ext.swap import clear_caches, swap_model_weights
 

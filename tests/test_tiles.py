@@ -12,10 +12,10 @@ from collections import defaultdict
 
 import pytest
 import torch
+from _boxes import FLOATS, MAX_DIMS, contiguous_strides, itemsize, table
 
 from reshard_ext import _C
 from reshard_ext.layout import code_of
-from _boxes import FLOATS, MAX_DIMS, contiguous_strides, itemsize, table
 
 DTYPES = (torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.int32, torch.float32, torch.int64,
           torch.float64)
@@ -251,8 +251,8 @@ def test_bad_boxes_are_rejected(bad: dict) -> None:
     shape = (bad.get("shape", 8),) * nd
     row = (bad.get("src", 1 << 40), 1 << 41, shape, (1,) * nd, (1,) * nd, code_of(sd), code_of(dd))
     if nd > MAX_DIMS:
-        from _boxes import BOX
         import numpy as np
+        from _boxes import BOX
         a = np.frombuffer(bytearray(table([row[:2] + ((8,),) + ((1,),) * 2 + row[5:]])), dtype=BOX).copy()
         a[0]["ndim"] = nd
         blob = a.tobytes()
