@@ -207,10 +207,16 @@ class Plan:
         self.src_names = [self._agreement.src_table.name(i) for i in tables.src_used]
         self.dst_names = [self._agreement.dst_table.name(i) for i in tables.dst_used]
 
-    def _bound_refs(self) -> tuple[list[_C.TensorRef], list[_C.TensorRef]]:
-        """The TensorRefs of the bound tensors, aligned with the tables' src_used / dst_used."""
-        src = _refs(self.src_names, self._entries["src"])
-        return src, _refs(self.dst_names, self._entries["dst"], self.tables, src)
+    def _bound_refs(self, tables: Any = None) -> tuple[list[_C.TensorRef], list[_C.TensorRef]]:
+        """The TensorRefs of the bound tensors, aligned with the src_used / dst_used of the
+        plan's tables (or of other `tables` of the same agreement)."""
+        if tables is None:
+            tables, src_names, dst_names = self.tables, self.src_names, self.dst_names
+        else:
+            src_names = [self._agreement.src_table.name(i) for i in tables.src_used]
+            dst_names = [self._agreement.dst_table.name(i) for i in tables.dst_used]
+        src = _refs(src_names, self._entries["src"])
+        return src, _refs(dst_names, self._entries["dst"], tables, src)
 
     def _bind(self, errors: list[str] | None = None) -> None:
         if getattr(self.transport, "collective_bind", False):

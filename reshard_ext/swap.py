@@ -82,16 +82,19 @@ def _release_at_exit() -> None:
         time.sleep(0.05)
 
 
-def clear_caches() -> None:
-    """Drops every cached plan, model description and NCCL communicator. Collective when
-    communicators exist: their destruction is (every rank of each group must call it; on
-    one rank alone NCCL's finalize, then its abort, wait for the other ranks of the host)."""
+def clear_caches(communicators: bool = True) -> None:
+    """Drops every cached plan and model description, and the NCCL communicators. Collective
+    when communicators exist: their destruction is (every rank of each group must call it;
+    on one rank alone NCCL's finalize, then its abort, wait for the other ranks of the host).
+    communicators=False keeps them and is local: this rank's next swap plans again, and
+    every rank with it."""
     _PLANS.clear()
     _DESCRIBED.clear()
     _GROUP_KEYS.clear()
-    from .transports import nccl_lib
+    if communicators:
+        from .transports import nccl_lib
 
-    nccl_lib.clear_communicators()
+        nccl_lib.clear_communicators()
 
 
 # Megatron descriptions of the last models seen: (side, group, offset) -> (model ids, head,

@@ -87,49 +87,31 @@ def _upload(host: list) -> torch.Tensor:
 class DigestReader:
     """Read passes over bound tables (rx.verify; the direct transport's verified executes):
     one launch per part reads every op's source (what it would send) and destination (what
-    it holds), on the current stream, moving nothing."""
+    it holds) into one device buffer of a uint64 per box, on the current stream, moving
+    nothing. Each part's boxes are its ops in order."""
 
     def __init__(self, tables: Any):
         copies = _C.DeviceBoxTable(tables.copy_boxes())
         # (send, recv, copy_src, copy_dst) digests, in that order
-        parts = [_C.DeviceBoxTable(tables.send_boxes()), _C.DeviceBoxTable(tables.recv_boxes()), copies, copies]
-        self._blob = _upload(parts[:3])
-        self._digests = _Digests(parts)
-        self._sizes = tables.num_ops
-
-    def read(self) -> tuple[np.ndarray, ...]:
-        r = self._digests
-        r.buf.zero_()
-        s = torch.cuda.current_stream().cuda_stream
-        for i, pass_ in enumerate((_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)):
-            r.tables[i].launch(s, 0, *r.args(i, pass_))
-        sends, recvs, copies_n = self._sizes
-        return r.collect((sends, recvs, copies_n, copies_n))
-
-
-class _Digests:
-    """rx.verify's digests on the GPU (reshard_ext/verification.py): one device buffer
-    with a uint64 per box of the tables that digest, zeroed per call; each part's boxes
-    are its ops in order."""
-
-    def __init__(self, tables: list[Any]):
-        self.tables = tables  # DeviceBoxTables
+        self.parts = [_C.DeviceBoxTable(tables.send_boxes()), _C.DeviceBoxTable(tables.recv_boxes()), copies, copies]
+        self._blob = _upload(self.parts[:3])
         self.offsets, total = [], 0
-        for t in self.tables:
+        for t in self.parts:
             self.offsets.append(total)
             total += t.num_boxes
         self.buf = torch.zeros(max(total, 1), dtype=torch.int64, device=torch.cuda.current_device())
+        sends, recvs, copies_n = tables.num_ops
+        self._sizes = (sends, recvs, copies_n, copies_n)
 
-    def args(self, i: int, pass_: int) -> tuple:
-        """launch() arguments of part i: its digest slots and the pass."""
-        return (self.buf.data_ptr() + 8 * self.offsets[i], pass_)
-
-    def collect(self, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-        """Waits for the digests (the current stream) and returns one uint64 array per
-        part, indexed by op (`sizes`: the ops of each)."""
+    def read(self) -> tuple[np.ndarray, ...]:
+        """The digests of every part, one uint64 array each indexed by op (waits for them)."""
+        self.buf.zero_()
+        s = current_stream_handle()
+        for t, off, pass_ in zip(self.parts, self.offsets, (_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)):
+            t.launch(s, 0, self.buf.data_ptr() + 8 * off, pass_)
         host = self.buf.cpu().numpy().view(np.uint64)
         out = []
-        for t, off, n in zip(self.tables, self.offsets, sizes):
+        for t, off, n in zip(self.parts, self.offsets, self._sizes):
             a = np.zeros(n, dtype=np.uint64)
             a[:t.num_boxes] = host[off:off + t.num_boxes]
             out.append(a)

@@ -413,17 +413,13 @@ class DirectTransport:
         would stage them, bound to the same tensors (the read passes never touch staging,
         so none is allocated)."""
         if self._reader is None:
-            from ..execution import _refs
-
             plan = self._plan()
-            agreement = plan._agreement
-            whole = _C.ExecTables(agreement.rank_plan)
-            src = _refs([agreement.src_table.name(i) for i in whole.src_used], plan._entries["src"])
-            dst = _refs([agreement.dst_table.name(i) for i in whole.dst_used], plan._entries["dst"], whole, src)
+            whole = _C.ExecTables(plan._agreement.rank_plan)
+            src, dst = plan._bound_refs(whole)
             nowhere = [_UNREAD_STAGING] * max(1, whole.num_batches)
             whole.bind(src, dst, nowhere, nowhere, 0, plan._codec_receivers)
-            self._reader = (whole, self.device.digest_reader(whole))
-        return tuple(self._reader[1].read())
+            self._reader = self.device.digest_reader(whole)
+        return tuple(self._reader.read())
 
     def run(self, tables: Any, session: Session, verify: bool = False) -> Any:
         # A verified execute with direct pairs digests by read passes once its data has
