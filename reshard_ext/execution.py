@@ -190,6 +190,7 @@ class Plan:
         self._steps = steps
         self._agreement = agreement
         self._verify_ops: verification.Ops | None = None  # built by the first verify
+        self._refs: tuple[dict[str, _C.TensorRef], dict[str, _C.TensorRef]] = ({}, {})  # by name, as bound
         # dst table index -> _C.ReceiverCodec of the tensors whose receiver converts them
         # (verify digests cover the converted bytes; both ends derive it from the transform)
         self._codec_receivers = {} if transform is None else {
@@ -209,14 +210,20 @@ class Plan:
 
     def _bound_refs(self, tables: Any = None) -> tuple[list[_C.TensorRef], list[_C.TensorRef]]:
         """The TensorRefs of the bound tensors, aligned with the src_used / dst_used of the
-        plan's tables (or of other `tables` of the same agreement)."""
+        plan's tables (which binds them: a Piece decides there whether it lands in place or
+        in staging), or of other `tables` of the same agreement: those reuse the refs the
+        plan bound (asking a Piece again would rebind it under the other tables' boxes)."""
         if tables is None:
-            tables, src_names, dst_names = self.tables, self.src_names, self.dst_names
-        else:
-            src_names = [self._agreement.src_table.name(i) for i in tables.src_used]
-            dst_names = [self._agreement.dst_table.name(i) for i in tables.dst_used]
-        src = _refs(src_names, self._entries["src"])
-        return src, _refs(dst_names, self._entries["dst"], tables, src)
+            src = _refs(self.src_names, self._entries["src"])
+            dst = _refs(self.dst_names, self._entries["dst"], self.tables, src)
+            self._refs = dict(zip(self.src_names, src)), dict(zip(self.dst_names, dst))
+            return src, dst
+        src_names = [self._agreement.src_table.name(i) for i in tables.src_used]
+        dst_names = [self._agreement.dst_table.name(i) for i in tables.dst_used]
+        bound_src, bound_dst = self._refs
+        if not all(n in bound_src for n in src_names) or not all(n in bound_dst for n in dst_names):
+            raise ReshardError(f"rank {self.rank}: tables of this plan use tensors it did not bind (internal error)")
+        return [bound_src[n] for n in src_names], [bound_dst[n] for n in dst_names]
 
     def _bind(self, errors: list[str] | None = None) -> None:
         if getattr(self.transport, "collective_bind", False):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autodirect] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [relay] [verify] [smoke] [nvshmem] [host] [ab]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autodirect] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [streams] [relay] [verify] [smoke] [nvshmem] [host] [ab]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -165,6 +165,18 @@ stage_direct() {
     done
   fi
 }
+stage_streams() {
+  gpus 2 streams || return 0
+  # direct_engine_streams A/B, same run: how many copy engines the direct peer copies use
+  for c in ${RX_STREAMS_CASES:-tp2-tp1 moe-ep2-ep1 noncolo-tp1-tp1}; do
+    step "direct: refit_bench $c, direct_engine_streams 1 / 2 / 4 / 8"
+    RESHARD_EXT_DIRECT_TIMEOUT=120 timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+      --case "$c" --backend direct --no-baseline \
+      --variants "direct_engine_streams=1;direct_engine_streams=2;direct_engine_streams=4;direct_engine_streams=8" \
+      2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/streams.log" | tail -4
+  done
+}
+
 stage_relay() {
   gpus 4 relay || return 0
   for g in ${RX_RELAY_STAGES:-0 4}; do

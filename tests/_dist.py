@@ -43,14 +43,18 @@ def _worker(rank: int, world: int, port: int, backend: str, inq, outq) -> None:
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-        **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
+        )
+    except BaseException as e:  # e.g. the free port was taken meanwhile: the pool retries on another
+        outq.put((rank, "init_err", f"{type(e).__name__}: {e}"))
+        return
     outq.put((rank, "ready", None))
     dump_after = float(os.environ.get("RX_TEST_DUMP_AFTER", "0"))
     while True:
@@ -74,18 +78,40 @@ class Pool:
         ctx = mp.get_context("spawn")
         self.world = world
         self.backend = backend
-        self.inqs = [ctx.Queue() for _ in range(world)]
-        self.outq = ctx.Queue()
-        port = free_port()
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, backend, self.inqs[r], self.outq), daemon=True)
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
-        self._collect(timeout=180, expect="ready")
+        for attempt in range(3):
+            self.inqs = [ctx.Queue() for _ in range(world)]
+            self.outq = ctx.Queue()
+            port = free_port()  # another process can take it before rank 0 listens: then retry
+            self.procs = [
+                ctx.Process(target=_worker, args=(r, world, port, backend, self.inqs[r], self.outq), daemon=True)
+                for r in range(world)
+            ]
+            for p in self.procs:
+                p.start()
+            failed = self._ready(timeout=180)
+            if failed is None:
+                return
+            self.close()
+            if "EADDRINUSE" not in failed and "address already in use" not in failed or attempt == 2:
+                raise RankFailure(f"the process group did not start: {failed}")
 
-    def _collect(self, timeout: float, expect: str = "ok") -> list[Any]:
+    def _ready(self, timeout: float) -> str | None:
+        """None once every rank joined the group; else the first rank's init error (the
+        others may wait on it, so this does not wait for them)."""
+        ready: set[int] = set()
+        while len(ready) < self.world:
+            try:
+                rank, kind, payload = self.outq.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                missing = sorted(set(range(self.world)) - ready)
+                raise RankFailure(f"ranks {missing} did not join the group within {timeout}s (hang)") from None
+            if kind == "init_err":
+                return f"rank {rank}: {payload}"
+            ready.add(rank)
+        return None
+
+    def _collect(self, timeout: float) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         while len(results) + len(errors) < self.world:

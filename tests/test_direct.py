@@ -19,6 +19,7 @@ from _dist import run_ranks
 
 import reshard_ext as rx
 from reshard_ext import _C, Layout, Mesh, Replicate, Shard
+from reshard_ext.layout import code_of
 from reshard_ext.transports.direct import RankInfo, agree, candidate_pairs, peers_of
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -454,6 +455,47 @@ def _corrupt_landed(rank, world):
         return got + [p.version]
     finally:
         release_shared()
+
+
+class _CountedPiece(rx.transforms.Piece):
+    """A destination piece that counts how often the plan binds it."""
+
+    def __init__(self, out: torch.Tensor):
+        super().__init__(tuple(out.shape), out.dtype, out.device)
+        self.out, self.binds = out, 0
+
+    def ref(self, whole: bool) -> _C.TensorRef:
+        self.binds += 1
+        return _C.TensorRef(self.out.data_ptr(), self.out.stride(), code_of(self.out.dtype))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.out,)
+
+
+def _verify_binds_once(rank, world):
+    """A verified direct execute reads its digests through the plan's whole tables: they
+    must reuse the refs the plan bound, not bind its pieces again (a staged MXFP8 piece
+    rebound under the whole tables dropped its staging while the peer still wrote into it)."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    try:
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(6))
+        piece = _CountedPiece(shared_poison(_DL.local_shape(rank), F32))
+        p = rx.plan({"w": (_SL.local_part(g, rank).clone(), _SL)}, {"w": (piece, _DL)}, backend="direct")
+        bound = piece.binds
+        rx.execute(p, verify=True)
+        rx.execute(p, verify=True)
+        rx.verify(p)
+        return bound, piece.binds, bits_equal(piece.out, _DL.local_part(g, rank)), p.transport.direct_peers
+    finally:
+        release_shared()
+
+
+def test_a_verified_direct_execute_does_not_rebind_pieces():
+    for rank, (bound, after, ok, peers) in enumerate(run_ranks(2, _verify_binds_once)):
+        assert peers == [1 - rank] and ok, (rank, peers, ok)
+        assert bound >= 1 and after == bound, (rank, bound, after)
 
 
 def test_a_direct_write_corrupted_after_landing_fails_verify_on_both_ranks():

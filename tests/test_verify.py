@@ -531,12 +531,14 @@ def test_verified_matrix_cuda(backend, max_batch_bytes):
 
 @pytest.mark.gpu
 @NEEDS_2_GPUS
+@pytest.mark.parametrize("rx_backend", ["nccl", "direct"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
-def test_verified_mxfp8_cuda(where):
+def test_verified_mxfp8_cuda(where, rx_backend):
+    """direct: the fp32 source lands in a BF16 staging the receiver quantizes afterwards."""
     from test_mxfp8_refit import refit_worker
 
     for layout_kind in ("2d", "swizzled"):
-        run_ranks(2, verified, refit_worker, where, layout_kind, "ceil", "cuda", backend="nccl")
+        run_ranks(2, verified, refit_worker, where, layout_kind, "ceil", "cuda", 0, rx_backend, backend="nccl")
 
 
 def _direct_cuda(rank, world):
