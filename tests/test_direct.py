@@ -131,6 +131,10 @@ def test_batch_engines_merges_runs_adjacent_on_both_sides():
     assert runs == [run(100, 1000, 24), run(124, 1100, 8), run(200, 2000, 8), run(300, 2008, 4)], runs
     assert pitched_out == [pitched]
     assert _C.batch_engines([]) == ([], [])
+    # runs adjacent on both sides but across an allocation boundary (dst 116, src 2004) stay apart
+    runs, _ = _C.batch_engines(copies, allocations=[0, 116, 2004])
+    assert runs == [run(100, 1000, 16), run(116, 1016, 8), run(124, 1100, 8), run(200, 2000, 4), run(204, 2004, 4),
+                    run(300, 2008, 4)], runs
 
 
 def test_spread_engines_balances_bytes_and_cuts_at_rows():

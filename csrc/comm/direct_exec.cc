@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "comm/host_wait.h"
+#include "comm/peer_map.h"
 #include "kernels/signal_api.h"
 
 namespace rx {
@@ -46,7 +47,12 @@ bool batch_available(std::string* why) {
 }  // namespace
 
 EngineQueue::EngineQueue(const std::vector<EngineCopy>& copies, bool batch) {
-  EngineBatches b = batch_engines(copies);
+  // Merged runs must stay within one allocation on each side: the copy engines refuse a
+  // copy across two allocations that happen to touch in the address space.
+  EngineBatches b = batch_engines(copies, [](uint64_t a, uint64_t c) {
+    const uint64_t start = allocation_start(a);
+    return start != 0 && start == allocation_start(c);
+  });
   runs_ = std::move(b.runs);
   pitched_ = std::move(b.pitched);
   if (!batch || num_copies() == 0) return;

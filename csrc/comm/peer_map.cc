@@ -52,6 +52,19 @@ PointerGetAttribute pointer_get_attribute(std::string* why) {
   return fn;
 }
 
+}  // namespace
+
+uint64_t allocation_start(uint64_t ptr) {
+  std::string why;
+  const PointerGetAttribute get = pointer_get_attribute(&why);
+  CUdeviceptr base = 0;
+  if (get == nullptr || get(&base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, static_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS)
+    return 0;
+  return static_cast<uint64_t>(base);
+}
+
+namespace {
+
 // Opened handles, shared by every IpcMapping of this process: handle bytes -> (base, users).
 struct OpenHandle {
   uint64_t base;

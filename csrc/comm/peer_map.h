@@ -26,6 +26,10 @@ struct IpcExport {
 // expandable segments) or cudaMallocAsync pools, host or managed memory.
 bool ipc_export(uint64_t ptr, IpcExport* out, std::string* why);
 
+// The start of the allocation (or IPC mapping) holding device address `ptr`; 0 where the
+// driver cannot tell.
+uint64_t allocation_start(uint64_t ptr);
+
 // An opened IPC handle: the allocation's base in this process. CUDA refuses to open a
 // handle twice in one process, so opened handles are shared process-wide and closed when
 // the last IpcMapping of them goes away.

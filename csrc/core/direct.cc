@@ -76,7 +76,7 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
   }
 }
 
-EngineBatches batch_engines(const std::vector<EngineCopy>& copies) {
+EngineBatches batch_engines(const std::vector<EngineCopy>& copies, const SameAllocation& same_allocation) {
   EngineBatches out;
   for (const EngineCopy& c : copies) {
     if (c.height != 1) {
@@ -85,7 +85,8 @@ EngineBatches batch_engines(const std::vector<EngineCopy>& copies) {
     }
     EngineCopy* last = out.runs.empty() ? nullptr : &out.runs.back();
     if (last != nullptr && last->src + static_cast<uint64_t>(last->width) == c.src &&
-        last->dst + static_cast<uint64_t>(last->width) == c.dst) {
+        last->dst + static_cast<uint64_t>(last->width) == c.dst &&
+        (!same_allocation || (same_allocation(last->src, c.src) && same_allocation(last->dst, c.dst)))) {
       last->width += c.width;
       last->spitch = last->dpitch = last->width;
     } else {

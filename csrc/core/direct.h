@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -43,11 +44,13 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
 // 2-D copies, each in the order given. A run that continues the previous run on both
 // sides (its src and dst start where that one's end) is merged into it: adjacent tensors,
 // as a caching allocator hands them out, then cost one copy (a batch has no order, and
-// no two copies of a plan write the same bytes).
+// no two copies of a plan write the same bytes). `same_allocation(a, b)`, where given, must
+// hold for both sides too: a copy may not span two allocations that merely touch.
 struct EngineBatches {
   std::vector<EngineCopy> runs, pitched;
 };
-EngineBatches batch_engines(const std::vector<EngineCopy>& copies);
+using SameAllocation = std::function<bool(uint64_t a, uint64_t b)>;
+EngineBatches batch_engines(const std::vector<EngineCopy>& copies, const SameAllocation& same_allocation = nullptr);
 
 // Spreads copies over `n` lists of about equal bytes, in order, cutting a copy that would
 // overfill a list at a byte (run) or row (pitched) boundary, so that `n` streams keep as

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -86,12 +87,20 @@ void register_cuda(py::module_& m) {
   };
   m.def(
       "batch_engines",
-      [=](const std::vector<CopyTuple>& copies) {
-        const EngineBatches b = batch_engines(copies_in(copies));
+      [=](const std::vector<CopyTuple>& copies, std::vector<uint64_t> allocations) {
+        std::sort(allocations.begin(), allocations.end());
+        const auto start = [&](uint64_t p) {  // the allocation start at or below p (0: none)
+          auto it = std::upper_bound(allocations.begin(), allocations.end(), p);
+          return it == allocations.begin() ? uint64_t{0} : *(it - 1);
+        };
+        SameAllocation same = nullptr;
+        if (!allocations.empty()) same = [=](uint64_t a, uint64_t b) { return start(a) == start(b); };
+        const EngineBatches b = batch_engines(copies_in(copies), same);
         return py::make_tuple(copies_out(b.runs), copies_out(b.pitched));
       },
-      py::arg("copies"),
-      "split_engines' copies as the executor submits them: (runs, pitched), adjacent runs merged.");
+      py::arg("copies"), py::arg("allocations") = std::vector<uint64_t>{},
+      "split_engines' copies as the executor submits them: (runs, pitched), adjacent runs merged "
+      "(within one allocation where `allocations`, their start addresses, are given).");
   m.def(
       "spread_engines",
       [=](const std::vector<CopyTuple>& copies, int n) {
