@@ -142,6 +142,7 @@ class _CpuReader:
 
     def __init__(self, tables: Any):
         self.tables = tables
+        self.parts: dict[int, Any] = {}
 
     def read(self) -> tuple:
         import numpy as np
@@ -150,6 +151,18 @@ class _CpuReader:
         copy_dst = np.zeros_like(out[2])
         self.tables.read_digests_cpu(*out, copy_dst)
         return out + (copy_dst,)
+
+    def launch(self, parts) -> None:
+        """Reads `parts` now (the CPU has no stream to queue them on)."""
+        now = self.read()
+        self.parts.update({k: now[k] for k in parts})
+
+    def collect(self) -> tuple:
+        import numpy as np
+
+        out = tuple(self.parts.get(k, np.zeros_like(a)) for k, a in enumerate(self.read()))
+        self.parts = {}
+        return out
 
 
 def use_fake_device(refuse: set[int] = frozenset()) -> None:

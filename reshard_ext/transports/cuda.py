@@ -4,6 +4,7 @@ comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,9 @@ def _upload(host: list) -> torch.Tensor:
     return blob
 
 
+_READ_PASSES = (_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)  # what DigestReader's parts read
+
+
 class DigestReader:
     """Read passes over bound tables (rx.verify; the direct transport's verified executes):
     one launch per part reads every op's source (what it would send) and destination (what
@@ -103,19 +107,33 @@ class DigestReader:
         sends, recvs, copies_n = tables.num_ops
         self._sizes = (sends, recvs, copies_n, copies_n)
 
-    def read(self) -> tuple[np.ndarray, ...]:
-        """The digests of every part, one uint64 array each indexed by op (waits for them)."""
-        self.buf.zero_()
+        self._collected = True
+
+    def launch(self, parts: Sequence[int]) -> None:
+        """Launches the read passes of `parts` (indices into send, recv, copy src, copy dst)
+        on the current stream; the first launch after a collect() starts from zeros."""
+        if self._collected:
+            self.buf.zero_()
+            self._collected = False
         s = current_stream_handle()
-        for t, off, pass_ in zip(self.parts, self.offsets, (_C.PASS_SRC, _C.PASS_DST, _C.PASS_SRC, _C.PASS_DST)):
-            t.launch(s, 0, self.buf.data_ptr() + 8 * off, pass_)
+        for k in parts:
+            self.parts[k].launch(s, 0, self.buf.data_ptr() + 8 * self.offsets[k], _READ_PASSES[k])
+
+    def collect(self) -> tuple[np.ndarray, ...]:
+        """The digests of every part, one uint64 array each indexed by op (waits for them;
+        a part not launched since the last collect reads 0)."""
         host = self.buf.cpu().numpy().view(np.uint64)
+        self._collected = True
         out = []
         for t, off, n in zip(self.parts, self.offsets, self._sizes):
             a = np.zeros(n, dtype=np.uint64)
             a[:t.num_boxes] = host[off:off + t.num_boxes]
             out.append(a)
         return tuple(out)
+
+    def read(self) -> tuple[np.ndarray, ...]:
+        self.launch(range(4))
+        return self.collect()
 
 
 def make_cuda_transport(backend: str, group: Any, options: Options, register: bool = False) -> CudaTransport:

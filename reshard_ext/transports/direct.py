@@ -43,6 +43,7 @@ _log = logging.getLogger("reshard_ext")
 
 Pair = tuple[int, int]  # (lower rank, higher rank)
 _UNREAD_STAGING = 1 << 44  # staging base of the verify tables: their read passes never touch it
+_SEND, _RECV = 0, 1  # parts of a digest reader (send, recv, copy src, copy dst)
 
 
 def pair(a: int, b: int) -> Pair:
@@ -407,11 +408,11 @@ class DirectTransport:
         if self.inner is not None:
             self.inner.abort()
 
-    def _read_digests(self) -> tuple:
-        """(send, recv, copy src, copy dst) digests of every op of the plan, read from the
-        bound tensors on the current stream: the plan's whole tables as the NCCL transport
-        would stage them, bound to the same tensors (the read passes never touch staging,
-        so none is allocated)."""
+    def _digest_reader(self) -> Any:
+        """Read passes of (send, recv, copy src, copy dst) digests of every op of the plan
+        from the bound tensors, on the current stream: the plan's whole tables as the NCCL
+        transport would stage them, bound to the same tensors (the read passes never touch
+        staging, so none is allocated)."""
         if self._reader is None:
             plan = self._plan()
             whole = _C.ExecTables(plan._agreement.rank_plan)
@@ -419,7 +420,7 @@ class DirectTransport:
             nowhere = [_UNREAD_STAGING] * max(1, whole.num_batches)
             whole.bind(src, dst, nowhere, nowhere, 0, plan._codec_receivers)
             self._reader = self.device.digest_reader(whole)
-        return tuple(self._reader.read())
+        return self._reader
 
     def run(self, tables: Any, session: Session, verify: bool = False) -> Any:
         # A verified execute with direct pairs digests by read passes once its data has
@@ -444,12 +445,16 @@ class DirectTransport:
         if session.abort.is_set():
             raise ReshardError("rx.execute was aborted (plan.abort()) before the direct writes")
         stream = self.device.stream()
+        reader = self._digest_reader() if read_after else None
         try:
             self.exec.begin(stream)
+            if reader is not None:  # the sources stay put during an execute: read them while the engines copy
+                reader.launch((_SEND,))
             digests = None if self.owns_copies else self.inner.run(tables, session, verify)
             self.exec.end(stream)
-            if read_after:  # after end(): this stream waits for the peers' writes into this rank
-                digests = self._read_digests()[:2]
+            if reader is not None:  # after end(): this stream waits for the peers' writes into this rank
+                reader.launch((_RECV,))
+                digests = reader.collect()[:2]
         except ReshardError as e:
             # The ranks of a direct pair no longer agree on its sequence: rebinding
             # (plan.rebind, collective) builds a new one.
@@ -460,5 +465,5 @@ class DirectTransport:
 
     def read_digests(self, tables: Any) -> tuple:
         if self.exec is not None:
-            return self._read_digests()
+            return tuple(self._digest_reader().read())
         return tuple(self.inner.read_digests(tables))
