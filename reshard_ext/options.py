@@ -109,7 +109,7 @@ KNOBS: dict[str, Knob] = {
              "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_BATCH", True, _flag,
              "direct copy-engine copies go in one batched call per stream (CUDA 12.8+; 0: one call per copy)"),
-        Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", 1, _count(1),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", 4, _count(1),
              "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
