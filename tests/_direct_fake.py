@@ -70,15 +70,15 @@ class _Mapping:
 class _Exec:
     """The ready / write / done steps of DirectExec, with gloo messages as the signals."""
 
-    def __init__(self, boxes: bytes, local: bytes, options: Any, receivers: list[int], senders: list[int]):
+    def __init__(self, boxes: Any, local: Any, options: Any, receivers: list[int], senders: list[int]):
         self.engine, self.kernel = _C.split_engines(boxes, options.resolved_direct_engine_bytes())
         self.streams = _C.spread_engines(self.engine, options.resolved_direct_engine_streams())
         self.local_engine, self.local_kernel = _C.split_engines(local, options.resolved_direct_local_engine_bytes())
         self.receivers, self.senders = receivers, senders
         self.token = torch.zeros(1)
-        self.num_engine_copies, self.num_kernel_boxes = len(self.engine), len(self.kernel) // _C.BOX_BYTES
+        self.num_engine_copies, self.num_kernel_boxes = len(self.engine), len(self.kernel)
         self.num_local_engine_copies = len(self.local_engine)
-        self.num_local_kernel_boxes = len(self.local_kernel) // _C.BOX_BYTES
+        self.num_local_kernel_boxes = len(self.local_kernel)
 
     def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
         reqs = [dist.isend(self.token, p, tag=tag) for p in to]
@@ -123,7 +123,7 @@ class FakeDevice:
     def open(self, handle: bytes) -> Any:
         return _Mapping(handle)
 
-    def executor(self, signals: Any, boxes: bytes, local: bytes, options: Any, receivers: list[int],
+    def executor(self, signals: Any, boxes: Any, local: Any, options: Any, receivers: list[int],
                  senders: list[int], timeout: float) -> tuple[Any, Any]:
         return _Exec(boxes, local, options, receivers, senders), None
 

@@ -95,7 +95,7 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             _C.copy_boxes_cpu(kernel)
             if stats is not None:
                 stats["local_engine"] += len(copies)
-                stats["local_kernel"] += len(kernel) // _C.BOX_BYTES
+                stats["local_kernel"] += len(kernel)
         copies, kernel = _C.split_engines(t.direct_boxes(), engine_bytes)
         runs = pitched = 0
         for part in _C.spread_engines(copies, engine_streams):
@@ -104,7 +104,7 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
         _C.copy_boxes_cpu(kernel)
         if stats is not None:
             stats["engine"] += len(copies)
-            stats["kernel"] += len(kernel) // _C.BOX_BYTES
+            stats["kernel"] += len(kernel)
             stats["runs"] += runs
             stats["pitched"] += pitched
     for b in range(k):

@@ -11,9 +11,10 @@ from reshard_ext import _C, Layout, Mesh, Replicate
 from reshard_ext.layout import code_of, dtype_of
 
 
-def _boxes(blob: bytes) -> list[bytes]:
-    """One bytes record per rx_box (comparable for equality)."""
-    assert len(blob) % BOX.itemsize == 0
+def _boxes(table) -> list[bytes]:
+    """One bytes record per rx_box of a _C.BoxTable (comparable for equality)."""
+    blob = bytes(table)
+    assert len(blob) == len(table) * BOX.itemsize
     return [blob[i : i + BOX.itemsize] for i in range(0, len(blob), BOX.itemsize)]
 
 

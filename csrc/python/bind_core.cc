@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 
 #include "common/check.h"
 #include "common/dtype.h"
@@ -20,6 +21,7 @@
 #include "kernels/api.h"
 #include "kernels/codecs/registry.h"
 #include "kernels/digest.h"
+#include "python/box_table.h"
 #include "python/register.h"
 
 namespace py = pybind11;
@@ -72,9 +74,7 @@ void bind_planned_op(py::module_& m) {
       });
 }
 
-py::bytes boxes_bytes(const std::vector<rx_box>& v) {
-  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(rx_box));
-}
+BoxTable box_table(std::vector<rx_box> v) { return BoxTable{std::move(v)}; }
 
 void run_cpu(const std::vector<rx_box>& v) {
   int32_t rc;
@@ -486,13 +486,13 @@ void register_core(py::module_& m) {
            "This rank's verify rounds of batch b when messages are cut into `piece` bytes")
       .def("direct_recv_round_boxes",
            [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, int64_t piece) {
-             return boxes_bytes(t.direct_round(b, false, r, rounds, piece));
+             return box_table(t.direct_round(b, false, r, rounds, piece));
            },
            py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("piece") = 0,
            "Aligned with direct_recvs(b): the piece of each direct receive landing in verify round r")
       .def("direct_send_round_boxes",
            [](const ExecTables& t, int32_t b, int32_t r, int32_t rounds, int64_t piece) {
-             return boxes_bytes(t.direct_round(b, true, r, rounds, piece));
+             return box_table(t.direct_round(b, true, r, rounds, piece));
            },
            py::arg("b"), py::arg("r"), py::arg("rounds"), py::arg("piece") = 0,
            "Aligned with direct_sends(b): the piece of each direct send leaving in verify round r")
@@ -515,12 +515,12 @@ void register_core(py::module_& m) {
       .def_property_readonly("num_ops", [](const ExecTables& t) {
         return py::make_tuple(t.plan().sends.size(), t.plan().recvs.size(), t.plan().copies.size());
       })
-      .def("pack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.pack(b)); })
-      .def("unpack_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(t.unpack(b)); })
-      .def("copy_boxes", [](const ExecTables& t) { return boxes_bytes(t.copies()); })
+      .def("pack_boxes", [](const ExecTables& t, int32_t b) { return box_table(t.pack(b)); })
+      .def("unpack_boxes", [](const ExecTables& t, int32_t b) { return box_table(t.unpack(b)); })
+      .def("copy_boxes", [](const ExecTables& t) { return box_table(t.copies()); })
       .def("copy_boxes_split", [](const ExecTables& t, int32_t parts) {
         py::list l;
-        for (const auto& part : t.copies_split(parts)) l.append(boxes_bytes(part));
+        for (const auto& part : t.copies_split(parts)) l.append(box_table(part));
         return l;
       }, py::arg("parts"), "copy_boxes cut into `parts` tables of about equal bytes, in order")
       .def(
@@ -532,7 +532,7 @@ void register_core(py::module_& m) {
           py::arg("src"), py::arg("pieces"),
           "src: as for bind; pieces: the PeerPiece of every receiver piece this rank writes into directly, its ref "
           "in this process's addresses")
-      .def("direct_boxes", [](const ExecTables& t) { return boxes_bytes(t.direct()); })
+      .def("direct_boxes", [](const ExecTables& t) { return box_table(t.direct()); })
       .def("direct_recv_pieces", &ExecTables::direct_recv_pieces,
            "(peer, position in dst_used) of every dst piece a peer writes into directly")
       .def_property_readonly("direct_send_total", [](const ExecTables& t) { return t.plan().direct_send_total(); })
@@ -549,10 +549,10 @@ void register_core(py::module_& m) {
       .def("unpack_ops", &ExecTables::unpack_ops, "Plan recv op of each unpack_boxes(b) box")
       .def("direct_sends", &ExecTables::direct_sends, "Send ops of batch b moved as direct messages (no pack box)")
       .def("direct_recvs", &ExecTables::direct_recvs, "Recv ops of batch b moved as direct messages (no unpack box)")
-      .def("send_boxes", [](const ExecTables& t) { return boxes_bytes(t.send_boxes()); }, "One pack box per send op")
-      .def("recv_boxes", [](const ExecTables& t) { return boxes_bytes(t.recv_boxes()); }, "One unpack box per recv op")
-      .def("direct_send_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(pick(t.send_boxes(), t.direct_sends(b))); })
-      .def("direct_recv_boxes", [](const ExecTables& t, int32_t b) { return boxes_bytes(pick(t.recv_boxes(), t.direct_recvs(b))); })
+      .def("send_boxes", [](const ExecTables& t) { return box_table(t.send_boxes()); }, "One pack box per send op")
+      .def("recv_boxes", [](const ExecTables& t) { return box_table(t.recv_boxes()); }, "One unpack box per recv op")
+      .def("direct_send_boxes", [](const ExecTables& t, int32_t b) { return box_table(pick(t.send_boxes(), t.direct_sends(b))); })
+      .def("direct_recv_boxes", [](const ExecTables& t, int32_t b) { return box_table(pick(t.recv_boxes(), t.direct_recvs(b))); })
       .def("run_pack_cpu_verified",
            [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& send) {
              digest_cpu(t.pack(b), RX_PASS_COPY, t.pack_ops(b), send);

@@ -4,13 +4,13 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
-#include <cstring>
 #include <tuple>
 #include <vector>
 
 #include "common/check.h"
 #include "core/direct.h"
 #include "kernels/api.h"
+#include "python/box_table.h"
 #include "python/register.h"
 #ifdef RX_WITH_CUDA
 #include "kernels/device_table.h"
@@ -19,21 +19,6 @@
 namespace py = pybind11;
 
 namespace rx::python {
-
-namespace {
-
-// A bytes-like table of rx_box records (ExecTables.pack_boxes and friends), copied so
-// its alignment does not depend on the Python object.
-std::vector<rx_box> boxes_from(const py::buffer& table) {
-  const py::buffer_info info = table.request();
-  const size_t n = static_cast<size_t>(info.size * info.itemsize);
-  RX_HOST_ASSERT(n % sizeof(rx_box) == 0, "table is not a whole number of boxes");
-  std::vector<rx_box> v(n / sizeof(rx_box));
-  if (n) std::memcpy(v.data(), info.ptr, n);
-  return v;
-}
-
-}  // namespace
 
 void register_cuda(py::module_& m) {
   m.attr("TILE_RECORD_BYTES") = sizeof(rx_tile);
@@ -67,8 +52,7 @@ void register_cuda(py::module_& m) {
         py::list copies;
         for (const EngineCopy& c : engine)
           copies.append(py::make_tuple(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height));
-        return py::make_tuple(copies, py::bytes(reinterpret_cast<const char*>(kernel.data()),
-                                                kernel.size() * sizeof(rx_box)));
+        return py::make_tuple(copies, BoxTable{std::move(kernel)});
       },
       py::arg("boxes"), py::arg("min_bytes"),
       "The direct transport's split of a box table: ([(dst, dpitch, src, spitch, width, height)] copy-engine "

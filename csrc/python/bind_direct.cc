@@ -3,11 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstring>
 #include <memory>
 #include <vector>
 
 #include "common/check.h"
+#include "python/box_table.h"
 #include "python/register.h"
 
 #ifdef RX_WITH_CUDA
@@ -25,20 +25,11 @@ namespace rx::python {
 #ifdef RX_WITH_CUDA
 namespace {
 
-
 py::tuple export_to_py(const IpcExport& e) { return py::make_tuple(py::bytes(e.handle), e.offset, e.size); }
 
 IpcExport export_from_py(const py::tuple& t) {
   RX_HOST_ASSERT(t.size() == 3, "an IPC export is (handle, offset, size)");
   return IpcExport{t[0].cast<std::string>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>()};
-}
-
-std::vector<rx_box> boxes_of(const py::bytes& table) {
-  const std::string s = table;
-  RX_HOST_ASSERT(s.size() % sizeof(rx_box) == 0, "table is not a whole number of boxes");
-  std::vector<rx_box> v(s.size() / sizeof(rx_box));
-  if (!s.empty()) std::memcpy(v.data(), s.data(), s.size());
-  return v;
 }
 
 }  // namespace
@@ -103,7 +94,7 @@ void register_direct(py::module_& m) {
       .def("attached", &DirectSignals::attached, py::arg("peer"));
 
   py::class_<DirectExec, std::shared_ptr<DirectExec>>(m, "DirectExec")
-      .def(py::init([](std::shared_ptr<DirectSignals> sig, const py::bytes& boxes, const py::bytes& local,
+      .def(py::init([](std::shared_ptr<DirectSignals> sig, const py::buffer& boxes, const py::buffer& local,
                        int64_t engine_bytes, int64_t local_engine_bytes, int32_t local_blocks, bool batch,
                        int32_t engine_streams, std::vector<int32_t> receivers, std::vector<int32_t> senders,
                        double timeout_s) {
@@ -113,14 +104,14 @@ void register_direct(py::module_& m) {
              config.local_blocks = local_blocks;
              config.batch = batch;
              config.engine_streams = engine_streams;
-             return std::make_shared<DirectExec>(std::move(sig), boxes_of(boxes), boxes_of(local), config,
+             return std::make_shared<DirectExec>(std::move(sig), boxes_from(boxes), boxes_from(local), config,
                                                  std::move(receivers), std::move(senders), timeout_s);
            }),
            py::arg("signals"), py::arg("boxes"), py::arg("local"), py::arg("engine_bytes"),
            py::arg("local_engine_bytes"), py::arg("local_blocks"), py::arg("batch"), py::arg("engine_streams"),
            py::arg("receivers"),
            py::arg("senders"), py::arg("timeout_s"),
-           "boxes: the direct sends; local: same-rank copies it runs beside them (b'' for none).")
+           "boxes: the direct sends; local: same-rank copies it runs beside them (an empty BoxTable for none).")
       .def_property_readonly("table_bytes", &DirectExec::table_bytes)
       .def_property_readonly("num_engine_copies", &DirectExec::num_engine_copies)
       .def_property_readonly("num_kernel_boxes", &DirectExec::num_kernel_boxes)

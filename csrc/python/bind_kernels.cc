@@ -15,7 +15,6 @@ namespace rx::python {
 
 void register_kernels(py::module_& m) {
   m.attr("MAX_DIMS") = RX_MAX_DIMS;
-  m.attr("BOX_BYTES") = sizeof(rx_box);
   m.attr("BOX_COPY") = static_cast<int>(RX_CODEC_NONE);
   m.def(
       "codec_traits",

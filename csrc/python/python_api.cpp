@@ -17,6 +17,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<rx::InternalError>(m, "InternalError", PyExc_RuntimeError);
 
   rx::python::register_common(m);
+  rx::python::register_box_table(m);
   rx::python::register_core(m);
   rx::python::register_kernels(m);
   rx::python::register_cuda(m);

@@ -5,6 +5,7 @@
 
 namespace rx::python {
 void register_common(pybind11::module_& m);   // the dtype table (bind_common.cc)
+void register_box_table(pybind11::module_& m);  // _C.BoxTable (bind_box_table.cc)
 void register_core(pybind11::module_& m);     // layouts, planner, exec tables (bind_core.cc)
 void register_kernels(pybind11::module_& m);  // CPU box copy and verify (bind_kernels.cc)
 void register_cuda(pybind11::module_& m);     // CUDA kernels and device tables (bind_cuda.cc)

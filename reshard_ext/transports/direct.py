@@ -131,7 +131,7 @@ class CudaDevice:
     def open(self, handle: bytes) -> Any:
         return _C.IpcMapping(handle)
 
-    def executor(self, signals: Any, boxes: bytes, local: bytes, options: Options, receivers: list[int],
+    def executor(self, signals: Any, boxes: _C.BoxTable, local: _C.BoxTable, options: Options, receivers: list[int],
                  senders: list[int], timeout: float) -> tuple[Any, Any]:
         """(the per-execute steps, the device memory of its kernel tables)."""
         ex = _C.DirectExec(signals, boxes, local, options.resolved_direct_engine_bytes(),
@@ -381,7 +381,7 @@ class DirectTransport:
         # the same-rank copies too, on a copy engine or its kernel (rx.Options.direct_local_*).
         self.owns_copies = bool(receivers or senders) and not (tables.send_total or tables.recv_total)
         if receivers or senders:
-            local = tables.copy_boxes() if self.owns_copies else b""
+            local = tables.copy_boxes() if self.owns_copies else _C.BoxTable()
             self.exec, self._table = self.device.executor(self.signals, boxes, local, self.options, receivers,
                                                           senders, self.timeout)
 
