@@ -347,8 +347,9 @@ def _fake_pair_plan(rank, seed, **plan_kw):
 
 
 def _fake_rebind(rank, world, bad_rank):
-    """Collective rebind of the destinations onto new shared tensors; then a rebind that is
-    wrong on `bad_rank` raises on every rank (no rank left waiting)."""
+    """Every rank rebinds its destinations onto new shared tensors (each a sender and a
+    receiver of the other: the new exports cross both ways); then a rebind that is wrong on
+    `bad_rank` raises there alone, and with collective=True on every rank (none left waiting)."""
     from _direct_fake import release_shared, shared_poison
 
     dl = _DL
@@ -363,25 +364,27 @@ def _fake_rebind(rank, world, bad_rank):
         rx.execute(p)
         ok += [bits_equal(new, dl.local_part(g * 2, rank)), bits_equal(old, keep), p.transport.direct_peers]
         bad = torch.zeros(3, 3) if rank == bad_rank else new
-        try:
-            p.rebind(dst={"w": (bad, dl)})
-            ok.append("no error")
-        except rx.ReshardError as e:
-            ok.append(str(e))
+        for collective in (False, True):
+            try:
+                p.rebind(dst={"w": (bad, dl)}, collective=collective)
+                ok.append("no error")
+            except rx.ReshardError as e:
+                ok.append(str(e))
         return ok
     finally:
         release_shared()
 
 
-def test_transport_rebind_is_collective():
+def test_transport_rebind_is_local_unless_asked():
     for rank, ok in enumerate(run_ranks(2, _fake_rebind, 1)):
         assert ok[:4] == [True, True, True, [1 - rank]], ok
-        assert "rank 1" in ok[4] and "(3, 3)" in ok[4], ok[4]
+        assert ok[4] == "no error" if rank == 0 else "rank 1" in ok[4] and "(3, 3)" in ok[4], ok[4]
+        assert "rank 1" in ok[5] and "(3, 3)" in ok[5], ok[5]
 
 
 def _rebind_alone(rank, world):
-    """Rank 1 rebinds a direct plan alone (it is collective) while rank 0 executes: both
-    raise within the reshard timeout, not the process group's."""
+    """Rank 1 calls plan.rebind(collective=True) alone while rank 0 executes: both raise
+    within the reshard timeout, not the process group's."""
     import time
 
     from _direct_fake import release_shared, shared_poison
@@ -392,7 +395,7 @@ def _rebind_alone(rank, world):
         t0 = time.monotonic()
         try:
             if rank == 1:
-                p.rebind(dst={"w": (shared_poison(_DL.local_shape(rank), F32), _DL)})
+                p.rebind(dst={"w": (shared_poison(_DL.local_shape(rank), F32), _DL)}, collective=True)
             else:
                 rx.execute(p)
             return "no error", time.monotonic() - t0
@@ -402,7 +405,7 @@ def _rebind_alone(rank, world):
         release_shared()
 
 
-def test_a_rank_that_rebinds_a_direct_plan_alone_raises_within_the_timeout():
+def test_a_rank_that_rebinds_collectively_alone_raises_within_the_timeout():
     from _dist import close_pool
 
     try:
@@ -411,6 +414,131 @@ def test_a_rank_that_rebinds_a_direct_plan_alone_raises_within_the_timeout():
         close_pool(2)  # rank 1's given-up gather stays posted in its group: the next test gets fresh ranks
     assert "rank 1" in executed and "did not call rx.execute" in executed and t_exec < 20, (executed, t_exec)
     assert "collective" in rebound and "within 3 s" in rebound and t_rebind < 20, (rebound, t_rebind)
+
+
+class _Refused:
+    """An IPC mapping that failed to open (as IpcMapping reports it)."""
+
+    ok, base, why = False, 0, "refused by the test"
+
+
+def _counting(transport) -> tuple[dict, object]:
+    """Counts `transport`'s IPC exports and opens and its channel's remap messages;
+    returns (the counts, a function that stops counting the messages)."""
+    from reshard_ext.transports.channel import REMAP_TAG
+
+    counts = {"export": 0, "open": 0, "remap": 0}
+    dev, ch = transport.device, transport.channel
+
+    def counted(key, f):
+        def call(*args, **kw):
+            counts[key] += 1
+            return f(*args, **kw)
+        return call
+
+    dev.export, dev.open = counted("export", dev.export), counted("open", dev.open)
+    exchange = ch.exchange
+
+    def exchange_counted(ops, tag, *args, **kw):
+        counts["remap"] += tag == REMAP_TAG
+        return exchange(ops, tag, *args, **kw)
+
+    ch.exchange = exchange_counted  # the channel outlives the plan: undone by the caller
+    return counts, lambda: ch.__dict__.pop("exchange", None)
+
+
+def _rebind_one(rank, world, who, side, cuda, refuse=False):
+    """Rank `who` alone rebinds its `side` ("src" or "dst") of a direct plan in which each
+    rank writes half of 'w' into the other; then three executes with new source values.
+    refuse: the other rank cannot map what `who` rebound; once both raised, every rank
+    calls plan.rebind(collective=True) and the pair moves over the other transport.
+    Returns ([per execute: the error, or (dst bit for bit, counts of that execute)],
+    counts of the rebind, old dst untouched, old source never read, direct peers at the end)."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    dev = "cuda" if cuda else "cpu"
+
+    def alloc(shape):  # destinations: memory the peer can map
+        return torch.full(shape, float("nan"), device="cuda") if cuda else shared_poison(shape, F32)
+
+    if not cuda:
+        use_fake_device()
+    undo = None
+    try:
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(6))
+        src = {"w": (_SL.local_part(g, rank).to(dev), _SL)}
+        old = dst = alloc(_DL.local_shape(rank))
+        p = rx.plan(src, {"w": (old, _DL)}, backend="direct", options=rx.Options(timeout=30))
+        counts, undo = _counting(p.transport)
+        rx.execute(p)
+        kept, old_src = old.clone(), src["w"][0]
+        before = dict(counts)
+        if rank == who and side == "dst":
+            dst = alloc(_DL.local_shape(rank))
+            p.rebind(dst={"w": (dst, _DL)})
+        elif rank == who:
+            src = {"w": (old_src.clone(), _SL)}
+            p.rebind(src=src)
+            old_src.fill_(float("nan"))  # a direct write that still read it would show
+        rebind = {k: counts[k] - before[k] for k in counts}
+        if refuse and rank != who:
+            p.transport.device.open = lambda handle: _Refused()
+        out: list = []
+        for i in range(2, 5):
+            src["w"][0].copy_(_SL.local_part(g * i, rank))
+            before = dict(counts)
+            try:
+                rx.execute(p)
+            except rx.ReshardError as e:
+                out.append(str(e))
+                p.rebind(collective=True)  # every rank: the pair moves over the other transport
+                continue
+            if cuda:
+                torch.cuda.synchronize()
+            out.append((bits_equal(dst.cpu(), _DL.local_part(g * i, rank)), {k: counts[k] - before[k] for k in counts}))
+        return out, rebind, dst is old or bits_equal(old.cpu(), kept.cpu()), old_src is src["w"][0] or bool(
+            old_src.isnan().all()), p.transport.direct_peers
+    finally:
+        if undo is not None:
+            undo()
+        if not cuda:
+            release_shared()
+
+
+def _check_rebind_one(got, who, side):
+    quiet = {"export": 0, "open": 0, "remap": 0}
+    for rank, (out, rebind, old_untouched, old_src_unread, direct) in enumerate(got):
+        assert direct == [1 - rank] and old_untouched and old_src_unread, (rank, got[rank])
+        assert all(ok for ok, _ in out), (rank, out)
+        # the receiver exports at rebind and hands the exports over in the first execute
+        # only (two messages: the exports, the answer); later executes pay nothing
+        first = {"export": 0, "open": int(side == "dst" and rank != who), "remap": 2 * (side == "dst")}
+        assert [n for _, n in out] == [first, quiet, quiet], (rank, out)
+        assert rebind == {"export": int(rank == who), "open": 0, "remap": 0}, (rank, rebind)
+
+
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_a_rank_rebinds_a_direct_plan_alone(side):
+    """plan.rebind is local with direct pairs: rank 1 alone rebinds its destinations (rank
+    0 maps the new ones in the next execute) or its sources; every execute lands bit for
+    bit, the old destination stays untouched and the old source unread."""
+    _check_rebind_one(run_ranks(2, _rebind_one, 1, side, False), 1, side)
+
+
+def _check_refused(got):
+    for rank, (out, _, old_untouched, _, direct) in enumerate(got):
+        err = out[0]
+        assert isinstance(err, str) and "rank 0 cannot map the destination tensors ['w'] that rank 1 rebound" in err \
+            and "plan.rebind(collective=True) on every rank" in err, (rank, err)
+        assert ("refused by the test" in err) == (rank == 0), (rank, err)
+        assert all(ok for ok, _ in out[1:]) and old_untouched and direct == [], (rank, got[rank])
+
+
+def test_a_sender_that_cannot_map_rebound_destinations_raises_on_both_ranks():
+    """Rank 0 cannot map rank 1's rebound destination: both raise at once naming it (no
+    data moves, nothing waits for a timeout); a collective rebind moves the pair over the
+    other transport and the refit lands."""
+    _check_refused(run_ranks(2, _rebind_one, 1, "dst", False, True))
 
 
 def _fake_verified(rank, world, case):
@@ -663,6 +791,19 @@ def test_rebind_remaps_2gpu():
 
     for ok in run_ranks(2, _rebind_registered, None, "direct", backend="nccl"):
         assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok
+
+
+@needs2
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_a_rank_rebinds_alone_2gpu(side):
+    """plan.rebind is local with direct pairs (real CUDA IPC): rank 1 alone rebinds its
+    destinations or sources; rank 0 maps the new destinations in the next execute only."""
+    _check_rebind_one(run_ranks(2, _rebind_one, 1, side, True, backend="nccl"), 1, side)
+
+
+@needs2
+def test_a_sender_that_cannot_map_rebound_destinations_raises_2gpu():
+    _check_refused(run_ranks(2, _rebind_one, 1, "dst", True, True, backend="nccl"))
 
 
 def _repeat(rank, world, n):
