@@ -447,11 +447,13 @@ def _counting(transport) -> tuple[dict, object]:
     return counts, lambda: ch.__dict__.pop("exchange", None)
 
 
-def _rebind_one(rank, world, who, side, cuda, refuse=False):
+def _rebind_one(rank, world, who, side, cuda, refuse=""):
     """Rank `who` alone rebinds its `side` ("src" or "dst") of a direct plan in which each
     rank writes half of 'w' into the other; then three executes with new source values.
-    refuse: the other rank cannot map what `who` rebound; once both raised, every rank
-    calls plan.rebind(collective=True) and the pair moves over the other transport.
+    refuse="open": the other rank cannot map what `who` rebound; once both raised, every
+    rank calls plan.rebind(collective=True) and the pair moves over the other transport.
+    refuse="executor": the other rank maps it but fails to rebuild its writes (out of
+    memory, say) until the collective rebind, which keeps the pair direct.
     Returns ([per execute: the error, or (dst bit for bit, counts of that execute)],
     counts of the rebind, old dst untouched, old source never read, direct peers at the end)."""
     from _direct_fake import release_shared, shared_poison, use_fake_device
@@ -481,8 +483,11 @@ def _rebind_one(rank, world, who, side, cuda, refuse=False):
             p.rebind(src=src)
             old_src.fill_(float("nan"))  # a direct write that still read it would show
         rebind = {k: counts[k] - before[k] for k in counts}
-        if refuse and rank != who:
-            p.transport.device.open = lambda handle: _Refused()
+        device = p.transport.device
+        if refuse == "open" and rank != who:
+            device.open = lambda handle: _Refused()
+        elif refuse == "executor" and rank != who:
+            device.executor = lambda *args: (_ for _ in ()).throw(RuntimeError("no memory for the tables (test)"))
         out: list = []
         for i in range(2, 5):
             src["w"][0].copy_(_SL.local_part(g * i, rank))
@@ -491,7 +496,8 @@ def _rebind_one(rank, world, who, side, cuda, refuse=False):
                 rx.execute(p)
             except rx.ReshardError as e:
                 out.append(str(e))
-                p.rebind(collective=True)  # every rank: the pair moves over the other transport
+                device.__dict__.pop("executor", None)
+                p.rebind(collective=True)  # every rank, as the error says
                 continue
             if cuda:
                 torch.cuda.synchronize()
@@ -525,20 +531,25 @@ def test_a_rank_rebinds_a_direct_plan_alone(side):
     _check_rebind_one(run_ranks(2, _rebind_one, 1, side, False), 1, side)
 
 
-def _check_refused(got):
+def _check_refused(got, refuse):
     for rank, (out, _, old_untouched, _, direct) in enumerate(got):
         err = out[0]
-        assert isinstance(err, str) and "rank 0 cannot map the destination tensors ['w'] that rank 1 rebound" in err \
-            and "plan.rebind(collective=True) on every rank" in err, (rank, err)
-        assert ("refused by the test" in err) == (rank == 0), (rank, err)
-        assert all(ok for ok, _ in out[1:]) and old_untouched and direct == [], (rank, got[rank])
+        assert isinstance(err, str) and "plan.rebind(collective=True) on every rank" in err, (rank, err)
+        if refuse == "open" or rank == 1:
+            assert "rank 0 cannot map the destination tensors ['w'] that rank 1 rebound" in err, (rank, err)
+        why = "refused by the test" if refuse == "open" else "no memory for the tables (test)"
+        assert (why in err) == (rank == 0), (rank, err)
+        assert all(ok for ok, _ in out[1:]) and old_untouched, (rank, got[rank])
+        assert direct == ([] if refuse == "open" else [1 - rank]), (rank, direct)
 
 
-def test_a_sender_that_cannot_map_rebound_destinations_raises_on_both_ranks():
-    """Rank 0 cannot map rank 1's rebound destination: both raise at once naming it (no
-    data moves, nothing waits for a timeout); a collective rebind moves the pair over the
-    other transport and the refit lands."""
-    _check_refused(run_ranks(2, _rebind_one, 1, "dst", False, True))
+@pytest.mark.parametrize("refuse", ["open", "executor"])
+def test_a_sender_that_cannot_map_rebound_destinations_raises_on_both_ranks(refuse):
+    """Rank 0 cannot map rank 1's rebound destination, or cannot rebuild its writes onto
+    it: both raise naming it (no data moves, no waiting for a timeout); a collective rebind
+    rebuilds the plan (the pair over the other transport when the mapping still fails) and
+    the refit lands."""
+    _check_refused(run_ranks(2, _rebind_one, 1, "dst", False, refuse), refuse)
 
 
 def _fake_verified(rank, world, case):
@@ -802,8 +813,9 @@ def test_a_rank_rebinds_alone_2gpu(side):
 
 
 @needs2
-def test_a_sender_that_cannot_map_rebound_destinations_raises_2gpu():
-    _check_refused(run_ranks(2, _rebind_one, 1, "dst", True, True, backend="nccl"))
+@pytest.mark.parametrize("refuse", ["open", "executor"])
+def test_a_sender_that_cannot_map_rebound_destinations_raises_2gpu(refuse):
+    _check_refused(run_ranks(2, _rebind_one, 1, "dst", True, refuse, backend="nccl"), refuse)
 
 
 def _repeat(rank, world, n):

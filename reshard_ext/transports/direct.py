@@ -412,6 +412,7 @@ class DirectTransport:
     def _direct(self, plan: Any, src_refs: list) -> None:
         """Builds this rank's per-execute direct work from its bound tables, the sources
         `src_refs` and the receivers' destinations as mapped here."""
+        self.exec, self._table = None, None  # its writes may use mappings closed since
         tables = plan.tables
         tables.bind_direct(src_refs, [p for _, pieces, _ in self._mapped.values() for p in pieces])
         boxes = tables.direct_boxes()
@@ -422,7 +423,6 @@ class DirectTransport:
                                    f"mapped peer allocation (internal error)")
         self._src_refs = src_refs
         self._plan, self._reader = weakref.ref(plan), None
-        self.exec, self._table = None, None
         if self._receivers or self._senders:
             local = tables.copy_boxes() if self.owns_copies else b""
             self.exec, self._table = self.device.executor(self.signals, boxes, local, self.options, self._receivers,
@@ -556,13 +556,19 @@ class DirectTransport:
         lost = exchange([("send", p, m) for p, m in outbox.items()] + [("recv", p, m) for p, m in inbox.items()],
                         "exchanging rebound destinations")
         answers = {p: self._remap_from(p, m) for p, m in inbox.items() if p not in lost}
-        if any(why == "" for why in answers.values()):
-            self._direct(self._plan(), self._src_refs)  # onto the new mappings
+        mapped = [p for p, why in answers.items() if why == ""]
+        if mapped:
+            try:
+                self._direct(self._plan(), self._src_refs)  # onto the new mappings
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: answered, and kept until a collective rebind
+                self._broken = (f"rank {self.rank}: rebuilding its direct writes onto rebound destinations failed "
+                                f"({e}); call plan.rebind(collective=True) on every rank to rebuild it")
+                answers.update((p, self._broken) for p in mapped)
         acks = {p: torch.zeros(1, dtype=torch.int64) for p in outbox if p not in lost}
         lost.update(exchange([("send", p, torch.tensor([int(bool(why))])) for p, why in answers.items()] +
                              [("recv", p, a) for p, a in acks.items()], "answering rebound destinations"))
-        for p, why in lost.items():
-            verdict.bad[p] = f"handing over rebound destinations failed ({why})"
+        for p, failure in lost.items():
+            verdict.bad[p] = f"handing over rebound destinations failed ({failure})"
         for p, why in answers.items():
             if why and p not in lost:
                 verdict.bad[p] = why
