@@ -275,7 +275,7 @@ class Plan:
 
         Local (no communication): each rank checks only its own tensors. A side left
         as None keeps its current tensors. With direct pairs too: the rank's next execute
-        hands its new destinations to its direct senders (one message more, once). On
+        hands its new destinations to its direct senders (a message and its answer). On
         error the plan keeps its tensors. Refused while an execute of this group runs.
         collective=True, on every rank (None for what it keeps): with the direct transport
         it rebuilds the pairs with every rank, raising each rank's errors on every rank
