@@ -531,6 +531,59 @@ def test_a_rank_rebinds_a_direct_plan_alone(side):
     _check_rebind_one(run_ranks(2, _rebind_one, 1, side, False), 1, side)
 
 
+def _rebind_some(rank, world):
+    """Rank 1 receives 'a' from rank 0 and 'b' from rank 2 (direct pairs) and 'c' from rank
+    3 (which maps nothing: the other transport), and sends 'd' to rank 0; it alone rebinds
+    'a'. Returns ([per execute after the rebind: (every dst bit for bit, counts)], the
+    old 'a' untouched, direct peers)."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    moves = {"a": (0, 1), "b": (2, 1), "c": (3, 1), "d": (1, 0)}
+
+    def lay(r):
+        return Layout((32, 64), F32, Mesh([r]), [Replicate()])
+
+    g = {n: torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(moves)}
+    try:
+        src = {n: (g[n].clone(), lay(s)) for n, (s, _) in moves.items() if s == rank}
+        dst = {n: (shared_poison((32, 64), F32), lay(d)) for n, (_, d) in moves.items() if d == rank}
+        p = rx.plan(src, dst, backend="direct", options=rx.Options(direct_ipc=rank != 3, timeout=30))
+        counts, undo = _counting(p.transport)
+        rx.execute(p)
+        old = dst.get("a", (torch.zeros(()),))[0]
+        kept = old.clone()
+        if rank == 1:
+            dst = {**dst, "a": (shared_poison((32, 64), F32), lay(1))}
+            p.rebind(dst=dst)
+        out = []
+        for i in (2, 3):
+            for n, (t, _) in src.items():
+                t.copy_(g[n] * i)
+            before = dict(counts)
+            rx.execute(p)
+            out.append((all(bits_equal(t, g[n] * i) for n, (t, _) in dst.items()),
+                        {k: counts[k] - before[k] for k in counts}))
+        undo()
+        return out, bits_equal(old, kept), p.transport.direct_peers
+    finally:
+        release_shared()
+
+
+def test_one_of_several_senders_remaps():
+    """Only rank 0 maps rank 1's rebound 'a'; rank 2 (whose 'b' did not change) gets the
+    handover message but opens nothing; rank 3's pair uses the other transport and hears
+    nothing; the next execute is quiet everywhere."""
+    got = run_ranks(4, _rebind_some)
+    quiet = {"export": 0, "open": 0, "remap": 0}
+    first = [{"export": 0, "open": 1, "remap": 2}, {"export": 0, "open": 0, "remap": 2},
+             {"export": 0, "open": 0, "remap": 2}, quiet]
+    for rank, (out, untouched, direct) in enumerate(got):
+        assert [ok for ok, _ in out] == [True, True] and untouched, (rank, got[rank])
+        assert [n for _, n in out] == [first[rank], quiet], (rank, out)
+        assert direct == ([] if rank == 3 else [r for r in (0, 1, 2) if r != rank]), (rank, direct)
+
+
 def _check_refused(got, refuse):
     for rank, (out, _, old_untouched, _, direct) in enumerate(got):
         err = out[0]
