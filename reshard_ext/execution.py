@@ -225,14 +225,21 @@ class Plan:
             raise ReshardError(f"rank {self.rank}: tables of this plan use tensors it did not bind (internal error)")
         return [bound_src[n] for n in src_names], [bound_dst[n] for n in dst_names]
 
-    def _bind(self, errors: list[str] | None = None) -> None:
-        if getattr(self.transport, "collective_bind", False):
+    def _collective_bind(self, collective: bool = False) -> bool:
+        """Whether binding goes through the transport's bind_plan, on every rank."""
+        t = self.transport
+        return bool(getattr(t, "collective_bind", False) or (collective and getattr(t, "collective_rebind", False)))
+
+    def _bind(self, errors: list[str] | None = None, collective: bool = False) -> None:
+        if self._collective_bind(collective):
             # The direct transport splits the plan between its pairs and maps the peers'
             # tensors: collective, and this rank's errors are raised on every rank.
             self.transport.bind_plan(self, errors or [])
+        elif errors:
+            _raise(errors)
+        elif hasattr(self.transport, "rebind_plan"):  # the direct transport's local rebind
+            self.transport.rebind_plan(self)
         else:
-            if errors:
-                _raise(errors)
             send_bufs, recv_bufs = self.transport.bind(self.tables)
             src, dst = self._bound_refs()
             self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._codec_receivers)
@@ -270,13 +277,17 @@ class Plan:
         summary = getattr(self.transport, "summary", None)
         return summary() if summary is not None else self.backend
 
-    def rebind(self, src: Entries | None = None, dst: Entries | None = None) -> None:
+    def rebind(self, src: Entries | None = None, dst: Entries | None = None, *, collective: bool = False) -> None:
         """Swaps in new tensors with the same layouts, without planning again.
 
         Local (no communication): each rank checks only its own tensors. A side left
-        as None keeps its current tensors. With the direct transport it is collective:
-        every rank calls it (senders map the receivers' new tensors). On error the plan
-        keeps its tensors. Refused while an execute of this group runs.
+        as None keeps its current tensors. With direct pairs too: the rank's next execute
+        hands its new destinations to its direct senders (a message and its answer). On
+        error the plan keeps its tensors. Refused while an execute of this group runs.
+        collective=True, on every rank (None for what it keeps): with the direct transport
+        it rebuilds the pairs with every rank, raising each rank's errors on every rank
+        (after a failed direct execute, or to move over NCCL a pair whose sender cannot
+        map the receiver's new destinations); with other transports it is a local rebind.
         """
         errors: list[str] = []
         updates = {}
@@ -300,11 +311,11 @@ class Plan:
         channel = self.transport.channel
         channel.enter("plan.rebind")  # never while an execute runs on these tables
         try:
-            if errors or getattr(self.transport, "collective_bind", False):
+            if errors or self._collective_bind(collective):
                 if not errors:
                     for side, (entries, steps) in updates.items():
                         self._entries[side], self._steps[side] = entries, steps
-                self._bind(errors)  # collective binds raise this rank's errors on every rank
+                self._bind(errors, collective)  # collective binds raise this rank's errors on every rank
             else:
                 saved = dict(self._entries), dict(self._steps)
                 for side, (entries, steps) in updates.items():

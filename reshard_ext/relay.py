@@ -271,7 +271,7 @@ class RelayPlan(Plan):
         ops = [p.num_ops for p in self.phases]
         return (sum(o[0] for o in ops), sum(o[1] for o in ops), sum(o[2] for o in ops))
 
-    def rebind(self, src: Entries | None = None, dst: Entries | None = None) -> None:
+    def rebind(self, src: Entries | None = None, dst: Entries | None = None, *, collective: bool = False) -> None:
         # The user's entries are checked against the plan first, as Plan.rebind does, so
         # a mistake leaves every stage bound as it was.
         self.version = None
@@ -279,15 +279,15 @@ class RelayPlan(Plan):
         for side, entries in given.items():
             if entries is not None and not isinstance(entries, Mapping):
                 self.phases[0]._bind([f"rebind {side} on rank {self.rank}: expected a dict "
-                                      f"{{name: (tensor, rx.Layout)}}, got {type(entries).__name__}"])
+                                      f"{{name: (tensor, rx.Layout)}}, got {type(entries).__name__}"], collective)
         errors = [e for side, entries in given.items() if entries is not None
                   for e in rebind_errors(side, entries, self._layouts[side], self.rank)]
         if errors:
-            self.phases[0]._bind(errors)  # raises on this rank (on every rank where binding is collective)
+            self.phases[0]._bind(errors, collective)  # raises on this rank (on every rank where binding is collective)
             raise InternalError("rebind: errors not raised")  # pragma: no cover
         new = {side: dict(entries if entries is not None else self._entries[side]) for side, entries in given.items()}
         for p, (s, d) in zip(self.phases, self.staging.entries(new["src"], new["dst"], self.rank)):
-            p.rebind(src=s, dst=d)
+            p.rebind(src=s, dst=d, collective=collective)
         self._entries = new
 
     def abort(self) -> None:

@@ -384,7 +384,7 @@ def _settle(look: _Lookup, group: Any, backend: str, max_batch_bytes: int | None
     if first_failed:
         raise ReshardError(f"swap_model_weights: rank {first_failed - 1} failed to describe its models (see its error)")
     if all_hit and cached is not None:
-        # A plan with direct pairs rebinds on every rank together (senders map the receivers' new tensors).
+        # A plan whose transport binds collectively rebinds on every rank together.
         collective = getattr(cached.plan.transport, "collective_bind", False)
         if rebinding or (collective and any_rebind):  # same layouts, new storages (a re-created model)
             cached.plan.rebind(src=src, dst=dst)

@@ -352,8 +352,9 @@ def _fake_pair_plan(rank, seed, **plan_kw):
 
 
 def _fake_rebind(rank, world, bad_rank):
-    """Collective rebind of the destinations onto new shared tensors; then a rebind that is
-    wrong on `bad_rank` raises on every rank (no rank left waiting)."""
+    """Every rank rebinds its destinations onto new shared tensors (each a sender and a
+    receiver of the other: the new exports cross both ways); then a rebind that is wrong on
+    `bad_rank` raises there alone, and with collective=True on every rank (none left waiting)."""
     from _direct_fake import release_shared, shared_poison
 
     dl = _DL
@@ -368,25 +369,27 @@ def _fake_rebind(rank, world, bad_rank):
         rx.execute(p)
         ok += [bits_equal(new, dl.local_part(g * 2, rank)), bits_equal(old, keep), p.transport.direct_peers]
         bad = torch.zeros(3, 3) if rank == bad_rank else new
-        try:
-            p.rebind(dst={"w": (bad, dl)})
-            ok.append("no error")
-        except rx.ReshardError as e:
-            ok.append(str(e))
+        for collective in (False, True):
+            try:
+                p.rebind(dst={"w": (bad, dl)}, collective=collective)
+                ok.append("no error")
+            except rx.ReshardError as e:
+                ok.append(str(e))
         return ok
     finally:
         release_shared()
 
 
-def test_transport_rebind_is_collective():
+def test_transport_rebind_is_local_unless_asked():
     for rank, ok in enumerate(run_ranks(2, _fake_rebind, 1)):
         assert ok[:4] == [True, True, True, [1 - rank]], ok
-        assert "rank 1" in ok[4] and "(3, 3)" in ok[4], ok[4]
+        assert ok[4] == "no error" if rank == 0 else "rank 1" in ok[4] and "(3, 3)" in ok[4], ok[4]
+        assert "rank 1" in ok[5] and "(3, 3)" in ok[5], ok[5]
 
 
 def _rebind_alone(rank, world):
-    """Rank 1 rebinds a direct plan alone (it is collective) while rank 0 executes: both
-    raise within the reshard timeout, not the process group's."""
+    """Rank 1 calls plan.rebind(collective=True) alone while rank 0 executes: both raise
+    within the reshard timeout, not the process group's."""
     import time
 
     from _direct_fake import release_shared, shared_poison
@@ -397,7 +400,7 @@ def _rebind_alone(rank, world):
         t0 = time.monotonic()
         try:
             if rank == 1:
-                p.rebind(dst={"w": (shared_poison(_DL.local_shape(rank), F32), _DL)})
+                p.rebind(dst={"w": (shared_poison(_DL.local_shape(rank), F32), _DL)}, collective=True)
             else:
                 rx.execute(p)
             return "no error", time.monotonic() - t0
@@ -407,7 +410,7 @@ def _rebind_alone(rank, world):
         release_shared()
 
 
-def test_a_rank_that_rebinds_a_direct_plan_alone_raises_within_the_timeout():
+def test_a_rank_that_rebinds_collectively_alone_raises_within_the_timeout():
     from _dist import close_pool
 
     try:
@@ -416,6 +419,195 @@ def test_a_rank_that_rebinds_a_direct_plan_alone_raises_within_the_timeout():
         close_pool(2)  # rank 1's given-up gather stays posted in its group: the next test gets fresh ranks
     assert "rank 1" in executed and "did not call rx.execute" in executed and t_exec < 20, (executed, t_exec)
     assert "collective" in rebound and "within 3 s" in rebound and t_rebind < 20, (rebound, t_rebind)
+
+
+class _Refused:
+    """An IPC mapping that failed to open (as IpcMapping reports it)."""
+
+    ok, base, why = False, 0, "refused by the test"
+
+
+def _counting(transport) -> tuple[dict, object]:
+    """Counts `transport`'s IPC exports and opens and its channel's remap messages;
+    returns (the counts, a function that stops counting the messages)."""
+    from reshard_ext.transports.channel import REMAP_TAG
+
+    counts = {"export": 0, "open": 0, "remap": 0}
+    dev, ch = transport.device, transport.channel
+
+    def counted(key, f):
+        def call(*args, **kw):
+            counts[key] += 1
+            return f(*args, **kw)
+        return call
+
+    dev.export, dev.open = counted("export", dev.export), counted("open", dev.open)
+    exchange = ch.exchange
+
+    def exchange_counted(ops, tag, *args, **kw):
+        counts["remap"] += tag == REMAP_TAG
+        return exchange(ops, tag, *args, **kw)
+
+    ch.exchange = exchange_counted  # the channel outlives the plan: undone by the caller
+    return counts, lambda: ch.__dict__.pop("exchange", None)
+
+
+def _rebind_one(rank, world, who, side, cuda, refuse=""):
+    """Rank `who` alone rebinds its `side` ("src" or "dst") of a direct plan in which each
+    rank writes half of 'w' into the other; then three executes with new source values.
+    refuse="open": the other rank cannot map what `who` rebound; once both raised, every
+    rank calls plan.rebind(collective=True) and the pair moves over the other transport.
+    refuse="executor": the other rank maps it but fails to rebuild its writes (out of
+    memory, say) until the collective rebind, which keeps the pair direct.
+    Returns ([per execute: the error, or (dst bit for bit, counts of that execute)],
+    counts of the rebind, old dst untouched, old source never read, direct peers at the end)."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    dev = "cuda" if cuda else "cpu"
+
+    def alloc(shape):  # destinations: memory the peer can map
+        return torch.full(shape, float("nan"), device="cuda") if cuda else shared_poison(shape, F32)
+
+    if not cuda:
+        use_fake_device()
+    undo = None
+    try:
+        g = torch.randn(64, 512, generator=torch.Generator().manual_seed(6))
+        src = {"w": (_SL.local_part(g, rank).to(dev), _SL)}
+        old = dst = alloc(_DL.local_shape(rank))
+        p = rx.plan(src, {"w": (old, _DL)}, backend="direct", options=rx.Options(timeout=30))
+        counts, undo = _counting(p.transport)
+        rx.execute(p)
+        kept, old_src = old.clone(), src["w"][0]
+        before = dict(counts)
+        if rank == who and side == "dst":
+            dst = alloc(_DL.local_shape(rank))
+            p.rebind(dst={"w": (dst, _DL)})
+        elif rank == who:
+            src = {"w": (old_src.clone(), _SL)}
+            p.rebind(src=src)
+            old_src.fill_(float("nan"))  # a direct write that still read it would show
+        rebind = {k: counts[k] - before[k] for k in counts}
+        device = p.transport.device
+        if refuse == "open" and rank != who:
+            device.open = lambda handle: _Refused()
+        elif refuse == "executor" and rank != who:
+            device.executor = lambda *args: (_ for _ in ()).throw(RuntimeError("no memory for the tables (test)"))
+        out: list = []
+        for i in range(2, 5):
+            src["w"][0].copy_(_SL.local_part(g * i, rank))
+            before = dict(counts)
+            try:
+                rx.execute(p)
+            except rx.ReshardError as e:
+                out.append(str(e))
+                device.__dict__.pop("executor", None)
+                p.rebind(collective=True)  # every rank, as the error says
+                continue
+            if cuda:
+                torch.cuda.synchronize()
+            out.append((bits_equal(dst.cpu(), _DL.local_part(g * i, rank)), {k: counts[k] - before[k] for k in counts}))
+        return out, rebind, dst is old or bits_equal(old.cpu(), kept.cpu()), old_src is src["w"][0] or bool(
+            old_src.isnan().all()), p.transport.direct_peers
+    finally:
+        if undo is not None:
+            undo()
+        if not cuda:
+            release_shared()
+
+
+def _check_rebind_one(got, who, side):
+    quiet = {"export": 0, "open": 0, "remap": 0}
+    for rank, (out, rebind, old_untouched, old_src_unread, direct) in enumerate(got):
+        assert direct == [1 - rank] and old_untouched and old_src_unread, (rank, got[rank])
+        assert all(ok for ok, _ in out), (rank, out)
+        # the receiver exports at rebind and hands the exports over in the first execute
+        # only (two messages: the exports, the answer); later executes pay nothing
+        first = {"export": 0, "open": int(side == "dst" and rank != who), "remap": 2 * (side == "dst")}
+        assert [n for _, n in out] == [first, quiet, quiet], (rank, out)
+        assert rebind == {"export": int(rank == who), "open": 0, "remap": 0}, (rank, rebind)
+
+
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_a_rank_rebinds_a_direct_plan_alone(side):
+    """plan.rebind is local with direct pairs: rank 1 alone rebinds its destinations (rank
+    0 maps the new ones in the next execute) or its sources; every execute lands bit for
+    bit, the old destination stays untouched and the old source unread."""
+    _check_rebind_one(run_ranks(2, _rebind_one, 1, side, False), 1, side)
+
+
+def _rebind_some(rank, world):
+    """Rank 1 receives 'a' from rank 0 and 'b' from rank 2 (direct pairs) and 'c' from rank
+    3 (which maps nothing: the other transport), and sends 'd' to rank 0; it alone rebinds
+    'a'. Returns ([per execute after the rebind: (every dst bit for bit, counts)], the
+    old 'a' untouched, direct peers)."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    moves = {"a": (0, 1), "b": (2, 1), "c": (3, 1), "d": (1, 0)}
+
+    def lay(r):
+        return Layout((32, 64), F32, Mesh([r]), [Replicate()])
+
+    g = {n: torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(moves)}
+    try:
+        src = {n: (g[n].clone(), lay(s)) for n, (s, _) in moves.items() if s == rank}
+        dst = {n: (shared_poison((32, 64), F32), lay(d)) for n, (_, d) in moves.items() if d == rank}
+        p = rx.plan(src, dst, backend="direct", options=rx.Options(direct_ipc=rank != 3, timeout=30))
+        counts, undo = _counting(p.transport)
+        rx.execute(p)
+        old = dst.get("a", (torch.zeros(()),))[0]
+        kept = old.clone()
+        if rank == 1:
+            dst = {**dst, "a": (shared_poison((32, 64), F32), lay(1))}
+            p.rebind(dst=dst)
+        out = []
+        for i in (2, 3):
+            for n, (t, _) in src.items():
+                t.copy_(g[n] * i)
+            before = dict(counts)
+            rx.execute(p)
+            out.append((all(bits_equal(t, g[n] * i) for n, (t, _) in dst.items()),
+                        {k: counts[k] - before[k] for k in counts}))
+        undo()
+        return out, bits_equal(old, kept), p.transport.direct_peers
+    finally:
+        release_shared()
+
+
+def test_one_of_several_senders_remaps():
+    """Only rank 0 maps rank 1's rebound 'a'; rank 2 (whose 'b' did not change) gets the
+    handover message but opens nothing; rank 3's pair uses the other transport and hears
+    nothing; the next execute is quiet everywhere."""
+    got = run_ranks(4, _rebind_some)
+    quiet = {"export": 0, "open": 0, "remap": 0}
+    first = [{"export": 0, "open": 1, "remap": 2}, {"export": 0, "open": 0, "remap": 2},
+             {"export": 0, "open": 0, "remap": 2}, quiet]
+    for rank, (out, untouched, direct) in enumerate(got):
+        assert [ok for ok, _ in out] == [True, True] and untouched, (rank, got[rank])
+        assert [n for _, n in out] == [first[rank], quiet], (rank, out)
+        assert direct == ([] if rank == 3 else [r for r in (0, 1, 2) if r != rank]), (rank, direct)
+
+
+def _check_refused(got, refuse):
+    for rank, (out, _, old_untouched, _, direct) in enumerate(got):
+        err = out[0]
+        assert isinstance(err, str) and "plan.rebind(collective=True) on every rank" in err, (rank, err)
+        if refuse == "open" or rank == 1:
+            assert "rank 0 cannot map the destination tensors ['w'] that rank 1 rebound" in err, (rank, err)
+        why = "refused by the test" if refuse == "open" else "no memory for the tables (test)"
+        assert (why in err) == (rank == 0), (rank, err)
+        assert all(ok for ok, _ in out[1:]) and old_untouched, (rank, got[rank])
+        assert direct == ([] if refuse == "open" else [1 - rank]), (rank, direct)
+
+
+@pytest.mark.parametrize("refuse", ["open", "executor"])
+def test_a_sender_that_cannot_map_rebound_destinations_raises_on_both_ranks(refuse):
+    """Rank 0 cannot map rank 1's rebound destination, or cannot rebuild its writes onto
+    it: both raise naming it (no data moves, no waiting for a timeout); a collective rebind
+    rebuilds the plan (the pair over the other transport when the mapping still fails) and
+    the refit lands."""
+    _check_refused(run_ranks(2, _rebind_one, 1, "dst", False, refuse), refuse)
 
 
 def _fake_verified(rank, world, case):
@@ -709,6 +901,20 @@ def test_rebind_remaps_2gpu():
 
     for ok in run_ranks(2, _rebind_registered, None, "direct", backend="nccl"):
         assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok
+
+
+@needs2
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_a_rank_rebinds_alone_2gpu(side):
+    """plan.rebind is local with direct pairs (real CUDA IPC): rank 1 alone rebinds its
+    destinations or sources; rank 0 maps the new destinations in the next execute only."""
+    _check_rebind_one(run_ranks(2, _rebind_one, 1, side, True, backend="nccl"), 1, side)
+
+
+@needs2
+@pytest.mark.parametrize("refuse", ["open", "executor"])
+def test_a_sender_that_cannot_map_rebound_destinations_raises_2gpu(refuse):
+    _check_refused(run_ranks(2, _rebind_one, 1, "dst", True, refuse, backend="nccl"), refuse)
 
 
 def _repeat(rank, world, n):

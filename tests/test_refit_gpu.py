@@ -83,7 +83,7 @@ def _rebind_registered(rank, world, options, backend="nccl"):
     """Registered direct messages into a dst tensor that is then freed, its memory
     reused by another tensor, and a new dst bound: the refit must land in the new
     tensor only, and the old memory's new owner must stay untouched. (backend "direct":
-    the sender maps the new tensor; rebind is collective there.)"""
+    the sender maps the new tensor when the next execute hands it over.)"""
     from _cases import bits_equal
 
     import reshard_ext as rx

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,10 +37,11 @@ from ..errors import ReshardError
 from ..options import env_default, scoped_external_env
 
 HEADER_TAG = 1
+REMAP_TAG = 0  # the direct transport's new IPC exports after a receiver's local rebind (transports/direct.py)
 _MAGIC = 0x52584844  # "RXHD"
 # Header fields (int64): what both ends of a pair must agree on before data moves.
-MAGIC, PLAN, SEQ, VERSION, FLAGS, STATUS, BATCHES, EPOCH, SWAP_GEN = range(9)
-HEADER_LEN = 9
+MAGIC, PLAN, SEQ, VERSION, FLAGS, STATUS, BATCHES, EPOCH, SWAP_GEN, REMAP = range(10)
+HEADER_LEN = 10
 HAS_VERSION = 1  # FLAGS bit
 COMM_UNUSABLE = 2  # FLAGS bit: the sender's NCCL communicator needs a rebuild
 IN_SWAP = 4  # FLAGS bit: a warm rx.swap_model_weights round (headers go to every rank of the group)
@@ -73,13 +74,14 @@ class Session:
     # A swap round (rx.swap_model_weights): the generation of the cached plan this rank runs,
     # or REPLAN_HERE where it takes the slow path. None: a plain execute.
     swap: int | None = None
+    remap: int = 0  # bytes of the message this rank sends each direct sender after the headers (0: none)
 
     def header(self, batches: int) -> list[int]:
         flags = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
         if self.swap is not None:
             flags |= IN_SWAP | (REPLAN if self.swap == REPLAN_HERE else 0)
         return [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch,
-                self.swap if self.swap is not None else 0]
+                self.swap if self.swap is not None else 0, self.remap]
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -308,6 +310,7 @@ class Verdict:
     rebuild: bool = False  # GPU: some peer's NCCL communicator needs a rebuild (or a newer one exists)
     agreed: bool = False  # every peer's header matched (data failures later do not change it)
     replan: bool = False  # a swap round in which some rank takes the slow path: no data moves anywhere
+    remaps: dict[int, int] = field(default_factory=dict)  # agreed peer -> bytes of its message after the headers
 
     def message(self, rank: int) -> str:
         lines = [f"rank {p}: {why}" for p, why in sorted(self.bad.items())]
@@ -372,9 +375,11 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
             verdict.rebuild = True
         if why:
             verdict.bad[p] = why
+        elif h[REMAP] and (data is None or p in data):
+            verdict.remaps[p] = h[REMAP]
     if replan:
         # Every rank saw the same headers: all leave together (no rebuild, a collective, either).
-        verdict.replan, verdict.rebuild, verdict.seqs = True, False, {}
+        verdict.replan, verdict.rebuild, verdict.seqs, verdict.remaps = True, False, {}, {}
         for p in ranks:
             verdict.bad.setdefault(p, "takes rx.swap_model_weights' slow path with every rank (a model changed)")
     verdict.agreed = not verdict.bad

@@ -17,13 +17,22 @@ The choice is made collectively when the plan binds, so every rank agrees on it.
 Contract: destinations are idle during `execute` from the receiver's current stream's
 point of view (nothing reads or writes them until execute returns), as with every
 transport; a sender writes into them as soon as the receiver's stream reaches execute.
-With direct pairs, `plan.rebind` is collective: every rank of the group calls it (passing
-None for what it keeps), since senders must map the receivers' new tensors.
+
+`plan.rebind` is local, as with every transport. A rank that rebinds its sources rebuilds
+its own writes. A rank whose destinations that direct senders write into changed exports
+them at once (memory CUDA IPC cannot share raises there, and the plan keeps its tensors)
+and, at its next execute, flags that in its headers and sends the new exports to its
+direct senders over the channel; each maps them and rebuilds its writes before any of
+them, and answers. A sender that cannot map them refuses the pair at both ends (no data
+moves with it, each raises naming the tensors; a pair moves to NCCL only with every rank
+agreeing: `plan.rebind(collective=True)` on every rank rebuilds the plan, as after a failed
+direct execute). Executes after the first pay nothing more.
 """
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import weakref
 from collections.abc import Iterable, Sequence
@@ -37,7 +46,7 @@ from .. import _C
 from ..collectives import all_gather_objects
 from ..errors import ReshardError
 from ..options import Options
-from .channel import Session, channel_of, exchange_headers
+from .channel import REMAP_TAG, Session, channel_of, exchange_headers
 
 _log = logging.getLogger("reshard_ext")
 
@@ -101,10 +110,20 @@ def agree(gathered: Sequence[tuple[list[str], set[Pair]]]) -> set[Pair]:
 
 
 def _gather(group: Any, obj: Any, timeout_s: float) -> list[Any]:
-    # Bounded: a rank that calls plan.rebind alone (with direct pairs it is collective)
-    # raises after the reshard timeout instead of the process group's.
-    return all_gather_objects(obj, group, "binding a plan with direct pairs (rx.plan or plan.rebind, collective: "
-                              "every rank of the group calls it)", timeout_s)
+    # Bounded: a rank that calls plan.rebind(collective=True) alone raises after the
+    # reshard timeout instead of the process group's.
+    return all_gather_objects(obj, group, "binding a plan with direct pairs (rx.plan or plan.rebind(collective=True), "
+                              "collective: every rank of the group calls it)", timeout_s)
+
+
+_COLLECTIVE_HINT = ("a pair moves over NCCL only with every rank agreeing: call plan.rebind(collective=True) on every "
+                    "rank to rebuild the plan with it over NCCL")
+
+
+def _unmappable(sender: int, receiver: int, names: Sequence[str], why: str) -> str:
+    """The error of a pair whose sender cannot map the receiver's rebound destinations (alike at both ends)."""
+    return (f"rank {sender} cannot map the destination tensors {sorted(set(names))} that rank {receiver} rebound "
+            f"(plan.rebind) for its direct writes: {why or 'see the error on rank ' + str(sender)}; {_COLLECTIVE_HINT}")
 
 
 class CudaDevice:
@@ -168,9 +187,10 @@ class CudaDevice:
 
 class DirectTransport:
     """Direct pairs through DirectExec; NCCL pairs and same-rank copies through an inner
-    CudaTransport. `Plan` calls `bind_plan` (collective) instead of bind/prepare."""
+    CudaTransport. `Plan` calls `bind_plan` (collective: rx.plan, plan.rebind(collective=True))
+    or `rebind_plan` (local: plan.rebind) instead of bind/prepare."""
 
-    collective_bind = True
+    collective_rebind = True  # plan.rebind(collective=True) runs bind_plan on every rank
 
     def __init__(self, group: Any, options: Options, register: bool = False, device: Any = None):
         self.group = group
@@ -194,8 +214,14 @@ class DirectTransport:
         self.nccl_peers: list[int] = []         # peers this rank moves bytes with over NCCL
         self.inner: Any = None
         self.exec: Any = None
-        self._maps: list[Any] = []
         self._table: torch.Tensor | None = None
+        # receiver -> (its mappings open here, its PeerPieces at them, their [base, end) ranges)
+        self._mapped: dict[int, tuple[list, list, list]] = {}
+        self._receivers: list[int] = []  # peers this rank writes into directly
+        self._senders: list[int] = []  # peers that write into this rank directly
+        self._src_refs: list[Any] = []  # the sources bound into the direct writes
+        self._given: dict[int, Any] = {}  # sender -> the exports of this rank's destinations it maps
+        self._news: dict[int, Any] = {}  # sender -> new exports it has not mapped yet (a local rebind)
         self.staging_bytes = 0  # of the NCCL pairs' batches (none when every pair is direct)
         self.owns_copies = False  # the executor runs the same-rank copies (this rank has no NCCL pair)
         self.direct_bytes = 0  # Transport protocol; the inner transport's cut is used
@@ -205,6 +231,11 @@ class DirectTransport:
         self._broken = ""  # why the direct part cannot run again (a failed or aborted execute)
         self._plan: Any = None  # weakref to the bound plan (its whole tables are built for verify)
         self._reader: Any = None  # read passes over those tables, built by the first verify
+
+    @property
+    def collective_bind(self) -> bool:
+        """Whether Plan binds through bind_plan: the first binding agrees on the pairs."""
+        return self.pairs is None
 
     # --- plan time ----------------------------------------------------------------------
     def _info(self) -> RankInfo:
@@ -228,10 +259,10 @@ class DirectTransport:
                 failed.add(pair(self.rank, peer))
         return failed
 
-    def _exports(self, tables: Any, dst_refs: list[_C.TensorRef]) -> tuple[dict[int, Any], set[Pair]]:
+    def _exports(self, tables: Any, dst_refs: list[_C.TensorRef]) -> tuple[dict[int, Any], dict[Pair, str]]:
         """For each peer that writes into this rank directly, its pieces with every pointer
-        as (index into a handle list, offset): {peer: (handles, [(dst_name, ref)])}; and the
-        pairs whose memory CUDA IPC cannot share."""
+        as (index into a handle list, offset): {peer: (handles, [(dst_name, ref, where)])};
+        and the pairs whose memory CUDA IPC cannot share, with why."""
         by_ptr: dict[int, Any] = {}
 
         def export(ptr: int) -> Any:
@@ -240,7 +271,7 @@ class DirectTransport:
             return by_ptr[ptr]
 
         out: dict[int, Any] = {}
-        failed: set[Pair] = set()
+        failed: dict[Pair, str] = {}
         dst_used = tables.dst_used
         for peer, pos in tables.direct_recv_pieces():
             if pair(self.rank, peer) in failed:
@@ -251,7 +282,7 @@ class DirectTransport:
             bad = [g for g in got if isinstance(g, str)]
             if bad:
                 _log.info("rank %d: rank %d goes over NCCL: %s", self.rank, peer, bad[0])
-                failed.add(pair(self.rank, peer))
+                failed[pair(self.rank, peer)] = f"tensor '{ref.name}' cannot be shared with rank {peer}: {bad[0]}"
                 out.pop(peer, None)
                 continue
             handles, pieces = out.setdefault(peer, ([], []))
@@ -263,30 +294,36 @@ class DirectTransport:
             pieces.append((int(dst_used[pos]), ref, where))
         return out, failed
 
-    def _open(self, gathered_exports: Sequence[dict[int, Any]], direct: set[Pair]) -> tuple[list, list, set[Pair]]:
-        """Maps what each direct receiver exposed to this rank. Returns (pieces for
-        bind_direct, mapped [base, end) ranges, pairs that failed)."""
+    def _map(self, peer: int, handles: list, peer_pieces: list) -> tuple[list, list, list] | str:
+        """Maps what one direct receiver exposed to this rank: (the mappings, PeerPieces for
+        bind_direct, mapped [base, end) ranges), or why it cannot."""
+        opened = [self.device.open(h) for h in handles]
+        bad = [m.why for m in opened if not m.ok]
+        if bad:
+            return bad[0]
         pieces: list[_C.PeerPiece] = []
         ranges: list[tuple[int, int]] = []
+        for dst_name, ref, where in peer_pieces:
+            # the data pointer, then a codec's side buffer (MXFP8 scales)
+            addrs = [opened[i].base + offset for i, offset, _ in where]
+            ranges += [(opened[i].base, opened[i].base + size) for i, _, size in where]
+            mapped = ref.replace(ptr=addrs[0], side=addrs[1] if len(addrs) > 1 else None)
+            pieces.append(_C.PeerPiece(peer, dst_name, mapped))
+        return opened, pieces, ranges
+
+    def _open(self, gathered_exports: Sequence[dict[int, Any]], direct: set[Pair]) -> tuple[dict, set[Pair]]:
+        """Maps what each direct receiver exposed to this rank: ({receiver: _map's result},
+        pairs that failed)."""
+        mapped: dict[int, tuple[list, list, list]] = {}
         failed: set[Pair] = set()
-        maps: list[Any] = []
         for peer in peers_of(direct, self.rank):
-            handles, peer_pieces = gathered_exports[peer].get(self.rank, ([], []))
-            opened = [self.device.open(h) for h in handles]
-            bad = [m.why for m in opened if not m.ok]
-            if bad:
-                _log.info("rank %d: rank %d goes over NCCL: %s", self.rank, peer, bad[0])
+            got = self._map(peer, *gathered_exports[peer].get(self.rank, ([], [])))
+            if isinstance(got, str):
+                _log.info("rank %d: rank %d goes over NCCL: %s", self.rank, peer, got)
                 failed.add(pair(self.rank, peer))
-                continue
-            maps += opened
-            for dst_name, ref, where in peer_pieces:
-                # the data pointer, then a codec's side buffer (MXFP8 scales)
-                addrs = [opened[i].base + offset for i, offset, _ in where]
-                ranges += [(opened[i].base, opened[i].base + size) for i, _, size in where]
-                mapped = ref.replace(ptr=addrs[0], side=addrs[1] if len(addrs) > 1 else None)
-                pieces.append(_C.PeerPiece(peer, dst_name, mapped))
-        self._maps = maps
-        return pieces, ranges, failed
+            else:
+                mapped[peer] = got
+        return mapped, failed
 
     def bind_plan(self, plan: Any, errors: Sequence[str] = ()) -> None:
         """Collective over the plan's group: agrees on the direct pairs, binds the tables,
@@ -326,7 +363,7 @@ class DirectTransport:
                 plan._set_tables(_C.ExecTables(split))
                 refs = plan._bound_refs()
                 exports, export_failed = self._exports(plan.tables, refs[1])
-                failed |= export_failed
+                failed |= set(export_failed)
             except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
                 errs.append(f"rank {rank}: {e}")
             got = _gather(group, (errs, failed, exports), self.gather_timeout)
@@ -334,10 +371,9 @@ class DirectTransport:
                 self.signals.unlink_page()  # every peer has mapped it by now
                 first = False
             dead = agree([(e, f) for e, f, _ in got])
-            pieces: list[_C.PeerPiece] = []
-            ranges: list = []
+            mapped: dict = {}
             try:
-                pieces, ranges, open_failed = self._open([x for _, _, x in got], self.pairs - dead)
+                mapped, open_failed = self._open([x for _, _, x in got], self.pairs - dead)
             except Exception as e:  # noqa: BLE001
                 errs, open_failed = [f"rank {rank}: {e}"], set()
             got2 = _gather(group, (errs, open_failed, int(split.wanted_batches()),
@@ -347,11 +383,10 @@ class DirectTransport:
             if not dead & self.pairs:
                 break
             self.pairs -= dead  # fewer pairs: bind again (the split and the refs may change)
-        self._finish(plan, split, refs, pieces, ranges, max(k for _, _, k, _ in got2),
-                     any(n for *_, n in got2))
+        self._finish(plan, split, refs, mapped, exports, max(k for _, _, k, _ in got2), any(n for *_, n in got2))
 
-    def _finish(self, plan: Any, split: Any, refs: tuple[list, list], pieces: list[_C.PeerPiece], ranges: list,
-                k: int, nccl_anywhere: bool) -> None:
+    def _finish(self, plan: Any, split: Any, refs: tuple[list, list], mapped: dict, exports: dict, k: int,
+                nccl_anywhere: bool) -> None:
         src_refs, dst_refs = refs
         # Every rank knows nccl_anywhere alike: creating the NCCL communicator is collective.
         if self.inner is None or (nccl_anywhere and getattr(self.inner, "comm", None) is None):
@@ -362,28 +397,53 @@ class DirectTransport:
         send_bufs, recv_bufs = self.inner.bind(tables)
         tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._codec_receivers)
         self.inner.prepare(tables)
-        tables.bind_direct(src_refs, pieces)
-        boxes = tables.direct_boxes()
-        mapped = sorted(set(ranges))
-        for lo, hi in _C.dst_spans(boxes):
-            if hi > lo and not any(a <= lo and hi <= b for a, b in mapped):
-                raise ReshardError(f"rank {self.rank}: a direct write [{lo:#x}, {hi:#x}) falls outside every "
-                                   f"mapped peer allocation (internal error)")
-        receivers = sorted({p.peer for p in pieces})
-        senders = sorted({p for p, _ in tables.direct_recv_pieces()})
+        self._mapped = mapped
+        receivers = self._receivers = sorted(peer for peer, (_, pieces, _) in mapped.items() if pieces)
+        senders = self._senders = sorted({p for p, _ in tables.direct_recv_pieces()})
+        self._given, self._news = {p: exports.get(p) for p in senders}, {}
         self.nccl_peers = sorted({op.peer for op in split.sends()} | {op.peer for op in split.recvs()})
         self.staging_bytes = self.inner.staging_bytes  # of the NCCL pairs, every pipelined copy
         self.peers = sorted(set(receivers) | set(senders) | set(self.inner.peers))
         self._broken = ""
-        self._plan, self._reader = weakref.ref(plan), None
-        self.exec, self._table = None, None
         # Without NCCL pairs nothing else runs beside the direct writes: the executor takes
         # the same-rank copies too, on a copy engine or its kernel (rx.Options.direct_local_*).
         self.owns_copies = bool(receivers or senders) and not (tables.send_total or tables.recv_total)
-        if receivers or senders:
+        self._direct(plan, src_refs)
+
+    def _direct(self, plan: Any, src_refs: list) -> None:
+        """Builds this rank's per-execute direct work from its bound tables, the sources
+        `src_refs` and the receivers' destinations as mapped here."""
+        self.exec, self._table = None, None  # its writes may use mappings closed since
+        tables = plan.tables
+        tables.bind_direct(src_refs, [p for _, pieces, _ in self._mapped.values() for p in pieces])
+        boxes = tables.direct_boxes()
+        mapped = sorted({r for _, _, ranges in self._mapped.values() for r in ranges})
+        for lo, hi in _C.dst_spans(boxes):
+            if hi > lo and not any(a <= lo and hi <= b for a, b in mapped):
+                raise ReshardError(f"rank {self.rank}: a direct write [{lo:#x}, {hi:#x}) falls outside every "
+                                   f"mapped peer allocation (internal error)")
+        self._src_refs = src_refs
+        self._plan, self._reader = weakref.ref(plan), None
+        if self._receivers or self._senders:
             local = tables.copy_boxes() if self.owns_copies else _C.BoxTable()
-            self.exec, self._table = self.device.executor(self.signals, boxes, local, self.options, receivers,
-                                                          senders, self.timeout)
+            self.exec, self._table = self.device.executor(self.signals, boxes, local, self.options, self._receivers,
+                                                          self._senders, self.timeout)
+
+    def rebind_plan(self, plan: Any) -> None:
+        """plan.rebind on this rank alone (the pairs stay): binds the plan's new tensors
+        here. Destinations that direct senders write into are exported now; the next
+        execute hands the changed ones to those senders (_remap)."""
+        tables = plan.tables
+        src_refs, dst_refs = plan._bound_refs()
+        exports, failed = self._exports(tables, dst_refs)
+        if failed:
+            raise ReshardError(f"plan.rebind on rank {self.rank}: " + "; ".join(sorted(failed.values())) +
+                               f"; {_COLLECTIVE_HINT}")
+        send_bufs, recv_bufs = self.inner.bind(tables)
+        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._codec_receivers)
+        self.inner.prepare(tables)
+        self._news = {p: exports.get(p) for p in self._senders if exports.get(p) != self._given.get(p)}
+        self._direct(plan, src_refs)
 
     # --- diagnostics --------------------------------------------------------------------
     @property
@@ -437,9 +497,13 @@ class DirectTransport:
             session.comm_unusable = not self.inner.comm.usable
         if self._broken and session.status == 0:
             session.status, session.error = 1, self._broken
+        outbox = self._outbox() if session.status == 0 else {}
         if session.verdict is None:  # else Plan exchanged them (a swap round of a rank without peers)
+            session.remap = max((len(m) for m in outbox.values()), default=0)
             exchange_headers(self.channel, self.peers, session, tables.num_batches)
         assert session.verdict is not None  # exchange_headers set it
+        if session.status == 0:
+            self._remap(session, outbox)
         if self.exec is None or session.status != 0 or session.verdict.bad:
             return self.inner.run(tables, session, verify)  # raises where headers disagree
         if session.abort.is_set():
@@ -456,12 +520,83 @@ class DirectTransport:
                 reader.launch((_RECV,))
                 digests = reader.collect()[:2]
         except ReshardError as e:
-            # The ranks of a direct pair no longer agree on its sequence: rebinding
-            # (plan.rebind, collective) builds a new one.
+            # The ranks of a direct pair no longer agree on its sequence: a collective
+            # rebind builds a new one.
             self._broken = (f"rank {self.rank}: the direct transport failed in an earlier execute ({e}); call "
-                            f"plan.rebind() on every rank to rebuild it")
+                            f"plan.rebind(collective=True) on every rank to rebuild it")
             raise
         return digests
+
+    def _outbox(self) -> dict[int, torch.Tensor]:
+        """After a local rebind of destinations that direct senders write into: a message
+        for each direct sender, its new exports (None where they did not change), pickled
+        behind their length and padded to one size (the headers carry it)."""
+        if not self._news:
+            return {}
+        blobs = {p: pickle.dumps(self._news.get(p)) for p in self._senders}
+        size = 8 + max(len(b) for b in blobs.values())
+        out = {}
+        for p, b in blobs.items():
+            msg = torch.zeros(size, dtype=torch.uint8)
+            msg.numpy()[:8 + len(b)] = memoryview(len(b).to_bytes(8, "little") + b)
+            out[p] = msg
+        return out
+
+    def _remap(self, session: Session, outbox: dict[int, torch.Tensor]) -> None:
+        """After the headers, before any direct write, where a receiver flagged new
+        destinations (session.remap): it sends each direct sender `outbox`; each sender maps
+        what changed, rebuilds its writes and answers. A pair that fails is refused at both
+        ends (verdict.bad: no data moves with it)."""
+        verdict = session.verdict
+        assert verdict is not None
+        ch = self.channel
+        outbox = {p: m for p, m in outbox.items() if p not in verdict.bad} if session.remap else {}
+        inbox = {p: torch.empty(n, dtype=torch.uint8) for p, n in verdict.remaps.items() if p in self._receivers}
+        if not outbox and not inbox:
+            return
+
+        def exchange(ops: list, what: str) -> dict[int, str]:
+            return ch.wait(ch.submit(lambda: ch.exchange(ops, REMAP_TAG, session)), session, what)
+
+        lost = exchange([("send", p, m) for p, m in outbox.items()] + [("recv", p, m) for p, m in inbox.items()],
+                        "exchanging rebound destinations")
+        answers = {p: self._remap_from(p, m) for p, m in inbox.items() if p not in lost}
+        mapped = [p for p, why in answers.items() if why == ""]
+        if mapped:
+            try:
+                self._direct(self._plan(), self._src_refs)  # onto the new mappings
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: answered, and kept until a collective rebind
+                self._broken = (f"rank {self.rank}: rebuilding its direct writes onto rebound destinations failed "
+                                f"({e}); call plan.rebind(collective=True) on every rank to rebuild it")
+                answers.update((p, self._broken) for p in mapped)
+        acks = {p: torch.zeros(1, dtype=torch.int64) for p in outbox if p not in lost}
+        lost.update(exchange([("send", p, torch.tensor([int(bool(why))])) for p, why in answers.items()] +
+                             [("recv", p, a) for p, a in acks.items()], "answering rebound destinations"))
+        for p, failure in lost.items():
+            verdict.bad[p] = f"handing over rebound destinations failed ({failure})"
+        for p, why in answers.items():
+            if why and p not in lost:
+                verdict.bad[p] = why
+        for p, ack in acks.items():
+            if p in lost:
+                continue
+            if ack.item():
+                verdict.bad[p] = _unmappable(p, self.rank, [ref.name for _, ref, _ in self._news[p][1]], "")
+            elif p in self._news:
+                self._given[p] = self._news.pop(p)
+
+    def _remap_from(self, receiver: int, msg: torch.Tensor) -> str | None:
+        """Maps a receiver's new exports (its _outbox message): "" once mapped, None when
+        they did not change, else why it cannot."""
+        raw = msg.numpy().tobytes()
+        exports = pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        if exports is None:
+            return None
+        got = self._map(receiver, *exports)
+        if isinstance(got, str):
+            return _unmappable(self.rank, receiver, [ref.name for _, ref, _ in exports[1]], got)
+        self._mapped[receiver] = got
+        return ""
 
     def read_digests(self, tables: Any) -> tuple:
         if self.exec is not None:
