@@ -118,9 +118,9 @@ KNOBS: dict[str, Knob] = {
              "grid cap of the same-rank copy kernel beside direct writes (0: no cap)"),
         Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
              "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
-        Knob("RESHARD_EXT_AUTO_DIRECT", False, _flag,
-             "1 on every rank: backend 'auto' on CUDA writes straight into peers' tensors where it can (the "
-             "direct transport: same host, CUDA IPC), NCCL elsewhere"),
+        Knob("RESHARD_EXT_AUTO_DIRECT", True, _flag,
+             "backend 'auto' on CUDA writes straight into peers' tensors where it can (the direct transport: "
+             "same host, CUDA IPC), NCCL elsewhere; 0 on any rank: NCCL for every pair"),
         Knob("RESHARD_EXT_CHECK_STORAGE", True, _flag,
              "0 skips the per-execute check that no bound tensor's storage was replaced or resized"),
         Knob("RESHARD_EXT_CHECK_THREADS", 4, _count(1),
@@ -189,7 +189,7 @@ class Options:
     - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
       (RESHARD_EXT_DIRECT_IPC).
     - auto_direct: backend "auto" uses the direct transport (direct pairs where it can, NCCL
-      elsewhere) when every rank asks for it (RESHARD_EXT_AUTO_DIRECT; default off).
+      elsewhere) unless a rank says False (RESHARD_EXT_AUTO_DIRECT; default on).
     - check_storage: every execute first checks that no bound tensor's storage was
       replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; one data_ptr read per
       bound tensor, in C++ where torch allows).

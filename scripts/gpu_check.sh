@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autodirect] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [streams] [relay] [verify] [smoke] [nvshmem] [host] [ab]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [streams] [relay] [verify] [smoke] [nvshmem] [host] [ab]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -65,10 +65,10 @@ stage_tests() {
   gpu_tests tests
 }
 
-stage_autodirect() {
-  # backend="auto" as the direct transport (RESHARD_EXT_AUTO_DIRECT=1): what flipping its default needs green
-  step "GPU tests with RESHARD_EXT_AUTO_DIRECT=1"
-  RESHARD_EXT_AUTO_DIRECT=1 gpu_tests tests_autodirect
+stage_autonccl() {
+  # backend="auto" as NCCL for every pair (the default is the direct transport)
+  step "GPU tests with RESHARD_EXT_AUTO_DIRECT=0"
+  RESHARD_EXT_AUTO_DIRECT=0 gpu_tests tests_autonccl
 }
 
 stage_tests4() {
