@@ -289,15 +289,14 @@ def _agree_stream(device: int) -> Any:
     return _AGREE_STREAMS[device]
 
 
-def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False,
-           timeout_s: float | None = None) -> tuple[int, bool, bool]:
-    """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`,
-    whether any rank rebinds). timeout_s: wait at most that long (ReshardError), polling."""
+def _agree(group: Any, failed: bool, generation: int, timeout_s: float | None = None) -> tuple[int, bool]:
+    """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`).
+    timeout_s: wait at most that long (ReshardError), polling."""
     g = group if group is not None else dist.group.WORLD
     (backend, _), rank = _group_info(g)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
-    values = [-(rank + 1) if failed else -(2**62), generation, -generation, int(rebinding)]
+    values = [-(rank + 1) if failed else -(2**62), generation, -generation]
     if device.type == "cuda":
         # On a stream of its own: the host waits for the other ranks, not for the work
         # the caller queued before the swap (an optimizer step), so the refit's launches
@@ -305,13 +304,13 @@ def _agree(group: Any, failed: bool, generation: int, rebinding: bool = False,
         with torch.cuda.stream(_agree_stream(device.index)):
             t = torch.tensor(values, dtype=torch.int64, device=device)
             _all_reduce_max(t, g, timeout_s)
-            worst, gen_max, neg_gen_min, any_rebind = t.tolist()  # one device sync, not four
+            worst, gen_max, neg_gen_min = t.tolist()  # one device sync, not three
     else:
         t = torch.tensor(values, dtype=torch.int64)
         _all_reduce_max(t, g, timeout_s)
-        worst, gen_max, neg_gen_min, any_rebind = t.tolist()
+        worst, gen_max, neg_gen_min = t.tolist()
     first_failed = 0 if worst == -(2**62) else -worst
-    return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min, bool(any_rebind)
+    return first_failed, generation >= 0 and gen_max == generation == -neg_gen_min
 
 
 def _all_reduce_max(t: torch.Tensor, group: Any, timeout_s: float | None) -> None:
@@ -377,16 +376,13 @@ def _settle(look: _Lookup, group: Any, backend: str, max_batch_bytes: int | None
     from . import plan as rx_plan  # the core API; imported late (package init order)
 
     cached, src, dst, bound, rebinding = look.cached, look.src, look.dst, look.bound, look.rebinding
-    first_failed, all_hit, any_rebind = _agree(group, look.error is not None, cached.generation if cached else -1,
-                                               rebinding, timeout_s)
+    first_failed, all_hit = _agree(group, look.error is not None, cached.generation if cached else -1, timeout_s)
     if look.error is not None:
         raise look.error
     if first_failed:
         raise ReshardError(f"swap_model_weights: rank {first_failed - 1} failed to describe its models (see its error)")
     if all_hit and cached is not None:
-        # A plan whose transport binds collectively rebinds on every rank together.
-        collective = getattr(cached.plan.transport, "collective_bind", False)
-        if rebinding or (collective and any_rebind):  # same layouts, new storages (a re-created model)
+        if rebinding:  # same layouts, new storages (a re-created model): a local rebind, on every transport
             cached.plan.rebind(src=src, dst=dst)
             cached.bound = bound if bound is not None else cached.bound
         cached.entries = (src, dst)

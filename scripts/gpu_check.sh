@@ -168,11 +168,12 @@ stage_direct() {
 stage_streams() {
   gpus 2 streams || return 0
   # direct_engine_streams A/B, same run: how many copy engines the direct peer copies use
+  # (RX_VARIANTS: other rx.Options variants of the direct transport, refit_bench --variants)
+  local variants="${RX_VARIANTS:-direct_engine_streams=1;direct_engine_streams=2;direct_engine_streams=4;direct_engine_streams=8}"
   for c in ${RX_STREAMS_CASES:-tp2-tp1 moe-ep2-ep1 noncolo-tp1-tp1}; do
-    step "direct: refit_bench $c, direct_engine_streams 1 / 2 / 4 / 8"
+    step "direct: refit_bench $c, variants $variants"
     RESHARD_EXT_DIRECT_TIMEOUT=120 timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
-      --case "$c" --backend direct --no-baseline \
-      --variants "direct_engine_streams=1;direct_engine_streams=2;direct_engine_streams=4;direct_engine_streams=8" \
+      --case "$c" --backend direct --no-baseline --variants "$variants" \
       2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/streams.log" | tail -4
   done
 }
