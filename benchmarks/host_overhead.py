@@ -75,7 +75,7 @@ class Phases:
         for d in (self.cpu, self.wall):  # the phases inside the transport's run are its own
             if "transport.run" in d:
                 d["transport.run"] -= sum(d.get(k, 0.0) for k in PHASES[1:5])
-        self.cpu["rest"] = cpu - sum(self.cpu.values())
+        self.cpu["rest"] = cpu - sum(v for k, v in self.cpu.items() if not k.startswith("  run:"))
         self.wall["rest"] = wall - sum(self.wall.values())
         self.cpu["execute"], self.wall["execute"] = cpu, wall
         self.rows.append((self.cpu, self.wall))
@@ -100,21 +100,38 @@ class Phases:
             transport.executor = _TimedExecutor(transport.executor, self)
 
     def report(self, rank: int) -> str:
-        names = [n for n in PHASES + ("rest", "execute") if any(n in c for c, _ in self.rows)]
+        names = [n for n in PHASES[:5] + ("  run: posts", "  run: host wait") + PHASES[5:] + ("rest", "execute")
+                 if any(n in c for c, _ in self.rows)]
         parts = []
         for n in names:
             c = statistics.median(row[0].get(n, 0.0) for row in self.rows)
+            if n.startswith("  run:"):  # CPU only, inside executor.run
+                parts.append(f"(of which {n[7:]} {1e3 * c:.3f})")
+                continue
             w = statistics.median(row[1].get(n, 0.0) for row in self.rows)
             parts.append(f"{n} {1e3 * c:.3f}/{1e3 * w:.3f}")
         return f"host_overhead --phases: rank {rank}, ms CPU/wall (medians of {len(self.rows)}): " + ", ".join(parts)
 
 
 class _TimedExecutor:
-    """The executor, its run timed (its other calls pass through)."""
+    """The executor, its run timed (its other calls pass through); where the executor can,
+    its CPU time split into posting and launching, and the host wait for the transfers."""
 
     def __init__(self, ex: Any, phases: Phases):
         self._ex = ex
-        self.run = phases.timed("executor.run", ex.run)
+        timed = phases.timed("executor.run", ex.run)
+        if not hasattr(ex, "set_time_host"):
+            self.run = timed
+            return
+        ex.set_time_host(True)
+
+        def run(*args: Any) -> Any:
+            try:
+                return timed(*args)
+            finally:
+                post, drain = ex.last_run_cpu
+                phases.cpu["  run: posts"], phases.cpu["  run: host wait"] = post, drain
+        self.run = run
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ex, name)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <sstream>
 
 #include "common/check.h"
@@ -36,6 +37,12 @@ bool same(const std::vector<Message>& a, const std::vector<Message>& b) {
 }
 
 std::string with_batch(const char* kind, int32_t n) { return std::string(kind) + " " + std::to_string(n); }
+
+double thread_cpu_s() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 }  // namespace
 
@@ -268,6 +275,8 @@ void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout
   scratch_ = false;
   const int32_t k = num_batches();
   const int32_t cap = max_blocks_;
+  const double cpu0 = time_host_ ? thread_cpu_s() : 0.0;
+  double cpu1 = cpu0;
   if (!good_.empty()) {
     post(0);
     for (int32_t b = 0; b < k; ++b) {
@@ -283,8 +292,10 @@ void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout
     }
     // A dead peer or a lost message raises here (bounded by the execute's timeout)
     // instead of hanging the next sync.
+    if (time_host_) cpu1 = thread_cpu_s();
     transport_->drain(main_, side_, timeout_s);
   }
+  if (time_host_) last_run_cpu_ = {cpu1 - cpu0, good_.empty() ? 0.0 : thread_cpu_s() - cpu1};
   // the scratch memory must outlive the transfers into it (kept on an exception: freed later)
   if (scratch_) device_->release_scratch(main_);
 }

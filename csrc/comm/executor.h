@@ -127,6 +127,10 @@ class Executor {
   void unpack(int32_t b);
   // The steps traced since begin; waits for the last one.
   std::vector<TraceRow> timeline();
+  // With time_host on, run() measures the CPU time of its thread: (posting and launching,
+  // the host wait for the transfers) of the last run, in seconds (benchmarks/host_overhead.py).
+  void set_time_host(bool on) { time_host_ = on; }
+  std::pair<double, double> last_run_cpu() const { return last_run_cpu_; }
   void abort();
 
   // Tests: called after each post with (batch, round, side stream, receives).
@@ -182,6 +186,8 @@ class Executor {
   bool scratch_ = false;
   Messages degraded_;  // messages() of a degraded execute, valid until its next call
   PostHook post_hook_;
+  bool time_host_ = false;
+  std::pair<double, double> last_run_cpu_{0.0, 0.0};
 };
 
 // The calls recorders were asked, in order.

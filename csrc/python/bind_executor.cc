@@ -106,7 +106,9 @@ void register_executor(py::module_& m) {
           },
           py::arg("digests"), "(send, recv) digests by op from the digest buffer's host copy.")
       .def("begin", &Executor::begin, py::arg("main"), py::arg("verify"), py::arg("trace"))
-      .def("pack_first", &Executor::pack_first, py::call_guard<py::gil_scoped_release>())
+      // Keeps the GIL: a launch is short, and the channel's worker, woken to post the headers,
+      // would otherwise take the GIL for that moment and the caller wait to get it back.
+      .def("pack_first", &Executor::pack_first)
       .def("run", &Executor::run, py::arg("good"), py::arg("writes"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>(),
            "The pipelined rest of the execute (after begin and pack_first); raises ReshardError where a "
@@ -129,6 +131,11 @@ void register_executor(py::module_& m) {
           },
           "[(kind, batch, begin ms, end ms)] of the steps traced since begin (waits for the last).")
       .def("abort", &Executor::abort, py::call_guard<py::gil_scoped_release>())
+      .def("set_time_host", &Executor::set_time_host, py::arg("on"),
+           "Whether run() measures its thread's CPU time (last_run_cpu).")
+      .def_property_readonly("last_run_cpu", &Executor::last_run_cpu,
+                             "(posting and launching, host wait for the transfers): CPU seconds of the last run's "
+                             "thread, with set_time_host(True).")
       .def(
           "set_post_hook",
           [](Executor& e, const py::object& fn) {
