@@ -106,9 +106,7 @@ void register_executor(py::module_& m) {
           },
           py::arg("digests"), "(send, recv) digests by op from the digest buffer's host copy.")
       .def("begin", &Executor::begin, py::arg("main"), py::arg("verify"), py::arg("trace"))
-      // Keeps the GIL: a launch is short, and the channel's worker, woken to post the headers,
-      // would otherwise take the GIL for that moment and the caller wait to get it back.
-      .def("pack_first", &Executor::pack_first)
+      .def("pack_first", &Executor::pack_first, py::call_guard<py::gil_scoped_release>())
       .def("run", &Executor::run, py::arg("good"), py::arg("writes"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>(),
            "The pipelined rest of the execute (after begin and pack_first); raises ReshardError where a "
