@@ -87,17 +87,26 @@ class Phases:
         plan._local_problem = self.timed("check", plan._local_problem)
         transport = plan.transport
         transport.run = self.timed("transport.run", transport.run)
-        ch = transport.channel
-        ch.submit = self.timed("header post", ch.submit)
-        ch.wait = self.timed("header wait", ch.wait)
         exchange = channel.exchange_headers
 
         def headers(chan: Any, peers: Any, session: Any, batches: int, before_wait: Any = None) -> Any:
-            return exchange(chan, peers, session, batches,
-                            None if before_wait is None else self.timed("first pack", before_wait))
+            # the channel's submit and wait of the headers only (the CPU transport's data use them too)
+            chan.submit, chan.wait = self.timed("header post", chan.submit), self.timed("header wait", chan.wait)
+            try:
+                return exchange(chan, peers, session, batches,
+                                None if before_wait is None else self.timed("first pack", before_wait))
+            finally:
+                del chan.submit, chan.wait
         cpu.exchange_headers = cuda.exchange_headers = headers
+        self._exchange = exchange
         if hasattr(transport, "executor"):
             transport.executor = _TimedExecutor(transport.executor, self)
+
+    def uninstall(self) -> None:
+        """Puts back the transports' header exchange."""
+        from reshard_ext.transports import cpu, cuda
+
+        cpu.exchange_headers = cuda.exchange_headers = self._exchange
 
     def report(self, rank: int) -> str:
         names = [n for n in PHASES[:5] + ("  run: posts", "  run: host wait") + PHASES[5:] + ("rest", "execute")
@@ -262,6 +271,7 @@ def main() -> None:
             for _ in range(args.iters):
                 phases.execute(timed)
                 sync()
+            phases.uninstall()
             lines = [None] * world
             dist.all_gather_object(lines, phases.report(rank) + ("" if check_storage else " (check_storage=False)"))
             if rank == 0:
