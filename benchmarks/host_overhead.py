@@ -76,7 +76,7 @@ class Phases:
             if "transport.run" in d:
                 d["transport.run"] -= sum(d.get(k, 0.0) for k in PHASES[1:5])
         self.cpu["rest"] = cpu - sum(v for k, v in self.cpu.items() if not k.startswith("  run:"))
-        self.wall["rest"] = wall - sum(self.wall.values())
+        self.wall["rest"] = wall - sum(v for k, v in self.wall.items() if not k.startswith("  run:"))
         self.cpu["execute"], self.wall["execute"] = cpu, wall
         self.rows.append((self.cpu, self.wall))
 
@@ -114,17 +114,17 @@ class Phases:
         parts = []
         for n in names:
             c = statistics.median(row[0].get(n, 0.0) for row in self.rows)
-            if n.startswith("  run:"):  # CPU only, inside executor.run
-                parts.append(f"(of which {n[7:]} {1e3 * c:.3f})")
-                continue
             w = statistics.median(row[1].get(n, 0.0) for row in self.rows)
-            parts.append(f"{n} {1e3 * c:.3f}/{1e3 * w:.3f}")
+            if n.startswith("  run:"):  # inside executor.run
+                parts.append(f"(of which {n[7:]} {1e3 * c:.3f}/{1e3 * w:.3f})")
+            else:
+                parts.append(f"{n} {1e3 * c:.3f}/{1e3 * w:.3f}")
         return f"host_overhead --phases: rank {rank}, ms CPU/wall (medians of {len(self.rows)}): " + ", ".join(parts)
 
 
 class _TimedExecutor:
     """The executor, its run timed (its other calls pass through); where the executor can,
-    its CPU time split into posting and launching, and the host wait for the transfers."""
+    its time split into posting and launching, and the host wait for the transfers."""
 
     def __init__(self, ex: Any, phases: Phases):
         self._ex = ex
@@ -138,8 +138,9 @@ class _TimedExecutor:
             try:
                 return timed(*args)
             finally:
-                post, drain = ex.last_run_cpu
-                phases.cpu["  run: posts"], phases.cpu["  run: host wait"] = post, drain
+                post_cpu, post_wall, wait_cpu, wait_wall = ex.last_run_times
+                phases.cpu["  run: posts"], phases.wall["  run: posts"] = post_cpu, post_wall
+                phases.cpu["  run: host wait"], phases.wall["  run: host wait"] = wait_cpu, wait_wall
         self.run = run
 
     def __getattr__(self, name: str) -> Any:

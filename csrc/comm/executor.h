@@ -11,6 +11,7 @@
 // handles (cudaStream_t / cudaEvent_t on the GPU).
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -127,10 +128,11 @@ class Executor {
   void unpack(int32_t b);
   // The steps traced since begin; waits for the last one.
   std::vector<TraceRow> timeline();
-  // With time_host on, run() measures the CPU time of its thread: (posting and launching,
-  // the host wait for the transfers) of the last run, in seconds (benchmarks/host_overhead.py).
+  // With time_host on, run() measures its host time: (posting and launching: thread CPU, wall;
+  // the host wait for the transfers: thread CPU, wall) of the last run, in seconds
+  // (benchmarks/host_overhead.py).
   void set_time_host(bool on) { time_host_ = on; }
-  std::pair<double, double> last_run_cpu() const { return last_run_cpu_; }
+  std::array<double, 4> last_run_times() const { return last_run_times_; }
   void abort();
 
   // Tests: called after each post with (batch, round, side stream, receives).
@@ -187,7 +189,7 @@ class Executor {
   Messages degraded_;  // messages() of a degraded execute, valid until its next call
   PostHook post_hook_;
   bool time_host_ = false;
-  std::pair<double, double> last_run_cpu_{0.0, 0.0};
+  std::array<double, 4> last_run_times_{};
 };
 
 // The calls recorders were asked, in order.
