@@ -203,7 +203,10 @@ stage_nvshmem() {
 stage_host() {
   gpus 2 host || return 0
   step "host time: execute of a 10,000-tensor plan, warm swap vs execute, 1,000 executes / plans"
-  timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
+  timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py --phases 2>&1 | grep -v "^W\|^\[W" \
+    | tee -a "$OUT/host.log" | tail -8
+  RESHARD_EXT_CHECK_THREADS=8 timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 \
+    | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
   RESHARD_EXT_CHECK_THREADS=1 timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 \
     | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py --tensor-data-ptr 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/host.log" | tail -6

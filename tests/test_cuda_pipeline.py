@@ -120,6 +120,22 @@ def test_plan_without_transfers_only_copies() -> None:
     assert log.lines == ["main: copy 0"]
 
 
+def test_run_cpu_time_is_measured_only_when_asked() -> None:
+    """host_overhead --phases: Executor.last_run_times splits a run's host time (thread CPU,
+    wall) into the posts and launches and the host wait for the transfers, with
+    set_time_host(True) only."""
+    tables = _tables(2, 3, 0)
+    t, log, _ = _transport(tables)
+    t.run(tables, _session())
+    assert t.executor.last_run_times == [0.0] * 4
+    t.executor.set_time_host(True)
+    t.run(tables, _session())
+    posts, posts_wall, wait, wait_wall = t.executor.last_run_times
+    assert posts > 0.0 and posts_wall > 0.0  # a run that posts three batches takes some time
+    assert wait >= 0.0 and wait_wall >= 0.0
+    assert "host: drain" in log.lines
+
+
 def test_trace_reports_every_step() -> None:
     tables = _tables(2, 2, 0)
     t, _, _ = _transport(tables, trace=True)

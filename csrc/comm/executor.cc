@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <sstream>
 
 #include "common/check.h"
@@ -36,6 +37,14 @@ bool same(const std::vector<Message>& a, const std::vector<Message>& b) {
 }
 
 std::string with_batch(const char* kind, int32_t n) { return std::string(kind) + " " + std::to_string(n); }
+
+// (thread CPU, wall) seconds now
+std::pair<double, double> host_now() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return {static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec), wall};
+}
 
 }  // namespace
 
@@ -268,6 +277,8 @@ void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout
   scratch_ = false;
   const int32_t k = num_batches();
   const int32_t cap = max_blocks_;
+  const std::pair<double, double> t0 = time_host_ ? host_now() : std::pair<double, double>{};
+  std::pair<double, double> t1 = t0;
   if (!good_.empty()) {
     post(0);
     for (int32_t b = 0; b < k; ++b) {
@@ -283,7 +294,12 @@ void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout
     }
     // A dead peer or a lost message raises here (bounded by the execute's timeout)
     // instead of hanging the next sync.
+    if (time_host_) t1 = host_now();
     transport_->drain(main_, side_, timeout_s);
+  }
+  if (time_host_) {
+    const std::pair<double, double> t2 = good_.empty() ? t1 : host_now();
+    last_run_times_ = {t1.first - t0.first, t1.second - t0.second, t2.first - t1.first, t2.second - t1.second};
   }
   // the scratch memory must outlive the transfers into it (kept on an exception: freed later)
   if (scratch_) device_->release_scratch(main_);

@@ -11,6 +11,7 @@
 // handles (cudaStream_t / cudaEvent_t on the GPU).
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -127,6 +128,11 @@ class Executor {
   void unpack(int32_t b);
   // The steps traced since begin; waits for the last one.
   std::vector<TraceRow> timeline();
+  // With time_host on, run() measures its host time: (posting and launching: thread CPU, wall;
+  // the host wait for the transfers: thread CPU, wall) of the last run, in seconds
+  // (benchmarks/host_overhead.py).
+  void set_time_host(bool on) { time_host_ = on; }
+  std::array<double, 4> last_run_times() const { return last_run_times_; }
   void abort();
 
   // Tests: called after each post with (batch, round, side stream, receives).
@@ -182,6 +188,8 @@ class Executor {
   bool scratch_ = false;
   Messages degraded_;  // messages() of a degraded execute, valid until its next call
   PostHook post_hook_;
+  bool time_host_ = false;
+  std::array<double, 4> last_run_times_{};
 };
 
 // The calls recorders were asked, in order.

@@ -118,7 +118,7 @@ void NcclComm::fail_locked(const std::string& msg) {
   throw ReshardError(msg);
 }
 
-NcclComm::Poll NcclComm::poll_state_locked(const std::string& what) {
+NcclComm::Poll NcclComm::poll_state_locked(const What& what) {
   check_usable_locked();
   ncclResult_t state = ncclSuccess;
   const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
@@ -127,13 +127,13 @@ NcclComm::Poll NcclComm::poll_state_locked(const std::string& what) {
   if (state != ncclSuccess) {
     const char* last = ncclGetLastError(comm_);
     fail_locked(detail::format("NCCL error ", static_cast<int>(state), " (", ncclGetErrorString(state), ") on ",
-                               where(), " while ", what, (last && last[0] ? ": " : ""), (last ? last : ""),
+                               where(), " while ", what(), (last && last[0] ? ": " : ""), (last ? last : ""),
                                ". The communicator was aborted."));
   }
   return Poll::kDone;
 }
 
-void NcclComm::wait_state(double timeout_s, const std::string& what) {
+void NcclComm::wait_state(double timeout_s, const What& what) {
   const auto deadline = deadline_after(timeout_s);
   Backoff backoff;
   while (true) {
@@ -141,7 +141,7 @@ void NcclComm::wait_state(double timeout_s, const std::string& what) {
       std::lock_guard<std::mutex> lock(mu_);
       if (poll_state_locked(what) == Poll::kDone) return;
       if (Clock::now() > deadline)
-        fail_locked(detail::format("NCCL did not finish ", what, " within ", timeout_s, " s on ", where(),
+        fail_locked(detail::format("NCCL did not finish ", what(), " within ", timeout_s, " s on ", where(),
                                    ". The communicator was aborted."));
     }
     backoff.pause();  // without the lock, so abort() from another thread gets in
@@ -149,8 +149,10 @@ void NcclComm::wait_state(double timeout_s, const std::string& what) {
 }
 
 void NcclComm::wait_ready(double timeout_s) {
-  wait_state(timeout_s, detail::format("creating the communicator (a rank of the group died, never joined, or "
-                                       "joined with another unique id)"));
+  wait_state(timeout_s, [] {
+    return std::string("creating the communicator (a rank of the group died, never joined, or joined with another "
+                       "unique id)");
+  });
 }
 
 void NcclComm::exchange(const std::vector<NcclTransfer>& sends, const std::vector<NcclTransfer>& recvs,
@@ -169,7 +171,7 @@ void NcclComm::exchange(const std::vector<NcclTransfer>& sends, const std::vecto
   bool posted = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (poll_state_locked("checking for earlier errors") == Poll::kPending)
+    if (poll_state_locked([] { return std::string("checking for earlier errors"); }) == Poll::kPending)
       fail_locked(detail::format("exchange called on ", where(), " while the communicator is still being created; "
                                  "call wait_ready() first"));
     last_send_peers_ = peers(sends);
@@ -211,7 +213,9 @@ void NcclComm::exchange(const std::vector<NcclTransfer>& sends, const std::vecto
   }
   if (posted) {
     // Non-blocking: connection setup to new peers may still be running.
-    wait_state(timeout_s_, "posting the exchange (" + peers_of_last() + "); a peer died or never posted its half");
+    wait_state(timeout_s_, [this] {
+      return "posting the exchange (" + peers_of_last() + "); a peer died or never posted its half";
+    });
   }
   std::lock_guard<std::mutex> lock(mu_);
   check_usable_locked();
@@ -243,7 +247,7 @@ uint64_t NcclComm::register_buffer(uint64_t ptr, int64_t bytes) {
                                  where(), " failed: ", ncclGetErrorString(r), ". The communicator was aborted."));
 #endif
   }
-  wait_state(timeout_s_, "registering a buffer");
+  wait_state(timeout_s_, [] { return std::string("registering a buffer"); });
   return reinterpret_cast<uintptr_t>(handle);
 }
 
@@ -260,12 +264,12 @@ void NcclComm::deregister_buffer(uint64_t handle) {
                                  ". The communicator was aborted."));
 #endif
   }
-  wait_state(timeout_s_, "deregistering a buffer");
+  wait_state(timeout_s_, [] { return std::string("deregistering a buffer"); });
 }
 
 bool NcclComm::poll() {
   std::lock_guard<std::mutex> lock(mu_);
-  poll_state_locked("running an exchange (" + peers_of_last() + ")");
+  poll_state_locked([this] { return "running an exchange (" + peers_of_last() + ")"; });
   if (!pending_) return true;
   const cudaError_t q = cudaEventQuery(done_);
   if (q == cudaErrorNotReady) return false;
@@ -316,7 +320,7 @@ void NcclComm::close(double timeout_s) {
       if (comm_ == nullptr) return;
       RX_NCCL_CHECK_CTX(ncclCommFinalize(comm_), where());
     }
-    wait_state(timeout_s, "finalizing the communicator");
+    wait_state(timeout_s, [] { return std::string("finalizing the communicator"); });
     clean = true;
   } catch (...) {
     // wait_state aborted already on failure; fall through to the abort below otherwise.

@@ -23,6 +23,7 @@ void stream_wait(cudaStream_t waiter, cudaStream_t signaller);
 #include "comm/nccl_loader.h"
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -93,8 +94,11 @@ class NcclComm {
 
  private:
   enum class Poll { kDone, kPending };
-  Poll poll_state_locked(const std::string& what);
-  void wait_state(double timeout_s, const std::string& what);
+  // What a wait was doing, for its error message: formatted only when it fails (the polls
+  // of every execute would otherwise build it each time).
+  using What = std::function<std::string()>;
+  Poll poll_state_locked(const What& what);
+  void wait_state(double timeout_s, const What& what);
   [[noreturn]] void fail_locked(const std::string& msg);
   void check_usable_locked() const;
   std::string where() const;

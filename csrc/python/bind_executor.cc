@@ -129,6 +129,11 @@ void register_executor(py::module_& m) {
           },
           "[(kind, batch, begin ms, end ms)] of the steps traced since begin (waits for the last).")
       .def("abort", &Executor::abort, py::call_guard<py::gil_scoped_release>())
+      .def("set_time_host", &Executor::set_time_host, py::arg("on"),
+           "Whether run() measures its host time (last_run_times).")
+      .def_property_readonly("last_run_times", &Executor::last_run_times,
+                             "(posting and launching: thread CPU, wall; host wait for the transfers: thread CPU, "
+                             "wall) of the last run, in seconds, with set_time_host(True).")
       .def(
           "set_post_hook",
           [](Executor& e, const py::object& fn) {

@@ -13,6 +13,7 @@ import torch
 from .. import _C
 from ..errors import ReshardError
 from ..options import Options, set_process_env_default
+from . import nccl_lib
 from .channel import Session, channel_of, exchange_headers
 from .p2p import P2PExchange
 
@@ -142,8 +143,6 @@ def make_cuda_transport(backend: str, group: Any, options: Options, register: bo
     if not _C._build_info["cuda"]:
         raise ReshardError("reshard_ext was built without CUDA kernels (RESHARD_EXT_CUDA=OFF or no nvcc at build time)")
     if backend == "nccl":
-        from . import nccl_lib
-
         comm = nccl_lib.communicator(group, options.resolved_timeout("nccl"))
         return CudaTransport(group, comm, options, register)
     return CudaTransport(group, None, options)
@@ -285,12 +284,10 @@ class CudaTransport:
         """The header exchange (unless the caller made it: the direct transport); (peers to
         move data with, whether this rank writes its destinations). Rebuilds the NCCL
         communicator where an end of a pair needs it."""
-        from . import nccl_lib
-
         if session.verdict is None:
             self.channel.drain(session)
             if self.nccl:
-                session.epoch = nccl_lib.epoch(self.group)
+                session.epoch = nccl_lib.epoch(self.group, self.channel.ranks)
                 session.comm_unusable = not self.comm.usable
             ok = session.status == 0
             exchange_headers(self.channel, self.peers, session, tables.num_batches, pack0 if ok else None)
@@ -346,7 +343,8 @@ class CudaTransport:
             return result
         comm = self.comm
         saved = comm.timeout
-        comm.timeout = session.timeout  # bounds the posting waits of this execute
+        if saved != session.timeout:  # usually the plan's timeout already
+            comm.timeout = session.timeout  # bounds the posting waits of this execute
         try:
             ex.run(sorted(good), writes, session.timeout)
         except ReshardError as e:
@@ -355,7 +353,7 @@ class CudaTransport:
                                    "the communicator is rebuilt by the next execute") from e
             raise
         finally:
-            if comm.usable:
+            if saved != session.timeout and comm.usable:
                 comm.timeout = saved
         result = self._finish(verify)
         self._raise(session)

@@ -134,11 +134,13 @@ def check_nccl_library() -> None:
 
 # --- communicators -----------------------------------------------------------------------
 
-def epoch(group: dist.ProcessGroup | None = None) -> int:
+def epoch(group: dist.ProcessGroup | None = None, ranks: tuple[int, ...] | None = None) -> int:
     """How many communicators of `group` (on the current device) this process created:
-    ranks that created them together agree on it."""
-    group = group if group is not None else dist.group.WORLD
-    return _EPOCHS.get((tuple(dist.get_process_group_ranks(group)), torch.cuda.current_device()), 0)
+    ranks that created them together agree on it. ranks: the group's, where the caller
+    has them (an execute asks every time)."""
+    if ranks is None:
+        ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return _EPOCHS.get((ranks, torch.cuda.current_device()), 0)
 
 
 def communicator(group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
