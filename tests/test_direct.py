@@ -480,10 +480,10 @@ def _rebind_one(rank, world, who, side, cuda, refuse=""):
         rx.execute(p)
         kept, old_src = old.clone(), src["w"][0]
         before = dict(counts)
-        if rank == who and side == "dst":
+        if who in (rank, "every") and side == "dst":
             dst = alloc(_DL.local_shape(rank))
             p.rebind(dst={"w": (dst, _DL)})
-        elif rank == who:
+        elif who in (rank, "every"):
             src = {"w": (old_src.clone(), _SL)}
             p.rebind(src=src)
             old_src.fill_(float("nan"))  # a direct write that still read it would show
@@ -534,6 +534,16 @@ def test_a_rank_rebinds_a_direct_plan_alone(side):
     0 maps the new ones in the next execute) or its sources; every execute lands bit for
     bit, the old destination stays untouched and the old source unread."""
     _check_rebind_one(run_ranks(2, _rebind_one, 1, side, False), 1, side)
+
+
+def test_every_rank_rebinds_its_destinations_alone():
+    """Both ranks of a direct pair rebind their destinations, each alone: their headers
+    match field for field (same plan, execute, remap size), and each must still hand its
+    new exports to the other."""
+    for rank, (out, _, old_untouched, _, direct) in enumerate(run_ranks(2, _rebind_one, "every", "dst", False)):
+        assert direct == [1 - rank] and old_untouched, (rank, direct, old_untouched)
+        assert all(isinstance(o, tuple) and o[0] for o in out), (rank, out)
+        assert out[0][1]["open"] == 1 and out[1][1]["open"] == out[2][1]["open"] == 0, (rank, out)
 
 
 def _rebind_some(rank, world):

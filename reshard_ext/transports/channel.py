@@ -351,8 +351,9 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     verdict = Verdict({}, {})
     data = set(peers) if swap else None
     replan = session.swap == REPLAN_HERE
-    # a header equal to ours agrees in every check below and asks for no rebuild, unless ours does
-    same_ok = ours[STATUS] == 0 and not ours[FLAGS] & (COMM_UNUSABLE | REPLAN)
+    # a header equal to ours agrees in every check below and asks for no rebuild and no
+    # remap, unless ours does
+    same_ok = ours[STATUS] == 0 and not ours[FLAGS] & (COMM_UNUSABLE | REPLAN) and not ours[REMAP]
     for p, h in zip(ranks, bufs.received_np.tolist()):  # a row is read only where its receive completed
         if same_ok and h == ours and p not in errors:
             continue
