@@ -114,8 +114,8 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
-        Knob("RESHARD_EXT_DIRECT_LOCAL_BLOCKS", 0, _count(0),
-             "grid cap of the same-rank copy kernel beside direct writes (0: no cap)"),
+        Knob("RESHARD_EXT_DIRECT_LOCAL_BLOCKS", None, _blocks,
+             "grid cap of the same-rank copy kernel beside direct writes (auto: half the SMs; 0: no cap; N: N blocks)"),
         Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
              "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
         Knob("RESHARD_EXT_AUTO_DIRECT", True, _flag,
@@ -185,7 +185,8 @@ class Options:
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
-    - direct_local_blocks: grid cap of that same-rank kernel, 0 for none (RESHARD_EXT_DIRECT_LOCAL_BLOCKS).
+    - direct_local_blocks: grid cap of that same-rank kernel, 0 for none (RESHARD_EXT_DIRECT_LOCAL_BLOCKS;
+      None: half the SMs, so the copy engines' peer writes keep their share of HBM).
     - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
       (RESHARD_EXT_DIRECT_IPC).
     - auto_direct: backend "auto" uses the direct transport (direct pairs where it can, NCCL
@@ -312,10 +313,11 @@ class Options:
             return self.direct_local_engine_bytes
         return int(env_default("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES"))
 
-    def resolved_direct_local_blocks(self) -> int:
+    def resolved_direct_local_blocks(self) -> int | None:
+        """None: the transport's default (half the SMs)."""
         if self.direct_local_blocks is not None:
             return self.direct_local_blocks
-        return int(env_default("RESHARD_EXT_DIRECT_LOCAL_BLOCKS"))
+        return env_default("RESHARD_EXT_DIRECT_LOCAL_BLOCKS")
 
     def resolved_direct_ipc(self) -> bool:
         return self.direct_ipc if self.direct_ipc is not None else bool(env_default("RESHARD_EXT_DIRECT_IPC"))

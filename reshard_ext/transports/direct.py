@@ -153,8 +153,11 @@ class CudaDevice:
     def executor(self, signals: Any, boxes: _C.BoxTable, local: _C.BoxTable, options: Options, receivers: list[int],
                  senders: list[int], timeout: float) -> tuple[Any, Any]:
         """(the per-execute steps, the device memory of its kernel tables)."""
+        blocks = options.resolved_direct_local_blocks()
+        if blocks is None:  # uncapped, the same-rank kernel takes HBM from the copy engines' peer writes
+            blocks = torch.cuda.get_device_properties(self.index).multi_processor_count // 2
         ex = _C.DirectExec(signals, boxes, local, options.resolved_direct_engine_bytes(),
-                           options.resolved_direct_local_engine_bytes(), options.resolved_direct_local_blocks(),
+                           options.resolved_direct_local_engine_bytes(), blocks,
                            options.resolved_direct_engine_batch(), options.resolved_direct_engine_streams(),
                            receivers, senders, timeout)
         table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
