@@ -225,6 +225,12 @@ class Plan:
             raise ReshardError(f"rank {self.rank}: tables of this plan use tensors it did not bind (internal error)")
         return [bound_src[n] for n in src_names], [bound_dst[n] for n in dst_names]
 
+    def _bind_tables(self, transport: Any, src: list[_C.TensorRef], dst: list[_C.TensorRef]) -> None:
+        """Binds the plan's tables to the refs and to `transport`'s staging; prepares it."""
+        send_bufs, recv_bufs = transport.bind(self.tables)
+        self.tables.bind(src, dst, send_bufs, recv_bufs, transport.direct_bytes, self._codec_receivers)
+        transport.prepare(self.tables)
+
     def _collective_bind(self, collective: bool = False) -> bool:
         """Whether binding goes through the transport's bind_plan, on every rank."""
         t = self.transport
@@ -240,10 +246,7 @@ class Plan:
         elif hasattr(self.transport, "rebind_plan"):  # the direct transport's local rebind
             self.transport.rebind_plan(self)
         else:
-            send_bufs, recv_bufs = self.transport.bind(self.tables)
-            src, dst = self._bound_refs()
-            self.tables.bind(src, dst, send_bufs, recv_bufs, self.transport.direct_bytes, self._codec_receivers)
-            self.transport.prepare(self.tables)
+            self._bind_tables(self.transport, *self._bound_refs())
         self._watch = Watch(self._entries, self.options.resolved_check_threads())
 
     # --- public -------------------------------------------------------------------

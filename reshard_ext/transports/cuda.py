@@ -107,7 +107,6 @@ class DigestReader:
         self.buf = torch.zeros(max(total, 1), dtype=torch.int64, device=torch.cuda.current_device())
         sends, recvs, copies_n = tables.num_ops
         self._sizes = (sends, recvs, copies_n, copies_n)
-
         self._collected = True
 
     def launch(self, parts: Sequence[int]) -> None:

@@ -46,6 +46,7 @@ from .. import _C
 from ..collectives import all_gather_objects
 from ..errors import ReshardError
 from ..options import Options
+from . import nccl_lib
 from .channel import REMAP_TAG, Session, channel_of, exchange_headers
 
 _log = logging.getLogger("reshard_ext")
@@ -222,7 +223,6 @@ class DirectTransport:
         self._mapped: dict[int, tuple[list, list, list]] = {}
         self._receivers: list[int] = []  # peers this rank writes into directly
         self._senders: list[int] = []  # peers that write into this rank directly
-        self._src_refs: list[Any] = []  # the sources bound into the direct writes
         self._given: dict[int, Any] = {}  # sender -> the exports of this rank's destinations it maps
         self._news: dict[int, Any] = {}  # sender -> new exports it has not mapped yet (a local rebind)
         self.staging_bytes = 0  # of the NCCL pairs' batches (none when every pair is direct)
@@ -397,9 +397,7 @@ class DirectTransport:
         split.assign_batches(k)
         tables = _C.ExecTables(split)
         plan._set_tables(tables)
-        send_bufs, recv_bufs = self.inner.bind(tables)
-        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._codec_receivers)
-        self.inner.prepare(tables)
+        plan._bind_tables(self.inner, src_refs, dst_refs)
         self._mapped = mapped
         receivers = self._receivers = sorted(peer for peer, (_, pieces, _) in mapped.items() if pieces)
         senders = self._senders = sorted({p for p, _ in tables.direct_recv_pieces()})
@@ -425,7 +423,6 @@ class DirectTransport:
             if hi > lo and not any(a <= lo and hi <= b for a, b in mapped):
                 raise ReshardError(f"rank {self.rank}: a direct write [{lo:#x}, {hi:#x}) falls outside every "
                                    f"mapped peer allocation (internal error)")
-        self._src_refs = src_refs
         self._plan, self._reader = weakref.ref(plan), None
         if self._receivers or self._senders:
             local = tables.copy_boxes() if self.owns_copies else _C.BoxTable()
@@ -436,15 +433,12 @@ class DirectTransport:
         """plan.rebind on this rank alone (the pairs stay): binds the plan's new tensors
         here. Destinations that direct senders write into are exported now; the next
         execute hands the changed ones to those senders (_remap)."""
-        tables = plan.tables
         src_refs, dst_refs = plan._bound_refs()
-        exports, failed = self._exports(tables, dst_refs)
+        exports, failed = self._exports(plan.tables, dst_refs)
         if failed:
             raise ReshardError(f"plan.rebind on rank {self.rank}: " + "; ".join(sorted(failed.values())) +
                                f"; {_COLLECTIVE_HINT}")
-        send_bufs, recv_bufs = self.inner.bind(tables)
-        tables.bind(src_refs, dst_refs, send_bufs, recv_bufs, self.inner.direct_bytes, plan._codec_receivers)
-        self.inner.prepare(tables)
+        plan._bind_tables(self.inner, src_refs, dst_refs)
         self._news = {p: exports.get(p) for p in self._senders if exports.get(p) != self._given.get(p)}
         self._direct(plan, src_refs)
 
@@ -486,17 +480,15 @@ class DirectTransport:
         return self._reader
 
     def run(self, tables: Any, session: Session, verify: bool = False) -> Any:
-        # A verified execute with direct pairs digests by read passes once its data has
-        # landed (the copy engines cannot hash what they move); every rank passes verify alike.
+        # A verified execute with direct pairs digests by read passes (the copy engines cannot
+        # hash what they move): sources during the writes, destinations once they landed.
         read_after = verify and self.exec is not None
         verify = verify and not read_after
         # Headers with every peer first (the inner transport reuses the verdict): the
         # direct writes land in the peers' tensors, so every pair must agree before them.
         self.channel.drain(session)
         if getattr(self.inner, "comm", None) is not None:
-            from . import nccl_lib
-
-            session.epoch = nccl_lib.epoch(self.group)
+            session.epoch = nccl_lib.epoch(self.group, self.channel.ranks)
             session.comm_unusable = not self.inner.comm.usable
         if self._broken and session.status == 0:
             session.status, session.error = 1, self._broken
@@ -567,7 +559,8 @@ class DirectTransport:
         mapped = [p for p, why in answers.items() if why == ""]
         if mapped:
             try:
-                self._direct(self._plan(), self._src_refs)  # onto the new mappings
+                plan = self._plan()
+                self._direct(plan, plan._bound_refs(plan.tables)[0])  # onto the new mappings
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: answered, and kept until a collective rebind
                 self._broken = (f"rank {self.rank}: rebuilding its direct writes onto rebound destinations failed "
                                 f"({e}); call plan.rebind(collective=True) on every rank to rebuild it")
