@@ -72,6 +72,10 @@ def _blocks(text: str) -> int | None:
     return None if text.strip().lower() in ("", "auto") else _count(0)(text)
 
 
+def _streams(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "auto") else _count(1)(text)
+
+
 KNOBS: dict[str, Knob] = {
     k.env: k
     for k in (
@@ -109,8 +113,9 @@ KNOBS: dict[str, Knob] = {
              "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_BATCH", True, _flag,
              "direct copy-engine copies go in one batched call per stream (CUDA 12.8+; 0: one call per copy)"),
-        Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", 4, _count(1),
-             "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them"),
+        Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", None, _streams,
+             "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them "
+             "(auto: one per 100 copies, 4 to 32; N: N streams)"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
@@ -181,7 +186,8 @@ class Options:
     - direct_engine_batch: the copy-engine copies of a direct execute go in one batched
       call per stream where CUDA has it (RESHARD_EXT_DIRECT_ENGINE_BATCH).
     - direct_engine_streams: streams the direct copy-engine copies are spread over, in
-      parts of about equal bytes (RESHARD_EXT_DIRECT_ENGINE_STREAMS).
+      parts of about equal bytes (RESHARD_EXT_DIRECT_ENGINE_STREAMS; None: one per 100
+      copies, 4 to 32, _C.auto_engine_streams).
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
@@ -304,9 +310,10 @@ class Options:
         return bool(env_default("RESHARD_EXT_DIRECT_ENGINE_BATCH"))
 
     def resolved_direct_engine_streams(self) -> int:
+        """0: by the number of copies (_C.auto_engine_streams)."""
         if self.direct_engine_streams is not None:
             return self.direct_engine_streams
-        return int(env_default("RESHARD_EXT_DIRECT_ENGINE_STREAMS"))
+        return env_default("RESHARD_EXT_DIRECT_ENGINE_STREAMS") or 0
 
     def resolved_direct_local_engine_bytes(self) -> int:
         if self.direct_local_engine_bytes is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [streams] [relay] [verify] [smoke] [nvshmem] [host] [ab]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [ab]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -79,7 +79,7 @@ stage_tests4() {
 
 stage_sanitize() {
   step "compute-sanitizer memcheck: kernel tests"
-  (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  (cd tests && timeout "${RX_SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py test_mxfp8_boxes.py -k "not big and not cpu and not emulated" \
       2>&1 | tee "$OUT/sanitizer.log" | tail -8)
 }
@@ -144,10 +144,7 @@ stage_direct() {
   step "direct transport: tests"
   (cd tests && timeout 560 python3 -m pytest -q -p no:warnings -rs --durations=10 test_direct.py \
       2>&1 | tee "$OUT/direct_tests.log" | tail -25)
-  step "direct transport: compute-sanitizer memcheck (2 GPUs, every process)"
-  (cd tests && timeout 400 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-      python3 -m pytest -q -p no:warnings -x test_direct.py -k "test_matrix_2gpu and tp and None" \
-      2>&1 | tee "$OUT/direct_sanitizer.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -8)
+  stage_dsanitize
   export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120
   for c in tp2-tp1 tp1-tp2 noncolo-tp1-tp1 moe-ep2-ep1; do
     step "direct: refit_bench $c, nccl vs direct on 2 GPUs"
@@ -165,6 +162,14 @@ stage_direct() {
     done
   fi
 }
+stage_dsanitize() {
+  gpus 2 dsanitize || return 0
+  step "direct transport: compute-sanitizer memcheck (2 GPUs, every process)"
+  (cd tests && timeout "${RX_DSANITIZE_TIMEOUT:-400}" compute-sanitizer --tool memcheck --target-processes all \
+      --error-exitcode 9 python3 -m pytest -q -p no:warnings -x test_direct.py -k "${RX_DSANITIZE_K:-test_matrix_2gpu and tp and None}" \
+      2>&1 | tee "$OUT/direct_sanitizer.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -8)
+}
+
 stage_streams() {
   gpus 2 streams || return 0
   # direct_engine_streams A/B, same run: how many copy engines the direct peer copies use
@@ -218,9 +223,11 @@ stage_host() {
 
 stage_verify() {
   gpus 2 verify || return 0
-  for c in tp2-tp1 moe-ep2-ep1; do
+  # the verify=True column is the first backend's (RX_VERIFY_BACKENDS=direct,nccl: the direct one)
+  for c in ${RX_VERIFY_CASES:-tp2-tp1 moe-ep2-ep1}; do
     step "verify: refit_bench $c with a verify=True column"
-    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --backend nccl,direct --verify --no-baseline 2>&1 \
+    timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" \
+      --backend "${RX_VERIFY_BACKENDS:-nccl,direct}" --verify --no-baseline 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
   done
 }

@@ -150,6 +150,18 @@ def test_spread_engines_balances_bytes_and_cuts_at_rows():
     assert _C.spread_engines([], 4) == [[], [], [], []]
 
 
+def test_engine_streams_follow_the_number_of_copies_by_default():
+    """n = 0 (the default): one stream per 100 copies, at least 4, at most 32; every copy
+    kept, in order."""
+    assert [_C.auto_engine_streams(n) for n in (0, 1, 229, 400, 401, 3053, 3200, 3201, 100_000)] == [
+        4, 4, 4, 4, 5, 31, 32, 32, 32]
+    copies = [(i * 4096, 4096, (1 << 30) + i * 4096, 4096, 4096, 1) for i in range(1000)]
+    parts = _C.spread_engines(copies, 0)
+    assert len(parts) == 10 and [c for part in parts for c in part] == copies
+    assert rx.Options().resolved_direct_engine_streams() == 0
+    assert rx.Options(direct_engine_streams=3).resolved_direct_engine_streams() == 3
+
+
 def _carved(entries: list[dict]) -> list[dict]:
     """The same entries, each rank's tensors moved (values kept) into one buffer in name
     order, as a caching allocator places tensors allocated one after another."""

@@ -119,7 +119,7 @@ struct DirectConfig {
   int64_t engine_bytes = 0;        // split_engines threshold of the boxes written into peers (0: kernel only)
   int64_t local_engine_bytes = 0;  // ... of the same-rank copies it runs (0: kernel only)
   int32_t local_blocks = 0;        // grid cap of the same-rank kernel (0: none)
-  int32_t engine_streams = 1;      // streams the peer copy-engine copies are spread over (spread_engines)
+  int32_t engine_streams = 0;      // streams the peer copy-engine copies are spread over (spread_engines; 0: auto)
   bool batch = true;               // batched copy-engine calls where available
 };
 

@@ -96,8 +96,13 @@ EngineBatches batch_engines(const std::vector<EngineCopy>& copies, const SameAll
   return out;
 }
 
+int auto_engine_streams(size_t num_copies) {
+  const int64_t want = (static_cast<int64_t>(num_copies) + kCopiesPerEngineStream - 1) / kCopiesPerEngineStream;
+  return static_cast<int>(std::clamp<int64_t>(want, kMinEngineStreams, kMaxEngineStreams));
+}
+
 std::vector<std::vector<EngineCopy>> spread_engines(const std::vector<EngineCopy>& copies, int n) {
-  n = std::max(n, 1);
+  n = n <= 0 ? auto_engine_streams(copies.size()) : n;
   std::vector<std::vector<EngineCopy>> out(static_cast<size_t>(n));
   int64_t total = 0;
   for (const EngineCopy& c : copies) total += c.width * c.height;

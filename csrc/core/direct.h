@@ -54,8 +54,17 @@ EngineBatches batch_engines(const std::vector<EngineCopy>& copies, const SameAll
 
 // Spreads copies over `n` lists of about equal bytes, in order, cutting a copy that would
 // overfill a list at a byte (run) or row (pitched) boundary, so that `n` streams keep as
-// many copy engines busy. n <= 1: one list holding the copies as they are.
+// many copy engines busy. n == 1: one list holding the copies as they are; n <= 0:
+// auto_engine_streams(copies.size()) lists.
 std::vector<std::vector<EngineCopy>> spread_engines(const std::vector<EngineCopy>& copies, int n);
+
+// The streams `spread_engines` uses by default for `num_copies` copies: one per
+// kCopiesPerEngineStream, within [kMinEngineStreams, kMaxEngineStreams]. Thousands of
+// MB-sized copies (an MoE's experts) gain from more engines at once, which hide each
+// other's per-copy setup; a few hundred large ones do not.
+constexpr int kMinEngineStreams = 4, kMaxEngineStreams = 32;
+constexpr int64_t kCopiesPerEngineStream = 100;
+int auto_engine_streams(size_t num_copies);
 
 // [lo, hi): the bytes of dst memory a box's elements span (a codec's side bytes, such as
 // MXFP8 scales, are not included). Empty boxes give lo == hi.

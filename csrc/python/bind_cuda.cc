@@ -92,7 +92,10 @@ void register_cuda(py::module_& m) {
         for (const auto& part : spread_engines(copies_in(copies), n)) out.append(copies_out(part));
         return out;
       },
-      py::arg("copies"), py::arg("n"), "split_engines' copies spread over n streams of about equal bytes.");
+      py::arg("copies"), py::arg("n"),
+      "split_engines' copies spread over n streams of about equal bytes (n <= 0: auto_engine_streams).");
+  m.def("auto_engine_streams", &auto_engine_streams, py::arg("num_copies"),
+        "The streams spread_engines uses for that many copies when n <= 0.");
   m.def(
       "dst_spans",
       [](const py::buffer& table) {
