@@ -9,6 +9,7 @@ process groups on machines without GPUs:
 """
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import uuid
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_ext import _C
+from reshard_ext.errors import ReshardError
 from reshard_ext.transports.cpu import CpuTransport
 
 _SHARED: dict[str, torch.Tensor] = {}  # path -> its tensor (bytes), in this process
@@ -70,7 +72,9 @@ class _Mapping:
 class _Exec:
     """The ready / write / done steps of DirectExec, with gloo messages as the signals."""
 
-    def __init__(self, boxes: Any, local: Any, options: Any, receivers: list[int], senders: list[int]):
+    def __init__(self, boxes: Any, local: Any, options: Any, receivers: list[int], senders: list[int],
+                 timeout: float):
+        self.timeout = datetime.timedelta(seconds=timeout)
         self.engine, self.kernel = _C.split_engines(boxes, options.resolved_direct_engine_bytes())
         self.streams = _C.spread_engines(self.engine, options.resolved_direct_engine_streams())
         self.local_engine, self.local_kernel = _C.split_engines(local, options.resolved_direct_local_engine_bytes())
@@ -81,10 +85,14 @@ class _Exec:
         self.num_local_kernel_boxes = len(self.local_kernel)
 
     def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
-        reqs = [dist.isend(self.token, p, tag=tag) for p in to]
-        reqs += [dist.irecv(torch.zeros(1), p, tag=tag) for p in frm]
-        for r in reqs:
-            r.wait()
+        reqs = [(p, dist.isend(self.token, p, tag=tag)) for p in to]
+        reqs += [(p, dist.irecv(torch.zeros(1), p, tag=tag)) for p in frm]
+        for p, r in reqs:
+            try:
+                r.wait(self.timeout)
+            except RuntimeError as e:  # bounded by the direct timeout, as DirectExec's waits
+                raise ReshardError(f"rank {dist.get_rank()}: rank {p} did not signal within "
+                                   f"{self.timeout.total_seconds():g} s (fake device: {e})") from None
 
     def begin(self, stream: int) -> None:
         from _direct_sim import run_engine
@@ -125,7 +133,7 @@ class FakeDevice:
 
     def executor(self, signals: Any, boxes: Any, local: Any, options: Any, receivers: list[int],
                  senders: list[int], timeout: float) -> tuple[Any, Any]:
-        return _Exec(boxes, local, options, receivers, senders), None
+        return _Exec(boxes, local, options, receivers, senders, timeout), None
 
     def transport(self, group: Any, options: Any, register: bool, nccl: bool) -> Any:
         return CpuTransport(group, options)

@@ -599,12 +599,13 @@ def _rebind_some(rank, world):
 
 def test_one_of_several_senders_remaps():
     """Only rank 0 maps rank 1's rebound 'a'; rank 2 (whose 'b' did not change) gets the
-    handover message but opens nothing; rank 3's pair uses the other transport and hears
+    handover message but opens nothing; both then hear that rank 1 takes part (three
+    messages: it has two direct peers); rank 3's pair uses the other transport and hears
     nothing; the next execute is quiet everywhere."""
     got = run_ranks(4, _rebind_some)
     quiet = {"export": 0, "open": 0, "remap": 0}
-    first = [{"export": 0, "open": 1, "remap": 2}, {"export": 0, "open": 0, "remap": 2},
-             {"export": 0, "open": 0, "remap": 2}, quiet]
+    first = [{"export": 0, "open": 1, "remap": 3}, {"export": 0, "open": 0, "remap": 3},
+             {"export": 0, "open": 0, "remap": 3}, quiet]
     for rank, (out, untouched, direct) in enumerate(got):
         assert [ok for ok, _ in out] == [True, True] and untouched, (rank, got[rank])
         assert [n for _, n in out] == [first[rank], quiet], (rank, out)
@@ -630,6 +631,73 @@ def test_a_sender_that_cannot_map_rebound_destinations_raises_on_both_ranks(refu
     rebuilds the plan (the pair over the other transport when the mapping still fails) and
     the refit lands."""
     _check_refused(run_ranks(2, _rebind_one, 1, "dst", False, refuse), refuse)
+
+
+def _one_sender_refuses(rank, world):
+    """Ranks 0 and 2 write 'a' and 'b' directly into rank 1, which writes 'd' into rank 3;
+    rank 1 alone rebinds 'a' and 'b', and rank 2 cannot map the new 'b'. Returns (the
+    execute's error and seconds, rank 1's old and new 'a' and 'b' and rank 3's 'd'
+    untouched, then after plan.rebind(collective=True) on every rank: every dst bit for
+    bit and the direct peers)."""
+    import time
+
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    use_fake_device()
+    moves = {"a": (0, 1), "b": (2, 1), "d": (1, 3)}
+
+    def lay(r):
+        return Layout((32, 64), F32, Mesh([r]), [Replicate()])
+
+    g = {n: torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(moves)}
+    try:
+        src = {n: (g[n].clone(), lay(s)) for n, (s, _) in moves.items() if s == rank}
+        dst = {n: (shared_poison((32, 64), F32), lay(d)) for n, (_, d) in moves.items() if d == rank}
+        p = rx.plan(src, dst, backend="direct", options=rx.Options(timeout=20))
+        rx.execute(p)
+        old = dst
+        if rank == 1:
+            dst = {n: (shared_poison((32, 64), F32), lay(1)) for n in dst}
+            p.rebind(dst=dst)
+        if rank == 2:
+            p.transport.device.open = lambda handle: _Refused()  # until the end: the pair leaves the direct path
+        kept = {n: t.clone() for n, (t, _) in dst.items()}
+        for t, _ in src.values():
+            t.mul_(2)
+        t0 = time.monotonic()
+        try:
+            rx.execute(p)
+            err = "no error"
+        except rx.ReshardError as e:
+            err = str(e)
+        took = time.monotonic() - t0
+        untouched = all(bits_equal(t, kept[n]) for n, (t, _) in dst.items()) and all(
+            bits_equal(t, g[n]) for n, (t, _) in old.items())
+        p.rebind(collective=True)  # every rank, as the error says
+        rx.execute(p)
+        landed = all(bits_equal(t, g[n] * 2) for n, (t, _) in dst.items())
+        return err, took, untouched, landed, p.transport.direct_peers
+    finally:
+        release_shared()
+
+
+def test_one_of_several_senders_that_cannot_map_stops_every_rank_at_once():
+    """Rank 2 cannot map rank 1's rebound 'b' while rank 0 maps the new 'a': every rank
+    raises at once naming rank 2 and 'b' (rank 0 and rank 3 do not wait for rank 1's
+    signals until the direct timeout), nothing lands in rank 1 or leaves it, and a
+    collective rebind moves the pair (2, 1) to the other transport and refits."""
+    from _dist import close_pool
+
+    try:
+        got = run_ranks(4, _one_sender_refuses)
+    finally:
+        close_pool(4)  # a rank that waited out a direct signal leaves its group unusable
+    for rank, (err, took, untouched, landed, direct) in enumerate(got):
+        assert "rank 2 cannot map the destination tensors ['b'] that rank 1 rebound" in err, (rank, err)
+        assert "plan.rebind(collective=True) on every rank" in err, (rank, err)
+        assert took < 5, (rank, took, err)
+        assert untouched and landed, (rank, got[rank])
+        assert direct == [r for r in range(4) if r != rank and {r, rank} != {1, 2}], (rank, direct)
 
 
 def _fake_verified(rank, world, case):

@@ -26,7 +26,9 @@ direct senders over the channel; each maps them and rebuilds its writes before a
 them, and answers. A sender that cannot map them refuses the pair at both ends (no data
 moves with it, each raises naming the tensors; a pair moves to NCCL only with every rank
 agreeing: `plan.rebind(collective=True)` on every rank rebuilds the plan, as after a failed
-direct execute). Executes after the first pay nothing more.
+direct execute). A receiver with several direct peers then tells each whether it takes part,
+so that none waits for it (a third message, in that execute only). Executes after the first
+pay nothing more.
 """
 from __future__ import annotations
 
@@ -125,6 +127,31 @@ def _unmappable(sender: int, receiver: int, names: Sequence[str], why: str) -> s
     """The error of a pair whose sender cannot map the receiver's rebound destinations (alike at both ends)."""
     return (f"rank {sender} cannot map the destination tensors {sorted(set(names))} that rank {receiver} rebound "
             f"(plan.rebind) for its direct writes: {why or 'see the error on rank ' + str(sender)}; {_COLLECTIVE_HINT}")
+
+
+_NOTE_BYTES = 4096  # a remapping receiver's outcome: why it takes no part in the direct writes ("" if it does)
+
+
+def _frame(raw: bytes, size: int) -> torch.Tensor:
+    """A channel message: `raw` behind its length, padded to `size` bytes."""
+    msg = torch.zeros(size, dtype=torch.uint8)
+    msg.numpy()[:8 + len(raw)] = memoryview(len(raw).to_bytes(8, "little") + raw)
+    return msg
+
+
+def _unframe(msg: torch.Tensor) -> bytes:
+    raw = msg.numpy().tobytes()
+    return raw[8:8 + int.from_bytes(raw[:8], "little")]
+
+
+def _refuse(verdict: Any, lost: dict[int, str]) -> None:
+    for p, failure in lost.items():
+        verdict.bad.setdefault(p, f"handing over rebound destinations failed ({failure})")
+
+
+def _note(text: str) -> torch.Tensor:
+    raw = text.encode()
+    return _frame(raw if len(raw) <= _NOTE_BYTES - 8 else raw[:_NOTE_BYTES - 11] + b"...", _NOTE_BYTES)
 
 
 class CudaDevice:
@@ -522,40 +549,73 @@ class DirectTransport:
             raise
         return digests
 
+    def _tells(self) -> bool:
+        """Whether this rank, when it hands rebound destinations over, then tells each direct
+        peer whether it takes part in the direct writes: not with one direct peer (its sender,
+        whose own answer decides)."""
+        return len(set(self._senders) | set(self._receivers)) > 1
+
     def _outbox(self) -> dict[int, torch.Tensor]:
         """After a local rebind of destinations that direct senders write into: a message
-        for each direct sender, its new exports (None where they did not change), pickled
-        behind their length and padded to one size (the headers carry it)."""
+        for each direct sender, its new exports (None where they did not change) and whether
+        an outcome follows (_tells), pickled behind their length and padded to one size (the
+        headers carry it)."""
         if not self._news:
             return {}
-        blobs = {p: pickle.dumps(self._news.get(p)) for p in self._senders}
+        tells = self._tells()
+        blobs = {p: pickle.dumps((self._news.get(p), tells)) for p in self._senders}
         size = 8 + max(len(b) for b in blobs.values())
-        out = {}
-        for p, b in blobs.items():
-            msg = torch.zeros(size, dtype=torch.uint8)
-            msg.numpy()[:8 + len(b)] = memoryview(len(b).to_bytes(8, "little") + b)
-            out[p] = msg
-        return out
+        return {p: _frame(b, size) for p, b in blobs.items()}
 
     def _remap(self, session: Session, outbox: dict[int, torch.Tensor]) -> None:
         """After the headers, before any direct write, where a receiver flagged new
         destinations (session.remap): it sends each direct sender `outbox`; each sender maps
         what changed, rebuilds its writes and answers. A pair that fails is refused at both
-        ends (verdict.bad: no data moves with it)."""
+        ends (verdict.bad: no data moves with it). A receiver with several direct peers then
+        tells each whether it takes part in the direct writes: a rank with a refused pair
+        writes and signals nothing, and its other direct peers would wait for it until the
+        timeout."""
         verdict = session.verdict
         assert verdict is not None
-        ch = self.channel
-        outbox = {p: m for p, m in outbox.items() if p not in verdict.bad} if session.remap else {}
-        inbox = {p: torch.empty(n, dtype=torch.uint8) for p, n in verdict.remaps.items() if p in self._receivers}
-        if not outbox and not inbox:
+        if not session.remap and not verdict.remaps:
             return
+        agreed = (set(self._senders) | set(self._receivers)) - set(verdict.bad)
+        outbox = {p: m for p, m in outbox.items() if p in agreed} if session.remap else {}
+        inbox = {p: torch.empty(n, dtype=torch.uint8) for p, n in verdict.remaps.items() if p in self._receivers}
+        # A remapping rank that writes here and that this rank does not write into has
+        # another direct peer (its sender): it tells.
+        told = {p for p in verdict.remaps if p in self._senders and p not in self._receivers}
+        lost: dict[int, str] = {}
+        if outbox or inbox:
+            lost, tellers = self._hand_over(session, outbox, inbox)
+            told |= tellers
+        to = sorted(agreed - set(lost)) if session.remap and self._tells() else []
+        heard = {p: torch.empty(_NOTE_BYTES, dtype=torch.uint8) for p in told if p not in lost}
+        if not to and not heard:
+            return
+        refused = "; ".join(f"rank {p}: {why}" for p, why in sorted(verdict.bad.items()))
+        note = _note(refused and f"takes no part in the direct writes of this execute ({refused})")
+        late = self._exchange(session, [("send", p, note) for p in to] + [("recv", p, t) for p, t in heard.items()],
+                              "telling whether rebound receivers take part")
+        _refuse(verdict, late)
+        for p, t in heard.items():
+            if p not in late and (why := _unframe(t).decode(errors="replace")):
+                verdict.bad.setdefault(p, why)
 
-        def exchange(ops: list, what: str) -> dict[int, str]:
-            return ch.wait(ch.submit(lambda: ch.exchange(ops, REMAP_TAG, session)), session, what)
+    def _exchange(self, session: Session, ops: list, what: str) -> dict[int, str]:
+        ch = self.channel
+        return ch.wait(ch.submit(lambda: ch.exchange(ops, REMAP_TAG, session)), session, what)
 
-        lost = exchange([("send", p, m) for p, m in outbox.items()] + [("recv", p, m) for p, m in inbox.items()],
-                        "exchanging rebound destinations")
-        answers = {p: self._remap_from(p, m) for p, m in inbox.items() if p not in lost}
+    def _hand_over(self, session: Session, outbox: dict[int, torch.Tensor],
+                   inbox: dict[int, torch.Tensor]) -> tuple[dict[int, str], set[int]]:
+        """_remap's new exports and answers: (the peers lost on the way, the receivers that
+        said they tell their outcome)."""
+        verdict = session.verdict
+        assert verdict is not None
+        lost = self._exchange(session, [("send", p, m) for p, m in outbox.items()] +
+                              [("recv", p, m) for p, m in inbox.items()], "exchanging rebound destinations")
+        got = {p: pickle.loads(_unframe(m)) for p, m in inbox.items() if p not in lost}
+        answers = {p: self._remap_from(p, exports) for p, (exports, _) in got.items()}
         mapped = [p for p, why in answers.items() if why == ""]
         if mapped:
             try:
@@ -566,10 +626,10 @@ class DirectTransport:
                                 f"({e}); call plan.rebind(collective=True) on every rank to rebuild it")
                 answers.update((p, self._broken) for p in mapped)
         acks = {p: torch.zeros(1, dtype=torch.int64) for p in outbox if p not in lost}
-        lost.update(exchange([("send", p, torch.tensor([int(bool(why))])) for p, why in answers.items()] +
-                             [("recv", p, a) for p, a in acks.items()], "answering rebound destinations"))
-        for p, failure in lost.items():
-            verdict.bad[p] = f"handing over rebound destinations failed ({failure})"
+        ops = [("send", p, torch.tensor([int(bool(why))])) for p, why in answers.items()]
+        lost.update(self._exchange(session, ops + [("recv", p, a) for p, a in acks.items()],
+                                   "answering rebound destinations"))
+        _refuse(verdict, lost)
         for p, why in answers.items():
             if why and p not in lost:
                 verdict.bad[p] = why
@@ -580,12 +640,11 @@ class DirectTransport:
                 verdict.bad[p] = _unmappable(p, self.rank, [ref.name for _, ref, _ in self._news[p][1]], "")
             elif p in self._news:
                 self._given[p] = self._news.pop(p)
+        return lost, {p for p, (_, tells) in got.items() if tells}
 
-    def _remap_from(self, receiver: int, msg: torch.Tensor) -> str | None:
-        """Maps a receiver's new exports (its _outbox message): "" once mapped, None when
-        they did not change, else why it cannot."""
-        raw = msg.numpy().tobytes()
-        exports = pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    def _remap_from(self, receiver: int, exports: Any) -> str | None:
+        """Maps a receiver's new exports (from its _outbox message): "" once mapped, None
+        when they did not change, else why it cannot."""
         if exports is None:
             return None
         got = self._map(receiver, *exports)
