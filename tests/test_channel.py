@@ -35,10 +35,10 @@ def test_executes_timing_out_alone_on_new_connections_leave_the_plan_usable():
     """After a timeout each end moves the pair to a new generation (connection), and the
     next rank to execute alone arrives there first. Posting there alone blocked gloo's passive
     end of the lazy connection for minutes past the execute's timeout, or left headers that
-    the other end's next execute took for its peer's (which end is passive is gloo's choice,
-    by port: each round is a new draw)."""
-    timeout = 0.5
-    rounds = 10
+    the other end's next execute took for its peer's. Which end is passive is gloo's choice
+    (by port), a new draw on each new generation: 16 rounds make 7 draws."""
+    timeout = 0.3
+    rounds = 16
     for rank, (alone, together, version, ok) in enumerate(run_ranks(2, _solo_timeouts, uuid.uuid4().hex, rounds,
                                                                      timeout, timeout=120)):
         for error, elapsed in alone:
