@@ -11,6 +11,11 @@ fresh connection for that pair.
   the pair fails (a timeout closes it; the other end then sees "connection closed",
   now or at its next message), each end moves that pair to generation g + 1 exactly
   once, so both ends meet again on a clean connection, without any other rank.
+- First contact on a generation is agreed through one store counter per pair (`_meet`):
+  both ends post there only once both counted themselves in, and an end that gives up
+  first kills the generation for both. Posting alone would block the worker (gloo's
+  passive end of a lazy connection waits for the peer's first message, for minutes), or
+  leave messages that the peer's next execute would match on arrival.
 - Every message is posted and waited for on one worker thread per channel, with the
   execute's deadline as gloo's timeout: a lazy connection may block while the peer has
   not arrived, and the calling thread must stay free to honour plan.abort(). A new
@@ -47,6 +52,7 @@ COMM_UNUSABLE = 2  # FLAGS bit: the sender's NCCL communicator needs a rebuild
 IN_SWAP = 4  # FLAGS bit: a warm rx.swap_model_weights round (headers go to every rank of the group)
 REPLAN = 8  # FLAGS bit (with IN_SWAP): the sender takes the swap's slow path; nobody moves data
 _POLL_S = 0.05  # how often a waiting caller looks at its abort flag
+_ARRIVE, _LEAVE = 1, 10  # what an end adds to its pair's counter of a generation (Channel._meet)
 REPLAN_HERE = -1  # Session.swap of a rank that takes the swap's slow path
 
 
@@ -137,7 +143,8 @@ class Channel:
         self.store = dist.distributed_c10d._get_default_store()
         self._contexts: dict[int, Any] = {}
         self._gen: dict[int, int] = {}  # peer -> generation of our pair (worker thread only)
-        self._met: set[tuple[int, int]] = set()  # (peer, generation) whose other end exists
+        self._met: set[tuple[int, int]] = set()  # (peer, generation) on which both ends post
+        self._waiting: dict[int, int] = {}  # peer -> the generation we counted ourselves in first (_meet)
         self._busy = threading.Lock()
         self.owner: str | None = None  # the thread in an execute, for the refusal message
         self._jobs: queue.SimpleQueue[_Task] = queue.SimpleQueue()
@@ -219,22 +226,45 @@ class Channel:
             with scoped_external_env("TORCH_GLOO_LAZY_INIT", "1"):
                 store = dist.PrefixStore(f"{self._prefix}g{gen}/", self.store)
                 ctx = ProcessGroupGloo(store, self.rank, self.size, timeout)
-            self.store.set(self._ready_key(gen, self.rank), "1")
             self._contexts[gen] = ctx
         return ctx
 
-    def _ready_key(self, gen: int, rank: int) -> str:
-        return f"{self._prefix}ready/g{gen}/{rank}"
+    def _meet_key(self, peer: int, gen: int) -> str:
+        return f"{self._prefix}meet/g{gen}/{min(self.rank, peer)}-{max(self.rank, peer)}"
 
-    def _ready(self, peer: int) -> bool:
-        """Whether the pair with `peer` can connect now: a lazy connection to a peer whose
-        context does not exist yet would fail on our side only, leaving the two ends to
-        disagree on the pair's state. So first contact waits for the peer's context."""
+    def _meet(self, peer: int) -> bool:
+        """Whether both ends of the pair with `peer` post on its generation now: each end
+        adds _ARRIVE to the pair's counter of it once, and the first to arrive polls it until
+        the other did. A first end that gives up adds _LEAVE (`_give_up`): a later arrival
+        then reads more than 2 * _ARRIVE, and both ends move on to the next generation."""
         gen = self._gen.get(peer, 0)
         if (peer, gen) in self._met:
             return True
-        self._context(gen)
-        if not self.store.check([self._ready_key(gen, peer)]):
+        key = self._meet_key(peer, gen)
+        if self._waiting.get(peer) == gen:
+            count = self.store.add(key, 0)
+        else:
+            count = self.store.add(key, _ARRIVE)
+            if count > 2 * _ARRIVE:  # the first end left: neither end posts on this generation
+                self._gen[peer] = gen + 1
+                return self._meet(peer)
+            self._context(gen)  # a peer that met us waits in gloo until our address is in the store
+            if count == _ARRIVE:
+                self._waiting[peer] = gen
+        if count != 2 * _ARRIVE:
+            return False
+        self._waiting.pop(peer, None)
+        self._met.add((peer, gen))
+        return True
+
+    def _give_up(self, peer: int) -> bool:
+        """Ends our wait for `peer` on its generation (deadline or abort). True where it
+        counted itself in meanwhile: it posts there, so we post too."""
+        gen = self._gen.get(peer, 0)
+        if self._waiting.pop(peer, None) != gen:
+            return False
+        if self.store.add(self._meet_key(peer, gen), _LEAVE) == _ARRIVE + _LEAVE:
+            self._gen[peer] = gen + 1  # dead for both: the peer finds out when it arrives
             return False
         self._met.add((peer, gen))
         return True
@@ -259,10 +289,10 @@ class Channel:
         for _attempt in range(3 if retry_closed else 1):
             posted = []
             pause = 1e-3
-            while todo:  # post to every peer whose end of the pair exists; wait for the others
+            while todo:  # post to every peer that meets us on the pair's generation; wait for the others
                 waiting = []
                 for peer in todo:
-                    if not self._ready(peer):
+                    if not self._meet(peer):
                         waiting.append(peer)
                         continue
                     gen = self._gen.get(peer, 0)
@@ -274,13 +304,14 @@ class Channel:
                             posted.append((peer, gen, e))
                 todo = waiting
                 if todo and (session.remaining() <= 0 or session.abort.is_set()):
-                    for peer in todo:  # never contacted: the pair stays as it is
-                        errors[peer] = "it never joined (its end of the connection does not exist)"
-                    todo = []
+                    late = [peer for peer in todo if self._give_up(peer)]
+                    for peer in todo:
+                        if peer not in late:
+                            errors[peer] = "it never joined (it did not reach the connection in time)"
+                    todo = late
                 elif todo:
                     time.sleep(pause)
                     pause = min(2 * pause, 0.05)
-            done: set[int] = set()
             failed: dict[int, tuple[int, BaseException]] = {}
             for peer, gen, work in posted:
                 if isinstance(work, BaseException):
@@ -288,14 +319,14 @@ class Channel:
                     continue
                 try:
                     work.wait(datetime.timedelta(seconds=max(session.remaining(), 1e-3)))
-                    done.add(peer)
                 except RuntimeError as e:
                     failed.setdefault(peer, (gen, e))
             for peer, (gen, err) in failed.items():
                 self._closed(peer, gen)
                 message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-                # Failed at once, not by our own wait timing out: closed earlier by the peer.
-                if retry_closed and peer not in done and "Timed out" not in message and session.remaining() > 0:
+                # Not our own wait timing out: the peer had closed the pair earlier. Even where
+                # our send completed: gloo matched it to a receive the peer posted before closing.
+                if retry_closed and "Timed out" not in message and session.remaining() > 0:
                     todo.append(peer)
                 else:
                     errors[peer] = message
