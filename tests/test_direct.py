@@ -558,6 +558,19 @@ def test_every_rank_rebinds_its_destinations_alone():
         assert out[0][1]["open"] == 1 and out[1][1]["open"] == out[2][1]["open"] == 0, (rank, out)
 
 
+def _lay(r):
+    return Layout((32, 64), F32, Mesh([r]), [Replicate()])
+
+
+def _whole_moves(rank, moves, alloc):
+    """Whole (32, 64) tensors, name -> (source rank, destination rank): (the logical
+    tensors, this rank's sources, its destinations allocated by `alloc`)."""
+    g = {n: torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(moves)}
+    src = {n: (g[n].clone(), _lay(s)) for n, (s, _) in moves.items() if s == rank}
+    dst = {n: (alloc((32, 64), F32), _lay(d)) for n, (_, d) in moves.items() if d == rank}
+    return g, src, dst
+
+
 def _rebind_some(rank, world):
     """Rank 1 receives 'a' from rank 0 and 'b' from rank 2 (direct pairs) and 'c' from rank
     3 (which maps nothing: the other transport), and sends 'd' to rank 0; it alone rebinds
@@ -566,22 +579,15 @@ def _rebind_some(rank, world):
     from _direct_fake import release_shared, shared_poison, use_fake_device
 
     use_fake_device()
-    moves = {"a": (0, 1), "b": (2, 1), "c": (3, 1), "d": (1, 0)}
-
-    def lay(r):
-        return Layout((32, 64), F32, Mesh([r]), [Replicate()])
-
-    g = {n: torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(moves)}
+    g, src, dst = _whole_moves(rank, {"a": (0, 1), "b": (2, 1), "c": (3, 1), "d": (1, 0)}, shared_poison)
     try:
-        src = {n: (g[n].clone(), lay(s)) for n, (s, _) in moves.items() if s == rank}
-        dst = {n: (shared_poison((32, 64), F32), lay(d)) for n, (_, d) in moves.items() if d == rank}
         p = rx.plan(src, dst, backend="direct", options=rx.Options(direct_ipc=rank != 3, timeout=30))
         counts, undo = _counting(p.transport)
         rx.execute(p)
         old = dst.get("a", (torch.zeros(()),))[0]
         kept = old.clone()
         if rank == 1:
-            dst = {**dst, "a": (shared_poison((32, 64), F32), lay(1))}
+            dst = {**dst, "a": (shared_poison((32, 64), F32), _lay(1))}
             p.rebind(dst=dst)
         out = []
         for i in (2, 3):
@@ -644,20 +650,13 @@ def _one_sender_refuses(rank, world):
     from _direct_fake import release_shared, shared_poison, use_fake_device
 
     use_fake_device()
-    moves = {"a": (0, 1), "b": (2, 1), "d": (1, 3)}
-
-    def lay(r):
-        return Layout((32, 64), F32, Mesh([r]), [Replicate()])
-
-    g = {n: torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(moves)}
+    g, src, dst = _whole_moves(rank, {"a": (0, 1), "b": (2, 1), "d": (1, 3)}, shared_poison)
     try:
-        src = {n: (g[n].clone(), lay(s)) for n, (s, _) in moves.items() if s == rank}
-        dst = {n: (shared_poison((32, 64), F32), lay(d)) for n, (_, d) in moves.items() if d == rank}
         p = rx.plan(src, dst, backend="direct", options=rx.Options(timeout=20))
         rx.execute(p)
         old = dst
         if rank == 1:
-            dst = {n: (shared_poison((32, 64), F32), lay(1)) for n in dst}
+            dst = {n: (shared_poison((32, 64), F32), _lay(1)) for n in dst}
             p.rebind(dst=dst)
         if rank == 2:
             p.transport.device.open = lambda handle: _Refused()  # until the end: the pair leaves the direct path

@@ -267,13 +267,16 @@ def test_rebind_to_unusable_tensors_raises_and_keeps_the_plan():
 def _timeout_per_call(rank: int, world: int, device: str = "cpu"):
     p, out, want = _pair_plan(rank, world, device=device)
     store = dist.distributed_c10d._get_default_store()
+    base = store.add("timed_out", 0)  # a counter: the pool's processes may run this test again
+    dist.barrier()
     if rank == 0:
         t0 = time.monotonic()
         error = _try(rx.execute, p, timeout=1.5)
         elapsed = time.monotonic() - t0
-        store.set("timed_out", "1")
+        store.add("timed_out", 1)
     else:  # skips that execute: waits until rank 0 gave up on it (a fixed sleep raced a loaded machine)
-        store.wait(["timed_out"])
+        while store.add("timed_out", 0) == base:
+            time.sleep(0.01)
         error, elapsed = None, 0.0
     rx.execute(p, version=2)
     return error, elapsed, p.version, _same(out, want)
