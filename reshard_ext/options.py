@@ -41,7 +41,7 @@ def _flag(text: str) -> bool:
     raise ValueError("expected 0 or 1")
 
 
-def _count(lo: int) -> Callable[[str], int]:
+def _count(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
         t = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -53,6 +53,8 @@ def _count(lo: int) -> Callable[[str], int]:
             raise ValueError("expected an integer (optionally with a K, M or G suffix)") from None
         if value < lo:
             raise ValueError(f"expected at least {lo}")
+        if hi is not None and value > hi:
+            raise ValueError(f"expected at most {hi}")
         return value
 
     return parse
@@ -116,6 +118,9 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", None, _streams,
              "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them "
              "(auto: one per 100 copies, 4 to 32; N: N streams)"),
+        Knob("RESHARD_EXT_DIRECT_VERIFY_GROUPS", 8, _count(1, 255),
+             "a verified direct execute lands in this many groups, each half the one before, each digested by its "
+             "receiver while the next ones move (1 to 255; the same on every rank)"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
@@ -188,6 +193,10 @@ class Options:
     - direct_engine_streams: streams the direct copy-engine copies are spread over, in
       parts of about equal bytes (RESHARD_EXT_DIRECT_ENGINE_STREAMS; None: one per 100
       copies, 4 to 32, _C.auto_engine_streams).
+    - direct_verify_groups: a verified direct execute's senders write and signal each pair's
+      ops in this many groups, each half the size of the one before, and the receiver digests
+      group k while the next ones move (1 to 255,
+      the same on every rank: plan raises otherwise; RESHARD_EXT_DIRECT_VERIFY_GROUPS).
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
@@ -218,6 +227,7 @@ class Options:
     direct_engine_bytes: int | None = None
     direct_engine_batch: bool | None = None
     direct_engine_streams: int | None = None
+    direct_verify_groups: int | None = None
     direct_local_engine_bytes: int | None = None
     direct_local_blocks: int | None = None
     direct_ipc: bool | None = None
@@ -240,6 +250,7 @@ class Options:
             "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_engine_batch": (bool, lambda v: True, "a bool"),
             "direct_engine_streams": (int, lambda v: v >= 1, "an integer >= 1"),
+            "direct_verify_groups": (int, lambda v: 1 <= v <= 255, "an integer from 1 to 255"),
             "direct_local_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_local_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_ipc": (bool, lambda v: True, "a bool"),
@@ -314,6 +325,11 @@ class Options:
         if self.direct_engine_streams is not None:
             return self.direct_engine_streams
         return env_default("RESHARD_EXT_DIRECT_ENGINE_STREAMS") or 0
+
+    def resolved_direct_verify_groups(self) -> int:
+        if self.direct_verify_groups is not None:
+            return self.direct_verify_groups
+        return int(env_default("RESHARD_EXT_DIRECT_VERIFY_GROUPS"))
 
     def resolved_direct_local_engine_bytes(self) -> int:
         if self.direct_local_engine_bytes is not None:

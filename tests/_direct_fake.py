@@ -70,23 +70,34 @@ class _Mapping:
 
 
 class _Exec:
-    """The ready / write / done steps of DirectExec, with gloo messages as the signals."""
+    """The ready / write / done steps of DirectExec, with gloo messages as the signals (a
+    landing execute: one more per landing group, tag _DONE + 1 + group)."""
 
     def __init__(self, boxes: Any, local: Any, options: Any, receivers: list[int], senders: list[int],
-                 timeout: float):
+                 timeout: float, box_groups: list[int], groups: int):
+        import numpy as np
+
         self.timeout = datetime.timedelta(seconds=timeout)
         self.engine, self.kernel = _C.split_engines(boxes, options.resolved_direct_engine_bytes())
         self.streams = _C.spread_engines(self.engine, options.resolved_direct_engine_streams())
+        records = np.frombuffer(boxes, dtype=np.uint8).reshape(-1, _C.BOX_BYTES)
+        where = np.asarray(box_groups, dtype=np.int64)
+        # per landing group: (copy-engine copies, kernel boxes), as DirectExec cuts them
+        self.groups = [_C.split_engines(records[where == k].copy(), options.resolved_direct_engine_bytes())
+                       for k in range(groups)] if len(records) else []
         self.local_engine, self.local_kernel = _C.split_engines(local, options.resolved_direct_local_engine_bytes())
         self.receivers, self.senders = receivers, senders
         self.token = torch.zeros(1)
+        self.posted: list = []  # landing signals sent and not waited for yet
         self.num_engine_copies, self.num_kernel_boxes = len(self.engine), len(self.kernel)
         self.num_local_engine_copies = len(self.local_engine)
         self.num_local_kernel_boxes = len(self.local_kernel)
 
-    def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
-        reqs = [(p, dist.isend(self.token, p, tag=tag)) for p in to]
-        reqs += [(p, dist.irecv(torch.zeros(1), p, tag=tag)) for p in frm]
+    def _post(self, to: list[int], frm: list[int], tag: int) -> list:
+        return ([(p, dist.isend(self.token, p, tag=tag)) for p in to] +
+                [(p, dist.irecv(torch.zeros(1), p, tag=tag)) for p in frm])
+
+    def _wait(self, reqs: list) -> None:
         for p, r in reqs:
             try:
                 r.wait(self.timeout)
@@ -94,18 +105,31 @@ class _Exec:
                 raise ReshardError(f"rank {dist.get_rank()}: rank {p} did not signal within "
                                    f"{self.timeout.total_seconds():g} s (fake device: {e})") from None
 
-    def begin(self, stream: int) -> None:
+    def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
+        self._wait(self._post(to, frm, tag))
+
+    def begin(self, stream: int, landing: bool = False) -> None:
         from _direct_sim import run_engine
 
         run_engine(self.local_engine)  # the same-rank copies go first, as on the GPU
         _C.copy_boxes_cpu(self.local_kernel)
         self._signal(self.senders, self.receivers, _READY)  # my destinations are free; wait for theirs
+        if landing and self.groups:
+            for k, (engine, kernel) in enumerate(self.groups):
+                run_engine(engine)
+                _C.copy_boxes_cpu(kernel)
+                self.posted += self._post(self.receivers, [], _DONE + 1 + k)  # waited for in end()
+            return
         for part in self.streams:
             run_engine(part)
         _C.copy_boxes_cpu(self.kernel)
 
+    def wait_landed(self, stream: int, k: int) -> None:
+        self._wait(self._post([], self.senders, _DONE + 1 + k))
+
     def end(self, stream: int) -> None:
-        self._signal(self.receivers, self.senders, _DONE)
+        posted, self.posted = self.posted, []
+        self._wait(posted + self._post(self.receivers, self.senders, _DONE))
 
 
 class FakeDevice:
@@ -132,14 +156,22 @@ class FakeDevice:
         return _Mapping(handle)
 
     def executor(self, signals: Any, boxes: Any, local: Any, options: Any, receivers: list[int],
-                 senders: list[int], timeout: float) -> tuple[Any, Any]:
-        return _Exec(boxes, local, options, receivers, senders, timeout), None
+                 senders: list[int], timeout: float, box_groups: list[int], groups: int) -> tuple[Any, Any]:
+        return _Exec(boxes, local, options, receivers, senders, timeout, box_groups, groups), None
 
     def transport(self, group: Any, options: Any, register: bool, nccl: bool) -> Any:
         return CpuTransport(group, options)
 
     def stream(self) -> int:
         return 0
+
+    def fork(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def join(self) -> None:
+        pass
 
     def digest_reader(self, tables: Any) -> Any:
         return _CpuReader(tables)
@@ -151,6 +183,7 @@ class _CpuReader:
     def __init__(self, tables: Any):
         self.tables = tables
         self.parts: dict[int, Any] = {}
+        self.groups: list[tuple[int, list]] = []
 
     def read(self) -> tuple:
         import numpy as np
@@ -160,10 +193,27 @@ class _CpuReader:
         self.tables.read_digests_cpu(*out, copy_dst)
         return out + (copy_dst,)
 
+    def start(self) -> None:
+        self.parts = {}
+
     def launch(self, parts) -> None:
         """Reads `parts` now (the CPU has no stream to queue them on)."""
         now = self.read()
         self.parts.update({k: now[k] for k in parts})
+
+    def add_runs(self, part: int, runs: list) -> int:
+        self.groups.append((part, list(runs)))
+        return len(self.groups) - 1
+
+    def launch_group(self, group: int) -> None:
+        """Reads the group's runs now: what landed so far (a run read too early differs)."""
+        import numpy as np
+
+        part, runs = self.groups[group]
+        now = self.read()[part]
+        into = self.parts.setdefault(part, np.zeros_like(now))
+        for a, b in runs:
+            into[a:b] = now[a:b]
 
     def collect(self) -> tuple:
         import numpy as np

@@ -15,7 +15,10 @@ import torch
 
 from reshard_ext import _C
 from reshard_ext.execution import _refs, _rewrite
+from reshard_ext.options import Options
 from reshard_ext.transports.direct import peers_of
+
+LANDING_GROUPS = Options().resolved_direct_verify_groups()  # what a verified direct execute uses
 
 
 def _table(entries: list[dict]) -> Any:
@@ -34,12 +37,15 @@ def run_engine(copies: list[tuple]) -> tuple[int, int]:
 
 def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], engine_bytes: int = 1 << 20,
              max_batch_bytes: int = 0, transform: Any = None, stats: dict | None = None,
-             local_engine_bytes: int | None = None, engine_streams: int = 1) -> None:
+             local_engine_bytes: int | None = None, engine_streams: int = 1, landing: bool = False) -> None:
     """Runs one refit of per-rank entries {name: (tensor, layout)} (CPU tensors) with the
     pairs in `direct` (as (low, high) rank pairs) direct and the others over "NCCL".
     local_engine_bytes: the same-rank copies of ranks without "NCCL" pairs are split as
     DirectExec splits them (copy engine / kernel) instead of the inner transport's copy.
-    engine_streams: the copy-engine copies are spread over that many streams first."""
+    engine_streams: the copy-engine copies are spread over that many streams first.
+    landing: the direct writes run group by group (a verified execute's landing groups);
+    each receiver digests the ops it expects in group k once every sender wrote group k,
+    and each of those digests must equal the op's digest after the whole refit."""
     world = len(src)
     rewritten = [(_rewrite(transform, "src", src[r]), _rewrite(transform, "dst", dst[r])) for r in range(world)]
     src_w = [s for (s, _), _ in rewritten]
@@ -96,6 +102,8 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             if stats is not None:
                 stats["local_engine"] += len(copies)
                 stats["local_kernel"] += len(kernel)
+        if landing:
+            continue
         copies, kernel = _C.split_engines(t.direct_boxes(), engine_bytes)
         runs = pitched = 0
         for part in _C.spread_engines(copies, engine_streams):
@@ -107,6 +115,7 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             stats["kernel"] += len(kernel)
             stats["runs"] += runs
             stats["pitched"] += pitched
+    check = _land(plans, splits, tables, refs, engine_bytes) if landing else None
     for b in range(k):
         for r in range(world):
             tables[r].run_pack_cpu(b)
@@ -123,9 +132,55 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
                 assert any(m.peer == r for m in tables[q].messages(b)[0]), f"rank {r} waits for {q} in vain"
         for r in range(world):
             tables[r].run_unpack_cpu(b)
+    if check is not None:
+        check()
     for (_, src_steps), (_, dst_steps) in rewritten:
         for step in src_steps[1] + dst_steps[1]:
             step()
+
+
+def _recv_digests(plan: Any, bound: Any, refs: tuple) -> Any:
+    """Digests of what every recv op of a rank's whole plan finds in its destination now
+    (`refs`: the tensors as bound to `bound`, the rank's split tables)."""
+    import numpy as np
+
+    whole = _C.ExecTables(plan)
+    by_src, by_dst = dict(zip(bound.src_used, refs[0])), dict(zip(bound.dst_used, refs[1]))
+    whole.bind([by_src[i] for i in whole.src_used], [by_dst[i] for i in whole.dst_used],
+               [1 << 44] * max(1, whole.num_batches), [1 << 44] * max(1, whole.num_batches), 0)
+    out = tuple(np.zeros(n, dtype=np.uint64) for n in whole.num_ops)
+    whole.read_digests_cpu(*out, np.zeros_like(out[2]))
+    return out[1]
+
+
+def _land(plans: list, splits: list, tables: list, refs: list, engine_bytes: int) -> Any:
+    """Runs every direct write in landing groups; returns the check to call after the refit."""
+    import numpy as np
+
+    world, groups = len(plans), LANDING_GROUPS
+    senders = [sorted({op.peer for op in splits[q].direct_recvs()}) for q in range(world)]
+    runs = [_C.ExecTables(plans[q]).landing_runs(senders[q], groups) for q in range(world)]
+    seen = [np.zeros(len(plans[q].recvs()), dtype=np.uint64) for q in range(world)]
+    for g in range(groups):
+        for r in range(world):
+            records = np.frombuffer(tables[r].direct_boxes(), dtype=np.uint8).reshape(-1, _C.BOX_BYTES)
+            group = records[np.asarray(tables[r].direct_landing_groups(groups), dtype=np.int64) == g].copy()
+            copies, kernel = _C.split_engines(group, engine_bytes)
+            run_engine(copies)
+            _C.copy_boxes_cpu(kernel)
+        for q in range(world):
+            now = _recv_digests(plans[q], tables[q], refs[q])
+            for a, b in runs[q][g]:
+                seen[q][a:b] = now[a:b]
+
+    def check() -> None:
+        for q in range(world):
+            final = _recv_digests(plans[q], tables[q], refs[q])
+            for g in range(groups):
+                for a, b in runs[q][g]:
+                    assert (seen[q][a:b] == final[a:b]).all(), (
+                        f"rank {q}: recv ops [{a}, {b}) expected in landing group {g} had not landed then")
+    return check
 
 
 def all_pairs(world: int) -> set[tuple[int, int]]:

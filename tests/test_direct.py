@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from _cases import CASES, bits_equal, run_case
-from _direct_sim import all_pairs, make_entries, simulate
+from _direct_sim import LANDING_GROUPS, all_pairs, make_entries, simulate
 from _dist import run_ranks
 
 import reshard_ext as rx
@@ -80,6 +80,38 @@ def test_tables_move_every_element(case, world, mode, engine_bytes, max_batch_by
         assert all(ops[:2] == (0, 0) for ops in stats["ops"]), stats
     if mode == "none":
         assert stats["direct_ops"] == [(0, 0)] * world, stats
+
+
+@pytest.mark.parametrize("mode", ["all", "mixed"])
+@pytest.mark.parametrize("case,world", [("two", 2), ("tp", 4), ("uneven_blocks", 4), ("pp_experts", 4),
+                                        ("casts", 4), ("many_boxes", 4)])
+def test_each_landing_group_is_whole_when_its_receiver_reads_it(case, world, mode):
+    """A verified execute's senders write and signal their ops in landing groups, and each
+    receiver digests group k once its senders signal it: both ends must cut a pair's ops
+    alike (the senders' direct tables, the receiver's whole plan)."""
+    src, dst, logical = make_entries(CASES[case](world), world, seed=100)
+    simulate(src, dst, _pairs(mode, world), engine_bytes=1, landing=True)
+    _check(dst, logical)
+
+
+def test_landing_groups_halve_a_pairs_ops_by_elements():
+    spec = {f"t{i}": ((8 * (i + 1), 64), F32, Layout((8 * (i + 1), 64), F32, Mesh([0, 1]), [Shard(1)]), F32,
+                      Layout((8 * (i + 1), 64), F32, Mesh([1, 0]), [Replicate()])) for i in range(300)}
+    layouts = ({n: v[2] for n, v in spec.items()}, {n: v[4] for n, v in spec.items()})
+    plan = rx.local_plan(*layouts, 0)._c
+    recvs = [op for op in plan.recvs()]
+    runs = _C.ExecTables(plan).landing_runs([1], LANDING_GROUPS)
+    assert len(runs) == LANDING_GROUPS + 1 and runs[-1] == []  # every peer is a direct sender here
+    groups = [k for k, rs in enumerate(runs) for a, b in rs for _ in range(a, b)]
+    assert groups == sorted(groups) and len(groups) == len(recvs)  # every op once, in plan order
+    assert len(set(groups)) == LANDING_GROUPS  # 300 ops of growing size fill every group
+    elements = [math.prod(op.size) for op in recvs]
+    total, before = sum(elements), 0
+    for k, n in zip(groups, elements):  # group k: what is left from the op's first element on is
+        left = total - before           # at most 1 / 2^k of the pair's elements, more than 1 / 2^(k + 1)
+        assert left <= total >> k and (k == LANDING_GROUPS - 1 or left > total >> (k + 1)), (k, left, total)
+        before += n
+    assert _C.ExecTables(plan).landing_runs([], LANDING_GROUPS)[-1] == [(0, len(recvs))]  # no direct sender
 
 
 def _engine_spec(world: int) -> dict:
@@ -252,13 +284,14 @@ def _scale_numel(local: tuple) -> int:
 
 # --- the transport over real process groups, with a CPU stand-in for the device ----------
 
-def _fake_refit(rank, world, case, max_batch_bytes, engine_bytes=1, optout=-1, unshared=-1, refuse=()):
+def _fake_refit(rank, world, case, max_batch_bytes, engine_bytes=1, optout=-1, unshared=-1, refuse=(), groups=None):
     """run_case over backend="direct" on FakeDevice: rank `optout` maps nothing, rank
-    `unshared`'s destinations cannot be exported, rank refuse[0] cannot attach refuse[1]."""
+    `unshared`'s destinations cannot be exported, rank refuse[0] cannot attach refuse[1];
+    groups: rx.Options.direct_verify_groups."""
     from _direct_fake import release_shared, shared_poison, use_fake_device
 
     use_fake_device({refuse[1]} if refuse and rank == refuse[0] else set())
-    options = rx.Options(direct_ipc=rank != optout, direct_engine_bytes=engine_bytes)
+    options = rx.Options(direct_ipc=rank != optout, direct_engine_bytes=engine_bytes, direct_verify_groups=groups)
     try:
         kw = {} if rank == unshared else {"alloc": shared_poison}
         return run_case(rank, world, case, "cpu", max_batch_bytes, "direct", options, _pairs_of, **kw)
@@ -699,17 +732,42 @@ def test_one_of_several_senders_that_cannot_map_stops_every_rank_at_once():
         assert direct == [r for r in range(4) if r != rank and {r, rank} != {1, 2}], (rank, direct)
 
 
-def _fake_verified(rank, world, case):
-    """Every execute verified (read passes after the direct writes) and followed by rx.verify."""
+def _fake_verified(rank, world, case, groups=None):
+    """Every execute verified (read passes as the direct writes land) and followed by rx.verify."""
     from test_verify import verified
 
-    return verified(rank, world, _fake_refit, case, None)
+    return verified(rank, world, _fake_refit, case, None, 1, -1, -1, (), groups)
 
 
 @pytest.mark.parametrize("case,world", [("two", 2), ("casts", 2), ("meshes", 4)])
 def test_verified_direct_refits(case, world):
     for rank, (direct, _, _, _) in enumerate(run_ranks(world, _fake_verified, case)):
         assert direct == [r for r in range(world) if r != rank], (rank, direct)
+
+
+def _groups_differ(rank, world):
+    from _direct_fake import release_shared
+
+    try:
+        p = _fake_pair_plan(rank, 8, options=rx.Options(direct_verify_groups=3 if rank else 8))[0]
+        return f"planned, direct peers {p.transport.direct_peers}"
+    except rx.ReshardError as e:
+        return str(e)
+    finally:
+        release_shared()
+
+
+def test_ranks_that_cut_landing_groups_differently_raise_at_plan_time():
+    """A receiver that digests group k before its sender wrote it would report a refit that
+    landed as corrupt: the group count is agreed when the plan binds."""
+    for err in run_ranks(2, _groups_differ):
+        assert "direct_verify_groups must be the same on every rank; the ranks have [8, 3]" in err, err
+
+
+@pytest.mark.parametrize("groups", [1, 5, 255])
+def test_verified_direct_refits_with_other_landing_groups(groups):
+    for rank, (direct, _, _, _) in enumerate(run_ranks(4, _fake_verified, "pp_experts", groups)):
+        assert direct == [r for r in range(4) if r != rank], (rank, direct)
 
 
 def _corrupt_landed(rank, world):
@@ -723,20 +781,20 @@ def _corrupt_landed(rank, world):
         p, _, out, g = _fake_pair_plan(rank, 5)
         rx.execute(p, verify=True, version=1)
         got = [bits_equal(out, _DL.local_part(g, rank)), p.version]
-        end = _direct_fake._Exec.end
+        wait_landed = _direct_fake._Exec.wait_landed
 
-        def flip(self, stream):
-            end(self, stream)
-            if rank == 1:
+        def flip(self, stream, k):
+            wait_landed(self, stream, k)
+            if rank == 1 and k == 0:  # one op per pair here: landing group 0
                 out.view(torch.int32)[7, 3] ^= 1  # rank 1 holds rows 0-31: one that rank 0 wrote
-        _direct_fake._Exec.end = flip
+        _direct_fake._Exec.wait_landed = flip
         try:
             rx.execute(p, verify=True, version=2)
             got.append("no error")
         except rx.ReshardError as e:
             got.append(str(e))
         finally:
-            _direct_fake._Exec.end = end
+            _direct_fake._Exec.wait_landed = wait_landed
         return got + [p.version]
     finally:
         release_shared()

@@ -618,3 +618,78 @@ def test_digest_kernel_sizes_are_whole_boxes():
     per_box = _C.digest_boxes_cpu(table(rows), int(_C.PASS_SRC))
     assert len(per_box) == 4 and len(set(per_box)) == 4
     assert per_box[2] == _C.digest_boxes_cpu(table(rows[2:3]), int(_C.PASS_SRC))[0]
+
+
+def _landing_cuda(rank, world, groups):
+    """48 tensors a direct pair moves both ways (column shards to row shards), every execute
+    verified: each receiver digests a landing group as soon as its sender signals it, so
+    a group read before it landed fails verify (the destinations start as NaN)."""
+    dev = torch.device("cuda", rank)
+    g = torch.Generator().manual_seed(9)
+    src, dst, want = {}, {}, {}
+    for i in range(48):
+        shape = (256 + 64 * (i % 5), 1024)
+        full = torch.randn(shape, generator=g)
+        s = rx.Layout(shape, torch.float32, rx.Mesh([0, 1]), [rx.Shard(1)])
+        d = rx.Layout(shape, torch.float32, rx.Mesh([1, 0]), [rx.Shard(0)])
+        src[f"t{i}"] = (s.local_part(full, rank).to(dev), s)
+        dst[f"t{i}"] = (torch.full(d.local_shape(rank), float("nan"), device=dev), d)
+        want[f"t{i}"] = d.local_part(full, rank)
+    plan = rx.plan(src, dst, backend="direct", options=rx.Options(direct_verify_groups=groups))
+    for _ in range(3):
+        rx.execute(plan, verify=True)
+        ok = all(torch.equal(dst[n][0].cpu(), want[n]) for n in want)
+        for t, _ in dst.values():
+            t.fill_(float("nan"))
+    return ok, plan.transport.direct_peers
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("groups", [1, 8, 255])
+def test_verified_direct_landing_groups_cuda(groups):
+    for rank, (ok, peers) in enumerate(run_ranks(2, _landing_cuda, groups, backend="nccl")):
+        assert ok and peers == [1 - rank], (rank, ok, peers)
+
+
+def _corrupt_landed_cuda(rank, world):
+    """A direct pair: rank 1 flips a bit of what rank 0 wrote into it, on its stream right
+    after the landing wait and before the read pass: verify must name the piece on both
+    ranks; a clean verified execute first."""
+    dev = torch.device("cuda", rank)
+    full = torch.randn(64, 512, generator=torch.Generator().manual_seed(5))
+    s = rx.Layout((64, 512), torch.float32, rx.Mesh([0, 1]), [rx.Shard(1)])
+    d = rx.Layout((64, 512), torch.float32, rx.Mesh([1, 0]), [rx.Shard(0)])
+    out = torch.zeros(d.local_shape(rank), device=dev)
+    plan = rx.plan({"w": (s.local_part(full, rank).to(dev), s)}, {"w": (out, d)}, backend="direct")
+    rx.execute(plan, verify=True, version=1)
+    ok = torch.equal(out.cpu(), d.local_part(full, rank)) and plan.transport.direct_peers == [1 - rank]
+    real = plan.transport.exec
+
+    class Flip:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def wait_landed(self, stream, k):
+            real.wait_landed(stream, k)
+            if rank == 1 and k == 0:  # one op per pair: landing group 0
+                out.view(torch.int32)[7, 3] ^= 1  # rank 1 holds rows 0-31: one that rank 0 wrote
+
+    plan.transport.exec = Flip()
+    try:
+        rx.execute(plan, verify=True, version=2)
+        err = "no error"
+    except rx.ReshardError as e:
+        err = str(e)
+    finally:
+        plan.transport.exec = real
+    return ok, err, plan.version
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+def test_direct_verify_catches_a_write_changed_after_landing_cuda():
+    for rank, (ok, err, version) in enumerate(run_ranks(2, _corrupt_landed_cuda, backend="nccl")):
+        assert ok, rank
+        assert "'w'[0:32, 0:256] from rank 0 to rank 1" in err, (rank, err)
+        assert version is None, (rank, version)

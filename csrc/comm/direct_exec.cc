@@ -200,7 +200,7 @@ uint64_t DirectSignals::peer_ready(int peer) const {
 
 DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
                        const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
-                       std::vector<int32_t> senders, double timeout_s)
+                       std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& box_groups)
     : sig_(std::move(signals)),
       config_(config),
       receivers_(std::move(receivers)),
@@ -213,6 +213,28 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   for (const std::vector<EngineCopy>& part : spread_engines(engine, config_.engine_streams))
     engines_.emplace_back(part, config_.batch);
   local_engine_ = EngineQueue(local_engine, config_.batch);
+  RX_HOST_ASSERT(config_.landing_groups >= 1 && config_.landing_groups <= kMaxLandingGroups,
+                 "DirectExec: ", config_.landing_groups, " landing groups");
+  RX_HOST_ASSERT(box_groups.empty() || box_groups.size() == boxes.size(), "DirectExec: ", box_groups.size(),
+                 " landing groups for ", boxes.size(), " boxes");
+  if (!boxes.empty()) {
+    // Each group spreads over as many streams as the whole: every engine stays busy
+    // across a group's end (a stream goes on to its next group's copies at once).
+    std::vector<std::vector<rx_box>> by_group(static_cast<size_t>(config_.landing_groups));
+    for (size_t i = 0; i < boxes.size(); ++i) {
+      const int32_t k = box_groups.empty() ? 0 : box_groups[i];
+      RX_HOST_ASSERT(k >= 0 && k < config_.landing_groups, "DirectExec: landing group ", k);
+      by_group[static_cast<size_t>(k)].push_back(boxes[i]);
+    }
+    for (const std::vector<rx_box>& part : by_group) {
+      std::vector<EngineCopy> copies;
+      LandingGroup g;
+      g.table = DeviceBoxTable(kernel_boxes(part, config_.engine_bytes, &copies));
+      for (const std::vector<EngineCopy>& q : spread_engines(copies, static_cast<int>(engines_.size())))
+        g.engines.emplace_back(q, config_.batch);
+      groups_.push_back(std::move(g));
+    }
+  }
   for (int32_t r : receivers_) {
     RX_HOST_ASSERT(sig_->attached(r), "DirectExec: receiver ", r, " not attached");
     done_words_.push_back(sig_->peer_flag(r));
@@ -230,9 +252,22 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
     RX_CUDA_CHECK(cudaEventCreateWithFlags(&ce_done_[k], cudaEventDisableTiming));
   }
   RX_CUDA_CHECK(cudaStreamCreateWithPriority(&sm_, cudaStreamNonBlocking, highest));
+  RX_CUDA_CHECK(cudaStreamCreateWithPriority(&signal_, cudaStreamNonBlocking, highest));
   RX_CUDA_CHECK(cudaStreamCreateWithFlags(&local_ce_, cudaStreamNonBlocking));
-  for (cudaEvent_t* e : {&start_, &sent_, &local_done_, &end_})
+  for (cudaEvent_t* e : {&start_, &sent_, &local_done_, &end_, &kernel_done_, &landed_})
     RX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+}
+
+std::vector<const DeviceBoxTable*> DirectExec::tables() const {
+  std::vector<const DeviceBoxTable*> out{&table_, &local_table_};
+  for (const LandingGroup& g : groups_) out.push_back(&g.table);
+  return out;
+}
+
+int64_t DirectExec::table_bytes() const {
+  int64_t n = 0;
+  for (const DeviceBoxTable* t : tables()) n += (t->bytes_needed() + 255) / 256 * 256;
+  return n;
 }
 
 int64_t DirectExec::num_engine_copies() const {
@@ -242,17 +277,20 @@ int64_t DirectExec::num_engine_copies() const {
 }
 
 void DirectExec::upload(void* dev, cudaStream_t stream) {
-  table_.upload(dev, stream);
-  local_table_.upload(static_cast<char*>(dev) + local_offset(), stream);
+  int64_t at = 0;
+  for (const DeviceBoxTable* t : tables()) {
+    const_cast<DeviceBoxTable*>(t)->upload(static_cast<char*>(dev) + at, stream);
+    at += (t->bytes_needed() + 255) / 256 * 256;
+  }
 }
 
 DirectExec::~DirectExec() {
   // Work still queued keeps the streams and events alive: CUDA defers their release.
-  for (cudaEvent_t e : {start_, sent_, local_done_, end_})
+  for (cudaEvent_t e : {start_, sent_, local_done_, end_, kernel_done_, landed_})
     if (e != nullptr) cudaEventDestroy(e);
   for (cudaEvent_t e : ce_done_)
     if (e != nullptr) cudaEventDestroy(e);
-  for (cudaStream_t s : {sm_, local_ce_})
+  for (cudaStream_t s : {sm_, local_ce_, signal_})
     if (s != nullptr) cudaStreamDestroy(s);
   for (cudaStream_t s : ces_)
     if (s != nullptr) cudaStreamDestroy(s);
@@ -274,7 +312,21 @@ void DirectExec::guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t m
   }
 }
 
-void DirectExec::begin(cudaStream_t main) { guarded(&DirectExec::begin_steps, main); }
+void DirectExec::begin(cudaStream_t main, bool landing) {
+  landing_ = landing && !groups_.empty();
+  guarded(&DirectExec::begin_steps, main);
+}
+
+void DirectExec::wait_landed(cudaStream_t main, int32_t k) {
+  RX_USER_CHECK(error_.empty(), "direct transport unusable after an earlier failure: ", error_);
+  RX_HOST_ASSERT(k >= 0 && k < config_.landing_groups, "wait_landed: group ", k);
+  if (senders_.empty()) return;
+  DeviceGuard guard(sig_->device());
+  const double ns = std::min(timeout_s_, 1e7) * 1e9;
+  RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()),
+                                    landed_word(seq_, k + 1, config_.landing_groups), static_cast<uint64_t>(ns),
+                                    sig_->error_device(), 0, main));
+}
 
 void DirectExec::end(cudaStream_t main) { guarded(&DirectExec::end_steps, main); }
 
@@ -309,17 +361,42 @@ void DirectExec::begin_steps(cudaStream_t main) {
     }
   }
   RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, start_, 0));
-  for (size_t k = 0; k < ces_.size(); ++k) {
-    RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[k], start_, 0));
-    engines_[k].issue(ces_[k]);
-  }
+  for (size_t k = 0; k < ces_.size(); ++k) RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[k], start_, 0));
+  if (landing_) return send_landing();
+  for (size_t k = 0; k < ces_.size(); ++k) engines_[k].issue(ces_[k]);
   table_.launch(sm_, 0);
   for (size_t k = 0; k < ces_.size(); ++k) {
     RX_CUDA_CHECK(cudaEventRecord(ce_done_[k], ces_[k]));
     RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_[k], 0));
   }
-  RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()), seq_, sm_));
+  const uint64_t done = landed_word(seq_, 1, 1);
+  RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()), done, sm_));
   RX_CUDA_CHECK(cudaEventRecord(sent_, sm_));
+}
+
+void DirectExec::send_landing() {
+  // signal_ waits for each group's end on every stream, then signals it; each copy
+  // stream starts a group only once the one before has landed everywhere, since the
+  // engines may serve some streams before others (a stream's later groups would then go
+  // before another stream's first). Events are re-recorded per group: a wait takes the
+  // record current when it is queued.
+  const auto groups = static_cast<int32_t>(groups_.size());
+  for (int32_t k = 0; k < groups; ++k) {
+    LandingGroup& g = groups_[static_cast<size_t>(k)];
+    for (size_t j = 0; j < ces_.size(); ++j) {
+      if (k > 0) RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[j], landed_, 0));
+      g.engines[j].issue(ces_[j]);
+      RX_CUDA_CHECK(cudaEventRecord(ce_done_[j], ces_[j]));
+      RX_CUDA_CHECK(cudaStreamWaitEvent(signal_, ce_done_[j], 0));
+    }
+    g.table.launch(sm_, 0);
+    RX_CUDA_CHECK(cudaEventRecord(kernel_done_, sm_));
+    RX_CUDA_CHECK(cudaStreamWaitEvent(signal_, kernel_done_, 0));
+    RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()),
+                                       landed_word(seq_, k + 1, groups), signal_));
+    RX_CUDA_CHECK(cudaEventRecord(landed_, signal_));
+  }
+  RX_CUDA_CHECK(cudaEventRecord(sent_, signal_));
 }
 
 void DirectExec::end_steps(cudaStream_t main) {
@@ -329,8 +406,9 @@ void DirectExec::end_steps(cudaStream_t main) {
   if (local_engine_.num_copies() > 0) RX_CUDA_CHECK(cudaStreamWaitEvent(main, local_done_, 0));
   if (!senders_.empty()) {
     const double ns = std::min(timeout_s_, 1e7) * 1e9;
-    RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()), seq_,
-                                      static_cast<uint64_t>(ns), sig_->error_device(), 0, main));
+    RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()),
+                                      landed_word(seq_, 1, 1), static_cast<uint64_t>(ns), sig_->error_device(), 0,
+                                      main));
   }
   RX_CUDA_CHECK(cudaEventRecord(end_, main));
   // The device waits are bounded by timeout_s; this bound only catches a stream that

@@ -11,11 +11,12 @@
 //      kernel; as a sender, its host waits (bounded) until each receiver's page says
 //      ready >= n, then enqueues its copies (batched calls) and kernel on side streams
 //      after the work already on the caller's stream (the sources are ready), and then
-//      stores "done = n" into each receiver's flag word (in the receiver's GPU memory,
-//      through IPC);
-//   3. as a receiver, its stream waits (a bounded spin kernel) for done >= n from every
-//      sender; the caller's stream waits for its own sends; the host waits for that point
-//      (bounded) and raises if a peer never signalled.
+//      stores "done = landed_word(n)" into each receiver's flag word (in the receiver's
+//      GPU memory, through IPC); a verified execute writes and signals the landing groups
+//      of core/direct.h one by one, so that the receiver's digests follow the writes;
+//   3. as a receiver, its stream waits (a bounded spin kernel) until every sender's word
+//      says the execute landed; the caller's stream waits for its own sends; the host
+//      waits for that point (bounded) and raises if a peer never signalled.
 // So completion reaches the receiver on the GPU, and the only host waits are one at the
 // start (senders) and one at the end, per execute; a dead or missing peer raises a
 // ReshardError naming it within the timeout instead of hanging. After any failure the
@@ -121,6 +122,7 @@ struct DirectConfig {
   int32_t local_blocks = 0;        // grid cap of the same-rank kernel (0: none)
   int32_t engine_streams = 0;      // streams the peer copy-engine copies are spread over (spread_engines; 0: auto)
   bool batch = true;               // batched copy-engine calls where available
+  int32_t landing_groups = 1;      // groups a verified execute lands in (core/direct.h); alike on every rank
 };
 
 // One bound plan's direct work on one rank: the sends as copy-engine copies and a box
@@ -131,16 +133,17 @@ class DirectExec {
  public:
   // boxes: every direct send's box (addresses in this process); local: same-rank copies
   // to run beside them (may be empty). receivers / senders: the peers this rank writes to
-  // / that write to it directly, all attached in `signals`.
+  // / that write to it directly, all attached in `signals`. box_groups: the landing group
+  // of each box (landing_groups; empty: every box in group 0).
   DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
              const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
-             std::vector<int32_t> senders, double timeout_s);
+             std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& box_groups = {});
   ~DirectExec();
   DirectExec(const DirectExec&) = delete;
   DirectExec& operator=(const DirectExec&) = delete;
 
   // The kernels' box tables: bytes of device memory upload() fills (16-byte aligned).
-  int64_t table_bytes() const { return local_offset() + local_table_.bytes_needed(); }
+  int64_t table_bytes() const;
   void upload(void* dev, cudaStream_t stream);
   int64_t num_engine_copies() const;
   int64_t num_kernel_boxes() const { return table_.num_boxes(); }
@@ -150,7 +153,12 @@ class DirectExec {
 
   // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream, and the
   // same-rank copies. Throws ReshardError when a receiver is not ready within the timeout.
-  void begin(cudaStream_t main);
+  // landing: write the boxes group by group and signal each group as it lands (a
+  // verified execute; otherwise one signal at the end).
+  void begin(cudaStream_t main, bool landing = false);
+  // Queues on `main` a wait until landing group k of every sender is in this rank (what
+  // follows on `main` may read it). A wait that times out leaves the error to end().
+  void wait_landed(cudaStream_t main, int32_t k);
   // Step 3; returns once the refit's direct part is complete on `main`'s timeline.
   void end(cudaStream_t main);
 
@@ -161,20 +169,30 @@ class DirectExec {
   void guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main);
   void begin_steps(cudaStream_t main);
   void end_steps(cudaStream_t main);
-  int64_t local_offset() const { return (table_.bytes_needed() + 255) / 256 * 256; }
+  void send_landing();
+  // The kernels' box tables in upload order, each at a 256-byte aligned offset.
+  std::vector<const DeviceBoxTable*> tables() const;
 
   std::shared_ptr<DirectSignals> sig_;
   DirectConfig config_;
   std::vector<EngineQueue> engines_;  // one per stream of ces_
   EngineQueue local_engine_;
   DeviceBoxTable table_, local_table_;
+  // A landing execute's writes, group by group: copies per stream of ces_, and kernel boxes.
+  struct LandingGroup {
+    std::vector<EngineQueue> engines;
+    DeviceBoxTable table;
+  };
+  std::vector<LandingGroup> groups_;
+  bool landing_ = false;  // this execute lands group by group
   std::vector<int32_t> receivers_, senders_;
   std::vector<uint64_t> done_words_, wait_words_;
   double timeout_s_;
   std::vector<cudaStream_t> ces_;
   std::vector<cudaEvent_t> ce_done_;
-  cudaStream_t sm_ = nullptr, local_ce_ = nullptr;
-  cudaEvent_t start_ = nullptr, sent_ = nullptr, local_done_ = nullptr, end_ = nullptr;
+  cudaStream_t sm_ = nullptr, local_ce_ = nullptr, signal_ = nullptr;
+  cudaEvent_t start_ = nullptr, sent_ = nullptr, local_done_ = nullptr, end_ = nullptr, kernel_done_ = nullptr,
+              landed_ = nullptr;
   uint64_t seq_ = 0;
   std::string error_;
 };

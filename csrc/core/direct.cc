@@ -1,9 +1,12 @@
 #include "core/direct.h"
 
 #include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "common/check.h"
 #include "common/dtype.h"
+#include "core/checked.h"
 
 namespace rx {
 
@@ -149,6 +152,40 @@ std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
     (reach < 0 ? lo : hi) += reach;
   }
   return {box.dst + static_cast<uint64_t>(lo), box.dst + static_cast<uint64_t>(hi + elem)};
+}
+
+std::vector<int32_t> landing_groups(const std::vector<TransferOp>& ops, int32_t groups) {
+  RX_HOST_ASSERT(groups >= 1 && groups <= kMaxLandingGroups, "landing_groups: ", groups, " groups");
+  std::unordered_map<int32_t, int64_t> total, seen;
+  for (const TransferOp& op : ops) total[op.peer] = checked_add(total[op.peer], op.numel, "landing_groups");
+  std::vector<int32_t> out;
+  out.reserve(ops.size());
+  for (const TransferOp& op : ops) {
+    int64_t& before = seen[op.peer];
+    const int64_t all = total[op.peer], left = all - before;
+    int32_t k = 0;
+    while (k < groups - 1 && k < 62 && left <= (all >> (k + 1))) ++k;
+    out.push_back(k);
+    before += op.numel;
+  }
+  return out;
+}
+
+std::vector<std::vector<std::pair<int64_t, int64_t>>> landing_runs(const std::vector<TransferOp>& recvs,
+                                                                  const std::vector<int32_t>& senders, int32_t groups) {
+  const std::vector<int32_t> group = landing_groups(recvs, groups);
+  const std::unordered_set<int32_t> direct(senders.begin(), senders.end());
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> runs(static_cast<size_t>(groups) + 1);
+  for (size_t i = 0; i < recvs.size(); ++i) {
+    const size_t k = direct.count(recvs[i].peer) ? static_cast<size_t>(group[i]) : static_cast<size_t>(groups);
+    auto& r = runs[k];
+    const auto at = static_cast<int64_t>(i);
+    if (!r.empty() && r.back().second == at)
+      ++r.back().second;
+    else
+      r.emplace_back(at, at + 1);
+  }
+  return runs;
 }
 
 }  // namespace rx

@@ -66,6 +66,26 @@ constexpr int kMinEngineStreams = 4, kMaxEngineStreams = 32;
 constexpr int64_t kCopiesPerEngineStream = 100;
 int auto_engine_streams(size_t num_copies);
 
+// Landing groups of a verified direct execute: each sender writes a pair's ops in
+// `groups` groups and signals each group as it lands, so that the receiver digests group
+// k while k + 1 is still on the link. Groups halve: an op of a peer (in plan order) is in
+// group k when the elements of the pair's ops from its first one on are at most 1 / 2^k of
+// them and more than 1 / 2^(k + 1) (the last group takes the rest), so the digest left
+// after the transfer covers about 1 / 2^(groups - 1) of the bytes. Both ends of a pair
+// derive the same groups from the same op sizes.
+constexpr int32_t kMaxLandingGroups = 255;
+// The group of each op (per peer, as above); 1 <= groups <= kMaxLandingGroups.
+std::vector<int32_t> landing_groups(const std::vector<TransferOp>& ops, int32_t groups);
+// [begin, end) runs of `recvs` (sorted by peer) per group: runs[k] holds the ops of a peer
+// in `senders` in group k; runs[groups] every other peer's ops.
+std::vector<std::vector<std::pair<int64_t, int64_t>>> landing_runs(const std::vector<TransferOp>& recvs,
+                                                                  const std::vector<int32_t>& senders, int32_t groups);
+// The signal word a sender stores once the first `landed` of `groups` groups of execute
+// `seq` are in the receiver (landed == groups: the whole execute). Values grow with both.
+constexpr uint64_t landed_word(uint64_t seq, int32_t landed, int32_t groups) {
+  return seq * (kMaxLandingGroups + 1) + static_cast<uint64_t>(landed >= groups ? kMaxLandingGroups : landed);
+}
+
 // [lo, hi): the bytes of dst memory a box's elements span (a codec's side bytes, such as
 // MXFP8 scales, are not included). Empty boxes give lo == hi.
 std::pair<uint64_t, uint64_t> dst_span(const rx_box& box);

@@ -44,6 +44,7 @@ __global__ void wait_kernel(Words w, int n, unsigned long long value, unsigned l
   const int i = static_cast<int>(threadIdx.x);
   if (i >= n) return;
   const auto* word = reinterpret_cast<const unsigned long long*>(w.addr[i]);
+  if (load_acquire_sys(error) != 0) return;  // an earlier wait of this execute gave up: one timeout in all
   const unsigned long long start = global_ns();
   unsigned sleep_ns = 64;
   while (load_acquire_sys(word) < value) {

@@ -22,7 +22,7 @@ int32_t rx_signal_store_cuda(const uint64_t* words, int32_t n, uint64_t value, v
 // a word still short after timeout_ns (GPU global timer, from when the wait starts) makes
 // the kernel store first + 1 + its index into the word at `error` (device-accessible;
 // which of several late words is reported is unspecified) and end, so the stream never
-// hangs. Returns a cudaError_t value.
+// hangs; a wait that finds the error word already set ends at once. Returns a cudaError_t value.
 int32_t rx_signal_wait_cuda(const uint64_t* words, int32_t n, uint64_t value, uint64_t timeout_ns, uint64_t error,
                             int32_t first, void* stream);
 #endif

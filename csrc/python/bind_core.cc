@@ -533,6 +533,15 @@ void register_core(py::module_& m) {
           "src: as for bind; pieces: the PeerPiece of every receiver piece this rank writes into directly, its ref "
           "in this process's addresses")
       .def("direct_boxes", [](const ExecTables& t) { return box_table(t.direct()); })
+      .def("direct_landing_groups",
+           [](const ExecTables& t, int32_t groups) { return landing_groups(t.plan().direct_sends, groups); },
+           py::arg("groups"), "The landing group of each direct send (aligned with direct_boxes; core/direct.h)")
+      .def("landing_runs",
+           [](const ExecTables& t, const std::vector<int32_t>& senders, int32_t groups) {
+             return landing_runs(t.plan().recvs, senders, groups);
+           },
+           py::arg("senders"), py::arg("groups"),
+           "[begin, end) runs of recv ops per landing group of the direct `senders`; the last entry: other peers")
       .def("direct_recv_pieces", &ExecTables::direct_recv_pieces,
            "(peer, position in dst_used) of every dst piece a peer writes into directly")
       .def_property_readonly("direct_send_total", [](const ExecTables& t) { return t.plan().direct_send_total(); })

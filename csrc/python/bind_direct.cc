@@ -97,21 +97,23 @@ void register_direct(py::module_& m) {
       .def(py::init([](std::shared_ptr<DirectSignals> sig, const py::buffer& boxes, const py::buffer& local,
                        int64_t engine_bytes, int64_t local_engine_bytes, int32_t local_blocks, bool batch,
                        int32_t engine_streams, std::vector<int32_t> receivers, std::vector<int32_t> senders,
-                       double timeout_s) {
+                       double timeout_s, const std::vector<int32_t>& box_groups, int32_t landing_groups) {
              DirectConfig config;
              config.engine_bytes = engine_bytes;
              config.local_engine_bytes = local_engine_bytes;
              config.local_blocks = local_blocks;
              config.batch = batch;
              config.engine_streams = engine_streams;
+             config.landing_groups = landing_groups;
              return std::make_shared<DirectExec>(std::move(sig), boxes_from(boxes), boxes_from(local), config,
-                                                 std::move(receivers), std::move(senders), timeout_s);
+                                                 std::move(receivers), std::move(senders), timeout_s, box_groups);
            }),
            py::arg("signals"), py::arg("boxes"), py::arg("local"), py::arg("engine_bytes"),
            py::arg("local_engine_bytes"), py::arg("local_blocks"), py::arg("batch"), py::arg("engine_streams"),
-           py::arg("receivers"),
-           py::arg("senders"), py::arg("timeout_s"),
-           "boxes: the direct sends; local: same-rank copies it runs beside them (an empty BoxTable for none).")
+           py::arg("receivers"), py::arg("senders"), py::arg("timeout_s"), py::arg("box_groups"),
+           py::arg("landing_groups"),
+           "boxes: the direct sends; local: same-rank copies it runs beside them (an empty BoxTable for none); "
+           "box_groups: each box's landing group (ExecTables.direct_landing_groups) of landing_groups.")
       .def_property_readonly("table_bytes", &DirectExec::table_bytes)
       .def_property_readonly("num_engine_copies", &DirectExec::num_engine_copies)
       .def_property_readonly("num_kernel_boxes", &DirectExec::num_kernel_boxes)
@@ -127,9 +129,14 @@ void register_direct(py::module_& m) {
           },
           py::arg("dev_ptr"), py::arg("stream"))
       .def(
-          "begin", [](DirectExec& d, uint64_t stream) { d.begin(as_stream(stream)); }, py::arg("stream"),
-          py::call_guard<py::gil_scoped_release>(),
-          "Signals this rank's destinations free, waits (host, bounded) for its receivers', queues its writes.")
+          "begin", [](DirectExec& d, uint64_t stream, bool landing) { d.begin(as_stream(stream), landing); },
+          py::arg("stream"), py::arg("landing") = false, py::call_guard<py::gil_scoped_release>(),
+          "Signals this rank's destinations free, waits (host, bounded) for its receivers', queues its writes "
+          "(landing: group by group, each signalled).")
+      .def(
+          "wait_landed", [](DirectExec& d, uint64_t stream, int32_t k) { d.wait_landed(as_stream(stream), k); },
+          py::arg("stream"), py::arg("k"),
+          "Queues on `stream` a wait until landing group k of every sender is in this rank.")
       .def(
           "end", [](DirectExec& d, uint64_t stream) { d.end(as_stream(stream)); }, py::arg("stream"),
           py::call_guard<py::gil_scoped_release>(),

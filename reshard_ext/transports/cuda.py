@@ -107,23 +107,42 @@ class DigestReader:
         self.buf = torch.zeros(max(total, 1), dtype=torch.int64, device=torch.cuda.current_device())
         sends, recvs, copies_n = tables.num_ops
         self._sizes = (sends, recvs, copies_n, copies_n)
-        self._collected = True
+        self._boxes = (tables.send_boxes(), tables.recv_boxes())  # what add_runs cuts up
+        self._groups: list[list[tuple[Any, int, int]]] = []  # per add_runs: (table, digest address, pass)
+        self._group_blobs: list[torch.Tensor] = []
+
+    def add_runs(self, part: int, runs: Sequence[tuple[int, int]]) -> int:
+        """Prepares a group of [begin, end) runs of boxes of `part` (send or recv) to read
+        with launch_group; returns its number. Uploads now (it synchronises the stream), so
+        call it before the execute, not while one is queued."""
+        records = np.frombuffer(self._boxes[part], dtype=np.uint8).reshape(-1, _C.BOX_BYTES)
+        tables = [_C.DeviceBoxTable(records[a:b]) for a, b in runs]
+        self._group_blobs.append(_upload(tables))
+        base = self.buf.data_ptr() + 8 * self.offsets[part]
+        self._groups.append([(t, base + 8 * a, _READ_PASSES[part]) for t, (a, _) in zip(tables, runs)])
+        return len(self._groups) - 1
+
+    def start(self) -> None:
+        """Zeroes the digests on the current stream: the passes add into them."""
+        self.buf.zero_()
 
     def launch(self, parts: Sequence[int]) -> None:
         """Launches the read passes of `parts` (indices into send, recv, copy src, copy dst)
-        on the current stream; the first launch after a collect() starts from zeros."""
-        if self._collected:
-            self.buf.zero_()
-            self._collected = False
+        on the current stream."""
         s = current_stream_handle()
         for k in parts:
             self.parts[k].launch(s, 0, self.buf.data_ptr() + 8 * self.offsets[k], _READ_PASSES[k])
 
+    def launch_group(self, group: int) -> None:
+        """Launches the read passes of one add_runs group on the current stream."""
+        s = current_stream_handle()
+        for table, digests, read in self._groups[group]:
+            table.launch(s, 0, digests, read)
+
     def collect(self) -> tuple[np.ndarray, ...]:
         """The digests of every part, one uint64 array each indexed by op (waits for them;
-        a part not launched since the last collect reads 0)."""
+        a part not launched since the last start reads 0)."""
         host = self.buf.cpu().numpy().view(np.uint64)
-        self._collected = True
         out = []
         for t, off, n in zip(self.parts, self.offsets, self._sizes):
             a = np.zeros(n, dtype=np.uint64)
@@ -132,6 +151,7 @@ class DigestReader:
         return tuple(out)
 
     def read(self) -> tuple[np.ndarray, ...]:
+        self.start()
         self.launch(range(4))
         return self.collect()
 

@@ -83,6 +83,7 @@ class RankInfo:
     flags: tuple | None = None  # IPC export of its signal words; None: it takes no direct pair
     page: str = ""                 # path of its shared page
     why: str = ""                  # why it takes no direct pair
+    groups: int = 1                # rx.Options.direct_verify_groups (every rank must agree)
 
 
 def candidate_pairs(infos: Sequence[RankInfo]) -> set[Pair]:
@@ -160,6 +161,7 @@ class CudaDevice:
 
     def __init__(self) -> None:
         self.index = torch.cuda.current_device()
+        self._side: Any = None  # fork()'s stream
 
     def signals(self, rank: int, world: int) -> Any:
         if not hasattr(_C, "DirectSignals"):
@@ -179,15 +181,16 @@ class CudaDevice:
         return _C.IpcMapping(handle)
 
     def executor(self, signals: Any, boxes: _C.BoxTable, local: _C.BoxTable, options: Options, receivers: list[int],
-                 senders: list[int], timeout: float) -> tuple[Any, Any]:
-        """(the per-execute steps, the device memory of its kernel tables)."""
+                 senders: list[int], timeout: float, box_groups: list[int], groups: int) -> tuple[Any, Any]:
+        """(the per-execute steps, the device memory of its kernel tables); box_groups: the
+        landing group of each box, of `groups`."""
         blocks = options.resolved_direct_local_blocks()
         if blocks is None:  # uncapped, the same-rank kernel takes HBM from the copy engines' peer writes
             blocks = torch.cuda.get_device_properties(self.index).multi_processor_count // 2
         ex = _C.DirectExec(signals, boxes, local, options.resolved_direct_engine_bytes(),
                            options.resolved_direct_local_engine_bytes(), blocks,
                            options.resolved_direct_engine_batch(), options.resolved_direct_engine_streams(),
-                           receivers, senders, timeout)
+                           receivers, senders, timeout, box_groups, groups)
         table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
         ex.upload(table.data_ptr(), torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()  # execute may run on another stream
@@ -208,6 +211,18 @@ class CudaDevice:
         from .cuda import current_stream_handle
 
         return current_stream_handle()
+
+    def fork(self) -> Any:
+        """A context running on a side stream that starts where the current stream is now."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.index)
+        self._side.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self._side)
+
+    def join(self) -> None:
+        """The current stream waits for the side stream's work so far."""
+        if self._side is not None:
+            torch.cuda.current_stream().wait_stream(self._side)
 
     def digest_reader(self, tables: Any) -> Any:
         """Read passes over bound tables on the current stream (`.read()`: the digests)."""
@@ -230,6 +245,7 @@ class DirectTransport:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = options.resolved_timeout("direct")
+        self.groups = options.resolved_direct_verify_groups()  # landing groups of a verified execute
         self.gather_timeout = options.resolved_timeout("gloo")  # rx.plan's own collectives use it too
         self.device = device if device is not None else CudaDevice()
         self.signals: Any = None
@@ -261,6 +277,7 @@ class DirectTransport:
         self._broken = ""  # why the direct part cannot run again (a failed or aborted execute)
         self._plan: Any = None  # weakref to the bound plan (its whole tables are built for verify)
         self._reader: Any = None  # read passes over those tables, built by the first verify
+        self._landing: list[int] = []  # the reader's groups: received ops per landing group, then the rest
 
     @property
     def collective_bind(self) -> bool:
@@ -271,8 +288,9 @@ class DirectTransport:
     def _info(self) -> RankInfo:
         pci = self.device.pci_bus_id() if self.signals is not None else ""
         if self.signals is None:
-            return RankInfo(host_identity(), os.getpid(), pci, why=self._why_not)
-        return RankInfo(host_identity(), os.getpid(), pci, tuple(self.signals.flags_export), self.signals.page_path)
+            return RankInfo(host_identity(), os.getpid(), pci, why=self._why_not, groups=self.groups)
+        return RankInfo(host_identity(), os.getpid(), pci, tuple(self.signals.flags_export), self.signals.page_path,
+                        groups=self.groups)
 
     def _attach(self, infos: Sequence[RankInfo], candidates: set[Pair]) -> set[Pair]:
         """Maps the signal words of every candidate peer; returns the pairs that failed."""
@@ -363,13 +381,16 @@ class DirectTransport:
         failed: set[Pair] = set()
         if self.pairs is None:
             errs0 = list(errors)
-            info = RankInfo(host_identity(), os.getpid(), "", why="no info")
+            info = RankInfo(host_identity(), os.getpid(), "", why="no info", groups=self.groups)
             try:
                 info = self._info()
             except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
                 errs0.append(f"rank {rank}: {e}")
             infos = _gather(group, (errs0, info), self.gather_timeout)
-            agree([(errs, set()) for errs, _ in infos])
+            groups = [i.groups for _, i in infos]
+            differ = [] if len(set(groups)) == 1 else [
+                f"rx.Options.direct_verify_groups must be the same on every rank; the ranks have {groups}"]
+            agree([(errs, set()) for errs, _ in infos] + [(differ, set())])
             infos = [info for _, info in infos]
             self.pairs = candidate_pairs(infos)
             try:
@@ -454,7 +475,8 @@ class DirectTransport:
         if self._receivers or self._senders:
             local = tables.copy_boxes() if self.owns_copies else _C.BoxTable()
             self.exec, self._table = self.device.executor(self.signals, boxes, local, self.options, self._receivers,
-                                                          self._senders, self.timeout)
+                                                          self._senders, self.timeout,
+                                                          tables.direct_landing_groups(self.groups), self.groups)
 
     def rebind_plan(self, plan: Any) -> None:
         """plan.rebind on this rank alone (the pairs stay): binds the plan's new tensors
@@ -503,12 +525,16 @@ class DirectTransport:
             src, dst = plan._bound_refs(whole)
             nowhere = [_UNREAD_STAGING] * max(1, whole.num_batches)
             whole.bind(src, dst, nowhere, nowhere, 0, plan._codec_receivers)
-            self._reader = self.device.digest_reader(whole)
+            reader = self.device.digest_reader(whole)
+            self._landing = [reader.add_runs(_RECV, runs)
+                             for runs in whole.landing_runs(self._senders, self.groups)]
+            self._reader = reader
         return self._reader
 
     def run(self, tables: Any, session: Session, verify: bool = False) -> Any:
         # A verified execute with direct pairs digests by read passes (the copy engines cannot
-        # hash what they move): sources during the writes, destinations once they landed.
+        # hash what they move): sources during the writes, destinations group by group as
+        # their senders signal them landed (core/direct.h), the NCCL pairs' at the end.
         read_after = verify and self.exec is not None
         verify = verify and not read_after
         # Headers with every peer first (the inner transport reuses the verdict): the
@@ -533,13 +559,21 @@ class DirectTransport:
         stream = self.device.stream()
         reader = self._digest_reader() if read_after else None
         try:
-            self.exec.begin(stream)
-            if reader is not None:  # the sources stay put during an execute: read them while the engines copy
-                reader.launch((_SEND,))
+            if reader is not None:
+                reader.start()
+            self.exec.begin(stream, reader is not None)
+            if reader is not None:  # the sources stay put: read them beside the writes, after the same-rank copies
+                with self.device.fork():
+                    reader.launch((_SEND,))
             digests = None if self.owns_copies else self.inner.run(tables, session, verify)
+            if reader is not None:
+                for k, group in enumerate(self._landing[:-1]):
+                    self.exec.wait_landed(stream, k)
+                    reader.launch_group(group)
+                self.device.join()
             self.exec.end(stream)
-            if reader is not None:  # after end(): this stream waits for the peers' writes into this rank
-                reader.launch((_RECV,))
+            if reader is not None:  # after end(): the NCCL pairs' receives have landed too
+                reader.launch_group(self._landing[-1])
                 digests = reader.collect()[:2]
         except ReshardError as e:
             # The ranks of a direct pair no longer agree on its sequence: a collective
