@@ -378,7 +378,7 @@ class Plan:
         timeout_s = self._timeout_s if timeout is None or problem else float(timeout)
         session = Session(self.plan_id, self._seq + 1, None if problem else version, 1 if problem else 0,
                           time.monotonic() + timeout_s, timeout_s, abort, swap=swap)
-        session.error = problem
+        session.error, session.verify = problem, verify
         if swap is not None and not self.transport.peers:  # a swap round hears every rank, data peers or not
             self.transport.channel.drain(session)
             exchange_headers(self.transport.channel, [], session, self.tables.num_batches)
@@ -553,6 +553,7 @@ def execute(plan: Plan, *, verify: bool = False, version: int | None = None,
     verify=True: the pack and unpack kernels digest every piece on the sender (what the
     receiver must hold) and on the receiver (what it wrote); only the digests travel,
     and a difference raises ReshardError on every rank naming tensors, boxes and ranks.
+    Every rank passes the same verify (checked with its peers, in the execute's headers).
     version: recorded as plan.version once every destination of this rank has landed
     (and, with verify=True, checked); plan.version is None while an execute runs and
     after one that failed or was aborted. Every rank must pass the same version

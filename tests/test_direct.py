@@ -745,6 +745,30 @@ def test_verified_direct_refits(case, world):
         assert direct == [r for r in range(world) if r != rank], (rank, direct)
 
 
+def _verify_on_one_rank(rank, world):
+    from _direct_fake import release_shared
+
+    try:
+        p, _, out, g = _fake_pair_plan(rank, 9)
+        try:
+            rx.execute(p, verify=rank == 0)
+            error = "no error"
+        except rx.ReshardError as e:
+            error = str(e)
+        untouched = bool(out.isnan().all()) or not bits_equal(out, _DL.local_part(g, rank))
+        rx.execute(p, verify=True)
+        return error, untouched, bits_equal(out, _DL.local_part(g, rank)), p.transport.direct_peers
+    finally:
+        release_shared()
+
+
+def test_verify_on_one_rank_of_a_direct_pair_raises_on_both_before_the_writes():
+    """The direct writes land before any check could run: the headers must agree on verify."""
+    for rank, (error, untouched, ok, peers) in enumerate(run_ranks(2, _verify_on_one_rank)):
+        assert f"verify={rank == 1} and this rank verify={rank == 0}" in error, (rank, error)
+        assert untouched and ok and peers == [1 - rank], (rank, untouched, ok, peers)
+
+
 def _groups_differ(rank, world):
     from _direct_fake import release_shared
 

@@ -113,6 +113,26 @@ def test_version_is_what_fully_landed():
         assert after_mismatch is None  # a failed execute leaves no version
 
 
+def _verify_on_one_rank(rank: int, world: int):
+    """Rank 0 executes with verify=True, rank 1 without: the check that follows is
+    collective, so both ranks must raise at the headers, before data moves."""
+    p, out, want = _pair_plan(rank, world)
+    t0 = time.monotonic()
+    error = _try(rx.execute, p, verify=rank == 0)
+    took = time.monotonic() - t0
+    untouched = not out.any()
+    rx.execute(p, verify=True)
+    return error, took, untouched, bits_equal(out, want)
+
+
+def test_verify_on_one_rank_only_raises_on_both_at_once():
+    for rank, (error, took, untouched, ok) in enumerate(run_ranks(2, _verify_on_one_rank)):
+        other = rank == 1
+        assert error is not None and f"runs rx.execute with verify={other} and this rank verify={not other}" in error, (
+            rank, error)
+        assert took < 10 and untouched and ok, (rank, took, untouched, ok)
+
+
 def _bad_version_one_rank(rank: int, world: int):
     p, out, want = _pair_plan(rank, world)
     error = _try(rx.execute, p, version="v1" if rank == 1 else 1)

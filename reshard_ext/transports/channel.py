@@ -51,6 +51,7 @@ HAS_VERSION = 1  # FLAGS bit
 COMM_UNUSABLE = 2  # FLAGS bit: the sender's NCCL communicator needs a rebuild
 IN_SWAP = 4  # FLAGS bit: a warm rx.swap_model_weights round (headers go to every rank of the group)
 REPLAN = 8  # FLAGS bit (with IN_SWAP): the sender takes the swap's slow path; nobody moves data
+VERIFIES = 16  # FLAGS bit: the sender runs rx.execute(verify=True) (the check is collective)
 _POLL_S = 0.05  # how often a waiting caller looks at its abort flag
 _ARRIVE, _LEAVE = 1, 10  # what an end adds to its pair's counter of a generation (Channel._meet)
 REPLAN_HERE = -1  # Session.swap of a rank that takes the swap's slow path
@@ -81,9 +82,11 @@ class Session:
     # or REPLAN_HERE where it takes the slow path. None: a plain execute.
     swap: int | None = None
     remap: int = 0  # bytes of the message this rank sends each direct sender after the headers (0: none)
+    verify: bool = False  # rx.execute(verify=True)
 
     def header(self, batches: int) -> list[int]:
-        flags = (HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
+        flags = ((HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
+                 | (VERIFIES if self.verify else 0))
         if self.swap is not None:
             flags |= IN_SWAP | (REPLAN if self.swap == REPLAN_HERE else 0)
         return [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch,
@@ -415,6 +418,8 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
                    f"{session.version}")
         elif h[BATCHES] != batches:
             why = f"has {h[BATCHES]} batches in this plan and this rank {batches}"
+        elif bool(h[FLAGS] & VERIFIES) != session.verify:
+            why = f"runs rx.execute with verify={bool(h[FLAGS] & VERIFIES)} and this rank verify={session.verify}"
         if (h[MAGIC] == _MAGIC and (data is None or p in data)
                 and (h[FLAGS] & COMM_UNUSABLE or h[EPOCH] != session.epoch)):
             verdict.rebuild = True
