@@ -63,7 +63,7 @@ def main() -> None:
         return (_rss_mb(), *gpu)
 
     plan, dst, want = _plan(rank, world, args.device, 0)
-    for i in range(20):  # warm up: allocator pools, connections, one plan built and dropped
+    for _i in range(20):  # warm up: allocator pools, connections, one plan built and dropped
         rx.execute(plan)
         _plan(rank, world, args.device, 1000)
     m0, ok = mem(), True

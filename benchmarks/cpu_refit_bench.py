@@ -88,14 +88,16 @@ def run(case: str, iters: int, max_batch: int, verify: bool) -> None:
     transient = sum(max(0, r[6] - r[5]) for r in rows)
     models = sum(r[4] for r in rows)
     sent = sum(r[3] for r in rows)
-    print(f"{case:9} warm refit {statistics.median(per_iter):7.3f} s (min {min(per_iter):.3f}, max {max(per_iter):.3f})  "
+    print(f"{case:9} warm refit {statistics.median(per_iter):7.3f} s "
+          f"(min {min(per_iter):.3f}, max {max(per_iter):.3f})  "
           f"plan {max(r[1] for r in rows):.2f} s  sent {sent / 1e9:.2f} GB  models {models / 1e9:.2f} GB  "
           f"transient {transient / 1e9:.3f} GB  peak RSS sum {sum(r[6] for r in rows) / 1e9:.2f} GB")
     if verify:
         checked = [max(r[7][i] for r in rows) for i in range(iters)]
         plain, ver = statistics.median(per_iter), statistics.median(checked)
         print(f"{'':9} verify=True {ver:7.3f} s (min {min(checked):.3f}, max {max(checked):.3f})  "
-              f"cost {100 * (ver / plain - 1):+.1f}% (median vs median; min vs min {100 * (min(checked) / min(per_iter) - 1):+.1f}%)")
+              f"cost {100 * (ver / plain - 1):+.1f}% (median vs median; "
+              f"min vs min {100 * (min(checked) / min(per_iter) - 1):+.1f}%)")
         # CPU-seconds summed over the processes: steadier than wall time on a shared machine
         cpu_plain = statistics.median(sum(r[8][i] for r in rows) for i in range(iters))
         cpu_ver = statistics.median(sum(r[9][i] for r in rows) for i in range(iters))

@@ -31,7 +31,7 @@ def main() -> None:
           f"{t_copy * 1e3:.3f} ms, {moved / t_copy / 1e9:.0f} GB/s")
     for layout in ("2d", "swizzled"):
         scale = torch.empty(mxfp8.scale_numel((m, k), layout), dtype=torch.uint8, device="cuda")
-        t = cuda_time(lambda: mxfp8.quantize(src, data, scale, layout, "ceil"), 20, warmup=3)
+        t = cuda_time(lambda scale=scale, layout=layout: mxfp8.quantize(src, data, scale, layout, "ceil"), 20, warmup=3)
         print(f"  {layout:>8}: {t * 1e3:.3f} ms, {moved / t / 1e9:.0f} GB/s, {t_copy / t:.2f} of the copy rate")
 
 

@@ -155,8 +155,8 @@ def bench(total: int, count: int, check: bool, cache: str, tile_bytes: int, flat
         loop_unpack()
         assert torch.equal(got, s0.out), "unpack differs from torch slicing"
 
-    flats = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
-             for _ in range(nsets)]
+    flats = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+              torch.empty(nbytes, dtype=torch.uint8, device="cuda")) for _ in range(nsets)]
     d2d = [lambda src=src, dst=dst: dst.copy_(src) for src, dst in flats]
     inner = max(1, min(50, (256 << 20) // total))
     loop_iters = 3 if count >= 1000 else 5

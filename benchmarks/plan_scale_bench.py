@@ -130,7 +130,8 @@ def main() -> None:
     blobs = payloads(src, dst, world)
     del src, dst
     largest = max(len(b) for b in blobs)
-    print(f"\nexchange at {world} ranks: payload per rank median {statistics.median(len(b) for b in blobs) / 1e3:.1f} KB, "
+    print(f"\nexchange at {world} ranks: "
+          f"payload per rank median {statistics.median(len(b) for b in blobs) / 1e3:.1f} KB, "
           f"largest {largest / 1e3:.1f} KB; received per rank {world * largest / 1e6:.2f} MB "
           f"(all_gather_object pads to the largest)")
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:

@@ -45,8 +45,10 @@ def case_uneven_blocks(world: int) -> Spec:
     n = min(world, 4)
     ranks = list(range(n))
     return {
-        "uneven.rows": ((10, 7), F32, L((10, 7), F32, ranks, [Shard(0)]), F32, L((10, 7), F32, ranks[::-1], [Shard(1)])),
-        "uneven.to_one": ((13, 3), F32, L((13, 3), F32, ranks, [Shard(0)]), F32, L((13, 3), F32, [ranks[-1]], [Replicate()])),
+        "uneven.rows": ((10, 7), F32, L((10, 7), F32, ranks, [Shard(0)]), F32,
+                        L((10, 7), F32, ranks[::-1], [Shard(1)])),
+        "uneven.to_one": ((13, 3), F32, L((13, 3), F32, ranks, [Shard(0)]), F32,
+                          L((13, 3), F32, [ranks[-1]], [Replicate()])),
         "blocks.qkv": (
             (48, 16), BF16,
             L((48, 16), BF16, ranks[:2], [Shard(0, blocks=(32, 8, 8))]), BF16,
@@ -65,15 +67,20 @@ def case_meshes(world: int) -> Spec:
     m2 = Mesh([[0, 1], [2, 3]])
     m3 = Mesh([[[0], [1]], [[2], [3]]])  # 2x2x1
     return {
-        "nested.2d": ((16, 12), F32, L((16, 12), F32, m2, [Shard(0), Shard(0)]), F32, L((16, 12), F32, m2, [Shard(1), Replicate()])),
-        "nested.2d.both": ((8, 12), F32, L((8, 12), F32, m2, [Shard(0), Shard(1)]), F32, L((8, 12), F32, m2, [Shard(1), Shard(0)])),
+        "nested.2d": ((16, 12), F32, L((16, 12), F32, m2, [Shard(0), Shard(0)]), F32,
+                      L((16, 12), F32, m2, [Shard(1), Replicate()])),
+        "nested.2d.both": ((8, 12), F32, L((8, 12), F32, m2, [Shard(0), Shard(1)]), F32,
+                           L((8, 12), F32, m2, [Shard(1), Shard(0)])),
         "nested.3d": (
             (8, 6, 4), F32,
             L((8, 6, 4), F32, m3, [Shard(0), Shard(2), Replicate()]), F32,
-            L((8, 6, 4), F32, Mesh([0, 1, 2, 3]), [Shard(1, stride=1)]) if 6 % 4 == 0 else L((8, 6, 4), F32, [3, 2, 1, 0], [Shard(0)]),
+            L((8, 6, 4), F32, Mesh([0, 1, 2, 3]), [Shard(1, stride=1)]) if 6 % 4 == 0
+            else L((8, 6, 4), F32, [3, 2, 1, 0], [Shard(0)]),
         ),
-        "dp.replicas": ((16, 8), F32, L((16, 8), F32, m2, [Replicate(), Shard(0)]), F32, L((16, 8), F32, [0, 1, 2, 3], [Shard(0)])),
-        "dp.to_dp": ((16, 8), F32, L((16, 8), F32, m2, [Replicate(), Shard(1)]), F32, L((16, 8), F32, Mesh([[0, 2], [1, 3]]), [Replicate(), Shard(0)])),
+        "dp.replicas": ((16, 8), F32, L((16, 8), F32, m2, [Replicate(), Shard(0)]), F32,
+                        L((16, 8), F32, [0, 1, 2, 3], [Shard(0)])),
+        "dp.to_dp": ((16, 8), F32, L((16, 8), F32, m2, [Replicate(), Shard(1)]), F32,
+                     L((16, 8), F32, Mesh([[0, 2], [1, 3]]), [Replicate(), Shard(0)])),
     }
 
 
@@ -85,7 +92,8 @@ def case_pp_experts(world: int) -> Spec:
         stage = layer // 2
         shape = (16, 8)
         out[f"decoder.layers.{layer}.mlp.fc1.weight"] = (
-            shape, F32, L(shape, F32, [2 * stage, 2 * stage + 1], [Shard(0)]), F32, L(shape, F32, [0, 1, 2, 3], [Shard(0)]))
+            shape, F32, L(shape, F32, [2 * stage, 2 * stage + 1], [Shard(0)]), F32,
+            L(shape, F32, [0, 1, 2, 3], [Shard(0)]))
     # per-expert tensors: EP4 (expert e on rank e % 4) -> EP2 on ranks 0,1
     for e in range(8):
         shape = (6, 4)
@@ -94,7 +102,8 @@ def case_pp_experts(world: int) -> Spec:
     # stacked experts [E, H, I]: EP4 -> EP2 x TP2 (expert dim over mesh dim 0, I over dim 1)
     shape = (8, 6, 4)
     out["decoder.layers.1.mlp.experts.w"] = (
-        shape, BF16, L(shape, BF16, [0, 1, 2, 3], [Shard(0)]), BF16, L(shape, BF16, Mesh([[0, 1], [2, 3]]), [Shard(0), Shard(2)]))
+        shape, BF16, L(shape, BF16, [0, 1, 2, 3], [Shard(0)]), BF16,
+        L(shape, BF16, Mesh([[0, 1], [2, 3]]), [Shard(0), Shard(2)]))
     return out
 
 
@@ -106,7 +115,8 @@ def case_placement(world: int) -> Spec:
         # ranks 2 and 3 idle for this tensor on both sides
         "idle": ((5, 3), F32, L((5, 3), F32, [0], [Replicate()]), F32, L((5, 3), F32, [1], [Replicate()])),
         # zero-size pieces and zero-size tensors
-        "zero.piece": ((3, 4), F32, L((3, 4), F32, [0, 1, 2, 3], [Shard(0)]), F32, L((3, 4), F32, [3, 2, 1, 0], [Shard(1)])),
+        "zero.piece": ((3, 4), F32, L((3, 4), F32, [0, 1, 2, 3], [Shard(0)]), F32,
+                       L((3, 4), F32, [3, 2, 1, 0], [Shard(1)])),
         "zero.tensor": ((0, 5), F32, L((0, 5), F32, [0, 1], [Shard(0)]), F32, L((0, 5), F32, [2, 3], [Shard(0)])),
         "scalar": ((), F32, L((), F32, [0], [Replicate()]), F32, L((), F32, [0, 1, 2, 3], [Replicate()])),
     }
@@ -115,27 +125,35 @@ def case_placement(world: int) -> Spec:
 def case_casts(world: int) -> Spec:
     r = list(range(min(world, 4)))
     return {
-        "cast.f32_bf16": ((16, 6), F32, L((16, 6), F32, r[:2], [Shard(0)]), BF16, L((16, 6), BF16, r, [Shard(1, stride=1)] if 6 % len(r) == 0 else [Shard(0)])),
+        "cast.f32_bf16": ((16, 6), F32, L((16, 6), F32, r[:2], [Shard(0)]), BF16,
+                          L((16, 6), BF16, r, [Shard(1, stride=1)] if 6 % len(r) == 0 else [Shard(0)])),
         "cast.bf16_f32": ((16, 6), BF16, L((16, 6), BF16, r, [Shard(0)]), F32, L((16, 6), F32, r[:1], [Replicate()])),
         "cast.f16_f32": ((8, 8), F16, L((8, 8), F16, r[:2], [Shard(1)]), F32, L((8, 8), F32, r, [Shard(0)])),
         "cast.f32_f16": ((8, 8), F32, L((8, 8), F32, r, [Shard(0)]), F16, L((8, 8), F16, r[:2], [Shard(1)])),
-        "cast.f64_bf16": ((8, 4), torch.float64, L((8, 4), torch.float64, r[:1], [Replicate()]), BF16, L((8, 4), BF16, r, [Shard(0)])),
+        "cast.f64_bf16": ((8, 4), torch.float64, L((8, 4), torch.float64, r[:1], [Replicate()]), BF16,
+                          L((8, 4), BF16, r, [Shard(0)])),
         "int.same": ((8, 5), I64, L((8, 5), I64, r[:2], [Shard(0)]), I64, L((8, 5), I64, r, [Shard(0)])),
-        "int8.same": ((8, 5), torch.int8, L((8, 5), torch.int8, r[:2], [Shard(0)]), torch.int8, L((8, 5), torch.int8, r[::-1], [Shard(0)])),
+        "int8.same": ((8, 5), torch.int8, L((8, 5), torch.int8, r[:2], [Shard(0)]), torch.int8,
+                      L((8, 5), torch.int8, r[::-1], [Shard(0)])),
     }
 
 
 def case_two(world: int) -> Spec:
     """The matrix's kinds on two ranks (for 2-GPU machines)."""
     return {
-        "dp.replicas": ((16, 8), F32, L((16, 8), F32, [[0], [1]], [Replicate(), Shard(0)]), F32, L((16, 8), F32, [0, 1], [Shard(0)])),
-        "nested.2d": ((8, 12), F32, L((8, 12), F32, [[0, 1]], [Shard(0), Shard(1)]), F32, L((8, 12), F32, [[1], [0]], [Shard(1), Shard(0)])),
+        "dp.replicas": ((16, 8), F32, L((16, 8), F32, [[0], [1]], [Replicate(), Shard(0)]), F32,
+                        L((16, 8), F32, [0, 1], [Shard(0)])),
+        "nested.2d": ((8, 12), F32, L((8, 12), F32, [[0, 1]], [Shard(0), Shard(1)]), F32,
+                      L((8, 12), F32, [[1], [0]], [Shard(1), Shard(0)])),
         "noncolo": ((12, 8), BF16, L((12, 8), BF16, [0], [Replicate()]), BF16, L((12, 8), BF16, [1], [Replicate()])),
         "pp.layers.0": ((16, 8), F32, L((16, 8), F32, [0], [Replicate()]), F32, L((16, 8), F32, [0, 1], [Shard(0)])),
         "pp.layers.1": ((16, 8), F32, L((16, 8), F32, [1], [Replicate()]), F32, L((16, 8), F32, [0, 1], [Shard(1)])),
-        "experts.weight0": ((6, 4), BF16, L((6, 4), BF16, [0], [Replicate()]), BF16, L((6, 4), BF16, [1], [Replicate()])),
-        "experts.weight1": ((6, 4), BF16, L((6, 4), BF16, [1], [Replicate()]), BF16, L((6, 4), BF16, [0], [Replicate()])),
-        "experts.stacked": ((4, 6, 4), BF16, L((4, 6, 4), BF16, [0, 1], [Shard(0)]), BF16, L((4, 6, 4), BF16, [1, 0], [Shard(2)])),
+        "experts.weight0": ((6, 4), BF16, L((6, 4), BF16, [0], [Replicate()]), BF16,
+                            L((6, 4), BF16, [1], [Replicate()])),
+        "experts.weight1": ((6, 4), BF16, L((6, 4), BF16, [1], [Replicate()]), BF16,
+                            L((6, 4), BF16, [0], [Replicate()])),
+        "experts.stacked": ((4, 6, 4), BF16, L((4, 6, 4), BF16, [0, 1], [Shard(0)]), BF16,
+                            L((4, 6, 4), BF16, [1, 0], [Shard(2)])),
         "zero.piece": ((1, 4), F32, L((1, 4), F32, [0, 1], [Shard(0)]), F32, L((1, 4), F32, [1, 0], [Shard(0)])),
         "scalar": ((), F32, L((), F32, [1], [Replicate()]), F32, L((), F32, [0, 1], [Replicate()])),
         "strided.qkv": ((48, 16), BF16, L((48, 16), BF16, [0, 1], [Shard(0, blocks=(32, 8, 8))]), F32,
@@ -147,8 +165,13 @@ def case_relay(world: int) -> Spec:
     """More dst replicas of a piece than src ranks holding it: relayed by default
     (reshard_ext/relay.py), collocated and not; tensors that cannot split stay direct."""
     assert world >= 4
-    one = lambda shape, dt=F32, r=(0,): L(shape, dt, list(r), [Replicate()])
-    three = lambda shape, dt=F32: L(shape, dt, [1, 2, 3], [Replicate()])
+
+    def one(shape: tuple[int, ...], dt: torch.dtype = F32, r: tuple[int, ...] = (0,)) -> Layout:
+        return L(shape, dt, list(r), [Replicate()])
+
+    def three(shape: tuple[int, ...], dt: torch.dtype = F32) -> Layout:
+        return L(shape, dt, [1, 2, 3], [Replicate()])
+
     m2 = Mesh([[0, 1], [2, 3]])
     return {
         "relay.1to3": ((24, 8), F32, one((24, 8)), F32, three((24, 8))),
@@ -160,9 +183,12 @@ def case_relay(world: int) -> Spec:
         "relay.1to3.tiny": ((1, 1), F32, one((1, 1)), F32, three((1, 1))),
         "relay.1to3.scalar": ((), F32, one(()), F32, three(())),
         "relay.colo.1to4": ((16, 4), F32, one((16, 4)), F32, L((16, 4), F32, [0, 1, 2, 3], [Replicate()])),
-        "relay.colo.2repl_dims": ((8, 6), F32, one((8, 6), r=(3,)), F32, L((8, 6), F32, m2, [Replicate(), Replicate()])),
-        "relay.colo.tp2_dp2": ((16, 6), F32, L((16, 6), F32, [1, 2], [Shard(0)]), F32, L((16, 6), F32, m2, [Replicate(), Shard(0)])),
-        "relay.colo.strided": ((16, 4), F32, one((16, 4), r=(2,)), F32, L((16, 4), F32, m2, [Shard(0, stride=2), Replicate()])),
+        "relay.colo.2repl_dims": ((8, 6), F32, one((8, 6), r=(3,)), F32,
+                                  L((8, 6), F32, m2, [Replicate(), Replicate()])),
+        "relay.colo.tp2_dp2": ((16, 6), F32, L((16, 6), F32, [1, 2], [Shard(0)]), F32,
+                               L((16, 6), F32, m2, [Replicate(), Shard(0)])),
+        "relay.colo.strided": ((16, 4), F32, one((16, 4), r=(2,)), F32,
+                               L((16, 4), F32, m2, [Shard(0, stride=2), Replicate()])),
         "relay.colo.blocks": ((24, 4), BF16, one((24, 4), BF16, r=(1,)), BF16,
                               L((24, 4), BF16, m2, [Shard(0, blocks=(16, 4, 4)), Replicate()])),
     }
@@ -250,7 +276,7 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
             want = dl.local_part(expect[name].to(dl.dtype), rank)
             assert bits_equal(t.cpu(), want), f"rank {rank} step {step}: {name} differs"
         # change the sources in place (as an optimizer step does) and refit again
-        for i, (name, (shape, sdt, sl, ddt, dl)) in enumerate(sorted(specs.items())):
+        for i, (name, (shape, sdt, sl, _ddt, _dl)) in enumerate(sorted(specs.items())):
             g = make_global(shape, sdt, seed=5000 + i + 100 * step)
             if name in src:
                 src[name][0].copy_(sl.local_part(g, rank).to(device))

@@ -30,7 +30,8 @@ def build(tp: int = 1, ep: int = 1, pp: int = 1, experts: int = 0, seed: int = 0
                moe_token_dispatcher_type="alltoall" if cuda else "allgather", moe_grouped_gemm=False,
                add_bias_linear=False) if experts else {}
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                            num_query_groups=query_groups, ffn_hidden_size=ffn or 2 * hidden, gated_linear_unit=True, params_dtype=dtype,
+                            num_query_groups=query_groups, ffn_hidden_size=ffn or 2 * hidden, gated_linear_unit=True,
+                            params_dtype=dtype,
                             bf16=dtype == torch.bfloat16, use_cpu_initialization=not cuda,
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
                             expert_model_parallel_size=ep,

@@ -43,7 +43,8 @@ class PGCollection:  # Megatron's ProcessGroupCollection fields used here, plus 
     pp_ranks: list
 
 
-def make_groups(world: int, base: int, tp: int, pp: int, dp: int, ep: int = 1, etp: int | None = None) -> PGCollection | None:
+def make_groups(world: int, base: int, tp: int, pp: int, dp: int, ep: int = 1,
+                etp: int | None = None) -> PGCollection | None:
     """Creates (on every rank of the world, in the same order) the groups of a model on
     ranks base .. base+tp*dp*pp-1 in Megatron order (tp fastest, then dp, then pp; experts:
     etp, ep, edp). Returns this rank's groups, None if it is not in the model."""
@@ -99,7 +100,8 @@ def _tp(pg: PGCollection, expert: bool = False) -> tuple[int, int, Any]:
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, gname: str, in_f: int, out_f: int, pg: PGCollection, stride: int = 1, gather_output: bool = False, bias: bool = True):
+    def __init__(self, gname: str, in_f: int, out_f: int, pg: PGCollection, stride: int = 1,
+                 gather_output: bool = False, bias: bool = True):
         super().__init__()
         P, r, self.group = _tp(pg)
         self.gather_output = gather_output
@@ -164,7 +166,8 @@ class GroupedLinear(nn.Module):
         P, r, _ = _tp(pg, expert=True)
         shape = (out_f // P, in_f) if dim == 0 else (out_f, in_f // P)
         for k, e in enumerate(experts):
-            self.register_parameter(f"weight{k}", _param(shape, (f"{gname}.weight{e}", (out_f, in_f), dim, stride, P, r),
+            self.register_parameter(f"weight{k}", _param(shape,
+                                                         (f"{gname}.weight{e}", (out_f, in_f), dim, stride, P, r),
                                                          tensor_model_parallel=True, partition_dim=dim,
                                                          partition_stride=stride, allreduce=False))
 
@@ -187,8 +190,10 @@ class MoE(nn.Module):
         self.router.expert_bias._origin = (prefix + ".router.expert_bias", (E,), 0, 1, 1, 0)
         self.router.register_buffer("local_tokens_per_expert", torch.zeros(E), persistent=False)
         self.experts = nn.Module()
-        self.experts.linear_fc1 = GroupedLinear(prefix + ".experts.linear_fc1", self.experts_here, cfg.hidden, 2 * cfg.moe_ffn, 0, 2, pg)
-        self.experts.linear_fc2 = GroupedLinear(prefix + ".experts.linear_fc2", self.experts_here, cfg.moe_ffn, cfg.hidden, 1, 1, pg)
+        self.experts.linear_fc1 = GroupedLinear(prefix + ".experts.linear_fc1", self.experts_here,
+                                                cfg.hidden, 2 * cfg.moe_ffn, 0, 2, pg)
+        self.experts.linear_fc2 = GroupedLinear(prefix + ".experts.linear_fc2", self.experts_here,
+                                                cfg.moe_ffn, cfg.hidden, 1, 1, pg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(x @ self.router.weight.t() + self.router.expert_bias.float(), dim=-1)
@@ -247,17 +252,20 @@ class GPT(nn.Module):
             layer_ids = list(range(pg.stage * per, (pg.stage + 1) * per))
         if first:
             self.embedding = nn.Module()
-            self.embedding.word_embeddings = VocabParallelEmbedding("embedding.word_embeddings.weight", cfg.vocab, cfg.hidden, pg)
+            self.embedding.word_embeddings = VocabParallelEmbedding("embedding.word_embeddings.weight",
+                                                                    cfg.vocab, cfg.hidden, pg)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList(TransformerLayer(i + 1, cfg, pg) for i in layer_ids)
         if last:
             self.decoder.final_layernorm = Norm("decoder.final_layernorm", cfg.hidden)
-            self.output_layer = ColumnParallelLinear("output_layer", cfg.hidden, cfg.vocab, pg, gather_output=True, bias=False)
+            self.output_layer = ColumnParallelLinear("output_layer", cfg.hidden, cfg.vocab, pg,
+                                                     gather_output=True, bias=False)
             if cfg.tied and first:  # Megatron: the output layer reads the word embeddings
                 del self.output_layer.weight
                 self.output_layer.weight = None
             elif cfg.tied:  # its own copy on the last stage, equal to the embeddings
-                self.output_layer.weight._origin = ("embedding.word_embeddings.weight",) + self.output_layer.weight._origin[1:]
+                self.output_layer.weight._origin = (("embedding.word_embeddings.weight",)
+                                                    + self.output_layer.weight._origin[1:])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         cfg, pg = self.config, self.pg_collection
@@ -273,7 +281,8 @@ class GPT(nn.Module):
                 dist.broadcast(h, src=pg.pp_ranks[stage], group=pg.pp)
         logits = torch.zeros(ids.shape[0], cfg.vocab)
         if pg.stage == pp - 1:
-            w = self.output_layer.weight if self.output_layer.weight is not None else self.embedding.word_embeddings.weight
+            w = (self.output_layer.weight if self.output_layer.weight is not None
+                 else self.embedding.word_embeddings.weight)
             logits = self.output_layer(self.decoder.final_layernorm(h), weight=w)
         if pp > 1:
             dist.broadcast(logits, src=pg.pp_ranks[-1], group=pg.pp)

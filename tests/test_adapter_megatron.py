@@ -31,8 +31,10 @@ def _vpp_layouts(rank: int, world: int) -> Any:
 def test_virtual_pp_global_names_and_layouts() -> None:
     (names0, bad0), (names1, bad1) = run_ranks(2, _vpp_layouts)
     assert bad0 == [] and bad1 == []
-    assert names0 == ["decoder.layers.0.mlp.experts.linear_fc1.weight0", "decoder.layers.2.mlp.experts.linear_fc1.weight0"]
-    assert names1 == ["decoder.layers.1.mlp.experts.linear_fc1.weight0", "decoder.layers.3.mlp.experts.linear_fc1.weight0"]
+    assert names0 == ["decoder.layers.0.mlp.experts.linear_fc1.weight0",
+                      "decoder.layers.2.mlp.experts.linear_fc1.weight0"]
+    assert names1 == ["decoder.layers.1.mlp.experts.linear_fc1.weight0",
+                      "decoder.layers.3.mlp.experts.linear_fc1.weight0"]
 
 
 def _packed(rank: int, world: int) -> Any:

@@ -139,7 +139,8 @@ def special_values() -> torch.Tensor:
          3.4028234663852886e38, 3.4028235677973366e38, 1e39, 1e-40, 1e-45, 1e-310, 5e-324, 2.0 ** -126,
          2.0 ** -133, 1.00390625, 1.01171875, -3.0e-39]
     g = torch.Generator().manual_seed(5)
-    rnd = torch.randn(2000, generator=g, dtype=torch.float64) * torch.pow(10.0, torch.randint(-45, 45, (2000,), generator=g))
+    rnd = (torch.randn(2000, generator=g, dtype=torch.float64)
+           * torch.pow(10.0, torch.randint(-45, 45, (2000,), generator=g)))
     return torch.cat([torch.tensor(v, dtype=torch.float64), rnd])
 
 

@@ -1,5 +1,6 @@
-"""The package's sources pass ruff and mypy as configured in pyproject.toml (the test
-extra installs both, so CI runs these; a bare environment skips them)."""
+"""The package's sources, tests and benchmarks pass ruff, and the package passes mypy, as
+configured in pyproject.toml (the test extra installs both, so CI runs these; a bare
+environment skips them)."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,7 +23,7 @@ def _run(tool: str, *args: str) -> None:
 
 
 def test_ruff() -> None:
-    _run("ruff", "check", "--no-cache", "reshard_ext")
+    _run("ruff", "check", "--no-cache", "reshard_ext", "tests", "benchmarks")
 
 
 def test_mypy() -> None:

@@ -63,7 +63,8 @@ def _global_index(runs):
 @given(pairs())
 def test_local_plan_properties(pair):
     src, dst, max_batch = pair
-    plans = {r: rx.local_plan({"t": src}, {"t": dst}, r, max_batch_bytes=max_batch, num_batches=2) for r in range(WORLD)}
+    plans = {r: rx.local_plan({"t": src}, {"t": dst}, r, max_batch_bytes=max_batch, num_batches=2)
+             for r in range(WORLD)}
     key = lambda box: tuple((s.start, s.stop) for s in box)  # noqa: E731
     sends = sorted((r, op.peer, key(op.my_box), key(op.peer_box)) for r, p in plans.items() for op in p.sends)
     recvs = sorted((op.peer, r, key(op.peer_box), key(op.my_box)) for r, p in plans.items() for op in p.recvs)

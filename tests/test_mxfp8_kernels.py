@@ -108,7 +108,8 @@ def make_case(name: str, rows: int = 64, cols: int = 256, seed: int = 0) -> torc
         m = 1 + torch.rand(rows, cols, generator=g, dtype=torch.float64)
         return (s * m * torch.exp2(e)).to(torch.bfloat16)
     if name == "bits":  # every bf16 pattern may appear: NaN, Inf, subnormals, -0
-        return torch.randint(0, 1 << 16, (rows, cols), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        bits = torch.randint(0, 1 << 16, (rows, cols), generator=g, dtype=torch.int32)
+        return bits.to(torch.int16).view(torch.bfloat16)
     if name == "zeros":
         x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
         x.view(rows, -1, 32)[::2, ::3] = 0.0
@@ -150,7 +151,7 @@ CASES = ("normal", "wide", "bits", "zeros", "boundary", "subnormal", "ties", "no
 
 
 def kernel(x: torch.Tensor, rounding: str, scale_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+    k = x.shape[-1]
     data = torch.full(x.shape, 0xAB, dtype=torch.uint8, device=x.device)
     scale = torch.full((scale_numel(tuple(x.shape), scale_layout),), 0xCD, dtype=torch.uint8, device=x.device)
     quantize(x, data, scale, scale_layout, rounding)

@@ -56,7 +56,8 @@ SCATTER_CASES = {
     "2repl_dims": (L((8, 6), [3], [Replicate()]), L((8, 6), [[0, 1], [2, 3]], [Replicate(), Replicate()])),
     "repl_first": (L((16, 6), [1, 2], [Shard(0)]), L((16, 6), [[0, 1], [2, 3]], [Replicate(), Shard(0)])),
     "strided": (L((16, 4), [2], [Replicate()]), L((16, 4), [[0, 1], [2, 3]], [Shard(0, stride=2), Replicate()])),
-    "blocks": (L((24, 4), [1], [Replicate()]), L((24, 4), [[0, 1], [2, 3]], [Shard(0, blocks=(16, 4, 4)), Replicate()])),
+    "blocks": (L((24, 4), [1], [Replicate()]),
+               L((24, 4), [[0, 1], [2, 3]], [Shard(0, blocks=(16, 4, 4)), Replicate()])),
     "3d_mesh": (L((12, 5), [0], [Replicate()]),
                 L((12, 5), [[[1, 2], [3, 4]], [[5, 6], [7, 8]]], [Replicate(), Shard(1), Replicate()])),
 }

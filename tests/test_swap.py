@@ -265,7 +265,7 @@ def _failing(rank: int, world: int, how: str) -> Any:
 @pytest.mark.parametrize("how", ["adapter", "shape", "int_to_float"])
 def test_error_on_one_rank_raises_on_every_rank(how: str) -> None:
     results = run_ranks(2, _failing, how)
-    for kind, msg, filled_bad in results:
+    for kind, _msg, filled_bad in results:
         assert kind == "raised", results
         assert filled_bad, "data moved although planning failed"
 

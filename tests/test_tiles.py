@@ -198,7 +198,8 @@ def test_ten_thousand_tiny_boxes_get_one_tile_each() -> None:
 
 def test_empty_boxes_get_no_tiles() -> None:
     f32 = code_of(torch.float32)
-    rows = [(1 << 40, 1 << 41, (0,), (1,), (1,), f32, f32), (1 << 40, 1 << 41, (5, 0, 3), (3, 3, 1), (0, 3, 1), f32, f32)]
+    rows = [(1 << 40, 1 << 41, (0,), (1,), (1,), f32, f32),
+            (1 << 40, 1 << 41, (5, 0, 3), (3, 3, 1), (0, 3, 1), f32, f32)]
     assert _C.plan_tiles(table(rows), 0) == []
     assert _C.plan_tiles(table([]), 0) == []
 

@@ -107,7 +107,7 @@ def _versions(rank: int, world: int):
 
 
 def test_version_is_what_fully_landed():
-    for rank, (before, after, error, after_mismatch, last, ok) in enumerate(run_ranks(2, _versions)):
+    for _rank, (before, after, error, after_mismatch, last, ok) in enumerate(run_ranks(2, _versions)):
         assert before is None and after == 5 and last == 8 and ok
         assert error is not None and "version" in error, error
         assert after_mismatch is None  # a failed execute leaves no version
@@ -223,13 +223,13 @@ def test_bound_tensor_replaced_or_resized_raises_before_data_moves(how, fast):
     results = run_ranks(2, _replaced, how, fast)
     assert "bound tensors were replaced or resized" in results[1][0] and "src tensor 'w'" in results[1][0]
     assert "rank 1: failed a check of its own" in results[0][0]
-    for error, untouched, ok, used_fast in results:
+    for _error, untouched, ok, used_fast in results:
         assert untouched and ok and used_fast == fast
 
 
 def test_bound_tensor_shrunk_in_its_storage_executes():
     """A tensor resize_ that keeps its storage's memory: the plan reads the memory it bound."""
-    for error, untouched, ok, _ in run_ranks(2, _replaced, "shrink", bool(watch.DATA_PTR_FN)):
+    for error, _untouched, ok, _ in run_ranks(2, _replaced, "shrink", bool(watch.DATA_PTR_FN)):
         assert error is None and ok
 
 

@@ -505,7 +505,8 @@ def test_verify_rounds_cut_alike_and_add_up():
 def _idle_and_empty(rank, world):
     """Ranks with nothing to move (and plans that move nothing) still verify."""
     s = rx.Layout((4, 4), torch.float32, rx.Mesh([0]), [rx.Replicate()])
-    plan = rx.plan({"x": (torch.ones(4, 4), s)} if rank == 0 else {}, {"x": (torch.zeros(4, 4), s)} if rank == 0 else {})
+    plan = rx.plan({"x": (torch.ones(4, 4), s)} if rank == 0 else {},
+                   {"x": (torch.zeros(4, 4), s)} if rank == 0 else {})
     rx.execute(plan, verify=True)
     rx.verify(plan)
     return True
