@@ -41,6 +41,9 @@ def _flag(text: str) -> bool:
     raise ValueError("expected 0 or 1")
 
 
+MAX_VERIFY_GROUPS = 255  # the landing groups a direct signal word can count (csrc/core/direct.h)
+
+
 def _count(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -118,7 +121,7 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_DIRECT_ENGINE_STREAMS", None, _streams,
              "streams (copy engines) the direct copy-engine copies are spread over, large copies cut to balance them "
              "(auto: one per 100 copies, 4 to 32; N: N streams)"),
-        Knob("RESHARD_EXT_DIRECT_VERIFY_GROUPS", 8, _count(1, 255),
+        Knob("RESHARD_EXT_DIRECT_VERIFY_GROUPS", 8, _count(1, MAX_VERIFY_GROUPS),
              "a verified direct execute lands in this many groups, each half the one before, each digested by its "
              "receiver while the next ones move (1 to 255; the same on every rank)"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
@@ -195,8 +198,8 @@ class Options:
       copies, 4 to 32, _C.auto_engine_streams).
     - direct_verify_groups: a verified direct execute's senders write and signal each pair's
       ops in this many groups, each half the size of the one before, and the receiver digests
-      group k while the next ones move (1 to 255,
-      the same on every rank: plan raises otherwise; RESHARD_EXT_DIRECT_VERIFY_GROUPS).
+      group k while the next ones move (1 to 255, the same on every rank: plan raises
+      otherwise; RESHARD_EXT_DIRECT_VERIFY_GROUPS).
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
@@ -250,7 +253,8 @@ class Options:
             "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_engine_batch": (bool, lambda v: True, "a bool"),
             "direct_engine_streams": (int, lambda v: v >= 1, "an integer >= 1"),
-            "direct_verify_groups": (int, lambda v: 1 <= v <= 255, "an integer from 1 to 255"),
+            "direct_verify_groups": (int, lambda v: 1 <= v <= MAX_VERIFY_GROUPS,
+                                     f"an integer from 1 to {MAX_VERIFY_GROUPS}"),
             "direct_local_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_local_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_ipc": (bool, lambda v: True, "a bool"),
