@@ -10,6 +10,7 @@ the late rank joins it, so the group's order of collectives is kept.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from typing import Any
@@ -19,6 +20,8 @@ import torch.distributed as dist
 
 from .errors import ReshardError
 from .options import env_default
+
+_SPIN_S = 1e-3  # how long wait() polls before it sleeps between polls
 
 
 def _device(group: Any) -> torch.device:
@@ -31,11 +34,16 @@ def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
     """Waits for an async collective; ReshardError after the timeout (default
     RESHARD_EXT_P2P_TIMEOUT) or when the collective fails (a peer died)."""
     limit = float(env_default("RESHARD_EXT_P2P_TIMEOUT")) if timeout_s is None else timeout_s
-    deadline = time.monotonic() + limit
+    start = time.monotonic()
+    deadline = start + limit
     pause = 1e-5
     try:
         while not work.is_completed():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now < start + _SPIN_S:  # a sleep oversleeps by ~60 us: short waits poll
+                os.sched_yield()
+                continue
+            if now > deadline:
                 raise ReshardError(
                     f"{what}: not every rank of the group joined within {limit:g} s (rx.Options.timeout, default "
                     f"RESHARD_EXT_P2P_TIMEOUT); "
