@@ -400,8 +400,7 @@ class Plan:
             for step in self._steps[side][1]:
                 step()
         if verify:
-            send, recv = digests
-            verification.check(self._ops(), send, recv, what="rx.execute(verify=True)")
+            verification.check(self._ops(), digests, what="rx.execute(verify=True)")
 
     def _advance(self, session: Session) -> None:
         """The execute number of this plan, as the peers agreed (headers)."""
@@ -426,7 +425,7 @@ class Plan:
             for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
                 step()
             send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
-            verification.check(self._ops(), send, recv, what="rx.verify", copies=(copy_src, copy_dst))
+            verification.check(self._ops(), (send, recv), what="rx.verify", copies=(copy_src, copy_dst))
         finally:
             channel.leave()
 

@@ -4,8 +4,9 @@ Every op of a plan gets a 64-bit digest at both ends: on the sender of what the 
 must hold (after casts and MXFP8), on the receiver of what it wrote or holds
 (csrc/kernels/digest.h; computed inside the pack/unpack kernels). Only digests travel,
 and per op only when they differ: one all-reduce of every rank's digest sums (sends
-minus receives, lane by lane) tells all ranks at once whether every op matched (a
-mismatch that cancels in the sum has a ~2^-64 chance). Only then does each sender send
+minus receives, lane by lane; summed on the GPU where the digests are there) tells all
+ranks at once whether every op matched (a mismatch that cancels in the sum has a ~2^-64
+chance). Only then does each sender send
 each of its receivers one vector, in the canonical op order both ends share, the
 receiver compares, and ReshardError is raised on every rank of the group, naming the
 tensors, boxes and ranks (one more all-reduce, and an all-gather of the reports).
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from .collectives import first_failed_rank, wait
 from .errors import ReshardError
+from .transports.digests import DeviceDigests, Digests, lanes
 from .transports.p2p import P2PExchange
 
 _MAX_LISTED = 20
@@ -43,11 +45,45 @@ class Ops:
         self.p2p = P2PExchange(group, timeout_s)
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._side: Any = None  # read_back's stream and pinned buffer, made by its first call
+        self._pinned: Any = None
+
+    def read_back(self, t: torch.Tensor, work: Any) -> _ReadBack:
+        """Queues the copy of `t` into pinned host memory once `work` (a collective on it) is
+        done, on a side stream: a collective that never completes blocks that stream alone."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(t.device)
+            self._pinned = torch.empty(3, dtype=torch.int64).pin_memory()
+        self._side.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self._side):
+            work.wait()
+            self._pinned.copy_(t, non_blocking=True)
+            return _ReadBack(self._pinned)
 
     def describe(self, op: Any) -> str:
         """`'name'[global box]` of one op (a _C.PlannedOp of RankPlan.sends/recvs/copies)."""
         box = ", ".join(f"{g}:{g + n}" for g, n in zip(op.global_start, op.size))
         return f"'{self.names.name(op.dst_name)}'[{box}]"
+
+
+class _ReadBack:
+    """A device-to-host copy queued on the current stream, waited for like a collective
+    (collectives.wait polls is_completed)."""
+
+    def __init__(self, pinned: torch.Tensor):
+        self.pinned = pinned
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        pass
+
+    @property
+    def values(self) -> list[int]:
+        return [int(v) for v in self.pinned.tolist()]
 
 
 def _groups(peers: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -78,28 +114,42 @@ def _exchange(ops: Ops, send: np.ndarray) -> np.ndarray:
     return theirs
 
 
-def _lanes(d: np.ndarray) -> np.ndarray:
-    """The digest::add sum of digests (kernels/digest.h) as its two 32-bit lanes."""
-    return np.array([int((d & 0xFFFFFFFF).sum()) & 0xFFFFFFFF, int((d >> 32).sum()) & 0xFFFFFFFF], dtype=np.int64)
-
-
-def _all_match(ops: Ops, send: np.ndarray, recv: np.ndarray, copies_differ: bool, what: str) -> bool:
+def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str) -> bool:
     """One all-reduce: the group's sums of send and of receive digests agree lane by lane
     (and no rank's copies differ). Every rank gets the same answer."""
-    local = np.append(_lanes(send) - _lanes(recv), int(copies_differ))
-    t = torch.from_numpy(local).to(ops.device)
-    wait(dist.all_reduce(t, group=ops.p2p.group, async_op=True), what, ops.p2p.timeout_s)
+    if isinstance(digests, DeviceDigests) and digests.buf.device.type == ops.device.type:
+        # Queued behind the refit's last reads, before the host waits for them: launched
+        # on a GPU gone idle, the same steps cost several times longer.
+        flag = torch.full((1,), int(copies_differ), dtype=torch.int64, device=ops.device)
+        t = torch.cat((digests.lane_difference().to(ops.device), flag))
+        work = dist.all_reduce(t, group=ops.p2p.group, async_op=True)
+        if t.is_cuda:  # the answer's copy to the host is queued too
+            landed = ops.read_back(t, work)
+            digests.settle()
+            wait(landed, what, ops.p2p.timeout_s)
+            lo, hi, differ = landed.values
+            return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
+        digests.settle()
+    else:
+        if isinstance(digests, DeviceDigests):
+            digests.settle()
+            send, recv = digests.host()
+        else:
+            send, recv = digests
+        t = torch.from_numpy(np.append(lanes(send) - lanes(recv), int(copies_differ))).to(ops.device)
+        work = dist.all_reduce(t, group=ops.p2p.group, async_op=True)
+    wait(work, what, ops.p2p.timeout_s)
     lo, hi, differ = t.tolist()
     return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
 
 
-def check(ops: Ops, send: np.ndarray, recv: np.ndarray, what: str,
-          copies: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+def check(ops: Ops, digests: Digests, what: str, copies: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Compares every op's digests across its two ends (and, given `copies`, the source
     and destination digests of same-rank copies); raises ReshardError on every rank of
     the group when any differ. Collective."""
-    if _all_match(ops, send, recv, copies is not None and bool(np.any(copies[0] != copies[1])), what):
+    if _all_match(ops, digests, copies is not None and bool(np.any(copies[0] != copies[1])), what):
         return
+    send, recv = digests.host() if isinstance(digests, DeviceDigests) else digests
     theirs = _exchange(ops, send)
     errors = []
     for j in np.flatnonzero(theirs != recv):

@@ -127,9 +127,13 @@ class _Exec:
     def wait_landed(self, stream: int, k: int) -> None:
         self._wait(self._post([], self.senders, _DONE + 1 + k))
 
-    def end(self, stream: int) -> None:
+    def end(self, stream: int, wait: bool = True) -> None:
+        """The CPU has no stream to queue on: the wait for the senders is done now either way."""
         posted, self.posted = self.posted, []
         self._wait(posted + self._post(self.receivers, self.senders, _DONE))
+
+    def finish(self) -> None:
+        pass
 
 
 class FakeDevice:
@@ -221,6 +225,18 @@ class _CpuReader:
         out = tuple(self.parts.get(k, np.zeros_like(a)) for k, a in enumerate(self.read()))
         self.parts = {}
         return out
+
+    def digests(self, settle: Any) -> Any:
+        """As the GPU reader: the (send, recv) digests in one buffer the check sums in place."""
+        import numpy as np
+        import torch
+
+        from reshard_ext.transports.digests import DeviceDigests
+
+        send, recv = self.collect()[:2]
+        buf = torch.from_numpy(np.concatenate((send, recv)).view(np.int64))
+        signs = torch.cat((torch.ones(send.size, dtype=torch.int64), -torch.ones(recv.size, dtype=torch.int64)))
+        return DeviceDigests(buf, signs, lambda: (send, recv), settle)
 
 
 def use_fake_device(refuse: set[int] = frozenset()) -> None:

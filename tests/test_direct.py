@@ -1064,6 +1064,42 @@ def test_peer_that_never_executes_raises_2gpu(role):
     assert "rank 1: no header within" in msg and "did not call rx.execute" in msg, msg
 
 
+def _late_sender(rank, world):
+    """Rank 0's stream is busy for 6 s when a verified execute queues its writes to rank 1
+    (the same bytes as the first execute's)."""
+    import time
+
+    sl = Layout((256, 256), F32, Mesh([0]), [Replicate()])
+    dl = Layout((256, 256), F32, Mesh([1]), [Replicate()])
+    src = {"w": (torch.randn(256, 256, device="cuda"), sl)} if rank == 0 else {}
+    dst = {"w": (torch.zeros(256, 256, device="cuda"), dl)} if rank == 1 else {}
+    p = rx.plan(src, dst, backend="direct", options=rx.Options(timeout=2.0))
+    assert p.transport.direct_peers == [1 - rank]
+    rx.execute(p, verify=True)  # a warm one first
+    torch.cuda.synchronize()
+    if rank == 0:
+        torch.cuda._sleep(12_000_000_000)  # ~6 s at 2 GHz
+    t0 = time.monotonic()
+    try:
+        rx.execute(p, verify=True)
+        torch.cuda.synchronize()
+    except rx.ReshardError as e:
+        return time.monotonic() - t0, str(e)
+    return time.monotonic() - t0, "no error"
+
+
+@needs2
+def test_a_late_sender_fails_the_receivers_verified_execute_within_the_timeout_2gpu():
+    """The receiver's wait for a sender that does not signal its writes in time ends with the
+    direct timeout, also where a verified execute queued its check behind that wait (the host
+    waits after): ReshardError naming the sender. The sender's writes land later; the digests
+    the receiver read after its wait gave up match them (the same bytes as before), so the
+    sender's verified execute succeeds."""
+    (t_send, sent), (t_recv, got) = run_ranks(2, _late_sender, backend="nccl", timeout=120)
+    assert "rank 0 did not signal within 2 s" in got and t_recv < 5, (t_recv, got)
+    assert sent == "no error" and t_send > 5, (t_send, sent)
+
+
 @needs2
 def test_rebind_remaps_2gpu():
     """Rebinding the destinations: the sender maps the new tensors; the old memory, reused

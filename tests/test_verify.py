@@ -516,6 +516,27 @@ def test_idle_ranks_verify():
     assert all(run_ranks(4, _idle_and_empty))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_lane_sums_on_the_device_equal_the_host_lanes(device):
+    """The check's sum of digests left on the GPU (DeviceDigests) is the host's lane sum of
+    sends minus receives mod 2^32, high bits set or not, and ignores slots of neither."""
+    from reshard_ext.transports.digests import DeviceDigests, lanes
+
+    rng = np.random.default_rng(5)
+    send = rng.integers(0, 2**64, size=300, dtype=np.uint64, endpoint=False)
+    recv = rng.integers(0, 2**64, size=200, dtype=np.uint64, endpoint=False)
+    send[:3] = [2**64 - 1, 2**63, 2**32 - 1]
+    other = rng.integers(0, 2**64, size=50, dtype=np.uint64, endpoint=False)
+    buf = torch.from_numpy(np.concatenate((send, other, recv)).view(np.int64)).to(device)
+    signs = torch.tensor([1] * 300 + [0] * 50 + [-1] * 200, dtype=torch.int64, device=device)
+    got = DeviceDigests(buf, signs, lambda: (send, recv)).lane_difference().cpu().numpy()
+    assert list(got % 2**32) == list((lanes(send) - lanes(recv)) % 2**32)
+    same = DeviceDigests(torch.cat((buf[:300], buf[:300])), torch.tensor([1] * 300 + [-1] * 300, device=device),
+                         lambda: (send, send))
+    assert list(same.lane_difference().cpu().numpy() % 2**32) == [0, 0]
+
+
 # ---- GPUs ------------------------------------------------------------------------------
 
 NEEDS_2_GPUS = pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]),

@@ -302,10 +302,11 @@ void DirectExec::fail(const std::string& msg) {
   throw ReshardError(msg + ". The plan's direct transport is unusable now (plan again on every rank).");
 }
 
-void DirectExec::guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main) {
+template <class Steps>
+void DirectExec::guarded(Steps&& steps) {
   RX_USER_CHECK(error_.empty(), "direct transport unusable after an earlier failure: ", error_);
   try {
-    (this->*steps)(main);
+    steps();
   } catch (const std::exception& e) {
     if (error_.empty()) error_ = e.what();  // the ranks' sequences may differ from here on
     throw;
@@ -313,8 +314,9 @@ void DirectExec::guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t m
 }
 
 void DirectExec::begin(cudaStream_t main, bool landing) {
+  if (unfinished_) finish();  // an execute whose caller never waited for its end
   landing_ = landing && !groups_.empty();
-  guarded(&DirectExec::begin_steps, main);
+  guarded([&] { begin_steps(main); });
 }
 
 void DirectExec::wait_landed(cudaStream_t main, int32_t k) {
@@ -328,7 +330,17 @@ void DirectExec::wait_landed(cudaStream_t main, int32_t k) {
                                     sig_->error_device(), 0, main));
 }
 
-void DirectExec::end(cudaStream_t main) { guarded(&DirectExec::end_steps, main); }
+void DirectExec::end(cudaStream_t main, bool wait) {
+  guarded([&] { end_steps(main); });
+  unfinished_ = true;
+  if (wait) finish();
+}
+
+void DirectExec::finish() {
+  RX_HOST_ASSERT(unfinished_, "DirectExec::finish without an end(main, false) before it");
+  unfinished_ = false;
+  guarded([&] { finish_steps(); });
+}
 
 void DirectExec::begin_steps(cudaStream_t main) {
   DeviceGuard guard(sig_->device());
@@ -411,6 +423,9 @@ void DirectExec::end_steps(cudaStream_t main) {
                                       main));
   }
   RX_CUDA_CHECK(cudaEventRecord(end_, main));
+}
+
+void DirectExec::finish_steps() {
   // The device waits are bounded by timeout_s; this bound only catches a stream that
   // never reaches them (work queued before the refit that does not finish).
   const double host_timeout = 2 * timeout_s_ + 30;

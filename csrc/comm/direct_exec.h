@@ -159,16 +159,23 @@ class DirectExec {
   // Queues on `main` a wait until landing group k of every sender is in this rank (what
   // follows on `main` may read it). A wait that times out leaves the error to end().
   void wait_landed(cudaStream_t main, int32_t k);
-  // Step 3; returns once the refit's direct part is complete on `main`'s timeline.
-  void end(cudaStream_t main);
+  // Step 3; returns once the refit's direct part is complete on `main`'s timeline. With
+  // wait=false it only queues step 3 (the caller can queue more behind it first) and
+  // finish() must follow before the next begin.
+  void end(cudaStream_t main, bool wait = true);
+  // The host wait of an end(main, false): returns once the refit is complete; throws
+  // ReshardError when a sender never signalled.
+  void finish();
 
   const std::string& error() const { return error_; }
 
  private:
   [[noreturn]] void fail(const std::string& msg);
-  void guarded(void (DirectExec::*steps)(cudaStream_t), cudaStream_t main);
+  template <class Steps>
+  void guarded(Steps&& steps);
   void begin_steps(cudaStream_t main);
   void end_steps(cudaStream_t main);
+  void finish_steps();
   void send_landing();
   // The kernels' box tables in upload order, each at a 256-byte aligned offset.
   std::vector<const DeviceBoxTable*> tables() const;
@@ -185,6 +192,7 @@ class DirectExec {
   };
   std::vector<LandingGroup> groups_;
   bool landing_ = false;  // this execute lands group by group
+  bool unfinished_ = false;  // end(main, false) queued step 3; finish() has not waited for it
   std::vector<int32_t> receivers_, senders_;
   std::vector<uint64_t> done_words_, wait_words_;
   double timeout_s_;

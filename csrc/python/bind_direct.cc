@@ -138,9 +138,12 @@ void register_direct(py::module_& m) {
           py::arg("stream"), py::arg("k"),
           "Queues on `stream` a wait until landing group k of every sender is in this rank.")
       .def(
-          "end", [](DirectExec& d, uint64_t stream) { d.end(as_stream(stream)); }, py::arg("stream"),
-          py::call_guard<py::gil_scoped_release>(),
-          "Queues the wait for its senders' signals and waits (host, bounded) for the refit's end on `stream`.");
+          "end", [](DirectExec& d, uint64_t stream, bool wait) { d.end(as_stream(stream), wait); },
+          py::arg("stream"), py::arg("wait") = true, py::call_guard<py::gil_scoped_release>(),
+          "Queues the wait for its senders' signals and waits (host, bounded) for the refit's end on `stream` "
+          "(wait=False: only queues; finish() waits).")
+      .def("finish", &DirectExec::finish, py::call_guard<py::gil_scoped_release>(),
+           "The host wait of end(stream, wait=False); raises ReshardError when a sender never signalled.");
 #else
   (void)m;
 #endif

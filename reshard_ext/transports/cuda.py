@@ -4,7 +4,7 @@ comparison, by torch.distributed point-to-point."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ from ..errors import ReshardError
 from ..options import Options, set_process_env_default
 from . import nccl_lib
 from .channel import Session, channel_of, exchange_headers
+from .digests import DeviceDigests
 from .p2p import P2PExchange
 
 _ALIGN = 256
@@ -110,6 +111,9 @@ class DigestReader:
         self._boxes = (tables.send_boxes(), tables.recv_boxes())  # what add_runs cuts up
         self._groups: list[list[tuple[Any, int, int]]] = []  # per add_runs: (table, digest address, pass)
         self._group_blobs: list[torch.Tensor] = []
+        self.signs = torch.zeros_like(self.buf)  # +1 send boxes, -1 receive boxes: the check's lane sums
+        self.signs[self.offsets[0]:self.offsets[0] + self.parts[0].num_boxes] = 1
+        self.signs[self.offsets[1]:self.offsets[1] + self.parts[1].num_boxes] = -1
 
     def add_runs(self, part: int, runs: Sequence[tuple[int, int]]) -> int:
         """Prepares a group of [begin, end) runs of boxes of `part` (send or recv) to read
@@ -149,6 +153,15 @@ class DigestReader:
             a[:t.num_boxes] = host[off:off + t.num_boxes]
             out.append(a)
         return tuple(out)
+
+    def digests(self, settle: Callable[[], None]) -> DeviceDigests:
+        """The (send, recv) digests for verification.check, left on the GPU (queues nothing);
+        settle: the host wait for the refit that wrote them."""
+        def host() -> tuple[np.ndarray, np.ndarray]:
+            send, recv = self.collect()[:2]
+            return send, recv
+
+        return DeviceDigests(self.buf, self.signs, host, settle)
 
     def read(self) -> tuple[np.ndarray, ...]:
         self.start()

@@ -571,17 +571,29 @@ class DirectTransport:
                     self.exec.wait_landed(stream, k)
                     reader.launch_group(group)
                 self.device.join()
-            self.exec.end(stream)
+            # verified: the check queues its agreement behind the last reads before the host waits (settle)
+            self.exec.end(stream, reader is None)
             if reader is not None:  # after end(): the NCCL pairs' receives have landed too
                 reader.launch_group(self._landing[-1])
-                digests = reader.collect()[:2]
+                digests = reader.digests(self._settle)
         except ReshardError as e:
-            # The ranks of a direct pair no longer agree on its sequence: a collective
-            # rebind builds a new one.
-            self._broken = (f"rank {self.rank}: the direct transport failed in an earlier execute ({e}); call "
-                            f"plan.rebind(collective=True) on every rank to rebuild it")
+            self._fail(e)
             raise
         return digests
+
+    def _settle(self) -> None:
+        """The host wait of a verified execute's end (DeviceDigests.settle)."""
+        try:
+            self.exec.finish()
+        except ReshardError as e:
+            self._fail(e)
+            raise
+
+    def _fail(self, e: ReshardError) -> None:
+        # The ranks of a direct pair no longer agree on its sequence: a collective
+        # rebind builds a new one.
+        self._broken = (f"rank {self.rank}: the direct transport failed in an earlier execute ({e}); call "
+                        f"plan.rebind(collective=True) on every rank to rebuild it")
 
     def _tells(self) -> bool:
         """Whether this rank, when it hands rebound destinations over, then tells each direct

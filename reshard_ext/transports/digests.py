@@ -1,0 +1,35 @@
+"""A verified execute's digests (kernels/digest.h: a uint64 per op at each end) as the
+check sees them: host arrays, or a device buffer whose lane sums are taken where it is."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+
+def lanes(d: np.ndarray) -> np.ndarray:
+    """The digest::add sum of uint64 digests as its two 32-bit lanes (int64, mod 2^32)."""
+    return np.array([int((d & 0xFFFFFFFF).sum()) & 0xFFFFFFFF, int((d >> 32).sum()) & 0xFFFFFFFF], dtype=np.int64)
+
+
+class DeviceDigests:
+    """(send, recv) digests left where the kernels wrote them: `buf` (int64, one per slot),
+    `signs` (+1 for a send slot, -1 for a receive slot, 0 for neither; same device) and
+    `host()`, which brings them out as (send, recv) uint64 arrays indexed by op. A refit
+    whose digests match moves no digest to the host. `settle()` waits (host) for the refit
+    that wrote them and raises where it failed: the check queues its own work first, so
+    that it runs while the refit still does."""
+
+    def __init__(self, buf: torch.Tensor, signs: torch.Tensor, host: Callable[[], tuple[np.ndarray, np.ndarray]],
+                 settle: Callable[[], None] = lambda: None):
+        self.buf, self.signs, self.host, self.settle = buf, signs, host, settle
+
+    def lane_difference(self) -> torch.Tensor:
+        """lanes(send) - lanes(recv) before the mod 2^32, as two int64 on buf's device,
+        queued on its current stream (no wait)."""
+        both = torch.stack((self.buf & 0xFFFFFFFF, (self.buf >> 32) & 0xFFFFFFFF))
+        return (both * self.signs).sum(dim=1)
+
+
+Digests = tuple[np.ndarray, np.ndarray] | DeviceDigests
