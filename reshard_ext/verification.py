@@ -4,9 +4,9 @@ Every op of a plan gets a 64-bit digest at both ends: on the sender of what the 
 must hold (after casts and MXFP8), on the receiver of what it wrote or holds
 (csrc/kernels/digest.h; computed inside the pack/unpack kernels). Only digests travel,
 and per op only when they differ: one all-reduce of every rank's digest sums (sends
-minus receives, lane by lane; summed on the GPU where the digests are there) tells all
-ranks at once whether every op matched (a mismatch that cancels in the sum has a ~2^-64
-chance). Only then does each sender send
+minus receives, lane by lane, summed where the digests are: on the GPU for the direct
+transport) tells all ranks at once whether every op matched (a mismatch that cancels in
+the sum has a ~2^-64 chance). Only then does each sender send
 each of its receivers one vector, in the canonical op order both ends share, the
 receiver compares, and ReshardError is raised on every rank of the group, naming the
 tensors, boxes and ranks (one more all-reduce, and an all-gather of the reports).
@@ -67,8 +67,8 @@ class Ops:
 
 
 class _ReadBack:
-    """A device-to-host copy queued on the current stream, waited for like a collective
-    (collectives.wait polls is_completed)."""
+    """A device-to-host copy queued on the current stream (Ops.read_back's side stream),
+    waited for like a collective (collectives.wait polls is_completed)."""
 
     def __init__(self, pinned: torch.Tensor):
         self.pinned = pinned
