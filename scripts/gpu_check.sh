@@ -233,6 +233,9 @@ stage_verify() {
       --backend "${RX_VERIFY_BACKENDS:-nccl,direct}" --verify --no-baseline 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
   done
+  step "verify: the check's round trip issued to a GPU gone idle, queued, and host sleeps"
+  timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/idle_latency.py 2>&1 | grep -v "^W\|^\[W" \
+    | tee -a "$OUT/verify_bench.log" | tail -8
 }
 stage_ab() {
   # A/B against a base tree in .ab/base (`git archive REV | tar -x -C .ab/base`; ignored: the device
