@@ -114,6 +114,59 @@ bool have_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
 }
+
+// hash_avx512's words, keys and lanes, 8 words per vector, in GCC's vector extensions built
+// for AVX2: CPUs without AVX-512 (many AMD EPYC) hashed with the scalar loop at ~3 GB/s.
+struct Avx2Vec {
+  typedef uint32_t u32 __attribute__((vector_size(32)));
+  typedef uint64_t u64 __attribute__((vector_size(32)));
+  typedef uint16_t u16 __attribute__((vector_size(16)));
+  typedef uint8_t u8 __attribute__((vector_size(8)));
+};
+
+template <typename T>
+__attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, int64_t m) {
+  using U32 = Avx2Vec::u32;
+  using U64 = Avx2Vec::u64;
+  constexpr int kWords = 8, kElems = sizeof(T) == 8 ? 4 : 8;  // 32-bit words, elements per vector
+  const U32 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  U32 key;
+  if constexpr (sizeof(T) == 8)  // words 2e, 2e + 1: element e's low and high word
+    key = kk + (lane >> 1) * dg::kKeyLo + (lane & 1) * dg::kHiSalt;
+  else
+    key = kk + lane * dg::kKeyLo;
+  const uint32_t step = static_cast<uint32_t>(kElems) * dg::kKeyLo;
+  U32 sum = {};
+  int64_t i = 0;
+  for (; i + kElems <= m; i += kElems) {
+    const char* at = p + i * static_cast<int64_t>(sizeof(T));
+    U32 w;
+    if constexpr (sizeof(T) >= 4) {
+      memcpy(&w, at, sizeof(w));
+    } else if constexpr (sizeof(T) == 2) {
+      Avx2Vec::u16 n;
+      memcpy(&n, at, sizeof(n));
+      w = __builtin_convertvector(n, U32);
+    } else {
+      Avx2Vec::u8 n;
+      memcpy(&n, at, sizeof(n));
+      w = __builtin_convertvector(n, U32);
+    }
+    const U64 x = reinterpret_cast<U64>(w ^ key);
+    key += step;
+    const U64 lo = x & 0xffffffffu, hi = x >> 32;  // even and odd words, squared exactly
+    sum += reinterpret_cast<U32>(lo * lo) + reinterpret_cast<U32>(hi * hi);
+  }
+  uint64_t acc = 0;
+  for (int j = 0; j < kWords; j += 2) acc = dg::add(acc, sum[j] | static_cast<uint64_t>(sum[j + 1]) << 32);
+  return dg::add(acc, hash_scalar<T>(p + i * static_cast<int64_t>(sizeof(T)),
+                                     kk + static_cast<uint32_t>(i) * dg::kKeyLo, m - i));
+}
+
+bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
 #endif
 
 template <typename T>
@@ -124,7 +177,9 @@ uint64_t hash_run(const char* p, uint64_t k0, int64_t n) {
     const int64_t m = n < room ? n : room;
     const uint32_t kk = dg::key(k0);
 #if defined(__GNUC__) && defined(__x86_64__)
-    acc = dg::add(acc, have_avx512() ? hash_avx512<T>(p, kk, m) : hash_scalar<T>(p, kk, m));
+    acc = dg::add(acc, have_avx512() ? hash_avx512<T>(p, kk, m)
+                       : have_avx2() ? hash_avx2<T>(p, kk, m)
+                                     : hash_scalar<T>(p, kk, m));
 #else
     acc = dg::add(acc, hash_scalar<T>(p, kk, m));
 #endif
