@@ -40,7 +40,7 @@ def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
     try:
         while not work.is_completed():
             now = time.monotonic()
-            if now < start + _SPIN_S:  # a sleep oversleeps by ~60 us: short waits poll
+            if now < start + _SPIN_S:  # short sleeps overshoot by the timer slack: short waits poll
                 os.sched_yield()
                 continue
             if now > deadline:

@@ -47,7 +47,7 @@ class DeviceGuard {
 
 // Polls with a short backoff: fast when the answer is near, cheap when it is not.
 // `max_us` bounds how late a completion is seen. While it sleeps, the thread's timer slack
-// is 1 us: with Linux's default of 50 us a 10 us sleep lasts ~70 us.
+// is 1 us: Linux's default slack would add more than the sleep itself to every short pause.
 class Backoff {
  public:
   explicit Backoff(int max_us = 1000) : max_us_(max_us) {}

@@ -116,7 +116,7 @@ bool have_avx512() {
 }
 
 // hash_avx512's words, keys and lanes, 8 words per vector, in GCC's vector extensions built
-// for AVX2: CPUs without AVX-512 (many AMD EPYC) hashed with the scalar loop at ~3 GB/s.
+// for AVX2, so that CPUs without AVX-512 do not fall back to the scalar loop.
 struct Avx2Vec {
   typedef uint32_t u32 __attribute__((vector_size(32)));
   typedef uint64_t u64 __attribute__((vector_size(32)));
