@@ -210,7 +210,8 @@ def main() -> None:
     ap.add_argument("--mxfp8", choices=["receiver", "sender"],
                     help="also refit with rx.MXFP8 converting the linear weights")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
-    ap.add_argument("--trace", action="store_true", help="print one execute's CUDA-event timeline per rank")
+    ap.add_argument("--trace", action="store_true",
+                    help="print one execute's CUDA-event timeline per rank (with --verify: and a verified one's)")
     ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True) (a column)")
     ap.add_argument("--transfers-only", action="store_true",
                     help="also time the plan's batched NCCL transfers alone (no pack/unpack/copy): "
@@ -247,13 +248,16 @@ def main() -> None:
         plans.append(p)
         t_refits.append(_time(lambda p=p: rx.execute(p), args.iters))
     plan, t_refit = plans[0], t_refits[0]
-    t_verify = _time(lambda: rx.execute(plan, verify=True), args.iters) if args.verify else 0.0
+    t_verifies = [_time(lambda p=p: rx.execute(p, verify=True), args.iters) if args.verify else 0.0 for p in plans]
     timeline = ""
     if args.trace and hasattr(plan.transport, "last_timeline"):
         plan.transport.trace = True
         rx.execute(plan)
-        plan.transport.trace = False
         timeline = plan.transport.last_timeline
+        if args.verify:  # and one verified execute's
+            rx.execute(plan, verify=True)
+            timeline += "\n   verify=True: " + plan.transport.last_timeline
+        plan.transport.trace = False
 
     if args.transfers_only and plan.backend == "nccl":
         tr = plan.transport
@@ -284,7 +288,7 @@ def main() -> None:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
     mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_link, t_d2d, t_base, plan.num_ops,
-           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verify, t_refits, [p.routes for p in plans],
+           plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verifies, t_refits, [p.routes for p in plans],
            [hbm_per_byte(p) for p in plans], t_both)
     rows = [None] * world
     dist.all_gather_object(rows, row)
@@ -297,7 +301,8 @@ def main() -> None:
               f"{'nccl reg ms':>11} {'vs reg':>6} {'nccl ms':>8} {'ce ms':>7} {'ce+loc ms':>9} {'vs phys':>7} "
               f"{'hbm/B':>5}" +
               (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-        for r, sent, recv, loc, t, tn, td, tb, _ops, _nb, tnr, _, _, t_n, t_c, tv, _, _, hbm, t_both in rows:
+        for r, sent, recv, loc, t, tn, td, tb, _ops, _nb, tnr, _, _, t_n, t_c, tvs, _, _, hbm, t_both in rows:
+            tv = tvs[0]
             link = max(sent, recv)
             gbs = link / t / 1e9 if t else 0
             ceil = max(tn, td)  # link and local copies run concurrently: the slower is the floor
@@ -321,12 +326,14 @@ def main() -> None:
         if len(backends) > 1:
             print(f"\n-- backends on the same tensors (refit ms, vs ceil; pairs of rank 0: "
                   f"{'; '.join(f'{b}: {p}' for b, p in zip(backends, rows[0][-3]))})")
-            print(f"{'rank':>4} " + " ".join(f"{b + ' ms':>12} {'vs ceil':>7} {'vs phys':>7} {'hbm/B':>5}"
+            print(f"{'rank':>4} " + " ".join(f"{b + ' ms':>12} {'vs ceil':>7} {'vs phys':>7} {'hbm/B':>5}" +
+                                             (f" {'verify ms':>9} {'cost':>6}" if args.verify else "")
                                              for b in backends))
             for r, _, _, _, _, tn, td, *rest in rows:
                 ceil, phys = max(tn, td), max(tn, td, rest[-1])
-                cells = [f"{1e3 * t:12.2f} {_ratio(ceil, t)} {_ratio(phys, t)} {h:5.2f}"
-                         for t, h in zip(rest[-4], rest[-2])]
+                cells = [f"{1e3 * t:12.2f} {_ratio(ceil, t)} {_ratio(phys, t)} {h:5.2f}" +
+                         (f" {1e3 * tv:9.2f} {100 * (tv / t - 1):+5.1f}%" if args.verify and t else "")
+                         for t, h, tv in zip(rest[-4], rest[-2], rest[-5])]
                 print(f"{r:4d} " + " ".join(cells))
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")

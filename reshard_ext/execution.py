@@ -1,6 +1,7 @@
 """rx.plan / rx.execute (DESIGN section 2) and the Plan object that binds tensors."""
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -525,14 +526,17 @@ def plan(
 
     from . import relay  # relay fan-out: two plans (scatter, gather) where replicas would hammer the sources
 
-    def bind(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps] | None = None) -> Plan:
+    def bind(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps] | None = None,
+             options: Options = options) -> Plan:
         return _bind_agreed(agreement, src, dst, steps or {"src": ([], []), "dst": ([], [])}, group, backend,
                             transform, options, max_batch_bytes)
 
     dims = relay.relayed_dims(agreement) if transform is None else {}
     p: Plan
     if dims:
-        p = relay.plan_relayed(agreement, dims, src_w, dst_w, group, max_batch_bytes, options, bind, depth)
+        staged = options.replace(auto_direct=options.resolved_auto_direct(relayed=True))
+        p = relay.plan_relayed(agreement, dims, src_w, dst_w, group, max_batch_bytes, options,
+                               functools.partial(bind, options=staged), depth)
     else:
         p = bind(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps})
     if log.isEnabledFor(logging.INFO):

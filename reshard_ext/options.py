@@ -131,9 +131,10 @@ KNOBS: dict[str, Knob] = {
              "grid cap of the same-rank copy kernel beside direct writes (auto: half the SMs; 0: no cap; N: N blocks)"),
         Knob("RESHARD_EXT_DIRECT_IPC", True, _flag,
              "0: this rank maps no peer memory, so every pair it is in uses NCCL (backend 'direct' or 'auto')"),
-        Knob("RESHARD_EXT_AUTO_DIRECT", True, _flag,
+        Knob("RESHARD_EXT_AUTO_DIRECT", None, _flag,
              "backend 'auto' on CUDA writes straight into peers' tensors where it can (the direct transport: "
-             "same host, CUDA IPC), NCCL elsewhere; 0 on any rank: NCCL for every pair"),
+             "same host, CUDA IPC), NCCL elsewhere; unset: so except in the stages of a relayed plan, which "
+             "run on NCCL; 1: there too; 0 on any rank: NCCL for every pair"),
         Knob("RESHARD_EXT_CHECK_STORAGE", True, _flag,
              "0 skips the per-execute check that no bound tensor's storage was replaced or resized"),
         Knob("RESHARD_EXT_CHECK_THREADS", 4, _count(1),
@@ -208,7 +209,9 @@ class Options:
     - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
       (RESHARD_EXT_DIRECT_IPC).
     - auto_direct: backend "auto" uses the direct transport (direct pairs where it can, NCCL
-      elsewhere) unless a rank says False (RESHARD_EXT_AUTO_DIRECT; default on).
+      elsewhere) unless a rank says False (RESHARD_EXT_AUTO_DIRECT). None: the direct
+      transport, except for the stages of a relayed plan (rx.Options.relay), which run on
+      NCCL: its staged fan-out is faster than the copy engines' there (benchmarks/RESULTS.md).
     - check_storage: every execute first checks that no bound tensor's storage was
       replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; one data_ptr read per
       bound tensor, in C++ where torch allows).
@@ -349,8 +352,10 @@ class Options:
     def resolved_direct_ipc(self) -> bool:
         return self.direct_ipc if self.direct_ipc is not None else bool(env_default("RESHARD_EXT_DIRECT_IPC"))
 
-    def resolved_auto_direct(self) -> bool:
-        return self.auto_direct if self.auto_direct is not None else bool(env_default("RESHARD_EXT_AUTO_DIRECT"))
+    def resolved_auto_direct(self, relayed: bool = False) -> bool:
+        """relayed: for the stages of a relayed plan."""
+        value = self.auto_direct if self.auto_direct is not None else env_default("RESHARD_EXT_AUTO_DIRECT")
+        return not relayed if value is None else bool(value)
 
     def resolved_check_storage(self) -> bool:
         if self.check_storage is not None:

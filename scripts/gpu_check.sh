@@ -184,13 +184,15 @@ stage_streams() {
 }
 
 stage_relay() {
-  # backend auto as the direct transport (the default) and as NCCL (RESHARD_EXT_AUTO_DIRECT=0), same machine
+  # backend auto as by default (relayed stages on NCCL, the plain plan direct) and with
+  # RESHARD_EXT_AUTO_DIRECT=1 (every plan on the direct transport), same machine
   gpus 4 relay || return 0
-  for direct in ${RX_RELAY_AUTO_DIRECT:-1 0}; do
+  for direct in ${RX_RELAY_AUTO_DIRECT:-default 1}; do
     for g in ${RX_RELAY_STAGES:-0 4}; do
       step "relay: refit_bench relay-1to3 (one source, three replicas), relay off / 1 stage / --relay-stages $g, RESHARD_EXT_AUTO_DIRECT=$direct"
-      RESHARD_EXT_AUTO_DIRECT=$direct timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py \
-          --case relay-1to3 --iters 10 --relay-stages "$g" 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -10
+      ( [ "$direct" = default ] || export RESHARD_EXT_AUTO_DIRECT=$direct
+        exec timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/refit_bench.py \
+          --case relay-1to3 --iters 10 --relay-stages "$g" ) 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/relay_bench.log" | tail -10
     done
   done
 }

@@ -212,6 +212,15 @@ def test_check_threads_default_is_capped_by_the_cores_per_local_rank(monkeypatch
     assert rx.Options(check_threads=6).resolved_check_threads() == 6  # an explicit value is taken as it is
 
 
+def test_auto_direct_default_leaves_the_stages_of_relayed_plans_to_nccl(monkeypatch, fresh_env) -> None:
+    assert rx.Options().resolved_auto_direct() and not rx.Options().resolved_auto_direct(relayed=True)
+    for value in (True, False):  # asked for, either way: every plan alike
+        assert {rx.Options(auto_direct=value).resolved_auto_direct(relayed=r) for r in (False, True)} == {value}
+    monkeypatch.setenv("RESHARD_EXT_AUTO_DIRECT", "1")
+    rx.options.reload_environment()
+    assert rx.Options().resolved_auto_direct(relayed=True)
+
+
 @pytest.mark.parametrize("kwargs", [{"timeout": 0}, {"timeout": "10"}, {"batch_bytes": -1}, {"trace": 1},
                                     {"max_blocks": 1.5}, {"check_threads": 0}, {"check_threads": 65}])
 def test_bad_options_raise(kwargs: dict) -> None:

@@ -307,6 +307,25 @@ def test_one_source_three_replicas_4gpu(backend):
     _check_egress(run_ranks(4, _one_to_three, "cuda", backend, backend="nccl"))
 
 
+def _auto_backends(rank, world):
+    """backend "auto" with relay on and off: (the relayed plan's stage backends, the plain plan's)."""
+    sl, dl = L((64, 32), [0], [Replicate()]), L((64, 32), [1, 2, 3], [Replicate()])
+    g = make_global((64, 32), F32, seed=3)
+    dst = lambda: {"w": (torch.zeros(64, 32, device="cuda"), dl)} if rank else {}  # noqa: E731
+    src = {"w": (g.cuda(), sl)} if rank == 0 else {}
+    on = rx.plan(src, dst(), options=rx.Options(relay=True))
+    off = rx.plan(src, dst(), options=rx.Options(relay=False))
+    return [p.backend for p in on.phases], off.backend
+
+
+@needs4
+def test_auto_runs_the_stages_of_a_relayed_plan_on_nccl_4gpu():
+    """Unless rx.Options.auto_direct says otherwise: NCCL's staged fan-out beats the
+    direct transport's copy engines there (benchmarks/RESULTS.md, relay)."""
+    for stages, plain in run_ranks(4, _auto_backends, backend="nccl"):
+        assert set(stages) == {"nccl"} and plain == "direct", (stages, plain)
+
+
 def _relay_version_and_watch(rank, world):
     """A relayed refit (two plans) is one execute: one version, and a replaced destination
     on one rank raises on every rank before either phase moves data."""
