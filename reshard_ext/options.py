@@ -100,7 +100,8 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_CUDA_SPLIT_COPIES", True, _flag,
              "GPU same-rank copies run in one slice per batch, under the transfers (0: all before the first unpack)"),
         Knob("RESHARD_EXT_CUDA_MAX_BLOCKS", None, _blocks,
-             "grid cap of the kernels beside transfers (auto: by workload; 0: no cap; N: N blocks)"),
+             "grid cap of the kernels beside transfers (auto: by workload, verified executes uncapped; 0: no cap; "
+             "N: N blocks)"),
         Knob("RESHARD_EXT_BATCH_TAPER", True, _flag,
              "with 3+ batches the first and last carry half a share (every rank must set it alike)"),
         Knob("RESHARD_EXT_RELAY", True, _flag,
@@ -181,7 +182,8 @@ class Options:
     - timeout: seconds before a stuck transfer or plan exchange raises (RESHARD_EXT_P2P_TIMEOUT
       for gloo / torch point-to-point, RESHARD_EXT_NCCL_TIMEOUT for NCCL).
     - nccl_register: NCCL buffer registration (RESHARD_EXT_NCCL_REGISTER; every rank votes).
-    - max_blocks: grid cap beside transfers, 0 for none (RESHARD_EXT_CUDA_MAX_BLOCKS; None: by workload).
+    - max_blocks: grid cap beside transfers, 0 for none (RESHARD_EXT_CUDA_MAX_BLOCKS; None: by workload,
+      and none in verified executes, whose hashing kernels would otherwise set the pace).
     - split_copies: same-rank copies sliced under the transfers (RESHARD_EXT_CUDA_SPLIT_COPIES).
     - batch_taper: half-size first and last batches (RESHARD_EXT_BATCH_TAPER; alike on every rank).
     - trace: log a CUDA-event timeline of every GPU execute (RESHARD_EXT_TRACE).

@@ -291,6 +291,7 @@ class Agreement:
     register: bool = False  # every rank voted for NCCL buffer registration
     relay: bool = False  # every rank passed relay on (rx.Options.relay; a disagreement is an error)
     plan_id: int = 0  # the same on every rank, different for every rx.plan call
+    moves: bool = True  # some rank sends to another (else a verified execute has nothing to check)
 
 
 def plan_collective(
@@ -381,6 +382,7 @@ def plan_collective(
         rank_plan.recv_digest if rank_plan else 0,
         int.from_bytes(os.urandom(8), "little"),
         fitting,
+        rank_plan.num_ops[0] if rank_plan else 0,
     )
     gathered = all_gather_objects(mine, group, "rx.plan (agreement)", timeout_s)
     errors = [e for errs, *_ in gathered for e in errs]
@@ -395,7 +397,8 @@ def plan_collective(
     # carry it (two plans of the same layouts differ by the ranks' random nonces).
     key = repr((sends, sum(g[4] for g in gathered) % 2**64, world)).encode()
     plan_id = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-    return Agreement(src_t, dst_t, rank_plan, agreed_device, register, all(relay), plan_id)
+    return Agreement(src_t, dst_t, rank_plan, agreed_device, register, all(relay), plan_id,
+                     any(g[6] for g in gathered))
 
 
 def _agreed_batches(wants: list[tuple[int, int | None]]) -> int:

@@ -120,8 +120,7 @@ def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str) -> bo
     if isinstance(digests, DeviceDigests) and digests.buf.device.type == ops.device.type:
         # Queued behind the refit's last reads, before the host waits for them: launched
         # on a GPU gone idle, the same steps cost several times longer.
-        flag = torch.full((1,), int(copies_differ), dtype=torch.int64, device=ops.device)
-        t = torch.cat((digests.lane_difference().to(ops.device), flag))
+        t = torch.nn.functional.pad(digests.lane_difference().to(ops.device), (0, 1), value=int(copies_differ))
         work = dist.all_reduce(t, group=ops.p2p.group, async_op=True)
         if t.is_cuda:  # the answer's copy to the host is queued too
             landed = ops.read_back(t, work)

@@ -109,6 +109,25 @@ def test_grid_cap_beside_transfers() -> None:
     assert len(launches) == 9 and all(line.endswith(" cap 66") for line in launches)
 
 
+@pytest.mark.parametrize("verify_cap", [0, 40])
+def test_verified_executes_have_their_own_grid_cap(verify_cap: int) -> None:
+    """Hashing makes a verified execute's kernels compute-bound: by default (0) they run
+    uncapped where plain executes are capped."""
+    tables = _tables(2, 3, 0)
+    t, log, _ = _transport(tables, max_blocks=66)
+    t.executor.verify_max_blocks = verify_cap
+    t.executor.build_verify()
+    for verify in (True, False):
+        t.executor.begin(MAIN, verify, False)
+        t.executor.pack_first()
+        t.executor.run([1], True, 1.0)
+    launches = [line for line in log.lines if re.match(r"main: (pack|copy|unpack) ", line)]
+    verified, plain = launches[:9], launches[9:]
+    assert len(plain) == 9 and all(" cap 66" in line for line in plain), plain
+    assert len(verified) == 9 and all(("cap" in line) == bool(verify_cap) for line in verified), verified
+    assert not verify_cap or all(f" cap {verify_cap}" in line for line in verified)
+
+
 def test_plan_without_transfers_only_copies() -> None:
     # All-local plans (TP1 -> TP2 collocated): the copies, uncapped, no pack, no transfer, no wait.
     mesh = Mesh([0])
@@ -150,6 +169,7 @@ def test_verify_rounds_digest_each_round_as_it_lands() -> None:
     tables = _tables(2, 1, 1 << 16)
     assert tables.direct_recvs(0)
     t, log, transport = _transport(tables, rounds=True, max_blocks=66)
+    t.executor.verify_max_blocks = 66  # as rx.Options(max_blocks=66) sets it
     slots = t.executor.build_verify()
     assert slots == (len(tables.pack_ops(0)) + len(tables.direct_sends(0)) + len(tables.unpack_ops(0))
                      + len(tables.direct_recvs(0)))

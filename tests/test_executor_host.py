@@ -18,6 +18,7 @@ from reshard_ext.errors import ReshardError
 from reshard_ext.execution import _refs
 from reshard_ext.options import Options
 from reshard_ext.planning import _plan_rank, _table
+from reshard_ext.transports.digests import DeviceDigests, lanes
 
 
 def _layouts(world: int) -> tuple[dict, dict]:
@@ -135,6 +136,11 @@ def test_verified_refit_digests_what_verify_reads(direct_bytes: int, max_batch_b
         r.tables.read_digests_cpu(*want)
         assert send.tolist() == want[0].tolist() and recv.tolist() == want[1].tolist(), r.rank
         assert send.all() and recv.all()
+        # the device check's lane sums (DeviceDigests: raw slots weighted by digest_signs)
+        raw = torch.from_numpy(r.digests.view(np.int64))
+        signed = DeviceDigests(raw, torch.from_numpy(r.ex.digest_signs()), lambda: (np.zeros(0, np.uint64),) * 2)
+        signed = signed.lane_difference()
+        assert (signed.numpy() % 2**32).tolist() == ((lanes(send) - lanes(recv)) % 2**32).tolist(), r.rank
         for n, (t, _) in r.dst.items():
             assert torch.equal(t.view(torch.int32), r.want[n].view(torch.int32)), (r.rank, n)
 

@@ -503,17 +503,31 @@ def test_verify_rounds_cut_alike_and_add_up():
 
 
 def _idle_and_empty(rank, world):
-    """Ranks with nothing to move (and plans that move nothing) still verify."""
+    """Ranks with nothing to move (and plans that move nothing) still verify. A plan in
+    which no rank sends to another has nothing for verify=True to check (no collective);
+    one with a single pair checks on every rank, idle ones included."""
+    from reshard_ext import verification
+
+    checks = []
+    check = verification.check
+    verification.check = lambda *a, **k: (checks.append(k.get("what")), check(*a, **k))[1]
     s = rx.Layout((4, 4), torch.float32, rx.Mesh([0]), [rx.Replicate()])
+    t = rx.Layout((4, 4), torch.float32, rx.Mesh([1]), [rx.Replicate()])
     plan = rx.plan({"x": (torch.ones(4, 4), s)} if rank == 0 else {},
                    {"x": (torch.zeros(4, 4), s)} if rank == 0 else {})
     rx.execute(plan, verify=True)
+    local = list(checks)
     rx.verify(plan)
-    return True
+    out = torch.zeros(4, 4)
+    moves = rx.plan({"x": (torch.ones(4, 4), s)} if rank == 0 else {}, {"x": (out, t)} if rank == 1 else {})
+    rx.execute(moves, verify=True)
+    return local, checks, bool((out == 1).all()) if rank == 1 else None
 
 
 def test_idle_ranks_verify():
-    assert all(run_ranks(4, _idle_and_empty))
+    for rank, (local, checks, landed) in enumerate(run_ranks(4, _idle_and_empty)):
+        assert local == [] and checks == ["rx.verify", "rx.execute(verify=True)"], (rank, checks)
+        assert landed in (None, True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -137,6 +137,13 @@ std::pair<std::vector<uint64_t>, std::vector<uint64_t>> Executor::collect(const 
   return {send, recv};
 }
 
+std::vector<int64_t> Executor::digest_signs() const {
+  std::vector<int64_t> signs(static_cast<size_t>(digest_slots_), 0);
+  for (const Part& part : parts_)
+    std::fill_n(signs.begin() + part.slot, part.ops.size(), part.send ? 1 : -1);
+  return signs;
+}
+
 template <class F>
 void Executor::step(const std::string& kind, int32_t batch, StreamHandle s, F&& fn) {
   if (!trace_) {
@@ -189,7 +196,7 @@ void Executor::begin(StreamHandle main, bool verify, bool trace) {
   if (verify) device_->zero_digests(digest_slots_, main);
 }
 
-void Executor::pack_first() { step("pack", 0, main_, [&] { pack_step(0, max_blocks_); }); }
+void Executor::pack_first() { step("pack", 0, main_, [&] { pack_step(0, cap()); }); }
 void Executor::pack(int32_t b) { step("pack", b, main_, [&] { pack_step(b, 0); }); }
 void Executor::digest_direct_sends(int32_t b) { digest_sends_step(b, 0); }
 void Executor::copy(int32_t i) {
@@ -227,7 +234,7 @@ const Executor::Messages& Executor::messages(int32_t b, int32_t r, bool* whole) 
 }
 
 void Executor::post(int32_t b) {
-  const int32_t cap = max_blocks_;
+  const int32_t cap = this->cap();
   if (b > 0) step("pack", b, main_, [&] { pack_step(b, cap); });
   device_->wait_stream(side_, main_);  // the pack of b, and the unpack of b-2 (frees recv buffer b % 2)
   landed_.emplace_back();
@@ -261,7 +268,7 @@ void Executor::digest_direct_recvs(int32_t b) {
   const int32_t k = num_batches();
   for (int32_t r = 0; r < static_cast<int32_t>(per_round.size()); ++r) {
     device_->wait_event(main_, landed_[b][r]);
-    const int32_t c = (b + 1 == k && r + 1 == kVerifyRounds) ? 0 : max_blocks_;
+    const int32_t c = (b + 1 == k && r + 1 == kVerifyRounds) ? 0 : cap();
     step("digest r" + std::to_string(r), b, main_, [&] { launch(per_round[r], c, 4 * b + 3, RX_PASS_DST); });
   }
 }
@@ -276,7 +283,7 @@ void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout
   landed_.clear();
   scratch_ = false;
   const int32_t k = num_batches();
-  const int32_t cap = max_blocks_;
+  const int32_t cap = this->cap();
   const std::pair<double, double> t0 = time_host_ ? host_now() : std::pair<double, double>{};
   std::pair<double, double> t1 = t0;
   if (!good_.empty()) {

@@ -106,6 +106,10 @@ class Executor {
   int32_t num_batches() const { return static_cast<int32_t>(pack_.size()); }
   int32_t num_copy_slices() const { return static_cast<int32_t>(copy_.size()); }
   int32_t max_blocks() const { return max_blocks_; }
+  // Grid cap of a verified execute's kernels (0: none): hashing makes them compute-bound,
+  // so the cap that leaves HBM to the transfers would make them the pipeline's bottleneck.
+  int32_t verify_max_blocks() const { return verify_max_blocks_; }
+  void set_verify_max_blocks(int32_t blocks) { verify_max_blocks_ = blocks; }
 
   // Verify: the digest tables, built once (the caller uploads pending_bytes() and gives
   // a buffer of digest_slots() uint64 through set_digests); collect() scatters the
@@ -113,6 +117,9 @@ class Executor {
   int64_t build_verify();
   bool verify_built() const { return verify_built_; }
   int64_t digest_slots() const { return digest_slots_; }
+  // Per digest slot: +1 where it holds a send op's digest, -1 a receive op's, 0 neither
+  // (the lane sums of the check on the device: sends minus receives).
+  std::vector<int64_t> digest_signs() const;
   std::pair<std::vector<uint64_t>, std::vector<uint64_t>> collect(const uint64_t* host, int64_t n) const;
 
   // An execute: begin, then the first pack (while the headers travel), then run.
@@ -160,7 +167,8 @@ class Executor {
   std::vector<Messages> messages_;  // per batch
   std::vector<std::pair<uint64_t, int64_t>> recv_staging_;
   std::vector<int32_t> peers_;
-  int32_t max_blocks_ = 0;
+  int32_t max_blocks_ = 0, verify_max_blocks_ = 0;
+  int32_t cap() const { return verify_ ? verify_max_blocks_ : max_blocks_; }  // this execute's
   // verify: per batch parts 4b..4b+3 (pack, direct sends, unpack, direct receives): table and first slot
   struct Part {
     int32_t table;

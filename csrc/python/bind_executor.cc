@@ -27,8 +27,9 @@ namespace rx::python {
 
 namespace {
 
-py::array_t<uint64_t> to_array(const std::vector<uint64_t>& v) {
-  py::array_t<uint64_t> a(static_cast<py::ssize_t>(v.size()));
+template <class T>
+py::array_t<T> to_array(const std::vector<T>& v) {
+  py::array_t<T> a(static_cast<py::ssize_t>(v.size()));
   std::copy(v.begin(), v.end(), a.mutable_data());
   return a;
 }
@@ -93,11 +94,16 @@ void register_executor(py::module_& m) {
       .def_property_readonly("num_batches", &Executor::num_batches)
       .def_property_readonly("num_copy_slices", &Executor::num_copy_slices)
       .def_property_readonly("max_blocks", &Executor::max_blocks)
+      .def_property("verify_max_blocks", &Executor::verify_max_blocks, &Executor::set_verify_max_blocks,
+                    "Grid cap of verified executes' kernels (0: none).")
       .def_property_readonly("verify_built", &Executor::verify_built)
       .def("build_verify", &Executor::build_verify,
            "Builds the verify digest tables (once); returns the digest slots set_digests needs.")
       .def(
           "set_digests", [](Executor& e, uint64_t dev) { e.device().set_digests(dev); }, py::arg("dev_ptr"))
+      .def(
+          "digest_signs", [](const Executor& e) { return to_array(e.digest_signs()); },
+          "Per digest slot: +1 a send op's, -1 a receive op's, 0 neither (int64).")
       .def(
           "collect",
           [](const Executor& e, const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& host) {

@@ -247,9 +247,12 @@ class CudaTransport:
                                        self.max_blocks_override) if self.comm is not None and moves else 0)
         ex = self.executor
         ex.prepare(tables, sliced, self.max_blocks, [(t.data_ptr(), t.numel()) for t in self.recv])
+        # auto: verified executes uncapped (their hashing kernels would set the pace)
+        ex.verify_max_blocks = self.max_blocks if self.max_blocks_override is not None else 0
         self._blob = self._upload_pending()
         self._verify_blob: torch.Tensor | None = None  # with the digest buffer, made by the first verified execute
         self._digests: torch.Tensor | None = None
+        self._signs: torch.Tensor | None = None  # DeviceDigests.signs of _digests
         self._read = None  # ... and by the first rx.verify
         self._tables = tables
         self.peers = list(ex.peers)
@@ -304,6 +307,9 @@ class CudaTransport:
         slots = ex.build_verify()
         self._verify_blob = self._upload_pending()
         self._digests = torch.zeros(max(slots, 1), dtype=torch.int64, device=torch.cuda.current_device())
+        signs = torch.from_numpy(ex.digest_signs())
+        self._signs = torch.zeros_like(self._digests)
+        self._signs[:signs.numel()] = signs.to(self._digests.device)
         ex.set_digests(self._digests.data_ptr())
 
     def abort(self) -> None:
@@ -340,10 +346,10 @@ class CudaTransport:
         good = set(self.peers) - set(verdict.bad) if ok else set()
         return good, ok and not verdict.bad
 
-    def run(self, tables: Any, session: Session, verify: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    def run(self, tables: Any, session: Session, verify: bool = False) -> DeviceDigests | None:
         """verify: the pack and unpack launches also digest every op; the ops that travel as
         direct messages are digested beside the transfer (sources once it is posted,
-        destinations round by round as they land); returns (send, recv) digests."""
+        destinations round by round as they land); returns the (send, recv) digests."""
         ex = self.executor
         if verify:
             self._verified()
@@ -411,5 +417,11 @@ class CudaTransport:
                 _log.info(self.last_timeline)
         if not verify:
             return None
-        assert self._digests is not None  # made by _verified
-        return self.executor.collect(self._digests.cpu().numpy().view(np.uint64))
+        digests = self._digests
+        assert digests is not None and self._signs is not None  # made by _verified
+
+        def host() -> tuple[np.ndarray, np.ndarray]:
+            return self.executor.collect(digests.cpu().numpy().view(np.uint64))
+
+        # left on the GPU: the check's lane sums queue behind the last unpack
+        return DeviceDigests(digests, self._signs, host)
