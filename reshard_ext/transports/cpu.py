@@ -13,9 +13,10 @@ from ..options import Options
 from .channel import Session, channel_of, data_tag, exchange_headers
 from .p2p import message_ops
 
-# Bytes of a direct message per round of a verified execute (ExecTables::round_messages):
-# small enough that a round is still in cache when it is hashed.
-VERIFY_PIECE = 8 << 20
+# Bytes of a direct message per round of a verified execute (ExecTables::round_messages),
+# hashed beside the next round's transfer: few rounds, since each one is a gloo exchange
+# whose hand-offs cost more than hashing a piece that has left the cache.
+VERIFY_PIECE = 64 << 20
 
 
 class CpuTransport:
@@ -95,9 +96,9 @@ class CpuTransport:
                 break
             if b > 0:
                 pack(b)
-            # Verified: direct messages move in rounds of VERIFY_PIECE bytes, each hashed while
-            # it is still in cache: the sources of round r + 1 while round r moves (just before
-            # the worker sends them), the destinations of round r as soon as it landed.
+            # Verified: direct messages move in rounds of VERIFY_PIECE bytes: the sources of
+            # round r + 1 are hashed while round r moves (just before the worker sends them),
+            # the destinations of round r as soon as it landed.
             rounds = tables.piece_rounds(b, VERIFY_PIECE) if verify else 1
             per_round = [message_ops(tables.round_messages(b, r, rounds, VERIFY_PIECE), self._bufs)
                          for r in range(rounds)] if verify else [ops]
