@@ -18,8 +18,11 @@ import sys
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from reshard_ext.transports.digests import DeviceDigests
 
 _PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
 
@@ -55,10 +58,12 @@ def main() -> None:
     signs = torch.ones_like(digests)
     big = torch.empty(2**28, dtype=torch.uint8, device=dev)
 
+    device_digests = DeviceDigests(digests, signs, lambda: (np.zeros(0, np.uint64),) * 2)
+
     def check() -> list[int]:
-        """The verify check's shape: lane sums, a 3-int64 all-reduce, the answer read."""
-        lanes = (torch.stack((digests & 0xFFFFFFFF, (digests >> 32) & 0xFFFFFFFF)) * signs).sum(dim=1)
-        t = torch.cat((lanes, torch.zeros(1, dtype=torch.int64, device=dev)))
+        """The verify check's steps (verification._all_match): lane sums, a 3-int64
+        all-reduce, the answer read."""
+        t = torch.nn.functional.pad(device_digests.lane_difference(), (0, 1), value=0)
         work = dist.all_reduce(t, async_op=True)
         while not work.is_completed():
             os.sched_yield()

@@ -380,8 +380,8 @@ class Plan:
         session = Session(self.plan_id, self._seq + 1, None if problem else version, 1 if problem else 0,
                           time.monotonic() + timeout_s, timeout_s, abort, swap=swap)
         session.error, session.verify = problem, verify
-        # Same-rank copies digest what they read and write from the same registers: a plan
-        # that moves nothing between ranks has nothing for verify=True to check.
+        # verify=True digests only what crosses ranks (a same-rank copy's two ends would be one
+        # kernel's registers): a plan in which no rank sends has nothing to check.
         verify = verify and self._agreement.moves
         if swap is not None and not self.transport.peers:  # a swap round hears every rank, data peers or not
             self.transport.channel.drain(session)

@@ -307,9 +307,9 @@ class CudaTransport:
         slots = ex.build_verify()
         self._verify_blob = self._upload_pending()
         self._digests = torch.zeros(max(slots, 1), dtype=torch.int64, device=torch.cuda.current_device())
-        signs = torch.from_numpy(ex.digest_signs())
-        self._signs = torch.zeros_like(self._digests)
-        self._signs[:signs.numel()] = signs.to(self._digests.device)
+        signs = np.zeros(self._digests.numel(), dtype=np.int64)  # the buffer has >= 1 slot
+        signs[:slots] = ex.digest_signs()
+        self._signs = torch.from_numpy(signs).to(self._digests.device)
         ex.set_digests(self._digests.data_ptr())
 
     def abort(self) -> None:
