@@ -368,6 +368,35 @@ def test_transport_runs_same_rank_copies_beside_direct_writes(engine_bytes, loca
         assert (engine > 0) == (engine_bytes > 0) and (local_engine > 0) == (local_engine_bytes > 0)
 
 
+def _peerless(rank: int, world: int):
+    """A direct plan in which every rank only copies its own shard: executes exchange no headers."""
+    from _direct_fake import release_shared, shared_poison, use_fake_device
+
+    from reshard_ext.transports import direct
+
+    use_fake_device()
+    layout = Layout((8 * world, 4), torch.float32, Mesh(list(range(world))), [Shard(0)])
+    src = torch.arange(32.0) + 100 * rank
+    dst = shared_poison((8, 4), torch.float32)
+    calls = []
+    original = direct.exchange_headers
+    direct.exchange_headers = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        p = rx.plan({"w": (src.view(8, 4), layout)}, {"w": (dst, layout)}, backend="direct")
+        for version in (1, 2):
+            rx.execute(p, version=version)
+        return p.transport.peers, len(calls), p.version, bits_equal(dst.flatten(), src)
+    finally:
+        direct.exchange_headers = original
+        release_shared()
+
+
+def test_a_rank_without_peers_exchanges_no_headers():
+    """Only same-rank copies: nobody to agree with, so no header round trip delays them."""
+    for peers, headers, version, ok in run_ranks(2, _peerless):
+        assert peers == [] and headers == 0 and version == 2 and ok
+
+
 def test_transport_ranks_with_nccl_pairs_keep_their_copies():
     """Rank 3 opts out: every rank then has a pair over the other transport, which keeps
     running the same-rank copies under its batches."""

@@ -537,14 +537,16 @@ class DirectTransport:
         # their senders signal them landed (core/direct.h), the NCCL pairs' at the end.
         read_after = verify and self.exec is not None
         verify = verify and not read_after
+        if self._broken and session.status == 0:
+            session.status, session.error = 1, self._broken
+        if not self.peers and session.verdict is None:
+            return self.inner.run(tables, session, verify)  # same-rank copies only: no headers to exchange
         # Headers with every peer first (the inner transport reuses the verdict): the
         # direct writes land in the peers' tensors, so every pair must agree before them.
         self.channel.drain(session)
         if getattr(self.inner, "comm", None) is not None:
             session.epoch = nccl_lib.epoch(self.group, self.channel.ranks)
             session.comm_unusable = not self.inner.comm.usable
-        if self._broken and session.status == 0:
-            session.status, session.error = 1, self._broken
         outbox = self._outbox() if session.status == 0 else {}
         if session.verdict is None:  # else Plan exchanged them (a swap round of a rank without peers)
             session.remap = max((len(m) for m in outbox.values()), default=0)
