@@ -89,6 +89,9 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_CUDA_DIRECT_BYTES", 64 << 20, _count(0),
              "GPU ops at least this big go straight from/into their tensor when contiguous"),
         Knob("RESHARD_EXT_CPU_DIRECT_BYTES", 1 << 20, _count(0), "the same for the CPU (gloo) transport"),
+        Knob("RESHARD_EXT_HOST_MAILBOX", True, _flag,
+             "execute headers between processes of one host go through shared memory (0: over gloo, as between "
+             "hosts; a pair uses shared memory only where both ranks allow it)"),
         Knob("RESHARD_EXT_P2P_TIMEOUT", 600.0, _seconds,
              "seconds before a stuck gloo / torch point-to-point transfer (or plan exchange) raises"),
         Knob("RESHARD_EXT_NCCL_TIMEOUT", 600.0, _seconds,

@@ -28,6 +28,7 @@ PYBIND11_MODULE(_C, m) {
   rx::python::register_nvshmem(m);
   rx::python::register_executor(m);
   rx::python::register_watch(m);
+  rx::python::register_mailbox(m);
 
   py::dict info;
   info["version"] = RX_VERSION_INFO;

@@ -16,4 +16,5 @@ void register_fingerprint(pybind11::module_& m);  // module-tree fingerprint of 
 void register_nvshmem(pybind11::module_& m);  // NVSHMEM transport, host API (bind_nvshmem.cc)
 void register_executor(pybind11::module_& m);  // the executor of a bound plan (bind_executor.cc)
 void register_watch(pybind11::module_& m);    // bound tensors' data pointers, read per execute (bind_watch.cc)
+void register_mailbox(pybind11::module_& m);  // execute headers through shared memory (bind_mailbox.cc)
 }  // namespace rx::python

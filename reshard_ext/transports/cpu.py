@@ -109,7 +109,7 @@ class CpuTransport:
                     tables.digest_direct_send_round_cpu(b, r, rounds, send, VERIFY_PIECE)
                 use = [(kind, peer, t if writes or kind == "send" or self._staged(t) else torch.empty_like(t))
                        for kind, peer, t in per_round[r] if peer in good]
-                return ch.submit(functools.partial(ch.exchange, use, tag, session))
+                return ch.submit(functools.partial(ch.exchange, use, tag, session, retry_closed=True))
 
             task = submit(0, writes, good)
             if b == 0 and writes:

@@ -652,7 +652,7 @@ class DirectTransport:
 
     def _exchange(self, session: Session, ops: list, what: str) -> dict[int, str]:
         ch = self.channel
-        return ch.wait(ch.submit(lambda: ch.exchange(ops, REMAP_TAG, session)), session, what)
+        return ch.wait(ch.submit(lambda: ch.exchange(ops, REMAP_TAG, session, retry_closed=True)), session, what)
 
     def _hand_over(self, session: Session, outbox: dict[int, torch.Tensor],
                    inbox: dict[int, torch.Tensor]) -> tuple[dict[int, str], set[int]]:

@@ -1,0 +1,204 @@
+#include "comm/host_mailbox.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "common/backoff.h"
+#include "common/check.h"
+
+namespace rx {
+namespace {
+
+constexpr uint64_t kMagic = 0x52584d4158424f58ull;  // "RXMAXBOX"
+constexpr size_t kHead = 64;                        // segment header: magic, size, words
+constexpr size_t kSlot = 128;                       // state word + kMaxWords header words
+constexpr uint64_t kPosted = 1, kTaken = 2, kWithdrawn = 3;
+
+// Spinning this long after a poll starts costs less than one sleep's wake-up.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+uint64_t load(const uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
+bool cas(uint64_t* w, uint64_t expected, uint64_t desired) {
+  return __atomic_compare_exchange_n(w, &expected, desired, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+void* map(int fd, size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+// Segment names carry the creator's pid namespace and pid: "reshard_ext.<ns>.<pid>.<salt>".
+unsigned long long pid_namespace() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0ull;
+}
+
+// Removes the segments of processes of our pid namespace that are gone (killed before they
+// could remove their own), so they do not pile up in /dev/shm.
+void sweep_dead(unsigned long long ns) {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  char prefix[48];
+  const int n = std::snprintf(prefix, sizeof prefix, "reshard_ext.%llu.", ns);
+  while (const dirent* e = readdir(dir)) {
+    if (std::strncmp(e->d_name, prefix, static_cast<size_t>(n)) != 0) continue;
+    const long pid = std::strtol(e->d_name + n, nullptr, 10);
+    if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
+      shm_unlink((std::string("/") + e->d_name).c_str());
+  }
+  closedir(dir);
+}
+
+}  // namespace
+
+HostMailbox::HostMailbox(int32_t rank, int32_t size, int32_t words) : rank_(rank), size_(size), words_(words) {
+  RX_HOST_ASSERT(size >= 1 && rank >= 0 && rank < size, "HostMailbox: rank ", rank, " of ", size);
+  RX_HOST_ASSERT(words >= 1 && words <= kMaxWords, "HostMailbox: ", words, " header words");
+  bytes_ = kHead + static_cast<size_t>(size) * kSlot;
+  std::random_device rd;
+  const uint64_t salt = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  const unsigned long long ns = pid_namespace();
+  sweep_dead(ns);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "/reshard_ext.%llu.%d.%016llx", ns, static_cast<int>(getpid()),
+                static_cast<unsigned long long>(salt));
+  name_ = buf;
+  const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  RX_USER_CHECK(fd >= 0, "HostMailbox: shm_open(", name_, "): ", std::strerror(errno));
+  const bool sized = ftruncate(fd, static_cast<off_t>(bytes_)) == 0;
+  base_ = sized ? map(fd, bytes_) : nullptr;
+  const int err = errno;
+  close(fd);
+  if (base_ == nullptr) {
+    shm_unlink(name_.c_str());
+    RX_USER_CHECK(false, "HostMailbox: cannot size or map ", name_, ": ", std::strerror(err));
+  }
+  auto* head = static_cast<uint64_t*>(base_);  // zero-filled by ftruncate: every slot idle
+  head[1] = static_cast<uint64_t>(size);
+  head[2] = static_cast<uint64_t>(words);
+  __atomic_store_n(&head[0], kMagic, __ATOMIC_RELEASE);
+  peers_.assign(static_cast<size_t>(size), nullptr);
+}
+
+HostMailbox::~HostMailbox() {
+  for (void* p : peers_)
+    if (p != nullptr) munmap(p, bytes_);
+  if (base_ != nullptr) munmap(base_, bytes_);
+  shm_unlink(name_.c_str());
+}
+
+void HostMailbox::attach(int32_t peer, const std::string& name) {
+  RX_HOST_ASSERT(peer >= 0 && peer < size_ && peer != rank_, "HostMailbox: bad peer ", peer);
+  if (peers_[static_cast<size_t>(peer)] != nullptr) return;
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  RX_USER_CHECK(fd >= 0, "HostMailbox: rank ", rank_, " cannot open rank ", peer, "'s header mailbox ", name, ": ",
+                std::strerror(errno));
+  void* p = map(fd, bytes_);
+  close(fd);
+  RX_USER_CHECK(p != nullptr, "HostMailbox: cannot map rank ", peer, "'s header mailbox ", name);
+  const auto* head = static_cast<const uint64_t*>(p);
+  if (load(&head[0]) != kMagic || head[1] != static_cast<uint64_t>(size_) ||
+      head[2] != static_cast<uint64_t>(words_)) {
+    munmap(p, bytes_);
+    RX_USER_CHECK(false, "HostMailbox: rank ", peer, "'s header mailbox ", name, " is not one of this group's");
+  }
+  peers_[static_cast<size_t>(peer)] = p;
+}
+
+bool HostMailbox::attached(int32_t peer) const {
+  return peer >= 0 && peer < size_ && peers_[static_cast<size_t>(peer)] != nullptr;
+}
+
+uint64_t* HostMailbox::mine(int32_t peer) const {
+  return reinterpret_cast<uint64_t*>(static_cast<char*>(base_) + kHead + static_cast<size_t>(peer) * kSlot);
+}
+
+uint64_t* HostMailbox::theirs(int32_t peer) const {
+  return reinterpret_cast<uint64_t*>(static_cast<char*>(peers_[static_cast<size_t>(peer)]) + kHead +
+                                     static_cast<size_t>(rank_) * kSlot);
+}
+
+void HostMailbox::post(const std::vector<int32_t>& peers, const int64_t* header) {
+  RX_HOST_ASSERT(pending_.empty(), "HostMailbox: an exchange is still open");
+  for (int32_t p : peers) RX_HOST_ASSERT(attached(p), "HostMailbox: rank ", p, " is not attached");
+  for (int32_t p : peers) {
+    uint64_t* slot = mine(p);
+    const uint64_t state = load(slot);
+    RX_HOST_ASSERT((state & 3) != kPosted, "HostMailbox: a header to rank ", p, " is still posted");
+    const uint64_t gen = (state >> 2) + 1;
+    for (int32_t w = 0; w < words_; ++w)
+      __atomic_store_n(reinterpret_cast<int64_t*>(slot + 1 + w), header[w], __ATOMIC_RELAXED);
+    __atomic_store_n(slot, gen << 2 | kPosted, __ATOMIC_RELEASE);
+    pending_.push_back(Pending{p, gen, false, false});
+  }
+}
+
+bool HostMailbox::try_take(Pending& p, int64_t* row) {
+  uint64_t* slot = theirs(p.peer);
+  const uint64_t state = load(slot);
+  if ((state & 3) != kPosted) return false;
+  for (int32_t w = 0; w < words_; ++w)
+    row[w] = __atomic_load_n(reinterpret_cast<const int64_t*>(slot + 1 + w), __ATOMIC_RELAXED);
+  // Valid only if the slot still holds that post: a withdrawn and re-posted header fails the CAS.
+  p.took = cas(slot, state, (state & ~uint64_t{3}) | kTaken);
+  return p.took;
+}
+
+bool HostMailbox::step(int64_t* rows) {
+  bool done = true;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Pending& p = pending_[i];
+    if (!p.took) try_take(p, rows + i * static_cast<size_t>(words_));
+    if (!p.taken) p.taken = load(mine(p.peer)) == (p.gen << 2 | kTaken);
+    done = done && p.took && p.taken;
+  }
+  return done;
+}
+
+bool HostMailbox::poll(double seconds, int64_t* rows) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(std::max(seconds, 0.0)));
+  Backoff backoff(100);
+  while (true) {
+    if (step(rows)) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until) return false;
+    if (now - start < kSpin)
+      cpu_relax();
+    else
+      backoff.pause();
+  }
+}
+
+std::vector<int32_t> HostMailbox::finish(int64_t* rows) {
+  std::vector<int32_t> out;
+  step(rows);
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Pending& p = pending_[i];
+    // A peer that took our header has posted its own (it posts before it takes).
+    if (!p.taken && !cas(mine(p.peer), p.gen << 2 | kPosted, p.gen << 2 | kWithdrawn)) p.taken = true;
+    if (p.taken && !p.took) try_take(p, rows + i * static_cast<size_t>(words_));
+    out.push_back(p.took && p.taken ? 0 : (!p.took ? 1 : 2));
+  }
+  pending_.clear();
+  return out;
+}
+
+}  // namespace rx

@@ -1,0 +1,136 @@
+"""_C.HostMailbox (csrc/comm/host_mailbox.h): execute headers between the processes of one
+host through shared memory. Two mailboxes in one process stand for two ranks; each step
+of the protocol runs when the test says, so every interleaving of the two ends is
+checked: both ends always reach the same outcome."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reshard_ext import _C
+from reshard_ext.errors import ReshardError
+
+WORDS = 10
+DONE, POSTED_NOTHING, TOOK_NOTHING = 0, 1, 2
+
+
+def _pair():
+    a, b = _C.HostMailbox(0, 2, WORDS), _C.HostMailbox(1, 2, WORDS)
+    a.attach(1, b.name)
+    b.attach(0, a.name)
+    return a, b
+
+
+def _header(base: int) -> np.ndarray:
+    return np.arange(WORDS, dtype=np.int64) + base
+
+
+def _rows() -> np.ndarray:
+    return np.zeros((1, WORDS), dtype=np.int64)
+
+
+def test_both_ends_take_each_others_header_round_after_round():
+    a, b = _pair()
+    for r in range(5):
+        ra, rb = _rows(), _rows()
+        a.post([1], _header(100 * r))
+        b.post([0], _header(100 * r + 50))
+        assert not a.poll(0.0, ra)  # a took b's; b has not taken a's yet
+        assert b.poll(0.0, rb) and a.poll(0.0, ra)
+        assert a.finish(ra) == [DONE] and b.finish(rb) == [DONE]
+        assert (ra[0] == _header(100 * r + 50)).all() and (rb[0] == _header(100 * r)).all()
+
+
+def test_a_header_nobody_took_is_withdrawn_and_never_taken_later():
+    a, b = _pair()
+    ra, rb = _rows(), _rows()
+    a.post([1], _header(0))
+    assert not a.poll(0.001, ra)
+    assert a.finish(ra) == [POSTED_NOTHING]
+    b.post([0], _header(7))
+    assert not b.poll(0.001, rb)  # a's withdrawn header is not there to take
+    assert b.finish(rb) == [POSTED_NOTHING]
+    assert (rb == 0).all()
+    # a's next exchange meets b's next one
+    a.post([1], _header(1))
+    b.post([0], _header(8))
+    assert b.poll(0.0, rb) is False and a.poll(0.0, ra) and b.poll(0.0, rb)
+    assert a.finish(ra) == [DONE] and b.finish(rb) == [DONE]
+    assert ra[0, 0] == 8 and rb[0, 0] == 1
+
+
+def test_an_end_that_gives_up_after_its_header_was_taken_takes_the_peers_and_succeeds():
+    """b took a's header (so b has posted its own); a finishes before it polled: a takes b's
+    header then, and both ends succeed."""
+    a, b = _pair()
+    ra, rb = _rows(), _rows()
+    a.post([1], _header(0))
+    b.post([0], _header(5))
+    assert not b.poll(0.0, rb)  # b took a's
+    assert a.finish(ra) == [DONE]
+    assert b.poll(0.0, rb) and b.finish(rb) == [DONE]
+    assert ra[0, 0] == 5 and rb[0, 0] == 0
+
+
+def test_an_end_that_withdraws_before_its_header_was_taken_fails_both_ends():
+    """b took a's header, then gave up before a took b's: b withdraws, so a finds nothing
+    to take and fails too, though its own header was taken."""
+    a, b = _pair()
+    ra, rb = _rows(), _rows()
+    a.post([1], _header(0))
+    b.post([0], _header(5))
+    assert not b.poll(0.0, rb)
+    assert b.finish(rb) == [TOOK_NOTHING]
+    assert not a.poll(0.001, ra)
+    assert a.finish(ra) == [POSTED_NOTHING]
+
+
+def test_one_exchange_with_several_peers_reports_each_pair():
+    a, b, c = _C.HostMailbox(0, 3, WORDS), _C.HostMailbox(1, 3, WORDS), _C.HostMailbox(2, 3, WORDS)
+    for m, r in ((a, 0), (b, 1), (c, 2)):
+        for other, s in ((a, 0), (b, 1), (c, 2)):
+            if s != r:
+                m.attach(s, other.name)
+    ra, rb = np.zeros((2, WORDS), dtype=np.int64), _rows()
+    a.post([1, 2], _header(0))
+    b.post([0], _header(10))
+    assert not a.poll(0.0, ra) and b.poll(0.0, rb)
+    assert a.finish(ra) == [DONE, POSTED_NOTHING] and b.finish(rb) == [DONE]
+    assert ra[0, 0] == 10 and (ra[1] == 0).all() and rb[0, 0] == 0
+    rc = _rows()
+    c.post([0], _header(20))  # a's header to c was withdrawn
+    assert not c.poll(0.001, rc) and c.finish(rc) == [POSTED_NOTHING]
+
+
+def test_misuse_raises():
+    a, b = _pair()
+    c = _C.HostMailbox(0, 3, WORDS)
+    with pytest.raises(ReshardError, match="not one of this group"):
+        c.attach(1, b.name)  # a segment of a 2-rank group
+    with pytest.raises(ReshardError, match="cannot open"):
+        c.attach(2, "/reshard_ext.no-such-segment")
+    with pytest.raises(RuntimeError, match="not attached"):
+        c.post([2], _header(0))
+    with pytest.raises(RuntimeError, match="int64 row"):
+        a.post([1], np.zeros(WORDS + 1, dtype=np.int64))
+    a.post([1], _header(0))
+    with pytest.raises(RuntimeError, match="still open"):
+        a.post([1], _header(0))
+    with pytest.raises(RuntimeError, match="rows must be"):
+        a.poll(0.0, np.zeros((1, WORDS - 1), dtype=np.int64))
+    assert a.finish(_rows()) == [POSTED_NOTHING]
+
+
+def test_segments_of_killed_processes_are_removed_by_the_next_mailbox():
+    import os
+    import subprocess
+    import sys
+
+    code = "import os; from reshard_ext import _C; m = _C.HostMailbox(0, 2, 10); print(m.name, flush=True); os._exit(0)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    name = run.stdout.strip()
+    assert name.startswith("/reshard_ext.") and os.path.exists("/dev/shm" + name)  # os._exit: no cleanup
+    mine = _C.HostMailbox(0, 2, WORDS)
+    assert not os.path.exists("/dev/shm" + name) and os.path.exists("/dev/shm" + mine.name)
+    del mine
