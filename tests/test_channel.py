@@ -18,9 +18,16 @@ import reshard_ext as rx
 
 def gloo_headers(p) -> None:
     """This rank's headers of p's channel over gloo, as between hosts (every rank must call
-    it before the same execute; the channel decides afresh after _local.clear())."""
+    it before the same execute, and decide_afresh after)."""
     ch = p.transport.channel
     ch._local.update({peer: False for peer in range(ch.size) if peer != ch.rank})
+    ch._splits.clear()
+
+
+def decide_afresh(ch) -> None:
+    """The channel's way to each peer decided again at its next header exchange."""
+    ch._local.clear()
+    ch._splits.clear()
 
 
 def _solo_timeouts(rank: int, world: int, token: str, rounds: int, timeout: float, headers: str):
@@ -40,7 +47,7 @@ def _solo_timeouts(rank: int, world: int, token: str, rounds: int, timeout: floa
         store.set(f"{token}/{i}", "1")
     store.wait([f"{token}/{rounds - 1}"])
     together = _try(rx.execute, p, version=7, timeout=5)
-    p.transport.channel._local.clear()
+    decide_afresh(p.transport.channel)
     return alone, together, p.version, bits_equal(out, want)
 
 
@@ -101,7 +108,7 @@ def _closed_after_a_send_completed(rank: int, world: int, token: str):
             together = _try(rx.execute, p, version=3, timeout=5)
         finally:
             ch._contexts[gen] = ch._contexts[gen].ctx
-    ch._local.clear()
+    decide_afresh(ch)
     return alone, together, p.version, bits_equal(out, want)
 
 

@@ -167,6 +167,7 @@ class Channel:
         self._headers: _Headers | None = None  # see header_buffers
         self._mailbox = self._open_mailbox()
         self._local: dict[int, bool] = {}  # peer -> whether our headers go through the mailboxes
+        self._splits: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # see split()
         self._mail_open: tuple[np.ndarray, Session] | None = None  # an aborted execute's header exchange
         threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
 
@@ -199,6 +200,16 @@ class Channel:
             if known:
                 self._mailbox.attach(peer, theirs.split(" ", 1)[1])
             self._local[peer] = known
+        return known
+
+    def split(self, ranks: list[int]) -> tuple[list[int], list[int]]:
+        """Indices into `ranks` of the peers our headers reach through the mailboxes, and of the
+        others (remembered per list of ranks)."""
+        key = tuple(ranks)
+        known = self._splits.get(key)
+        if known is None:
+            near = [self.local(p) for p in ranks]
+            known = self._splits[key] = ([i for i, n in enumerate(near) if n], [i for i, n in enumerate(near) if not n])
         return known
 
     def mailbox_exchange(self, peers: list[int], header: np.ndarray, rows: np.ndarray, session: Session,
@@ -463,18 +474,19 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     bufs = channel.header_buffers(len(ranks))
     ours = session.header(batches)
     bufs.mine_np[:] = ours
-    is_local = [channel.local(p) for p in ranks]
-    local = [i for i, near in enumerate(is_local) if near]
-    remote = [i for i, near in enumerate(is_local) if not near]
+    local, remote = channel.split(ranks)
     task = None
     if remote:
         ops = bufs.ops([ranks[i] for i in remote], remote)
         task = channel.submit(lambda: channel.exchange(ops, HEADER_TAG, session, retry_closed=True))
     errors: dict[int, str] = {}
     if local:
-        rows = np.zeros((len(local), HEADER_LEN), dtype=np.int64)
-        errors = channel.mailbox_exchange([ranks[i] for i in local], bufs.mine_np, rows, session, before_wait)
-        bufs.received_np[local] = rows
+        every = len(local) == len(ranks)  # then their headers land in place
+        rows = bufs.received_np if every else np.zeros((len(local), HEADER_LEN), dtype=np.int64)
+        errors = channel.mailbox_exchange([ranks[i] for i in local] if not every else ranks, bufs.mine_np, rows,
+                                          session, before_wait)
+        if not every:
+            bufs.received_np[local] = rows
     elif before_wait is not None:
         before_wait()
     if task is not None:
@@ -540,14 +552,15 @@ _MAILBOX_FAILURES = {1: "it posted no execute header in time", 2: "it did not ta
 
 
 def _host_key() -> str:
-    """Equal for two processes iff they share this host's /dev/shm (where shm_open's segments live)."""
+    """Equal for two processes iff they share this host's /dev/shm (where shm_open's segments
+    live) as the same user (a segment is readable by its owner only)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         st = os.stat("/dev/shm")
-        return f"{boot}:{st.st_dev}:{st.st_ino}"
+        return f"{boot}:{st.st_dev}:{st.st_ino}:{os.getuid()}"
     except OSError:
-        return socket.gethostname()
+        return f"{socket.gethostname()}:{os.getuid()}"
 
 
 _CHANNELS: dict[tuple[int, ...], Channel] = {}
