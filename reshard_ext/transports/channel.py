@@ -187,6 +187,7 @@ class Channel:
             except Exception:  # noqa: BLE001 - no shared memory here: headers go over gloo
                 mailbox = None
         self.store.set(self._mailbox_key(self.rank), value)
+        self._announced = value
         return mailbox
 
     def local(self, peer: int) -> bool:
@@ -194,8 +195,15 @@ class Channel:
         the same /dev/shm (both ends decide alike from the two announcements)."""
         known = self._local.get(peer)
         if known is None:
-            mine = self.store.get(self._mailbox_key(self.rank)).decode()
-            theirs = self.store.get(self._mailbox_key(peer)).decode()
+            key = self._mailbox_key(peer)
+            limit = float(env_default("RESHARD_EXT_P2P_TIMEOUT"))
+            try:  # there since rx.plan; bounded by the reshard timeout, not the store's, all the same
+                self.store.wait([key], datetime.timedelta(seconds=limit))
+            except RuntimeError as e:
+                raise ReshardError(f"rank {self.rank}: rank {peer} announced no header channel within {limit:g} s "
+                                   f"(RESHARD_EXT_P2P_TIMEOUT): it never made a plan over this group ({e})") from e
+            mine = self._announced
+            theirs = self.store.get(key).decode()
             known = mine != "-" and theirs != "-" and mine.split(" ")[0] == theirs.split(" ")[0]
             if known:
                 self._mailbox.attach(peer, theirs.split(" ", 1)[1])
