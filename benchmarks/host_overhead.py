@@ -10,15 +10,18 @@ threads share the check of a large plan: RESHARD_EXT_CHECK_THREADS) and its wall
 tensor (every src and dst piece: 20,000 for the default 10,000 tensors). `all threads` is the
 process's CPU time per execute (the caller, the check's helpers, the header channel's worker
 and torch's own threads). `--device cpu` runs it over gloo (there the execute time includes
-the copies themselves, which run on the calling thread).
+the copies themselves, which run on the calling thread). `cold`: the check's wall time after
+`--cold-mb` of other memory traffic, as between the executes of a real refit (the warm loop
+keeps every bound tensor's TensorImpl in cache).
 
     torchrun --nproc-per-node 2 benchmarks/host_overhead.py [--tensors 10000] [--device cpu] [--tensor-data-ptr]
-        [--profile] [--phases] [--emulate-cuda]
+        [--profile] [--phases] [--emulate-cuda] [--cold-mb 512]
 
 --phases: each rank's execute split into phases, caller CPU and wall time per phase (medians;
-the timers add about a microsecond per phase): the storage check, the header exchange (posting
-it to the channel's worker, the first pack that runs while the headers travel, the wait for the
-peers' headers), the executor's run (CUDA: posts, launches, NCCL and the host wait for the
+the timers add about a microsecond per phase): the storage check, the header exchange (over
+gloo: posting it to the channel's worker, the first pack that runs while the headers travel,
+the wait for the peers' headers; between processes of one host: `header mailbox`, the
+shared-memory exchange less that first pack), the executor's run (CUDA: posts, launches, NCCL and the host wait for the
 transfers), the transport's run (CPU: the copies and their messages) and the rest (Python
 bookkeeping, what no phase covers).
 --emulate-cuda (with --device cpu): the CUDA transport's Python (CudaTransport.run, the header
@@ -45,7 +48,7 @@ import torch.distributed as dist
 import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Shard
 
-PHASES = ("check", "header post", "first pack", "header wait", "executor.run", "transport.run")
+PHASES = ("check", "header post", "first pack", "header wait", "header mailbox", "executor.run", "transport.run")
 
 
 class Phases:
@@ -74,7 +77,7 @@ class Phases:
         cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
         for d in (self.cpu, self.wall):  # the phases inside the transport's run are its own
             if "transport.run" in d:
-                d["transport.run"] -= sum(d.get(k, 0.0) for k in PHASES[1:5])
+                d["transport.run"] -= sum(d.get(k, 0.0) for k in PHASES[1:6])
         self.cpu["rest"] = cpu - sum(v for k, v in self.cpu.items() if not k.startswith("  run:"))
         self.wall["rest"] = wall - sum(v for k, v in self.wall.items() if not k.startswith("  run:"))
         self.cpu["execute"], self.wall["execute"] = cpu, wall
@@ -90,13 +93,19 @@ class Phases:
         exchange = channel.exchange_headers
 
         def headers(chan: Any, peers: Any, session: Any, batches: int, before_wait: Any = None) -> Any:
-            # the channel's submit and wait of the headers only (the CPU transport's data use them too)
+            # the channel's submit and wait of the headers only (the CPU transport's data use them too);
+            # the shared-memory exchange of a host's peers less the first pack it runs meanwhile
             chan.submit, chan.wait = self.timed("header post", chan.submit), self.timed("header wait", chan.wait)
+            chan.mailbox_exchange = self.timed("header mailbox", chan.mailbox_exchange)
+            first_pack = None if before_wait is None else self.timed("first pack", before_wait)
+            c0, w0 = self.cpu.get("first pack", 0.0), self.wall.get("first pack", 0.0)
             try:
-                return exchange(chan, peers, session, batches,
-                                None if before_wait is None else self.timed("first pack", before_wait))
+                return exchange(chan, peers, session, batches, first_pack)
             finally:
-                del chan.submit, chan.wait
+                del chan.submit, chan.wait, chan.mailbox_exchange
+                if "header mailbox" in self.cpu:
+                    self.cpu["header mailbox"] -= self.cpu.get("first pack", 0.0) - c0
+                    self.wall["header mailbox"] -= self.wall.get("first pack", 0.0) - w0
         cpu.exchange_headers = cuda.exchange_headers = headers
         self._exchange = exchange
         if hasattr(transport, "executor"):
@@ -109,7 +118,7 @@ class Phases:
         cpu.exchange_headers = cuda.exchange_headers = self._exchange
 
     def report(self, rank: int) -> str:
-        names = [n for n in PHASES[:5] + ("  run: posts", "  run: host wait") + PHASES[5:] + ("rest", "execute")
+        names = [n for n in PHASES[:6] + ("  run: posts", "  run: host wait") + PHASES[6:] + ("rest", "execute")
                  if any(n in c for c, _ in self.rows)]
         parts = []
         for n in names:
@@ -198,6 +207,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="rank 0's top functions of executes without the check")
     ap.add_argument("--phases", action="store_true", help="each rank's execute time per phase")
     ap.add_argument("--emulate-cuda", action="store_true", help="with --device cpu: the CUDA transport's Python")
+    ap.add_argument("--cold-mb", type=int, default=512,
+                    help="the storage check also timed after touching this much other memory (0: not)")
     args = ap.parse_args()
     if args.emulate_cuda:
         if args.device != "cpu":
@@ -245,16 +256,29 @@ def main() -> None:
         check.append(time.thread_time() - t0)
         check_wall.append(time.perf_counter() - w0)
     watch = getattr(plan, "_watch", None)
+    # The check again after other memory traffic, as between the executes of a real refit:
+    # the warm loop above keeps every TensorImpl in cache.
+    flush = torch.empty(args.cold_mb << 20, dtype=torch.uint8) if args.cold_mb and watch is not None else None
+    cold = []
+    for _ in range(args.iters if flush is not None else 0):
+        flush.add_(1)
+        w0 = time.perf_counter()
+        watch.changed(rank)
+        cold.append(time.perf_counter() - w0)
     how = "none" if watch is None else "C++ loop" if getattr(watch, "fast", None) is not None else "Tensor.data_ptr"
     bound = len(watch.tensors) if watch is not None else 0
     threads = plan.options.resolved_check_threads() if hasattr(plan.options, "resolved_check_threads") else 1
     how += f", {threads} threads" if threads > 1 else ""
-    row = (rank, plan_s, cpu, sum(plan.num_ops), check, how, bound, check_wall, every)
+    row = (rank, plan_s, cpu, sum(plan.num_ops), check, how, bound, check_wall, every, cold)
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
-        for r, ps, c, ops, chk, how, bound, chk_wall, ev in rows:
+        for r, ps, c, ops, chk, how, bound, chk_wall, ev, cold_wall in rows:
             each = f", {1e9 * statistics.median(chk_wall) / bound:.1f} ns per bound tensor" if bound else ""
+            if cold_wall:
+                each += (f"; cold (after {args.cold_mb} MB of other memory traffic) "
+                         f"{1e3 * statistics.median(cold_wall):.3f} ms, "
+                         f"{1e9 * statistics.median(cold_wall) / bound:.1f} ns per bound tensor")
             print(f"host_overhead ({label}): rank {r}: {args.tensors} tensors, {ops} boxes, plan {ps:.2f} s, "
                   f"execute CPU time {1e3 * statistics.median(c):.3f} ms (min {1e3 * min(c):.3f}; all threads "
                   f"{1e3 * statistics.median(ev):.3f}), of which "
