@@ -134,3 +134,15 @@ def test_segments_of_killed_processes_are_removed_by_the_next_mailbox():
     mine = _C.HostMailbox(0, 2, WORDS)
     assert not os.path.exists("/dev/shm" + name) and os.path.exists("/dev/shm" + mine.name)
     del mine
+
+
+def test_a_forked_child_leaves_its_parents_segment():
+    import os
+
+    mine = _C.HostMailbox(0, 2, WORDS)
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the mailbox, as its exit would
+        del mine
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.exists("/dev/shm" + mine.name)

@@ -79,6 +79,7 @@ HostMailbox::HostMailbox(int32_t rank, int32_t size, int32_t words) : rank_(rank
   std::snprintf(buf, sizeof buf, "/reshard_ext.%llu.%d.%016llx", ns, static_cast<int>(getpid()),
                 static_cast<unsigned long long>(salt));
   name_ = buf;
+  owner_ = static_cast<int>(getpid());
   const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   RX_USER_CHECK(fd >= 0, "HostMailbox: shm_open(", name_, "): ", std::strerror(errno));
   const bool sized = ftruncate(fd, static_cast<off_t>(bytes_)) == 0;
@@ -100,7 +101,7 @@ HostMailbox::~HostMailbox() {
   for (void* p : peers_)
     if (p != nullptr) munmap(p, bytes_);
   if (base_ != nullptr) munmap(base_, bytes_);
-  shm_unlink(name_.c_str());
+  if (static_cast<int>(getpid()) == owner_) shm_unlink(name_.c_str());
 }
 
 void HostMailbox::attach(int32_t peer, const std::string& name) {

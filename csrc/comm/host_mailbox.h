@@ -65,6 +65,7 @@ class HostMailbox {
   std::vector<void*> peers_;      // mapped peer segments (nullptr: not attached)
   std::vector<Pending> pending_;  // the exchange in progress
   size_t bytes_ = 0;
+  int owner_ = 0;  // the creating process: a forked child must not remove the parent's segment
 };
 
 }  // namespace rx

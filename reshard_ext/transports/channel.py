@@ -579,7 +579,7 @@ _CHANNELS_LOCK = threading.Lock()
 def _close_mailboxes() -> None:
     """Removes this process's header mailboxes from /dev/shm (a killed process leaves its own)."""
     for ch in list(_CHANNELS.values()):
-        ch._mailbox = None
+        ch._mailbox = None  # a forked child's copy leaves the parent's segment (the destructor checks)
 
 
 def channel_of(group: Any) -> Channel:
