@@ -1,6 +1,5 @@
-// Execute headers between the processes of one host through shared memory: a header
-// exchange costs a few microseconds instead of a gloo round trip through two worker
-// threads (which kept every GPU idle for the first half millisecond of an execute).
+// Execute headers between the processes of one host through shared memory, so that no
+// round trip through worker threads delays an execute's first GPU work (RESULTS.md).
 //
 // Each rank owns one POSIX shared-memory segment with a slot per receiving rank; a peer
 // maps it and takes its slot. A slot's state word is (generation << 2) | state:

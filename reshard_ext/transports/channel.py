@@ -23,10 +23,9 @@ fresh connection for that pair.
   execute's messages complete or time out (closing their pairs) before new ones go out
   on the same connections.
 - Execute headers between two processes of one host skip gloo: each rank posts them in
-  a shared-memory mailbox of its own that its peers on the host map (_C.HostMailbox:
-  a few microseconds instead of a round trip through two worker threads, which kept
-  the GPUs idle for the first half millisecond of an execute). A pair uses it where
-  both ranks made one and share the host's /dev/shm (decided alike at both ends).
+  a shared-memory mailbox of its own that its peers on the host map (_C.HostMailbox), so
+  no round trip through worker threads delays an execute's first GPU work. A pair uses
+  it where both ranks made one and share the host's /dev/shm (decided alike at both ends).
 - One execute at a time per group in a process: a second thread is refused.
 """
 from __future__ import annotations
@@ -165,7 +164,7 @@ class Channel:
         self._jobs: queue.SimpleQueue[_Task] = queue.SimpleQueue()
         self._last: _Task | None = None  # the worker runs jobs in order: when it is done, all are
         self._headers: _Headers | None = None  # see header_buffers
-        self._mailbox = self._open_mailbox()
+        self._mailbox, self._announced = self._open_mailbox()
         self._local: dict[int, bool] = {}  # peer -> whether our headers go through the mailboxes
         self._splits: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # see split()
         self._mail_open: tuple[np.ndarray, Session] | None = None  # an aborted execute's header exchange
@@ -175,8 +174,8 @@ class Channel:
     def _mailbox_key(self, rank: int) -> str:
         return f"{self._prefix}mailbox/{rank}"
 
-    def _open_mailbox(self) -> Any:
-        """This rank's header mailbox, announced in the store as "<host> <name>" ("-": none).
+    def _open_mailbox(self) -> tuple[Any, str]:
+        """This rank's header mailbox and its announcement in the store, "<host> <name>" ("-": none).
         Made with the channel: every rank of a plan has made its channel before rx.plan
         returns anywhere, so a peer's announcement is there by the first header exchange."""
         mailbox, value = None, "-"
@@ -187,8 +186,7 @@ class Channel:
             except Exception:  # noqa: BLE001 - no shared memory here: headers go over gloo
                 mailbox = None
         self.store.set(self._mailbox_key(self.rank), value)
-        self._announced = value
-        return mailbox
+        return mailbox, value
 
     def local(self, peer: int) -> bool:
         """Whether our headers with `peer` go through the mailboxes: both ranks made one on
@@ -233,11 +231,7 @@ class Channel:
         self._mail_open = (rows, session)
         if before_wait is not None:
             before_wait()
-        while not mailbox.poll(min(max(session.remaining(), 0.0), _POLL_S), rows):
-            if session.abort.is_set():
-                raise ReshardError("rx.execute was aborted (plan.abort()) while exchanging execute headers")
-            if session.remaining() <= 0:
-                break
+        self._await_mail(rows, session, session, "while exchanging execute headers")
         self._mail_open = None
         outcome = mailbox.finish(rows)
         return {p: _MAILBOX_FAILURES[o] for p, o in zip(peers, outcome) if o}
@@ -248,16 +242,21 @@ class Channel:
         if self._mail_open is None:
             return
         rows, old = self._mail_open
-        while not self._mailbox.poll(min(max(min(old.remaining(), session.remaining()), 0.0), _POLL_S), rows):
-            if old.remaining() <= 0:
-                break
+        self._await_mail(rows, old, session, "while an earlier execute's headers settled")
+        self._mailbox.finish(rows)
+        self._mail_open = None
+
+    def _await_mail(self, rows: np.ndarray, owner: Session, session: Session, what: str) -> None:
+        """Polls the open exchange (of `owner`'s execute) until it is done or past owner's
+        deadline; ReshardError where `session` is aborted or a second past its own."""
+        while not self._mailbox.poll(min(max(min(owner.remaining(), session.remaining()), 0.0), _POLL_S), rows):
             if session.abort.is_set():
-                raise ReshardError("rx.execute was aborted (plan.abort()) while an earlier execute's headers settled")
+                raise ReshardError(f"rx.execute was aborted (plan.abort()) {what}")
+            if owner.remaining() <= 0:
+                return
             if session.remaining() < -1.0:
                 raise ReshardError(f"rx.execute: an earlier execute's headers did not settle within "
                                    f"{session.timeout:g} s")
-        self._mailbox.finish(rows)
-        self._mail_open = None
 
     # --- one execute at a time -------------------------------------------------------
     def enter(self, what: str = "rx.execute") -> None:
