@@ -204,8 +204,9 @@ class Options:
       copies, 4 to 32, _C.auto_engine_streams).
     - direct_verify_groups: a verified direct execute's senders write and signal each pair's
       ops in this many groups, each half the size of the one before, and the receiver digests
-      group k while the next ones move (1 to 255, the same on every rank: plan raises
-      otherwise; RESHARD_EXT_DIRECT_VERIFY_GROUPS).
+      group k while the next ones move; a group's copies spread over the streams its own
+      copy count calls for, at most direct_engine_streams (1 to 255, the same on every rank:
+      plan raises otherwise; RESHARD_EXT_DIRECT_VERIFY_GROUPS).
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).

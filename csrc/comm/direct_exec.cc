@@ -218,8 +218,9 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   RX_HOST_ASSERT(box_groups.empty() || box_groups.size() == boxes.size(), "DirectExec: ", box_groups.size(),
                  " landing groups for ", boxes.size(), " boxes");
   if (!boxes.empty()) {
-    // Each group spreads over as many streams as the whole: every engine stays busy
-    // across a group's end (a stream goes on to its next group's copies at once).
+    // Each group spreads over the streams its own copies call for (auto_engine_streams),
+    // at most the whole's: spread over all of them, the small late groups became hundreds
+    // of small copies whose per-copy setup the link waited for.
     std::vector<std::vector<rx_box>> by_group(static_cast<size_t>(config_.landing_groups));
     for (size_t i = 0; i < boxes.size(); ++i) {
       const int32_t k = box_groups.empty() ? 0 : box_groups[i];
@@ -230,7 +231,8 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
       std::vector<EngineCopy> copies;
       LandingGroup g;
       g.table = DeviceBoxTable(kernel_boxes(part, config_.engine_bytes, &copies));
-      for (const std::vector<EngineCopy>& q : spread_engines(copies, static_cast<int>(engines_.size())))
+      const int streams = std::min(static_cast<int>(engines_.size()), auto_engine_streams(copies.size()));
+      for (const std::vector<EngineCopy>& q : spread_engines(copies, streams))
         g.engines.emplace_back(q, config_.batch);
       groups_.push_back(std::move(g));
     }
@@ -387,7 +389,7 @@ void DirectExec::begin_steps(cudaStream_t main) {
 }
 
 void DirectExec::send_landing() {
-  // signal_ waits for each group's end on every stream, then signals it; each copy
+  // signal_ waits for each group's end on every stream it uses, then signals it; each copy
   // stream starts a group only once the one before has landed everywhere, since the
   // engines may serve some streams before others (a stream's later groups would then go
   // before another stream's first). Events are re-recorded per group: a wait takes the
@@ -395,7 +397,7 @@ void DirectExec::send_landing() {
   const auto groups = static_cast<int32_t>(groups_.size());
   for (int32_t k = 0; k < groups; ++k) {
     LandingGroup& g = groups_[static_cast<size_t>(k)];
-    for (size_t j = 0; j < ces_.size(); ++j) {
+    for (size_t j = 0; j < g.engines.size(); ++j) {  // the first streams (spread_engines per group)
       if (k > 0) RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[j], landed_, 0));
       g.engines[j].issue(ces_[j]);
       RX_CUDA_CHECK(cudaEventRecord(ce_done_[j], ces_[j]));
