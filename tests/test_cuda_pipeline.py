@@ -241,6 +241,48 @@ def test_abort_during_the_transfers_says_so() -> None:
         t.run(tables, session)
 
 
+def _verifying(t: Any) -> None:
+    """The digest buffer of t's verified executes, on the CPU (CudaTransport._verified's work)."""
+    slots = t.executor.build_verify()
+    t._digests = torch.zeros(max(slots, 1), dtype=torch.int64)
+    t._signs = torch.zeros_like(t._digests)
+    t.executor.set_digests(t._digests.data_ptr())
+
+
+def test_a_verified_execute_leaves_the_host_wait_to_its_check() -> None:
+    """A verified execute returns once its work is queued; the check queues its own GPU work
+    and only then waits for the transfers (settle). A plain execute waits itself."""
+    tables = _tables(2, 3, 0)
+    t, log, _ = _transport(tables)
+    _verifying(t)
+    digests = t.run(tables, _session(), verify=True)
+    assert "host: drain" not in log.lines and any(line.startswith("main: unpack 2") for line in log.lines)
+    digests.settle()
+    digests.settle()  # once only
+    assert log.lines.count("host: drain") == 1 and log.lines[-1] == "host: drain"
+    log.clear()
+    assert t.run(tables, _session()) is None
+    assert log.lines.count("host: drain") == 1
+
+
+def test_a_verified_execute_aborted_during_its_transfers_says_so_at_the_check() -> None:
+    tables = _tables(2, 1, 0)
+    t, log, transport = _transport(tables)
+    _verifying(t)
+    transport.fail_drain = "NCCL communicator is unusable after an earlier failure: it was aborted"
+    session = _session()
+    session.abort.set()
+    digests = t.run(tables, session, verify=True)
+    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) during the NCCL transfers"):
+        digests.settle()
+    # An execute whose check never ran leaves its wait to the next begin, whose failure it
+    # does not raise: that execute raised already, and the aborted communicator is rebuilt.
+    t.run(tables, _session(), verify=True)
+    log.clear()
+    t.executor.begin(MAIN, False, False)
+    assert log.lines[0] == "host: drain"
+
+
 def test_grid_cap_only_for_ranks_that_send_and_receive(monkeypatch: pytest.MonkeyPatch) -> None:
     class Props:
         multi_processor_count = 132

@@ -188,6 +188,12 @@ bool Executor::in_rounds(int32_t b) const {
 void Executor::begin(StreamHandle main, bool verify, bool trace) {
   RX_HOST_ASSERT(tables_, "execute before prepare");
   RX_HOST_ASSERT(!verify || verify_built(), "verified execute before build_verify");
+  try {
+    drain();  // an execute whose caller never waited for its transfers
+  } catch (const ReshardError&) {
+    // That execute raised already; a failed drain left the transport aborted, which the
+    // caller finds unusable and rebuilds before it posts anything.
+  }
   main_ = main;
   verify_ = verify;
   trace_ = trace;
@@ -273,7 +279,7 @@ void Executor::digest_direct_recvs(int32_t b) {
   }
 }
 
-void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout_s) {
+void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout_s, bool defer_drain) {
   RX_HOST_ASSERT(transport_, "run without a transport");
   good_ = good;
   std::sort(good_.begin(), good_.end());
@@ -302,13 +308,22 @@ void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout
     // A dead peer or a lost message raises here (bounded by the execute's timeout)
     // instead of hanging the next sync.
     if (time_host_) t1 = host_now();
-    transport_->drain(main_, side_, timeout_s);
+    drain_pending_ = true;
+    drain_timeout_s_ = timeout_s;
+    if (!defer_drain) drain();
   }
   if (time_host_) {
     const std::pair<double, double> t2 = good_.empty() ? t1 : host_now();
     last_run_times_ = {t1.first - t0.first, t1.second - t0.second, t2.first - t1.first, t2.second - t1.second};
   }
   // the scratch memory must outlive the transfers into it (kept on an exception: freed later)
+  if (scratch_ && !drain_pending_) device_->release_scratch(main_);
+}
+
+void Executor::drain() {
+  if (!drain_pending_) return;
+  drain_pending_ = false;
+  transport_->drain(main_, side_, drain_timeout_s_);
   if (scratch_) device_->release_scratch(main_);
 }
 

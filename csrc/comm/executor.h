@@ -127,7 +127,12 @@ class Executor {
   void pack_first();
   // The pipelined rest: transfers with the peers in `good`; writes: this rank writes
   // its destinations (else what arrives lands in scratch memory, staging aside).
-  void run(const std::vector<int32_t>& good, bool writes, double timeout_s);
+  // defer_drain: return once everything is queued and leave the host wait for the
+  // transfers to drain(), so that the caller can queue more GPU work first.
+  void run(const std::vector<int32_t>& good, bool writes, double timeout_s, bool defer_drain = false);
+  // The host wait that run(..., defer_drain=true) left (nothing otherwise); raises
+  // ReshardError where a transfer failed or timed out.
+  void drain();
   // Single steps for schedules kept in Python (torch.distributed p2p, copy-only plans).
   void pack(int32_t b);
   void digest_direct_sends(int32_t b);
@@ -194,6 +199,8 @@ class Executor {
   };
   std::vector<Mark> marks_;
   bool scratch_ = false;
+  bool drain_pending_ = false;  // run(..., defer_drain=true) has not been drained
+  double drain_timeout_s_ = 0;
   Messages degraded_;  // messages() of a degraded execute, valid until its next call
   PostHook post_hook_;
   bool time_host_ = false;

@@ -114,9 +114,11 @@ void register_executor(py::module_& m) {
       .def("begin", &Executor::begin, py::arg("main"), py::arg("verify"), py::arg("trace"))
       .def("pack_first", &Executor::pack_first, py::call_guard<py::gil_scoped_release>())
       .def("run", &Executor::run, py::arg("good"), py::arg("writes"), py::arg("timeout_s"),
-           py::call_guard<py::gil_scoped_release>(),
+           py::arg("defer_drain") = false, py::call_guard<py::gil_scoped_release>(),
            "The pipelined rest of the execute (after begin and pack_first); raises ReshardError where a "
-           "transfer fails or times out.")
+           "transfer fails or times out. defer_drain: leaves the host wait for the transfers to drain().")
+      .def("drain", &Executor::drain, py::call_guard<py::gil_scoped_release>(),
+           "The host wait run(defer_drain=True) left; raises ReshardError where a transfer failed or timed out.")
       .def("pack", &Executor::pack, py::arg("batch"))
       .def("digest_direct_sends", &Executor::digest_direct_sends, py::arg("batch"))
       .def("copy", &Executor::copy, py::arg("slice"))

@@ -383,17 +383,25 @@ class CudaTransport:
         saved = comm.timeout
         if saved != session.timeout:  # usually the plan's timeout already
             comm.timeout = session.timeout  # bounds the posting waits of this execute
+
+        def drained(wait: Callable[[], None]) -> None:
+            try:
+                wait()
+            except ReshardError as e:
+                if session.abort.is_set():
+                    raise ReshardError("rx.execute was aborted (plan.abort()) during the NCCL transfers; "
+                                       "the communicator is rebuilt by the next execute") from e
+                raise
+
         try:
-            ex.run(sorted(good), writes, session.timeout)
-        except ReshardError as e:
-            if session.abort.is_set():
-                raise ReshardError("rx.execute was aborted (plan.abort()) during the NCCL transfers; "
-                                   "the communicator is rebuilt by the next execute") from e
-            raise
+            # verified: the host waits for the transfers once the check's GPU work is queued
+            # behind them (DeviceDigests.settle); queued after that wait, it would start on
+            # an idle GPU
+            drained(lambda: ex.run(sorted(good), writes, session.timeout, defer_drain=verify and writes))
         finally:
             if saved != session.timeout and comm.usable:
                 comm.timeout = saved
-        result = self._finish(verify)
+        result = self._finish(verify, lambda: drained(ex.drain))
         self._raise(session)
         return result
 
@@ -410,7 +418,7 @@ class CudaTransport:
             self._read = DigestReader(tables)
         return self._read.read()
 
-    def _finish(self, verify: bool) -> Any:
+    def _finish(self, verify: bool, settle: Callable[[], None] = lambda: None) -> Any:
         if self.trace:
             self.last_timeline = timeline_text(self.executor.timeline())
             if self.last_timeline:
@@ -424,4 +432,4 @@ class CudaTransport:
             return self.executor.collect(digests.cpu().numpy().view(np.uint64))
 
         # left on the GPU: the check's lane sums queue behind the last unpack
-        return DeviceDigests(digests, self._signs, host)
+        return DeviceDigests(digests, self._signs, host, settle)
