@@ -42,13 +42,19 @@ def test_cuda_objects_build_without_spills(tmp_path: Path) -> None:
     assert build.returncode == 0, log
     # ptxas, per entry: "Compiling entry function '<mangled name>'", then "N bytes spill
     # stores, M bytes spill loads" and "Used R registers". copy_boxes_kernel<false> is the
-    # one-pass kernel (64 registers: 32 warps per SM), <true> the capped-grid one; the three
-    # digest_boxes_kernel<pass> instances (verify) must not spill either.
+    # one-pass kernel (64 registers: 32 warps per SM), <true> the capped-grid one; the
+    # digest_boxes_kernel<pass> instances (verify) must not spill either, except the copy
+    # pass (<1>, RX_PASS_COPY): three blocks per SM at 80 registers, a little spilled, made
+    # verified NCCL refits faster than two blocks without spills (digest_boxes.cuh). Its
+    # spills stay within what that measurement had.
     entries = re.findall(r"Compiling entry function '([^']*(?:copy|digest)_boxes_kernel[^']*)'[^\n]*\n"
                          r"(?:[^\n]*\n)*?[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads\n"
                          r"[^\n]*Used (\d+) registers", log)
     assert len(entries) >= 5, log
     for name, stores, loads, regs in entries:
+        if "digest_boxes_kernelILi1E" in name:
+            assert int(stores) <= 640 and int(loads) <= 1536 and int(regs) <= 80, f"{name} spills more\n{log}"
+            continue
         assert (stores, loads) == ("0", "0"), f"{name} spills\n{log}"
         if "ILb0E" in name:
             assert int(regs) <= 64, f"{name} uses {regs} registers\n{log}"

@@ -17,11 +17,13 @@ namespace {
 
 // Every tile takes the general path (its box says how to digest) and adds its lanes'
 // digests into the box's with one atomic per 32-bit word. A kernel of its own so the
-// copy's register budget stays as it is; up to 128 registers (half the copy's occupancy:
-// it runs only in verified refits). One grid-stride instance per pass serves capped and
-// uncapped grids alike (an uncapped grid runs its loop once): half the instances to compile.
+// copy's register budget stays as it is. The read passes keep up to 128 registers (half
+// the copy's occupancy); the copy pass (a verified refit's pack and unpack) runs three
+// blocks per SM (80 registers): its stores need more warps in flight, or the pipeline
+// waits for it. One grid-stride instance per pass serves capped and uncapped grids alike
+// (an uncapped grid runs its loop once): half the instances to compile.
 template <int P>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, 2)
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, P == RX_PASS_COPY ? 3 : 2)
     digest_boxes_kernel(const rx_box* __restrict__ boxes, const rx_tile* __restrict__ tiles, int64_t num_tiles,
                         uint64_t* __restrict__ digests) {
   __shared__ Geom<RX_MAX_DIMS> slots[kWarpsPerBlock];
