@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from refit_bench import _cases, _pieces
+from refit_bench import case_tensors
 
 import reshard_ext as rx
 from reshard_ext import execution
-from reshard_ext.synthetic import model_layouts
 from reshard_ext.transports import channel, direct
 
 Mark = tuple[str, Any, float]  # (name, CUDA event or None, host seconds)
@@ -77,8 +76,7 @@ def main() -> None:
 
     channel.Channel.submit = submit_marked  # type: ignore[method-assign]
     for case in sys.argv[1:] or ["tp2-tp1", "moe-ep2-ep1"]:
-        model, sp, dp, _ = _cases(world)[case]
-        src, dst = _pieces(model_layouts(model, sp), rank, random=True), _pieces(model_layouts(model, dp), rank)
+        src, dst = case_tensors(case, rank, world)
         plan = rx.plan(src, dst, backend="direct")
         t = plan.transport
         if t.exec is not None:

@@ -140,6 +140,12 @@ def _pieces(layouts: dict, rank: int, random: bool = False) -> dict:
     return out
 
 
+def case_tensors(case: str, rank: int, world: int) -> tuple[dict, dict]:
+    """(sources with random values, destinations) of CASES[case] on this rank (the probes' setup)."""
+    model, sp, dp, _ = _cases(world)[case]
+    return _pieces(model_layouts(model, sp), rank, random=True), _pieces(model_layouts(model, dp), rank)
+
+
 RELAY_CASE = "relay-1to3"
 
 

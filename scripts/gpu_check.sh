@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [ab]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -231,6 +231,13 @@ stage_steps() {
   step "the steps of a direct execute (CUDA events and host clock from the call)"
   timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/execute_steps.py tp2-tp1 moe-ep2-ep1 2>&1 \
     | grep "^\[" | sort | tee -a "$OUT/steps.log"
+}
+
+stage_gpustreams() {
+  gpus 2 gpustreams || return 0
+  step "each stream's work in a plain and a verified execute (torch.profiler), and the verify check's tail"
+  timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/gpu_streams.py --backend direct,nccl --profile \
+    tp2-tp1 moe-ep2-ep1 2>&1 | grep -v "^W\|^\[W\|UserWarning\|warn(" | tee -a "$OUT/gpu_streams.log" | grep "^\[" | sort
 }
 
 stage_verify() {
