@@ -111,7 +111,8 @@ void register_executor(py::module_& m) {
             return py::make_tuple(to_array(send), to_array(recv));
           },
           py::arg("digests"), "(send, recv) digests by op from the digest buffer's host copy.")
-      .def("begin", &Executor::begin, py::arg("main"), py::arg("verify"), py::arg("trace"))
+      .def("begin", &Executor::begin, py::arg("main"), py::arg("verify"), py::arg("trace"),
+           py::call_guard<py::gil_scoped_release>())  // it may drain an earlier execute's transfers
       .def("pack_first", &Executor::pack_first, py::call_guard<py::gil_scoped_release>())
       .def("run", &Executor::run, py::arg("good"), py::arg("writes"), py::arg("timeout_s"),
            py::arg("defer_drain") = false, py::call_guard<py::gil_scoped_release>(),
