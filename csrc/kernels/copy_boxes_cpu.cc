@@ -61,6 +61,12 @@ uint64_t hash_scalar(const char* p, uint32_t kk, int64_t m) {
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
+// How far ahead the vector digest loops prefetch: a verified refit hashes what another
+// pass (the kernel's socket copy, a peer's write) left in DRAM, and one core's hardware
+// prefetch alone leaves the loop waiting on memory.
+constexpr int64_t kPrefetchAhead = 4096;
+template <typename T>
+constexpr int64_t kLineElems = 64 / static_cast<int64_t>(sizeof(T));  // a prefetch per 64-byte line
 // GCC 12 flags the intrinsics' own _mm512_undefined_epi32() placeholders.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -87,6 +93,7 @@ RX_AVX512 uint64_t hash_avx512(const char* p, uint32_t kk, int64_t m) {
   int64_t i = 0;
   for (; i + kElems <= m; i += kElems) {
     const char* at = p + i * static_cast<int64_t>(sizeof(T));
+    if ((i & (kLineElems<T> - 1)) == 0) __builtin_prefetch(at + kPrefetchAhead, 0, 0);
     __m512i w;
     if constexpr (sizeof(T) == 1)
       w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
@@ -146,6 +153,7 @@ __attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, i
   int64_t i = 0;
   for (; i + kElems <= m; i += kElems) {
     const char* at = p + i * static_cast<int64_t>(sizeof(T));
+    if ((i & (kLineElems<T> - 1)) == 0) __builtin_prefetch(at + kPrefetchAhead, 0, 0);
     U32 w;
     if constexpr (sizeof(T) >= 4) {
       memcpy(&w, at, sizeof(w));
