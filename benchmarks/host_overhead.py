@@ -143,9 +143,9 @@ class _TimedExecutor:
             return
         ex.set_time_host(True)
 
-        def run(*args: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             try:
-                return timed(*args)
+                return timed(*args, **kwargs)
             finally:
                 post_cpu, post_wall, wait_cpu, wait_wall = ex.last_run_times
                 phases.cpu["  run: posts"], phases.wall["  run: posts"] = post_cpu, post_wall
