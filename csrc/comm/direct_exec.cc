@@ -219,8 +219,8 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
                  " landing groups for ", boxes.size(), " boxes");
   if (!boxes.empty()) {
     // Each group spreads over the streams its own copies call for (auto_engine_streams),
-    // at most the whole's: spread over all of them, the small late groups became hundreds
-    // of small copies whose per-copy setup the link waited for.
+    // at most the whole's: a small late group spread over every stream would be cut into
+    // many small copies, and the link would wait for each one's setup.
     std::vector<std::vector<rx_box>> by_group(static_cast<size_t>(config_.landing_groups));
     for (size_t i = 0; i < boxes.size(); ++i) {
       const int32_t k = box_groups.empty() ? 0 : box_groups[i];
