@@ -28,12 +28,14 @@ BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def run_kernel(backend: str, specs: list[Spec], src: torch.Tensor, dst: torch.Tensor, tile_bytes: int = 0,
-               stream: torch.cuda.Stream | None = None, max_blocks: int = 0, flat: bool = True) -> torch.Tensor:
+               stream: torch.cuda.Stream | None = None, max_blocks: int = 0, flat: bool = True,
+               warp_shift: int = -1) -> torch.Tensor:
     """Copies specs from src into a copy of dst (CPU uint8 buffers); returns it on the CPU.
-    flat=False: every tile takes the kernel's general path (reads its box record)."""
+    flat=False: every tile takes the kernel's general path (reads its box record).
+    warp_shift >= 0: 1 << warp_shift warps share each tile (else the table's choice)."""
     if backend == "emulated":
         out = dst.clone()
-        _C.DeviceBoxTable(specs_table(specs, src, out), tile_bytes, flat).run_emulated()
+        _C.DeviceBoxTable(specs_table(specs, src, out), tile_bytes, flat).run_emulated(warp_shift=warp_shift)
         return out
     s_dev, out = src.cuda(), dst.cuda()
     tbl = _C.DeviceBoxTable(specs_table(specs, s_dev, out), tile_bytes, flat)
@@ -41,7 +43,7 @@ def run_kernel(backend: str, specs: list[Spec], src: torch.Tensor, dst: torch.Te
     stream = stream or torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
     tbl.upload(blob.data_ptr(), stream.cuda_stream)
-    tbl.launch(stream.cuda_stream, max_blocks)
+    tbl.launch(stream.cuda_stream, max_blocks, warp_shift=warp_shift)
     stream.synchronize()
     return out.cpu()
 
@@ -106,6 +108,36 @@ def test_general_path_alone_matches_twin(backend: str, count: int) -> None:
     want = run_twin(specs, src, poison)
     assert torch.equal(run_kernel(backend, specs, src, poison, 512, flat=False), want)
     assert torch.equal(run_kernel(backend, specs, src, poison, 512), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("casts", [False, True])
+@pytest.mark.parametrize("flat", [True, False])
+def test_warps_sharing_a_tile_copy_all_of_it(backend: str, casts: bool, flat: bool) -> None:
+    """An uncapped launch puts 1 << warp_shift warps on each tile, each copying its share
+    of the tile's items: with every share count, over tiles of every length (shares left
+    empty, tiles shorter than one warp pass), each box lands whole and nothing else is
+    written."""
+    seed = 211 + casts * 2 + flat
+    specs, sb, db = random_specs(seed, 300, 20_000, casts)
+    src, poison = buffers(sb, db, casts, seed)
+    want = run_twin(specs, src, poison)
+    for shift in range(6):
+        assert torch.equal(run_kernel(backend, specs, src, poison, 8192, flat=flat, warp_shift=shift), want), shift
+
+
+@pytest.mark.skipif(not HAVE_KERNEL, reason="built without CUDA")
+@pytest.mark.parametrize(("box_bytes", "tile_bytes", "shift"),
+                         [(64 << 10, 64 << 10, 5), (1 << 20, 64 << 10, 5), (4 << 10, 4 << 10, 1),
+                          (6 << 10, 8 << 10, 1), (8 << 10, 8 << 10, 2), (3 << 10, 4 << 10, 0), (512, 0, 0)])
+def test_warps_per_tile_give_each_about_2_kib(box_bytes: int, tile_bytes: int, shift: int) -> None:
+    """The table puts as many warps on its tiles as keep each warp's share at about
+    2 KiB (at most 32): the largest tile decides."""
+    src, dst = torch.zeros(box_bytes, dtype=torch.uint8), torch.zeros(box_bytes, dtype=torch.uint8)
+    u8 = code_of(torch.uint8)
+    boxes = table([(src.data_ptr(), dst.data_ptr(), [box_bytes], [1], [1], u8, u8),
+                   (src.data_ptr(), dst.data_ptr(), [16], [1], [1], u8, u8)])
+    assert _C.DeviceBoxTable(boxes, tile_bytes).warp_shift == shift
 
 
 @pytest.mark.gpu

@@ -75,6 +75,12 @@ typedef struct rx_tile {
 // their element).
 int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t tile_bytes,
                       rx_tile* tiles, int64_t max_tiles);
+
+// log2 of the warps an uncapped copy launch puts on each tile (0..5): enough that no
+// warp copies much more than 2 KiB. Short-lived warps end a launch together (no tail
+// of warps still streaming their own big tile) and keep the bytes in flight close
+// together, without the table holding a 64-byte record per 2 KiB.
+int32_t rx_tile_warp_shift(const rx_tile* tiles, int64_t num_tiles);
 #ifdef __cplusplus
 static_assert(sizeof(rx_tile) == 64, "rx_tile is one 64-byte record (the kernel loads it as 4 x 16 bytes)");
 #endif
@@ -84,14 +90,16 @@ static_assert(sizeof(rx_tile) == 64, "rx_tile is one 64-byte record (the kernel 
 // (a cudaStream_t). boxes_dev / tiles_dev: the table and its tiles (rx_plan_tiles) in
 // device memory, 16-byte aligned, uploaded once at plan time. max_blocks > 0 caps the
 // grid (warps then stride over the tiles): a copy that runs beside a transfer can leave
-// SMs and memory bandwidth to it. 0: one warp per tile. Returns a cudaError_t value
+// SMs and memory bandwidth to it. 0: 1 << warp_shift warps per tile, side by side, each
+// copying its share of the tile's items (rx_tile_warp_shift). Returns a cudaError_t value
 // (0 = cudaSuccess).
-// Runs the kernel's per-lane code on the host over a host table (copy_boxes.cu): tests
-// the kernel's index math and casts on machines without a GPU. Returns 0.
-int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles);
+// Runs the kernel's per-lane code on the host over a host table (copy_boxes.cu), each
+// tile in its 1 << warp_shift shares: tests the kernel's index math and casts on machines
+// without a GPU. Returns 0.
+int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t warp_shift);
 
 int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev,
-                           int64_t num_tiles, int32_t max_blocks, void* stream);
+                           int64_t num_tiles, int32_t max_blocks, int32_t warp_shift, void* stream);
 
 // The verify passes of rx_digest_boxes_cpu on the GPU (same digests): digests_dev holds
 // one uint64 per box, zeroed by the caller; each tile adds its share with atomics.

@@ -383,6 +383,18 @@ RX_LANE void run_general(const rx_box* boxes, const rx_tile& t, int lane, volati
   }
 }
 
+// Narrows t to share `share` of its 1 << warp_shift shares (rx_tile_warp_shift): whole
+// warp passes each, in order. False: the share is empty (a tile shorter than the rest).
+RX_LANE bool narrow_tile(rx_tile& t, int64_t share, int warp_shift) {
+  const int64_t n = t.end - t.begin;
+  const int64_t per = (((n + (int64_t{1} << warp_shift) - 1) >> warp_shift) + kWarp - 1) / kWarp * kWarp;
+  const int64_t begin = t.begin + share * per;
+  if (begin >= t.end) return false;
+  t.begin = begin;
+  t.end = begin + per < t.end ? begin + per : t.end;
+  return true;
+}
+
 // The host loop's dispatch (rx_copy_boxes_emulated); the kernel's is run_warp.
 RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
   Dg none{};

@@ -23,10 +23,15 @@ void emulate_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles
 }  // namespace
 }  // namespace rx
 
-extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles) {
+extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles,
+                                          int32_t warp_shift) {
   rx::Geom<RX_MAX_DIMS> slot;
   for (int64_t t = 0; t < num_tiles; ++t)
-    for (int lane = 0; lane < rx::kWarp; ++lane) rx::run_lane(boxes, tiles[t], lane, slot);
+    for (int64_t share = 0; share < (int64_t{1} << warp_shift); ++share) {
+      rx_tile part = tiles[t];
+      if (!rx::narrow_tile(part, share, warp_shift)) continue;
+      for (int lane = 0; lane < rx::kWarp; ++lane) rx::run_lane(boxes, part, lane, slot);
+    }
   return 0;
 }
 

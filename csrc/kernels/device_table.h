@@ -29,6 +29,7 @@ class DeviceBoxTable {
     blob_.resize(static_cast<size_t>(tiles_offset_ + num_tiles_ * static_cast<int64_t>(sizeof(rx_tile))));
     if (!boxes.empty()) std::memcpy(blob_.data(), boxes.data(), boxes.size() * sizeof(rx_box));
     rx_plan_tiles(boxes.data(), num_boxes_, tile_bytes, tiles_host(), num_tiles_);
+    warp_shift_ = rx_tile_warp_shift(tiles_host(), num_tiles_);
     if (!flat)
       for (int64_t i = 0; i < num_tiles_; ++i) {
         rx_tile& t = tiles_host()[i];
@@ -53,14 +54,18 @@ class DeviceBoxTable {
     uploaded_ = true;
   }
 
+  // log2 of the warps an uncapped launch puts on each tile (rx_tile_warp_shift).
+  int32_t warp_shift() const { return warp_shift_; }
+
   // Copies every box: one kernel launch on `stream`, stream-ordered after upload().
-  // max_blocks > 0 caps the grid (rx_copy_boxes_cuda).
-  void launch(cudaStream_t stream, int32_t max_blocks = 0) const {
+  // max_blocks > 0 caps the grid (rx_copy_boxes_cuda); warp_shift >= 0 overrides the
+  // table's (benchmarks).
+  void launch(cudaStream_t stream, int32_t max_blocks = 0, int32_t warp_shift = -1) const {
     RX_HOST_ASSERT(uploaded_, "launch before upload");
     if (num_tiles_ == 0) return;
     RX_CUDA_CHECK(rx_copy_boxes_cuda(reinterpret_cast<const rx_box*>(dev_),
                                      reinterpret_cast<const rx_tile*>(dev_ + tiles_offset_), num_tiles_, max_blocks,
-                                     stream));
+                                     warp_shift >= 0 ? warp_shift : warp_shift_, stream));
   }
 
   // A verify pass (rx_pass) over the boxes: digests_dev holds one zeroed uint64 per box
@@ -74,7 +79,9 @@ class DeviceBoxTable {
   }
 
   // The same copy on the host, through the kernel's own per-lane code (tests).
-  void run_emulated() const { rx_copy_boxes_emulated(boxes_host(), tiles_host(), num_tiles_); }
+  void run_emulated(int32_t warp_shift = -1) const {
+    rx_copy_boxes_emulated(boxes_host(), tiles_host(), num_tiles_, warp_shift >= 0 ? warp_shift : warp_shift_);
+  }
   std::vector<uint64_t> run_emulated_digest(int32_t pass) const {
     std::vector<uint64_t> d(static_cast<size_t>(num_boxes_), 0);
     RX_HOST_ASSERT(rx_digest_boxes_emulated(boxes_host(), tiles_host(), num_tiles_, pass, d.data()) == 0, "bad pass ",
@@ -87,6 +94,7 @@ class DeviceBoxTable {
   rx_tile* tiles_host() { return reinterpret_cast<rx_tile*>(blob_.data() + tiles_offset_); }
 
   int64_t num_boxes_ = 0, num_tiles_ = 0, tiles_offset_ = 0;
+  int32_t warp_shift_ = 0;
   std::vector<char> blob_;  // boxes | pad to 256 | tiles: the device image
   char* dev_ = nullptr;
   bool uploaded_ = false;

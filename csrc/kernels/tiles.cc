@@ -17,6 +17,8 @@ constexpr int64_t kAutoTiles = 16384; // ~4 waves of warps on 132 SMs at 32 warp
 constexpr int64_t kAutoMinTile = 4 << 10;
 constexpr int64_t kAutoMaxTile = 64 << 10;
 constexpr int64_t kOneRow = INT64_MAX;  // row_items of a 1-D box's flat tiles
+constexpr int64_t kWarpShareBytes = 2 << 10;  // rx_tile_warp_shift's target per warp
+constexpr int32_t kMaxWarpShift = 5;
 
 int64_t box_elems(const rx_box& b) {
   int64_t n = 1;
@@ -167,4 +169,16 @@ extern "C" int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t
       plan_copy(b, index, count, ss, w);
   }
   return w.count();
+}
+
+extern "C" int32_t rx_tile_warp_shift(const rx_tile* tiles, int64_t num_tiles) {
+  int64_t most = 0;
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    const rx_tile& t = tiles[i];
+    const int64_t item = t.unit ? t.unit : std::max(t.src_size, t.dst_size);
+    most = std::max(most, (t.end - t.begin) * item);
+  }
+  int32_t shift = 0;
+  while (shift < kMaxWarpShift && (most >> (shift + 1)) >= kWarpShareBytes) ++shift;
+  return shift;
 }

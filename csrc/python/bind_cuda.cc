@@ -118,6 +118,8 @@ void register_cuda(py::module_& m) {
       .def_property_readonly("nbytes", &DeviceBoxTable::bytes_needed, "Device bytes upload() fills (16-byte aligned).")
       .def_property_readonly("num_boxes", &DeviceBoxTable::num_boxes)
       .def_property_readonly("num_tiles", &DeviceBoxTable::num_tiles)
+      .def_property_readonly("warp_shift", &DeviceBoxTable::warp_shift,
+                             "log2 of the warps an uncapped launch puts on each tile.")
       .def(
           "upload",
           [](DeviceBoxTable& t, uint64_t dev_ptr, uint64_t stream) {
@@ -126,23 +128,26 @@ void register_cuda(py::module_& m) {
           py::arg("dev_ptr"), py::arg("stream"))
       .def(
           "launch",
-          [](const DeviceBoxTable& t, uint64_t stream, int32_t max_blocks, uint64_t digests, int32_t pass) {
+          [](const DeviceBoxTable& t, uint64_t stream, int32_t max_blocks, uint64_t digests, int32_t pass,
+             int32_t warp_shift) {
             if (pass == RX_PASS_NONE)
-              t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks);
+              t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks, warp_shift);
             else
               t.launch_digest(reinterpret_cast<cudaStream_t>(stream), max_blocks, reinterpret_cast<uint64_t*>(digests),
                               pass);
           },
           py::arg("stream"), py::arg("max_blocks") = 0, py::arg("digests") = 0, py::arg("pass_") = 0,
+          py::arg("warp_shift") = -1,
           "Copies every box: one kernel launch, no allocation, no sync. max_blocks > 0 caps the grid. pass_ "
           "(PASS_COPY/SRC/DST): a verify pass adding each box's digest into the uint64 at digests + 8 * box "
-          "(device memory, zeroed by the caller).")
+          "(device memory, zeroed by the caller). warp_shift >= 0: the copy's warps per tile, overriding the "
+          "table's (benchmarks).")
       .def(
           "run_emulated",
-          [](const DeviceBoxTable& t, int32_t pass) -> py::object {
+          [](const DeviceBoxTable& t, int32_t pass, int32_t warp_shift) -> py::object {
             if (pass == RX_PASS_NONE) {
               py::gil_scoped_release release;
-              t.run_emulated();
+              t.run_emulated(warp_shift);
               return py::none();
             }
             std::vector<uint64_t> d;
@@ -152,9 +157,10 @@ void register_cuda(py::module_& m) {
             }
             return py::cast(d);
           },
-          py::arg("pass_") = 0,
+          py::arg("pass_") = 0, py::arg("warp_shift") = -1,
           "Runs the kernel's per-lane code on the host; the boxes must point at host memory (tests). pass_: a "
-          "verify pass, returning one digest per box.");
+          "verify pass, returning one digest per box. warp_shift >= 0: the copy's warps per tile, overriding the "
+          "table's.");
 #endif
 }
 
