@@ -106,6 +106,8 @@ stage_bench() {
 stage_pack() {
   step "pack_bench, cold L2 (buffer sets rotated past the L2), checked against torch slicing"
   timeout 240 python3 benchmarks/pack_bench.py --check 2>&1 | tee "$OUT/pack_cold.log" | tail -16
+  step "local_copy_bench: an all-local refit's same-rank boxes in one launch, by warps per tile"
+  timeout 120 python3 benchmarks/local_copy_bench.py 2>&1 | tee "$OUT/local_copy.log" | tail -12
 }
 
 stage_bench4() {
