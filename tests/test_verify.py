@@ -562,7 +562,7 @@ NEEDS_2_GPUS = pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]),
 
 @pytest.mark.gpu
 @NEEDS_2_GPUS
-@pytest.mark.parametrize("backend", ["nccl", "direct", "torch"])
+@pytest.mark.parametrize("backend", ["nccl", "direct", "torch", "nvshmem"])
 @pytest.mark.parametrize("max_batch_bytes", [None, 4096])
 def test_verified_matrix_cuda(backend, max_batch_bytes):
     run_ranks(2, verified, run_case, "two", "cuda", max_batch_bytes, backend, backend="nccl")
@@ -570,10 +570,11 @@ def test_verified_matrix_cuda(backend, max_batch_bytes):
 
 @pytest.mark.gpu
 @NEEDS_2_GPUS
-@pytest.mark.parametrize("rx_backend", ["nccl", "direct"])
+@pytest.mark.parametrize("rx_backend", ["nccl", "direct", "nvshmem"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
 def test_verified_mxfp8_cuda(where, rx_backend):
-    """direct: the fp32 source lands in a BF16 staging the receiver quantizes afterwards."""
+    """direct: the fp32 source lands in a BF16 staging the receiver quantizes afterwards;
+    nvshmem: the NCCL path's boxes and digests around put-with-signal."""
     from test_mxfp8_refit import refit_worker
 
     for layout_kind in ("2d", "swizzled"):
