@@ -1,12 +1,26 @@
-"""Timing and ceilings shared by the GPU benchmarks (refit_bench, megatron_compare)."""
+"""Timing, ceilings and small helpers shared by the benchmarks."""
 from __future__ import annotations
 
+import socket
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_size(s: str) -> int:
+    """Bytes of "512", "64K", "1.5M" or "1G"."""
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
 
 
 def cuda_time(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:

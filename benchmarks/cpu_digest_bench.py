@@ -8,12 +8,12 @@ One process, one thread; prints the median and best of --iters runs and the best
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from _common import free_port
 
 import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate
@@ -24,9 +24,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--iters", type=int, default=7)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.set_num_threads(1)
     bytes_ = args.mb << 20

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import free_port
 
 
 def _ring_move(src: torch.Tensor | None, out_ring: tuple | None, dst: torch.Tensor | None,
@@ -112,9 +112,7 @@ def main() -> None:
     p.add_argument("--slot-kb", type=int, default=1024)
     p.add_argument("--slots", type=int, default=4)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     rings = [(torch.zeros(args.slots, args.slot_kb << 10, dtype=torch.uint8).share_memory_(),
               torch.zeros(args.slots, dtype=torch.int64).share_memory_()) for _ in range(2)]
     ctx = mp.get_context("spawn")

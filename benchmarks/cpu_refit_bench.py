@@ -16,13 +16,13 @@ import argparse
 import datetime
 import os
 import resource
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import free_port
 
 WORLD = 4
 CASES = {"TP2->TP1": (2, 1), "TP2->TP4": (2, 4)}
@@ -73,9 +73,7 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify:
 
 
 def run(case: str, iters: int, max_batch: int, verify: bool) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, verify, q)) for r in range(WORLD)]

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import cuda_time, d2d_time
+from _common import cuda_time, d2d_time, parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reshard_ext import _C  # noqa: E402
@@ -58,10 +58,6 @@ def llama_boxes() -> list[tuple[torch.Tensor, torch.Tensor]]:
     weight(VOCAB, HIDDEN, "rows")
     return out
 
-
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20}
-    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
 
 
 def main() -> None:

@@ -114,13 +114,10 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
         return
-    import socket
-
     import torch.multiprocessing as mp
+    from _common import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_spawned, args=(args.world, port, args), nprocs=args.world)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reshard_ext import _C  # noqa: E402
@@ -38,10 +39,6 @@ from tests._boxes import BOX  # noqa: E402
 BF16 = int(_C.DType.bfloat16)  # rx dtype code (csrc/common/dtype.h)
 TP = 2
 
-
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
 
 
 def boxes(n: int, rows: int, width: int, src: int, src_ld: int, dst: int, dst_ld: int, region: int) -> bytes:
