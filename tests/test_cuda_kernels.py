@@ -317,3 +317,5 @@ def test_bad_tables_raise() -> None:
         tbl.launch(0)  # before upload
     with pytest.raises(RuntimeError):
         tbl.upload(8, 0)  # misaligned device memory
+    with pytest.raises(RuntimeError, match="warp_shift 6 is out of range"):
+        tbl.run_emulated(warp_shift=6)  # more warps per tile than a launch may put there

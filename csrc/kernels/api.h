@@ -76,10 +76,11 @@ typedef struct rx_tile {
 int64_t rx_plan_tiles(const rx_box* boxes, int64_t num_boxes, int64_t tile_bytes,
                       rx_tile* tiles, int64_t max_tiles);
 
-// log2 of the warps an uncapped copy launch puts on each tile (0..5): enough that no
-// warp copies much more than 2 KiB. Short-lived warps end a launch together (no tail
-// of warps still streaming their own big tile) and keep the bytes in flight close
-// together, without the table holding a 64-byte record per 2 KiB.
+// log2 of the warps an uncapped copy launch puts on each tile (0..RX_MAX_WARP_SHIFT):
+// enough that no warp copies much more than 2 KiB. Short-lived warps end a launch
+// together (no tail of warps still streaming their own big tile) and keep the bytes in
+// flight close together, without the table holding a 64-byte record per 2 KiB.
+#define RX_MAX_WARP_SHIFT 5
 int32_t rx_tile_warp_shift(const rx_tile* tiles, int64_t num_tiles);
 #ifdef __cplusplus
 static_assert(sizeof(rx_tile) == 64, "rx_tile is one 64-byte record (the kernel loads it as 4 x 16 bytes)");
@@ -95,7 +96,7 @@ static_assert(sizeof(rx_tile) == 64, "rx_tile is one 64-byte record (the kernel 
 // (0 = cudaSuccess).
 // Runs the kernel's per-lane code on the host over a host table (copy_boxes.cu), each
 // tile in its 1 << warp_shift shares: tests the kernel's index math and casts on machines
-// without a GPU. Returns 0.
+// without a GPU. Returns 0, or -1 for a warp_shift out of range.
 int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t warp_shift);
 
 int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev,

@@ -25,6 +25,7 @@ void emulate_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles
 
 extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles,
                                           int32_t warp_shift) {
+  if (warp_shift < 0 || warp_shift > RX_MAX_WARP_SHIFT) return -1;
   rx::Geom<RX_MAX_DIMS> slot;
   for (int64_t t = 0; t < num_tiles; ++t)
     for (int64_t share = 0; share < (int64_t{1} << warp_shift); ++share) {

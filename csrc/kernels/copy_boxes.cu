@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 1 : kMinBloc
 extern "C" int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
                                       int32_t max_blocks, int32_t warp_shift, void* stream) {
   if (num_tiles <= 0) return cudaSuccess;
-  if (warp_shift < 0 || warp_shift > 5 || num_tiles > (INT64_MAX >> 6)) return cudaErrorInvalidValue;
+  if (warp_shift < 0 || warp_shift > RX_MAX_WARP_SHIFT || num_tiles > (INT64_MAX >> (RX_MAX_WARP_SHIFT + 1)))
+    return cudaErrorInvalidValue;
   const auto blocks_of = [&](int shift) { return ((num_tiles << shift) + rx::kWarpsPerBlock - 1) / rx::kWarpsPerBlock; };
   while (max_blocks > 0 && warp_shift > 0 && blocks_of(warp_shift) > max_blocks) --warp_shift;  // within the cap
   const int64_t blocks = blocks_of(warp_shift);

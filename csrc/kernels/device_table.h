@@ -80,7 +80,9 @@ class DeviceBoxTable {
 
   // The same copy on the host, through the kernel's own per-lane code (tests).
   void run_emulated(int32_t warp_shift = -1) const {
-    rx_copy_boxes_emulated(boxes_host(), tiles_host(), num_tiles_, warp_shift >= 0 ? warp_shift : warp_shift_);
+    RX_HOST_ASSERT(rx_copy_boxes_emulated(boxes_host(), tiles_host(), num_tiles_,
+                                          warp_shift >= 0 ? warp_shift : warp_shift_) == 0,
+                   "warp_shift ", warp_shift, " is out of range (0..", RX_MAX_WARP_SHIFT, ")");
   }
   std::vector<uint64_t> run_emulated_digest(int32_t pass) const {
     std::vector<uint64_t> d(static_cast<size_t>(num_boxes_), 0);

@@ -18,7 +18,6 @@ constexpr int64_t kAutoMinTile = 4 << 10;
 constexpr int64_t kAutoMaxTile = 64 << 10;
 constexpr int64_t kOneRow = INT64_MAX;  // row_items of a 1-D box's flat tiles
 constexpr int64_t kWarpShareBytes = 2 << 10;  // rx_tile_warp_shift's target per warp
-constexpr int32_t kMaxWarpShift = 5;
 
 int64_t box_elems(const rx_box& b) {
   int64_t n = 1;
@@ -179,6 +178,6 @@ extern "C" int32_t rx_tile_warp_shift(const rx_tile* tiles, int64_t num_tiles) {
     most = std::max(most, (t.end - t.begin) * item);
   }
   int32_t shift = 0;
-  while (shift < kMaxWarpShift && (most >> (shift + 1)) >= kWarpShareBytes) ++shift;
+  while (shift < RX_MAX_WARP_SHIFT && (most >> (shift + 1)) >= kWarpShareBytes) ++shift;
   return shift;
 }
