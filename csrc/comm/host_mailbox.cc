@@ -1,18 +1,8 @@
 #include "comm/host_mailbox.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <random>
+#include <string>
+#include <utility>
 
 #include "common/backoff.h"
 #include "common/check.h"
@@ -32,106 +22,45 @@ uint64_t load(const uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); 
 bool cas(uint64_t* w, uint64_t expected, uint64_t desired) {
   return __atomic_compare_exchange_n(w, &expected, desired, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
-void cpu_relax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
-}
-
-void* map(int fd, size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  return p == MAP_FAILED ? nullptr : p;
-}
-
-// Segment names carry the creator's pid namespace and pid: "reshard_ext.<ns>.<pid>.<salt>".
-unsigned long long pid_namespace() {
-  struct stat st;
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0ull;
-}
-
-// Removes the segments of processes of our pid namespace that are gone (killed before they
-// could remove their own), so they do not pile up in /dev/shm.
-void sweep_dead(unsigned long long ns) {
-  DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return;
-  char prefix[48];
-  const int n = std::snprintf(prefix, sizeof prefix, "reshard_ext.%llu.", ns);
-  while (const dirent* e = readdir(dir)) {
-    if (std::strncmp(e->d_name, prefix, static_cast<size_t>(n)) != 0) continue;
-    const long pid = std::strtol(e->d_name + n, nullptr, 10);
-    if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
-      shm_unlink((std::string("/") + e->d_name).c_str());
-  }
-  closedir(dir);
-}
 
 }  // namespace
 
 HostMailbox::HostMailbox(int32_t rank, int32_t size, int32_t words) : rank_(rank), size_(size), words_(words) {
   RX_HOST_ASSERT(size >= 1 && rank >= 0 && rank < size, "HostMailbox: rank ", rank, " of ", size);
   RX_HOST_ASSERT(words >= 1 && words <= kMaxWords, "HostMailbox: ", words, " header words");
-  bytes_ = kHead + static_cast<size_t>(size) * kSlot;
-  std::random_device rd;
-  const uint64_t salt = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  const unsigned long long ns = pid_namespace();
-  sweep_dead(ns);
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "/reshard_ext.%llu.%d.%016llx", ns, static_cast<int>(getpid()),
-                static_cast<unsigned long long>(salt));
-  name_ = buf;
-  owner_ = static_cast<int>(getpid());
-  const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  RX_USER_CHECK(fd >= 0, "HostMailbox: shm_open(", name_, "): ", std::strerror(errno));
-  const bool sized = ftruncate(fd, static_cast<off_t>(bytes_)) == 0;
-  base_ = sized ? map(fd, bytes_) : nullptr;
-  const int err = errno;
-  close(fd);
-  if (base_ == nullptr) {
-    shm_unlink(name_.c_str());
-    RX_USER_CHECK(false, "HostMailbox: cannot size or map ", name_, ": ", std::strerror(err));
-  }
-  auto* head = static_cast<uint64_t*>(base_);  // zero-filled by ftruncate: every slot idle
+  segment_ = ShmSegment::create(kHead + static_cast<size_t>(size) * kSlot, false, "HostMailbox");
+  auto* head = static_cast<uint64_t*>(segment_.base());  // zero-filled by ftruncate: every slot idle
   head[1] = static_cast<uint64_t>(size);
   head[2] = static_cast<uint64_t>(words);
   __atomic_store_n(&head[0], kMagic, __ATOMIC_RELEASE);
-  peers_.assign(static_cast<size_t>(size), nullptr);
+  peers_.resize(static_cast<size_t>(size));
 }
 
-HostMailbox::~HostMailbox() {
-  for (void* p : peers_)
-    if (p != nullptr) munmap(p, bytes_);
-  if (base_ != nullptr) munmap(base_, bytes_);
-  if (static_cast<int>(getpid()) == owner_) shm_unlink(name_.c_str());
-}
+HostMailbox::~HostMailbox() = default;
 
 void HostMailbox::attach(int32_t peer, const std::string& name) {
   RX_HOST_ASSERT(peer >= 0 && peer < size_ && peer != rank_, "HostMailbox: bad peer ", peer);
-  if (peers_[static_cast<size_t>(peer)] != nullptr) return;
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
-  RX_USER_CHECK(fd >= 0, "HostMailbox: rank ", rank_, " cannot open rank ", peer, "'s header mailbox ", name, ": ",
-                std::strerror(errno));
-  void* p = map(fd, bytes_);
-  close(fd);
-  RX_USER_CHECK(p != nullptr, "HostMailbox: cannot map rank ", peer, "'s header mailbox ", name);
-  const auto* head = static_cast<const uint64_t*>(p);
-  if (load(&head[0]) != kMagic || head[1] != static_cast<uint64_t>(size_) ||
-      head[2] != static_cast<uint64_t>(words_)) {
-    munmap(p, bytes_);
-    RX_USER_CHECK(false, "HostMailbox: rank ", peer, "'s header mailbox ", name, " is not one of this group's");
-  }
-  peers_[static_cast<size_t>(peer)] = p;
+  if (peers_[static_cast<size_t>(peer)]) return;
+  ShmSegment p = ShmSegment::open(name, segment_.bytes(),
+                                  "rank " + std::to_string(peer) + "'s header mailbox (from rank " +
+                                      std::to_string(rank_) + ")");
+  const auto* head = static_cast<const uint64_t*>(p.base());
+  RX_USER_CHECK(load(&head[0]) == kMagic && head[1] == static_cast<uint64_t>(size_) &&
+                    head[2] == static_cast<uint64_t>(words_),
+                "HostMailbox: rank ", peer, "'s header mailbox ", name, " is not one of this group's");
+  peers_[static_cast<size_t>(peer)] = std::move(p);
 }
 
 bool HostMailbox::attached(int32_t peer) const {
-  return peer >= 0 && peer < size_ && peers_[static_cast<size_t>(peer)] != nullptr;
+  return peer >= 0 && peer < size_ && static_cast<bool>(peers_[static_cast<size_t>(peer)]);
 }
 
 uint64_t* HostMailbox::mine(int32_t peer) const {
-  return reinterpret_cast<uint64_t*>(static_cast<char*>(base_) + kHead + static_cast<size_t>(peer) * kSlot);
+  return reinterpret_cast<uint64_t*>(static_cast<char*>(segment_.base()) + kHead + static_cast<size_t>(peer) * kSlot);
 }
 
 uint64_t* HostMailbox::theirs(int32_t peer) const {
-  return reinterpret_cast<uint64_t*>(static_cast<char*>(peers_[static_cast<size_t>(peer)]) + kHead +
+  return reinterpret_cast<uint64_t*>(static_cast<char*>(peers_[static_cast<size_t>(peer)].base()) + kHead +
                                      static_cast<size_t>(rank_) * kSlot);
 }
 

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "comm/shm_segment.h"
+
 namespace rx {
 
 class HostMailbox {
@@ -29,7 +31,7 @@ class HostMailbox {
   HostMailbox(const HostMailbox&) = delete;
   HostMailbox& operator=(const HostMailbox&) = delete;
 
-  const std::string& name() const { return name_; }
+  const std::string& name() const { return segment_.name(); }
   int32_t words() const { return words_; }
   size_t pending() const { return pending_.size(); }  // peers of the open exchange
 
@@ -59,12 +61,9 @@ class HostMailbox {
   bool step(int64_t* rows);  // one pass over the pending pairs; true when all are done
 
   int32_t rank_, size_, words_;
-  std::string name_;
-  void* base_ = nullptr;          // our segment
-  std::vector<void*> peers_;      // mapped peer segments (nullptr: not attached)
-  std::vector<Pending> pending_;  // the exchange in progress
-  size_t bytes_ = 0;
-  int owner_ = 0;  // the creating process: a forked child must not remove the parent's segment
+  ShmSegment segment_;             // ours
+  std::vector<ShmSegment> peers_;  // mapped peer segments (empty: not attached)
+  std::vector<Pending> pending_;   // the exchange in progress
 };
 
 }  // namespace rx

@@ -11,6 +11,13 @@
 
 namespace rx {
 
+// One spin of a busy-wait loop (lets the sibling hyperthread run).
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
 // Polls with a short backoff: fast when the answer is near, cheap when it is not.
 // `max_us` bounds how late a completion is seen. While it sleeps, the thread's timer slack
 // is 1 us: Linux's default slack would add more than the sleep itself to every short pause.
@@ -35,6 +42,7 @@ class Backoff {
     std::this_thread::sleep_for(std::chrono::microseconds(us_));
     us_ = std::min(us_ * 2, max_us_);
   }
+  void reset() { us_ = 10; }  // progress was made: the next wait starts short again
 
  private:
   static constexpr int kSlackNs = 1000;
