@@ -29,6 +29,7 @@ PYBIND11_MODULE(_C, m) {
   rx::python::register_executor(m);
   rx::python::register_watch(m);
   rx::python::register_mailbox(m);
+  rx::python::register_ring(m);
 
   py::dict info;
   info["version"] = RX_VERSION_INFO;

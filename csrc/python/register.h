@@ -17,4 +17,5 @@ void register_nvshmem(pybind11::module_& m);  // NVSHMEM transport, host API (bi
 void register_executor(pybind11::module_& m);  // the executor of a bound plan (bind_executor.cc)
 void register_watch(pybind11::module_& m);    // bound tensors' data pointers, read per execute (bind_watch.cc)
 void register_mailbox(pybind11::module_& m);  // execute headers through shared memory (bind_mailbox.cc)
+void register_ring(pybind11::module_& m);     // the CPU transport's data through shared memory (bind_ring.cc)
 }  // namespace rx::python
