@@ -175,7 +175,7 @@ class Plan:
         self.rank = dist.get_rank(group)
         self.transform = transform
         self._agreement = agreement
-        self.options = options
+        self.options = options = options.replace(host_ring=agreement.host_ring)  # the vote decides
         self.device = agreement.device
         self.plan_id = agreement.plan_id
         self.version: int | None = None  # the version that fully landed on this rank (see execute)

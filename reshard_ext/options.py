@@ -92,6 +92,9 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_HOST_MAILBOX", True, _flag,
              "execute headers between processes of one host go through shared memory (0: over gloo, as between "
              "hosts; a pair uses shared memory only where both ranks allow it)"),
+        Knob("RESHARD_EXT_HOST_RING", True, _flag,
+             "the CPU transport's data between processes of one host goes through shared-memory rings (0: over "
+             "gloo; a pair uses the rings only where both ranks allow it)"),
         Knob("RESHARD_EXT_P2P_TIMEOUT", 600.0, _seconds,
              "seconds before a stuck gloo / torch point-to-point transfer (or plan exchange) raises"),
         Knob("RESHARD_EXT_NCCL_TIMEOUT", 600.0, _seconds,
@@ -224,6 +227,9 @@ class Options:
     - check_threads: threads that run that check at once on plans with >= 4,096 bound
       pieces: the caller and helper threads asleep between executes (RESHARD_EXT_CHECK_THREADS,
       default 4 but at most this process's share of the cores; 1: the caller alone).
+    - host_ring: the CPU transport's data between processes of one host goes through
+      shared-memory rings, not gloo (RESHARD_EXT_HOST_RING; used only where every rank
+      says so: rx.plan takes the vote).
     """
 
     batch_bytes: int | None = None
@@ -246,6 +252,7 @@ class Options:
     auto_direct: bool | None = None
     check_storage: bool | None = None
     check_threads: int | None = None
+    host_ring: bool | None = None
 
     def __post_init__(self) -> None:
         checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
@@ -270,6 +277,7 @@ class Options:
             "auto_direct": (bool, lambda v: True, "a bool"),
             "check_storage": (bool, lambda v: True, "a bool"),
             "check_threads": (int, lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
+            "host_ring": (bool, lambda v: True, "a bool"),
         }
         for name, (kind, ok, what) in checks.items():
             value = getattr(self, name)
@@ -287,6 +295,9 @@ class Options:
     # --- resolved values (explicit field, else the environment's default) ---------------
     def resolved_batch_bytes(self) -> int:
         return self.batch_bytes if self.batch_bytes is not None else int(env_default("RESHARD_EXT_CUDA_BATCH_BYTES"))
+
+    def resolved_host_ring(self) -> bool:
+        return self.host_ring if self.host_ring is not None else bool(env_default("RESHARD_EXT_HOST_RING"))
 
     def resolved_direct_bytes(self, device: str) -> int:
         if self.direct_bytes is not None:

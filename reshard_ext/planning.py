@@ -292,6 +292,7 @@ class Agreement:
     relay: bool = False  # every rank passed relay on (rx.Options.relay; a disagreement is an error)
     plan_id: int = 0  # the same on every rank, different for every rx.plan call
     moves: bool = True  # some rank sends to another (else a verified execute has nothing to check)
+    host_ring: bool = False  # every rank voted for the CPU transport's shared-memory rings
 
 
 def plan_collective(
@@ -316,13 +317,14 @@ def plan_collective(
                     report.append((side, name, layout._c))
     direct_bytes = (options.resolved_direct_bytes("cpu"), options.resolved_direct_bytes("cuda"))
     payload = (_C.encode_entries(report), errors, device, _registration_vote(device, options), options.resolved_relay(),
-               max_batch_bytes is not None, direct_bytes)
+               max_batch_bytes is not None, direct_bytes, options.resolved_host_ring())
     gathered = all_gather_objects(payload, group, "rx.plan (metadata exchange)", timeout_s)
     STATS["exchanges"] += 1
 
     errors = [e for _, errs, *_ in gathered for e in errs]
     devices = {d for _, _, d, *_ in gathered if d is not None}
     register = all(g[3] for g in gathered)
+    host_ring = all(g[7] for g in gathered)
     relay = [g[4] for g in gathered]
     if len(set(relay)) > 1:
         errors.append(f"rx.Options(relay=...) / RESHARD_EXT_RELAY must be alike on every rank: on for ranks "
@@ -398,7 +400,7 @@ def plan_collective(
     key = repr((sends, sum(g[4] for g in gathered) % 2**64, world)).encode()
     plan_id = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
     return Agreement(src_t, dst_t, rank_plan, agreed_device, register, all(relay), plan_id,
-                     any(g[6] for g in gathered))
+                     any(g[6] for g in gathered), host_ring)
 
 
 def _agreed_batches(wants: list[tuple[int, int | None]]) -> int:

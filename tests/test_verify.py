@@ -15,6 +15,7 @@ Three layers:
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -385,32 +386,60 @@ def test_verify_catches_a_changed_destination(target):
         assert "[0:" in msg  # the box, in global coordinates
 
 
-def _corrupt_in_transit(rank, world, direct):
+def _flip_in_ring(channel, sender):
+    """Flips a bit of the first chunk from `sender` waiting in this rank's ring (HostRing's
+    layout: a 64-byte segment head, then per rank of the host a head line, a tail line and
+    the slots, each a 64-byte slot head and its data), once the sender has written it."""
+    import numpy as np
+
+    from reshard_ext.transports import channel as chm
+
+    slots, slot_bytes = chm._RING_SLOTS, chm._RING_SLOT_BYTES
+    seg = np.memmap("/dev/shm" + channel._ring.name, dtype=np.uint8, mode="r+")
+    ring = 64 + sender * (128 + slots * (64 + slot_bytes))  # every rank of the test's group is local
+    words = seg[ring : ring + 72].view(np.uint64)
+    deadline = time.monotonic() + 30
+    while words[0] == words[8]:  # head == tail: nothing written yet
+        assert time.monotonic() < deadline, "the sender wrote nothing into the ring"
+        time.sleep(1e-3)
+    seg[ring + 128 + int(words[8]) % slots * (64 + slot_bytes) + 64 + 100] ^= 4
+    seg.flush()
+
+
+def _corrupt_in_transit(rank, world, direct, rings):
     """Rank 1 flips a bit of what arrives from rank 0 before it unpacks: the refit is
-    silently wrong without verify, and raises with it."""
+    silently wrong without verify, and raises with it. Over gloo the bit flips in the
+    received message; in the shared-memory rings, in the chunk waiting in its slot."""
     g = torch.Generator().manual_seed(2)
     full = torch.randn(64, 32, generator=g)
     s = rx.Layout((64, 32), torch.float32, rx.Mesh([0]), [rx.Replicate()])
     d = rx.Layout((64, 32), torch.float32, rx.Mesh([1]), [rx.Replicate()])
     plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {},
                    {"x": (torch.zeros(64, 32), d)} if rank == 1 else {},
-                   options=rx.Options(direct_bytes=1 if direct else 1 << 30))
+                   options=rx.Options(direct_bytes=1 if direct else 1 << 30, host_ring=rings))
     if rank == 1:
         from reshard_ext.transports.channel import HEADER_TAG
 
         channel = plan.transport.channel
         exchange = channel.exchange
+        ring_exchange = channel._ring_exchange
 
-        def corrupting_exchange(ops, tag, session, retry_closed=False):
-            errors = exchange(ops, tag, session, retry_closed)
+        def corrupting_exchange(ops, tag, session, retry_closed=False, **kw):
+            errors = exchange(ops, tag, session, retry_closed, **kw)
             for kind, _, tensor in ops:
-                if kind == "recv" and tag != HEADER_TAG:
+                if kind == "recv" and tag != HEADER_TAG and not rings:
                     tensor.view(-1)[100] ^= 4
             return errors
 
+        def corrupting_ring_exchange(ops, token, session, hashed):
+            _flip_in_ring(channel, 0)
+            return ring_exchange(ops, token, session, hashed)
+
         channel.exchange = corrupting_exchange
+        channel._ring_exchange = corrupting_ring_exchange
     try:
         rx.execute(plan)  # no verify: nothing notices
+        wrong = rank == 1 and not torch.equal(plan._entries["dst"]["x"][0], full)
         errors = []
         for _ in range(2):  # every execute checks again
             try:
@@ -420,12 +449,16 @@ def _corrupt_in_transit(rank, world, direct):
     finally:
         if rank == 1:  # the channel is the group's, shared by later plans in this process
             del channel.exchange
-    return errors
+            del channel._ring_exchange
+    return errors, wrong
 
 
+@pytest.mark.parametrize("rings", [False, True], ids=["gloo", "rings"])
 @pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
-def test_execute_verify_catches_corruption_in_transit(direct):
-    for errors in run_ranks(2, _corrupt_in_transit, direct):
+def test_execute_verify_catches_corruption_in_transit(direct, rings):
+    results = run_ranks(2, _corrupt_in_transit, direct, rings)
+    assert results[1][1], "the corruption must reach rank 1's destination"
+    for errors, _ in results:
         assert len(errors) == 2, errors
         assert "rx.execute(verify=True)" in errors[0] and "'x'[0:64, 0:32]" in errors[0], errors[0]
         assert "from rank 0 to rank 1" in errors[0], errors[0]

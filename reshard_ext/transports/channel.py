@@ -26,6 +26,10 @@ fresh connection for that pair.
   a shared-memory mailbox of its own that its peers on the host map (_C.HostMailbox), so
   no round trip through worker threads delays an execute's first GPU work. A pair uses
   it where both ranks made one and share the host's /dev/shm (decided alike at both ends).
+- The CPU transport's data between two processes of one host skips gloo too: each rank
+  makes a segment of rings, one per sender of its host (_C.HostRing), the first time it
+  moves data; a pair uses them where both ranks made theirs (decided alike at both ends).
+  Chunks carry the execute's token, so a ring needs no reset after an aborted execute.
 - One execute at a time per group in a process: a second thread is refused.
 """
 from __future__ import annotations
@@ -63,12 +67,20 @@ VERIFIES = 16  # FLAGS bit: the sender runs rx.execute(verify=True) (the check i
 _POLL_S = 0.05  # how often a waiting caller looks at its abort flag
 _ARRIVE, _LEAVE = 1, 10  # what an end adds to its pair's counter of a generation (Channel._meet)
 REPLAN_HERE = -1  # Session.swap of a rank that takes the swap's slow path
+# A pair's ring: 4 slots of 128 KiB (512 KiB of /dev/shm per rank of the host, per rank):
+# a chunk stays in the caches between the two copies, and the sender runs ahead by three.
+_RING_SLOTS, _RING_SLOT_BYTES = 4, 128 << 10
 
 
 def data_tag(plan_id: int, seq: int) -> int:
     """The gloo tag of an execute's data messages: a message abandoned by an earlier
     execute can never match a later one."""
     return 2 + (plan_id * 0x9E3779B1 + seq) % (1 << 30)
+
+
+def data_token(plan_id: int, seq: int) -> int:
+    """The token of an execute's chunks in the shared-memory rings (never 0)."""
+    return (plan_id * 0x9E3779B97F4A7C15 + seq) % (1 << 64) or 1
 
 
 @dataclass
@@ -168,6 +180,10 @@ class Channel:
         self._local: dict[int, bool] = {}  # peer -> whether our headers go through the mailboxes
         self._splits: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # see split()
         self._mail_open: tuple[np.ndarray, Session] | None = None  # an aborted execute's header exchange
+        self._ring: Any = None  # this rank's data rings (_C.HostRing), made on first use
+        self._ring_made = False
+        self._ring_peers: dict[int, bool] = {}  # peer -> whether our data goes through the rings
+        self._ring_lock = threading.Lock()
         threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
 
     # --- headers through shared memory (same host) --------------------------------------
@@ -257,6 +273,72 @@ class Channel:
             if session.remaining() < -1.0:
                 raise ReshardError(f"rx.execute: an earlier execute's headers did not settle within "
                                    f"{session.timeout:g} s")
+
+    # --- the CPU transport's data through shared memory (same host) ---------------------
+    def _ring_key(self, rank: int) -> str:
+        return f"{self._prefix}ring/{rank}"
+
+    def _make_ring(self) -> None:
+        """This rank's rings, one per rank whose headers go through the mailboxes (the same
+        list at every rank of the host), announced in the store ("-": none)."""
+        self._ring_made = True
+        value = "-"
+        if self._mailbox is not None and bool(env_default("RESHARD_EXT_HOST_RING")):
+            near = sorted([self.rank] + [p for p in self.others if self.local(p)])
+            if len(near) > 1:
+                try:
+                    self._ring = _C.HostRing(self.rank, near, _RING_SLOTS, _RING_SLOT_BYTES)
+                    value = self._ring.name
+                except Exception:  # noqa: BLE001 - /dev/shm full or missing: data goes over gloo
+                    self._ring = None
+        self.store.set(self._ring_key(self.rank), value)
+
+    def ring_peer(self, peer: int, session: Session) -> bool:
+        """Whether the CPU transport's data with `peer` goes through the rings: both ranks
+        made theirs (both ends decide alike from the two announcements). The peer announces
+        on its first data exchange, which pairs with ours."""
+        with self._ring_lock:
+            known = self._ring_peers.get(peer)
+            if known is not None:
+                return known
+            if not self._ring_made:
+                self._make_ring()
+            if self._ring is None or not self.local(peer):
+                known = False
+            else:
+                key = self._ring_key(peer)
+                try:
+                    self.store.wait([key], datetime.timedelta(seconds=max(session.remaining(), 1.0)))
+                except RuntimeError as e:
+                    raise ReshardError(f"rank {self.rank}: rank {peer} announced no data rings within "
+                                       f"{session.timeout:g} s ({e})") from e
+                theirs = self.store.get(key).decode()
+                known = theirs != "-"
+                if known:
+                    self._ring.attach(peer, theirs)
+            self._ring_peers[peer] = known
+            return known
+
+    def _ring_exchange(self, ops: list[tuple[str, int, torch.Tensor]], token: int, session: Session,
+                       hashed: tuple | None) -> dict[int, str]:
+        """ops (byte tensors, every peer a ring peer) through the rings; {peer: error} of
+        the pairs that did not finish by the deadline or were aborted."""
+        ring = self._ring
+        sends = [(peer, t.data_ptr(), t.numel()) for kind, peer, t in ops if kind == "send"]
+        recvs = [(peer, t.data_ptr(), t.numel()) for kind, peer, t in ops if kind != "send"]
+        if hashed is not None:
+            ring.begin_verified(token, sends, recvs, *hashed)
+        else:
+            ring.begin(token, sends, recvs)
+        try:
+            while not ring.poll(min(max(session.remaining(), 0.0), _POLL_S)):
+                if session.abort.is_set() or session.remaining() <= 0:
+                    break
+            late = "aborted (plan.abort())" if session.abort.is_set() else \
+                f"Timed out after {session.timeout:g} s in the shared-memory ring (the peer died, stalled or moved on)"
+            return {peer: why or late for peer, why in ring.unfinished()}
+        finally:
+            ring.end()
 
     # --- one execute at a time -------------------------------------------------------
     def enter(self, what: str = "rx.execute") -> None:
@@ -383,17 +465,24 @@ class Channel:
             self._gen[peer] = gen + 1
 
     def exchange(self, ops: list[tuple[str, int, torch.Tensor]], tag: int, session: Session,
-                 retry_closed: bool = False) -> dict[int, str]:
+                 retry_closed: bool = False, token: int | None = None, hashed: tuple | None = None) -> dict[int, str]:
         """Posts every (kind, peer, tensor) op and waits for all of them until the
-        session's deadline; returns {peer: error} for the pairs that failed. With
+        session's deadline; returns {peer: error} for the pairs that failed. token (data
+        of the CPU transport, byte tensors): the execute's, and pairs of one host go through
+        the rings first (hashed: HostRing.begin_verified's tables, batch and digests). With
         retry_closed, a pair that its peer had already closed (it failed at some earlier
         point; we find out now) is tried again on its next generation while time remains:
         the first gloo messages of an execute whose headers went through the mailboxes
         find out there (the peer's messages of this execute are posted on its generation)."""
+        errors: dict[int, str] = {}
+        if token is not None:
+            near = [op for op in ops if self.ring_peer(op[1], session)]
+            if near:  # every rank moves its ring pairs before its gloo ones: no cycle of waits
+                errors = self._ring_exchange(near, token, session, hashed)
+                ops = [op for op in ops if not self._ring_peers[op[1]]]
         by_peer: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for kind, peer, tensor in ops:
             by_peer.setdefault(peer, []).append((kind, tensor))
-        errors: dict[int, str] = {}
         todo = list(by_peer)
         for _attempt in range(3 if retry_closed else 1):
             posted = []
@@ -576,9 +665,11 @@ _CHANNELS_LOCK = threading.Lock()
 
 @atexit.register
 def _close_mailboxes() -> None:
-    """Removes this process's header mailboxes from /dev/shm (a killed process leaves its own)."""
+    """Removes this process's header mailboxes and data rings from /dev/shm (a killed process
+    leaves its own; the next segment made on the host removes them)."""
     for ch in list(_CHANNELS.values()):
         ch._mailbox = None  # a forked child's copy leaves the parent's segment (the destructor checks)
+        ch._ring = None  # a worker still polling it holds its own reference
 
 
 def channel_of(group: Any) -> Channel:

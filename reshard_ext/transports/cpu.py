@@ -10,12 +10,13 @@ import torch
 
 from ..errors import ReshardError
 from ..options import Options
-from .channel import Session, channel_of, data_tag, exchange_headers
+from .channel import Session, channel_of, data_tag, data_token, exchange_headers
 from .p2p import message_ops
 
-# Bytes of a direct message per round of a verified execute (ExecTables::round_messages),
-# hashed beside the next round's transfer: few rounds, since each one is a gloo exchange
-# whose hand-offs cost more than hashing a piece that has left the cache.
+# Bytes of a direct message per round of a verified execute over gloo (ExecTables::
+# round_messages), hashed beside the next round's transfer: few rounds, since each one is a
+# gloo exchange whose hand-offs cost more than hashing a piece that has left the cache.
+# Pairs of one host hash in the rings instead, chunk by chunk as they copy (HostRing).
 VERIFY_PIECE = 64 << 20
 
 
@@ -26,6 +27,7 @@ class CpuTransport:
         # bandwidth won, while a message costs little.
         self.direct_bytes = options.resolved_direct_bytes("cpu")
         self.channel = channel_of(group)
+        self.rings = options.resolved_host_ring()  # rx.plan's vote: alike on every rank
         self.rank = self.channel.rank
         self.send_buf = torch.empty(0, dtype=torch.uint8)
         self.recv_buf = torch.empty(0, dtype=torch.uint8)
@@ -89,6 +91,10 @@ class CpuTransport:
         # agree (those peers complete), but writes none of its own destinations.
         writes = ok and not verdict.bad
         tag = data_tag(session.plan_id, session.seq)
+        token = data_token(session.plan_id, session.seq) if self.rings else None
+        # Verified, with every peer on this host's rings: direct messages are hashed as the
+        # rings copy them, in one round per batch.
+        in_rings = verify and self.rings and all(ch.ring_peer(p, session) for p in good)
         failed: dict[int, str] = {}
         wrote = False
         for b, ops in enumerate(self._ops):
@@ -99,17 +105,19 @@ class CpuTransport:
             # Verified: direct messages move in rounds of VERIFY_PIECE bytes: the sources of
             # round r + 1 are hashed while round r moves (just before the worker sends them),
             # the destinations of round r as soon as it landed.
-            rounds = tables.piece_rounds(b, VERIFY_PIECE) if verify else 1
+            rounds = tables.piece_rounds(b, VERIFY_PIECE) if verify and not in_rings else 1
             per_round = [message_ops(tables.round_messages(b, r, rounds, VERIFY_PIECE), self._bufs)
-                         for r in range(rounds)] if verify else [ops]
+                         for r in range(rounds)] if verify and not in_rings else [ops]
 
             def submit(r: int, writes: bool, good: set[int], b: int = b, per_round: list = per_round,
                        rounds: int = rounds) -> Any:
-                if verify:
+                if verify and not in_rings:
                     tables.digest_direct_send_round_cpu(b, r, rounds, send, VERIFY_PIECE)
                 use = [(kind, peer, t if writes or kind == "send" or self._staged(t) else torch.empty_like(t))
                        for kind, peer, t in per_round[r] if peer in good]
-                return ch.submit(functools.partial(ch.exchange, use, tag, session, retry_closed=True))
+                hashed = (tables, b, send, recv) if in_rings else None
+                return ch.submit(functools.partial(ch.exchange, use, tag, session, retry_closed=True, token=token,
+                                                   hashed=hashed))
 
             task = submit(0, writes, good)
             if b == 0 and writes:
@@ -122,7 +130,7 @@ class CpuTransport:
                     failed.update(errors)
                     good -= set(errors)
                     writes = False
-                if writes and verify:
+                if writes and verify and not in_rings:
                     tables.digest_direct_recv_round_cpu(b, r, rounds, recv, VERIFY_PIECE)
                 if following is None:
                     break
