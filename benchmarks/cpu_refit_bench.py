@@ -8,13 +8,17 @@ memory the refit itself costs), summed over processes. --verify adds a column: t
 refit with rx.execute(plan, verify=True), timed in the same processes (alternating with
 the plain refit), and its cost relative to the plain one.
 
-    python benchmarks/cpu_refit_bench.py [--iters 3] [--max-batch-mb 0] [--verify]
+--link gloo moves the bytes between the processes over gloo instead of the shared-memory
+rings (rx.Options(host_ring=False)).
+
+    python benchmarks/cpu_refit_bench.py [--iters 3] [--max-batch-mb 0] [--verify] [--link rings|gloo]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
+import queue
 import resource
 import statistics
 import time
@@ -33,7 +37,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify: bool, out) -> None:
+def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify: bool, link: str, out) -> None:
     import reshard_ext as rx
     from reshard_ext.synthetic import GPT_335M, Parallel, model_layouts
 
@@ -50,7 +54,7 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify:
     base_rss = _rss_bytes()
     dist.barrier()  # plan time should not include waiting for a slower rank's model setup
     t0 = time.perf_counter()
-    plan = rx.plan(src, dst, max_batch_bytes=max_batch or None)
+    plan = rx.plan(src, dst, max_batch_bytes=max_batch or None, options=rx.Options(host_ring=link == "rings"))
     plan_s = time.perf_counter() - t0
     times: list[float] = []
     verified: list[float] = []
@@ -72,21 +76,30 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify:
     dist.destroy_process_group()
 
 
-def run(case: str, iters: int, max_batch: int, verify: bool) -> None:
+def run(case: str, iters: int, max_batch: int, verify: bool, link: str) -> None:
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, verify, q)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, verify, link, q)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    rows = q.get(timeout=1800)
+    rows = None
+    while rows is None:  # a worker that died (a raise) must not leave this waiting for ever
+        try:
+            rows = q.get(timeout=5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a worker failed (exit codes {dead}); see its traceback above") from None
     for p in procs:
         p.join()
     per_iter = [max(r[2][i] for r in rows) for i in range(iters)]
     transient = sum(max(0, r[6] - r[5]) for r in rows)
     models = sum(r[4] for r in rows)
     sent = sum(r[3] for r in rows)
-    print(f"{case:9} warm refit {statistics.median(per_iter):7.3f} s "
+    print(f"{case:9} [{link}] warm refit {statistics.median(per_iter):7.3f} s "
           f"(min {min(per_iter):.3f}, max {max(per_iter):.3f})  "
           f"plan {max(r[1] for r in rows):.2f} s  sent {sent / 1e9:.2f} GB  models {models / 1e9:.2f} GB  "
           f"transient {transient / 1e9:.3f} GB  peak RSS sum {sum(r[6] for r in rows) / 1e9:.2f} GB")
@@ -109,9 +122,11 @@ def main() -> None:
     ap.add_argument("--max-batch-mb", type=int, default=0, help="rx.plan max_batch_bytes in MiB (0: unbounded)")
     ap.add_argument("--case", choices=sorted(CASES), action="append")
     ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True)")
+    ap.add_argument("--link", choices=("rings", "gloo"), default="rings",
+                    help="how the bytes move between the processes (default: the shared-memory rings)")
     args = ap.parse_args()
     for case in args.case or list(CASES):
-        run(case, args.iters, args.max_batch_mb << 20, args.verify)
+        run(case, args.iters, args.max_batch_mb << 20, args.verify, args.link)
 
 
 if __name__ == "__main__":
