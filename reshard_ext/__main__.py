@@ -28,7 +28,7 @@ def info_rows() -> list[tuple[str, str]]:
     devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda_ok else ""
     nccl_runtime = nccl_lib.runtime_status() if built["nccl"] else "not built"
     nccl_usable = built["nccl"] and cuda_ok and not nccl_runtime.startswith("not")
-    transports = ["cpu (C++ kernels, gloo)"]
+    transports = ["cpu (C++ kernels; shared-memory rings within a host, gloo between hosts)"]
     if built["cuda"] and cuda_ok:
         transports.append("torch (CUDA kernels, torch.distributed p2p)")
     if nccl_usable:
