@@ -20,18 +20,41 @@ def test_world2_backend_cpu_explicit(case):
     run_ranks(2, run_case, case, "cpu", None, "cpu")
 
 
-def _with_direct_messages(rank, world, case, direct_bytes):
+def _with_direct_messages(rank, world, case, direct_bytes, rings):
     import reshard_ext as rx
 
-    return run_case(rank, world, case, "cpu", None, options=rx.Options(direct_bytes=direct_bytes))
+    return run_case(rank, world, case, "cpu", None, options=rx.Options(direct_bytes=direct_bytes, host_ring=rings))
 
 
+@pytest.mark.parametrize("rings", [True, False], ids=["rings", "gloo"])
 @pytest.mark.parametrize("case", ["tp", "casts", "meshes", "pp_experts"])
 @pytest.mark.parametrize("direct_bytes", [1, 64])
-def test_direct_messages(case, direct_bytes):
+def test_direct_messages(case, direct_bytes, rings):
     """Ops sent straight from / received straight into tensors (no staging) where
-    contiguous, staged otherwise: same bits."""
-    run_ranks(4, _with_direct_messages, case, direct_bytes)
+    contiguous, staged otherwise: same bits, through the shared-memory rings and over gloo."""
+    run_ranks(4, _with_direct_messages, case, direct_bytes, rings)
+
+
+def _ring_vote(rank, world, votes):
+    import torch
+
+    import reshard_ext as rx
+    from reshard_ext import Layout, Mesh, Replicate
+
+    full = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    s, d = (Layout((64, 64), torch.float32, Mesh([r]), [Replicate()]) for r in (0, 1))
+    out = torch.zeros(64, 64)
+    plan = rx.plan({"w": (full.clone(), s)} if rank == 0 else {}, {"w": (out, d)} if rank == 1 else {},
+                   options=rx.Options(host_ring=votes[rank]))
+    rx.execute(plan, verify=True)
+    return plan.transport.rings, rank == 0 or torch.equal(out, full)
+
+
+@pytest.mark.parametrize("votes", [(True, True), (True, False), (False, True), (False, False)])
+def test_the_rings_need_every_ranks_vote(votes):
+    """A plan moves through the rings only where every rank allows them (rx.plan's vote):
+    one rank's host_ring=False puts every pair of the plan on gloo."""
+    assert run_ranks(2, _ring_vote, votes) == [(all(votes), True)] * 2
 
 
 def _rebind(rank, world):
