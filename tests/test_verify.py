@@ -766,3 +766,25 @@ def test_direct_verify_catches_a_write_changed_after_landing_cuda():
         assert ok, rank
         assert "'w'[0:32, 0:256] from rank 0 to rank 1" in err, (rank, err)
         assert version is None, (rank, version)
+
+
+def _odd_direct_messages(rank, world):
+    """Two direct messages back to back on one ring stream, the first an odd number of bf16
+    elements: the second one's elements straddle the slots' edges unless chunks are cut at
+    element-safe offsets of each message."""
+    g = torch.Generator().manual_seed(5)
+    full = {"a": torch.randn(65537, generator=g).to(torch.bfloat16), "b": torch.randn(70001, generator=g),
+            "c": torch.randn(50003, generator=g).double()}
+    lay = {k: (rx.Layout(tuple(v.shape), v.dtype, rx.Mesh([0]), [rx.Replicate()]),
+               rx.Layout(tuple(v.shape), v.dtype, rx.Mesh([1]), [rx.Replicate()])) for k, v in full.items()}
+    dst = {k: torch.zeros_like(v) for k, v in full.items()}
+    plan = rx.plan({k: (v.clone(), lay[k][0]) for k, v in full.items()} if rank == 0 else {},
+                   {k: (v, lay[k][1]) for k, v in dst.items()} if rank == 1 else {},
+                   options=rx.Options(direct_bytes=1, host_ring=True))
+    for _ in range(2):
+        rx.execute(plan, verify=True)
+    return rank == 0 or all(torch.equal(dst[k], full[k]) for k in full)
+
+
+def test_verified_direct_messages_of_any_length_share_a_ring_stream():
+    assert run_ranks(2, _odd_direct_messages) == [True, True]

@@ -17,6 +17,9 @@ constexpr uint64_t kMagic = 0x5258524e47424f58ull;  // "RXRNGBOX"
 constexpr size_t kHead = 64;                        // magic, locals, slots, slot bytes, locals' hash
 constexpr size_t kLine = 64;                        // head and tail each on a cache line of their own
 constexpr size_t kSlotHead = 64;                    // token, stream number, bytes
+// Chunks end inside a message only this many bytes from its start, so every chunk holds
+// whole elements of it at both ends (which may hash it), whatever the messages before it.
+constexpr int64_t kCut = 16;
 
 // Spinning this long after the last progress costs less than a sleep's wake-up; past it
 // the loop sleeps, which leaves the core to the peer on a machine with few of them.
@@ -144,7 +147,11 @@ int64_t HostRing::move(Stream& s, char* data, int64_t n) {
   int64_t done = 0;
   while (done < n && s.left > 0) {
     const Piece& p = s.pieces[s.at];
-    const int64_t take = std::min(n - done, p.bytes - s.off);
+    int64_t take = std::min(n - done, p.bytes - s.off);
+    if (s.send && take < p.bytes - s.off) {  // a cut inside a message: at a multiple of kCut from its start
+      take -= take % kCut;
+      if (take == 0) break;  // the chunk ends short
+    }
     char* piece = reinterpret_cast<char*>(p.ptr) + s.off;
     char* slot = data + done;
     std::memcpy(s.send ? slot : piece, s.send ? piece : slot, static_cast<size_t>(take));

@@ -9,7 +9,8 @@
 // ever resets the other's state.
 //
 // An exchange moves, per peer and direction, a stream: that pair's messages back to back,
-// cut into chunks that never span two exchanges. Each chunk carries the execute's token and
+// cut into chunks that never span two exchanges and that cut a message only at a multiple
+// of 16 bytes from its start (whole elements, for the hashes of a verified execute). Each chunk carries the execute's token and
 // the pair's stream number within the execute. A receiver skips chunks of another token
 // (left by an aborted or failed earlier execute: the channel drains that execute before a
 // new one starts, so none is still being written), and fails the pair on a chunk it cannot
