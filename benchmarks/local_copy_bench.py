@@ -59,7 +59,6 @@ def llama_boxes() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiles", default="8K,256K", help="other tile sizes to time (the default is the planner's)")

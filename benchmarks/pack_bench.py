@@ -40,7 +40,6 @@ BF16 = int(_C.DType.bfloat16)  # rx dtype code (csrc/common/dtype.h)
 TP = 2
 
 
-
 def boxes(n: int, rows: int, width: int, src: int, src_ld: int, dst: int, dst_ld: int, region: int) -> bytes:
     """n 2-D boxes [rows, width] (bf16): box i reads rows i*rows.. of `src` at column
     (i % TP) * width (row pitch src_ld) when src_ld > width, else region i of a staging

@@ -127,8 +127,6 @@ bool have_avx512() {
 struct Avx2Vec {
   typedef uint32_t u32 __attribute__((vector_size(32)));
   typedef uint64_t u64 __attribute__((vector_size(32)));
-  typedef uint16_t u16 __attribute__((vector_size(16)));
-  typedef uint8_t u8 __attribute__((vector_size(8)));
 };
 
 // The exact 64-bit square of the low 32-bit word of each 64-bit lane.
@@ -157,9 +155,9 @@ __attribute__((target("avx2"))) inline void add_vector(const char* at, const Avx
 }
 
 // Two vectors per pass, each with its own keys and sums: the sums' and keys' one-cycle
-// chains would otherwise bound the loop (1.4x in the cache on Zen 3). Elements narrower
-// than a word come 32 bytes to a vector, each word split into its kParts elements (with
-// keys to match) rather than widened 8 at a time (2x for 2 bytes, 10x for 1).
+// chains would otherwise bound the loop. Elements narrower than a word come 32 bytes to a
+// vector, each word split into its kParts elements (with keys to match): widening them 8 at
+// a time cost more than the hashing (RESULTS.md, the digest loop in the cache).
 template <typename T>
 __attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, int64_t m) {
   using U32 = Avx2Vec::u32;

@@ -280,10 +280,11 @@ class Channel:
 
     def _make_ring(self) -> None:
         """This rank's rings, one per rank whose headers go through the mailboxes (the same
-        list at every rank of the host), announced in the store ("-": none)."""
+        list at every rank of the host), announced in the store ("-": none). Made when a plan
+        that voted for them (rx.Options.host_ring) first moves data."""
         self._ring_made = True
         value = "-"
-        if self._mailbox is not None and bool(env_default("RESHARD_EXT_HOST_RING")):
+        if self._mailbox is not None:
             near = sorted([self.rank] + [p for p in self.others if self.local(p)])
             if len(near) > 1:
                 try:
