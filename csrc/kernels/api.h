@@ -104,11 +104,14 @@ int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev,
 
 // The verify passes of rx_digest_boxes_cpu on the GPU (same digests): digests_dev holds
 // one uint64 per box, zeroed by the caller; each tile adds its share with atomics.
+// max_blocks and warp_shift as for rx_copy_boxes_cuda (a cap first lowers the shift).
 int32_t rx_digest_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
-                             int32_t max_blocks, void* stream, int32_t pass, uint64_t* digests_dev);
-// ... and their emulation on the host (host table and digests).
+                             int32_t max_blocks, int32_t warp_shift, void* stream, int32_t pass,
+                             uint64_t* digests_dev);
+// ... and their emulation on the host (host table and digests), each tile in its
+// 1 << warp_shift shares. Returns 0, or -1 for a bad pass or warp_shift.
 int32_t rx_digest_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t pass,
-                                 uint64_t* digests);
+                                 int32_t warp_shift, uint64_t* digests);
 #endif
 
 #ifdef __cplusplus

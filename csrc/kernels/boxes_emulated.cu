@@ -10,13 +10,18 @@ namespace rx {
 namespace {
 
 template <int P>
-void emulate_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, uint64_t* digests) {
+void emulate_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t warp_shift,
+                    uint64_t* digests) {
   Geom<RX_MAX_DIMS> slot;
   for (int64_t t = 0; t < num_tiles; ++t)
-    for (int lane = 0; lane < kWarp; ++lane) {
-      Dg dg{};
-      run_general<P>(boxes, tiles[t], lane, slot, dg);
-      digests[tiles[t].box] = digest::add(digests[tiles[t].box], dg.acc);
+    for (int64_t share = 0; share < (int64_t{1} << warp_shift); ++share) {
+      rx_tile part = tiles[t];
+      if (!narrow_tile(part, share, warp_shift)) continue;
+      for (int lane = 0; lane < kWarp; ++lane) {
+        Dg dg{};
+        run_general<P>(boxes, part, lane, slot, dg);
+        digests[part.box] = digest::add(digests[part.box], dg.acc);
+      }
     }
 }
 
@@ -37,11 +42,12 @@ extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* ti
 }
 
 extern "C" int32_t rx_digest_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t pass,
-                                            uint64_t* digests) {
+                                            int32_t warp_shift, uint64_t* digests) {
+  if (warp_shift < 0 || warp_shift > RX_MAX_WARP_SHIFT) return -1;
   switch (pass) {
-    case RX_PASS_COPY: rx::emulate_digest<RX_PASS_COPY>(boxes, tiles, num_tiles, digests); return 0;
-    case RX_PASS_SRC: rx::emulate_digest<RX_PASS_SRC>(boxes, tiles, num_tiles, digests); return 0;
-    case RX_PASS_DST: rx::emulate_digest<RX_PASS_DST>(boxes, tiles, num_tiles, digests); return 0;
+    case RX_PASS_COPY: rx::emulate_digest<RX_PASS_COPY>(boxes, tiles, num_tiles, warp_shift, digests); return 0;
+    case RX_PASS_SRC: rx::emulate_digest<RX_PASS_SRC>(boxes, tiles, num_tiles, warp_shift, digests); return 0;
+    case RX_PASS_DST: rx::emulate_digest<RX_PASS_DST>(boxes, tiles, num_tiles, warp_shift, digests); return 0;
     default: return -1;
   }
 }

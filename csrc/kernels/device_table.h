@@ -69,13 +69,15 @@ class DeviceBoxTable {
   }
 
   // A verify pass (rx_pass) over the boxes: digests_dev holds one zeroed uint64 per box
-  // (in box order) that the launch adds into; RX_PASS_COPY also copies.
-  void launch_digest(cudaStream_t stream, int32_t max_blocks, uint64_t* digests_dev, int32_t pass) const {
+  // (in box order) that the launch adds into; RX_PASS_COPY also copies. max_blocks and
+  // warp_shift as for launch().
+  void launch_digest(cudaStream_t stream, int32_t max_blocks, uint64_t* digests_dev, int32_t pass,
+                     int32_t warp_shift = -1) const {
     RX_HOST_ASSERT(uploaded_, "launch before upload");
     if (num_tiles_ == 0) return;
     RX_CUDA_CHECK(rx_digest_boxes_cuda(reinterpret_cast<const rx_box*>(dev_),
                                        reinterpret_cast<const rx_tile*>(dev_ + tiles_offset_), num_tiles_, max_blocks,
-                                       stream, pass, digests_dev));
+                                       warp_shift >= 0 ? warp_shift : warp_shift_, stream, pass, digests_dev));
   }
 
   // The same copy on the host, through the kernel's own per-lane code (tests).
@@ -84,10 +86,11 @@ class DeviceBoxTable {
                                           warp_shift >= 0 ? warp_shift : warp_shift_) == 0,
                    "warp_shift ", warp_shift, " is out of range (0..", RX_MAX_WARP_SHIFT, ")");
   }
-  std::vector<uint64_t> run_emulated_digest(int32_t pass) const {
+  std::vector<uint64_t> run_emulated_digest(int32_t pass, int32_t warp_shift = -1) const {
     std::vector<uint64_t> d(static_cast<size_t>(num_boxes_), 0);
-    RX_HOST_ASSERT(rx_digest_boxes_emulated(boxes_host(), tiles_host(), num_tiles_, pass, d.data()) == 0, "bad pass ",
-                   pass);
+    RX_HOST_ASSERT(rx_digest_boxes_emulated(boxes_host(), tiles_host(), num_tiles_, pass,
+                                            warp_shift >= 0 ? warp_shift : warp_shift_, d.data()) == 0,
+                   "bad pass ", pass, " or warp_shift ", warp_shift, " (0..", RX_MAX_WARP_SHIFT, ")");
     return d;
   }
 

@@ -12,6 +12,6 @@ namespace rx {
 
 template <int P>
 int32_t launch_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t max_blocks,
-                      cudaStream_t stream, uint64_t* digests);
+                      int32_t warp_shift, cudaStream_t stream, uint64_t* digests);
 
 }  // namespace rx

@@ -134,14 +134,14 @@ void register_cuda(py::module_& m) {
               t.launch(reinterpret_cast<cudaStream_t>(stream), max_blocks, warp_shift);
             else
               t.launch_digest(reinterpret_cast<cudaStream_t>(stream), max_blocks, reinterpret_cast<uint64_t*>(digests),
-                              pass);
+                              pass, warp_shift);
           },
           py::arg("stream"), py::arg("max_blocks") = 0, py::arg("digests") = 0, py::arg("pass_") = 0,
           py::arg("warp_shift") = -1,
           "Copies every box: one kernel launch, no allocation, no sync. max_blocks > 0 caps the grid. pass_ "
           "(PASS_COPY/SRC/DST): a verify pass adding each box's digest into the uint64 at digests + 8 * box "
-          "(device memory, zeroed by the caller). warp_shift >= 0: the copy's warps per tile, overriding the "
-          "table's (benchmarks).")
+          "(device memory, zeroed by the caller). warp_shift >= 0: the warps per tile, overriding the table's "
+          "(benchmarks, tests).")
       .def(
           "run_emulated",
           [](const DeviceBoxTable& t, int32_t pass, int32_t warp_shift) -> py::object {
@@ -153,14 +153,13 @@ void register_cuda(py::module_& m) {
             std::vector<uint64_t> d;
             {
               py::gil_scoped_release release;
-              d = t.run_emulated_digest(pass);
+              d = t.run_emulated_digest(pass, warp_shift);
             }
             return py::cast(d);
           },
           py::arg("pass_") = 0, py::arg("warp_shift") = -1,
           "Runs the kernel's per-lane code on the host; the boxes must point at host memory (tests). pass_: a "
-          "verify pass, returning one digest per box. warp_shift >= 0: the copy's warps per tile, overriding the "
-          "table's.");
+          "verify pass, returning one digest per box. warp_shift >= 0: the warps per tile, overriding the table's.");
 #endif
 }
 
