@@ -48,9 +48,12 @@ uint64_t load_bits(const char* p, int size) {
 
 // Contiguous elements of one size, no conversion: the hot loop of a verified refit
 // (digest::keyed over a run: the key steps by kKeyLo while the ordinal's high word stays,
-// so the run is split where the low word wraps). kk: the first element's key.
+// so the run is split where the low word wraps). kk: the first element's key. With a
+// `to`, the loops also store what they load there: a copy pass in one sweep, whose
+// hashing then runs while the copy waits on memory.
 template <typename T>
-uint64_t hash_scalar(const char* p, uint32_t kk, int64_t m) {
+uint64_t hash_scalar(const char* p, uint32_t kk, int64_t m, char* to = nullptr) {
+  if (to) memcpy(to, p, static_cast<size_t>(m) * sizeof(T));
   uint64_t acc = 0;
   for (int64_t i = 0; i < m; ++i) {
     T v;
@@ -74,8 +77,8 @@ constexpr int64_t kLineElems = 64 / static_cast<int64_t>(sizeof(T));  // a prefe
 // hash_scalar with 16 32-bit words per vector: each word (an element zero-extended, or
 // one half of an 8-byte element) xor its key, squared by vpmuludq (even and odd words
 // apart); adding the 64-bit squares as 32-bit lanes is digest::add.
-template <typename T>
-RX_AVX512 uint64_t hash_avx512(const char* p, uint32_t kk, int64_t m) {
+template <typename T, bool kCopy>
+RX_AVX512 uint64_t hash_avx512(const char* p, uint32_t kk, int64_t m, char* to) {
   constexpr int kElems = sizeof(T) == 8 ? 8 : 16;  // elements per vector
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i key;
@@ -95,12 +98,19 @@ RX_AVX512 uint64_t hash_avx512(const char* p, uint32_t kk, int64_t m) {
     const char* at = p + i * static_cast<int64_t>(sizeof(T));
     if ((i & (kLineElems<T> - 1)) == 0) __builtin_prefetch(at + kPrefetchAhead, 0, 0);
     __m512i w;
-    if constexpr (sizeof(T) == 1)
-      w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-    else if constexpr (sizeof(T) == 2)
-      w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-    else
+    char* out = kCopy ? to + (at - p) : nullptr;
+    if constexpr (sizeof(T) == 1) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+      if constexpr (kCopy) _mm_storeu_si128(reinterpret_cast<__m128i*>(out), raw);
+      w = _mm512_cvtepu8_epi32(raw);
+    } else if constexpr (sizeof(T) == 2) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+      if constexpr (kCopy) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), raw);
+      w = _mm512_cvtepu16_epi32(raw);
+    } else {
       w = _mm512_loadu_si512(at);
+      if constexpr (kCopy) _mm512_storeu_si512(out, w);
+    }
     const __m512i x = _mm512_xor_si512(w, key);
     key = _mm512_add_epi32(key, step);
     const __m512i xo = _mm512_srli_epi64(x, 32);
@@ -112,7 +122,8 @@ RX_AVX512 uint64_t hash_avx512(const char* p, uint32_t kk, int64_t m) {
   uint64_t acc = 0;
   for (int j = 0; j < 16; j += 2) acc = dg::add(acc, w[j] | static_cast<uint64_t>(w[j + 1]) << 32);
   return dg::add(acc, hash_scalar<T>(p + i * static_cast<int64_t>(sizeof(T)),
-                                     kk + static_cast<uint32_t>(i) * dg::kKeyLo, m - i));
+                                     kk + static_cast<uint32_t>(i) * dg::kKeyLo, m - i,
+                                     kCopy ? to + i * static_cast<int64_t>(sizeof(T)) : nullptr));
 }
 
 #pragma GCC diagnostic pop
@@ -144,13 +155,15 @@ __attribute__((target("avx2"))) inline void add_squares(Avx2Vec::u32 w, Avx2Vec:
   o += reinterpret_cast<Avx2Vec::u32>(square_words(x >> 32));
 }
 
-// The 32 bytes at `at` under keys key[j] (part j of each word) into e and o.
-template <typename T, int kParts>
-__attribute__((target("avx2"))) inline void add_vector(const char* at, const Avx2Vec::u32* key, Avx2Vec::u32& e,
-                                                       Avx2Vec::u32& o) {
+// The 32 bytes at `at` under keys key[j] (part j of each word) into e and o (and stored
+// at `out` for a copy).
+template <typename T, int kParts, bool kCopy>
+__attribute__((target("avx2"))) inline void add_vector(const char* at, char* out, const Avx2Vec::u32* key,
+                                                       Avx2Vec::u32& e, Avx2Vec::u32& o) {
   constexpr uint32_t kMask = sizeof(T) < 4 ? (1u << (8 * sizeof(T))) - 1 : ~0u;
   Avx2Vec::u32 w;
   memcpy(&w, at, sizeof(w));
+  if constexpr (kCopy) memcpy(out, &w, sizeof(w));
   for (int j = 0; j < kParts; ++j) add_squares(kParts == 1 ? w : (w >> (8 * sizeof(T) * j)) & kMask, key[j], e, o);
 }
 
@@ -158,8 +171,8 @@ __attribute__((target("avx2"))) inline void add_vector(const char* at, const Avx
 // chains would otherwise bound the loop. Elements narrower than a word come 32 bytes to a
 // vector, each word split into its kParts elements (with keys to match): widening them 8 at
 // a time cost more than the hashing (RESULTS.md, the digest loop in the cache).
-template <typename T>
-__attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, int64_t m) {
+template <typename T, bool kCopy>
+__attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, int64_t m, char* to) {
   using U32 = Avx2Vec::u32;
   constexpr int kWords = 8;
   constexpr int kParts = sizeof(T) < 4 ? 4 / static_cast<int>(sizeof(T)) : 1;  // elements per word
@@ -180,22 +193,26 @@ __attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, i
   for (; i + 2 * kElems <= m; i += 2 * kElems) {
     const char* at = p + i * static_cast<int64_t>(sizeof(T));
     if ((i & (kLineElems<T> - 1)) == 0) __builtin_prefetch(at + kPrefetchAhead, 0, 0);
-    add_vector<T, kParts>(at, key, even, odd);
-    add_vector<T, kParts>(at + kBytes, key2, even2, odd2);
+    char* out = kCopy ? to + (at - p) : nullptr;
+    add_vector<T, kParts, kCopy>(at, out, key, even, odd);
+    add_vector<T, kParts, kCopy>(at + kBytes, out + kBytes, key2, even2, odd2);
     for (int j = 0; j < kParts; ++j) {
       key[j] += 2 * step;
       key2[j] += 2 * step;
     }
   }
   if (i + kElems <= m) {
-    add_vector<T, kParts>(p + i * static_cast<int64_t>(sizeof(T)), key, even, odd);
+    add_vector<T, kParts, kCopy>(p + i * static_cast<int64_t>(sizeof(T)),
+                                 kCopy ? to + i * static_cast<int64_t>(sizeof(T)) : nullptr,
+                                 key, even, odd);
     i += kElems;
   }
   const U32 sum = (even + odd) + (even2 + odd2);
   uint64_t acc = 0;
   for (int j = 0; j < kWords; j += 2) acc = dg::add(acc, sum[j] | static_cast<uint64_t>(sum[j + 1]) << 32);
   return dg::add(acc, hash_scalar<T>(p + i * static_cast<int64_t>(sizeof(T)),
-                                     kk + static_cast<uint32_t>(i) * dg::kKeyLo, m - i));
+                                     kk + static_cast<uint32_t>(i) * dg::kKeyLo, m - i,
+                                     kCopy ? to + i * static_cast<int64_t>(sizeof(T)) : nullptr));
 }
 
 bool have_avx2() {
@@ -204,34 +221,42 @@ bool have_avx2() {
 }
 #endif
 
-template <typename T>
-uint64_t hash_run(const char* p, uint64_t k0, int64_t n) {
+template <typename T, bool kCopy>
+uint64_t hash_run(const char* p, uint64_t k0, int64_t n, char* to) {
   uint64_t acc = 0;
   while (n > 0) {
     const int64_t room = static_cast<int64_t>((uint64_t{1} << 32) - (k0 & 0xffffffffu));
     const int64_t m = n < room ? n : room;
     const uint32_t kk = dg::key(k0);
 #if defined(__GNUC__) && defined(__x86_64__)
-    acc = dg::add(acc, have_avx512() ? hash_avx512<T>(p, kk, m)
-                       : have_avx2() ? hash_avx2<T>(p, kk, m)
-                                     : hash_scalar<T>(p, kk, m));
+    acc = dg::add(acc, have_avx512() ? hash_avx512<T, kCopy>(p, kk, m, to)
+                       : have_avx2() ? hash_avx2<T, kCopy>(p, kk, m, to)
+                                     : hash_scalar<T>(p, kk, m, to));
 #else
-    acc = dg::add(acc, hash_scalar<T>(p, kk, m));
+    acc = dg::add(acc, hash_scalar<T>(p, kk, m, to));
 #endif
     p += m * static_cast<int64_t>(sizeof(T));
+    if (kCopy) to += m * static_cast<int64_t>(sizeof(T));
     k0 += static_cast<uint64_t>(m);
     n -= m;
   }
   return acc;
 }
 
-uint64_t hash_contiguous(const char* p, int size, uint64_t k0, int64_t n) {
+template <bool kCopy>
+uint64_t hash_sized(const char* p, int size, uint64_t k0, int64_t n, char* to) {
   switch (size) {
-    case 1: return hash_run<uint8_t>(p, k0, n);
-    case 2: return hash_run<uint16_t>(p, k0, n);
-    case 4: return hash_run<uint32_t>(p, k0, n);
-    default: return hash_run<uint64_t>(p, k0, n);
+    case 1: return hash_run<uint8_t, kCopy>(p, k0, n, to);
+    case 2: return hash_run<uint16_t, kCopy>(p, k0, n, to);
+    case 4: return hash_run<uint32_t, kCopy>(p, k0, n, to);
+    default: return hash_run<uint64_t, kCopy>(p, k0, n, to);
   }
+}
+
+// The digest of n contiguous elements of `size` bytes at p, ordinals k0..; with a `to`,
+// also copies them there in the same sweep.
+uint64_t hash_contiguous(const char* p, int size, uint64_t k0, int64_t n, char* to = nullptr) {
+  return to ? hash_sized<true>(p, size, k0, n, to) : hash_sized<false>(p, size, k0, n, nullptr);
 }
 
 // The digest of `n` innermost elements of a copy box's row (ordinals k0..) in a verify
@@ -245,6 +270,9 @@ uint64_t digest_chunk(const rx_box& box, int32_t pass, const char* src, char* ds
   // temporary row the box writes instead of dst.
   const char* at = dst;
   int64_t stride = dsi;
+  if (pass == RX_PASS_COPY && box.src_dtype == box.dst_dtype && ssi == 1 && dsi == 1 &&
+      RX_DIGEST_KIND(box.digest) == RX_DIGEST_AS_WRITTEN)  // the hot case: one sweep
+    return hash_contiguous(src, rx::dtype_size(box.dst_dtype), k0, n, dst);
   if (pass == RX_PASS_COPY) {
     copy_row(src, ssi, box.src_dtype, dst, dsi, box.dst_dtype, n);
   } else if (pass == RX_PASS_SRC) {
