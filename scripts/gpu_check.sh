@@ -259,6 +259,8 @@ stage_verify() {
 stage_ab() {
   # A/B against a base tree in .ab/base (`git archive REV | tar -x -C .ab/base`; ignored: the device
   # call carries it): builds it, then runs each benchmark base / this tree alternately, same machine.
+  # RX_AB_BACKENDS (default nccl,direct,nvshmem), RX_AB_ARGS (more refit_bench arguments, e.g.
+  # "--verify --iters 10"), RX_AB_HOST=0 (no host-time rows).
   gpus 2 ab || return 0
   [ -d .ab/base ] || { echo "(ab: no .ab/base tree)"; return 0; }
   step "A/B: build the base tree"
@@ -267,10 +269,13 @@ stage_ab() {
   for round in 1 2; do
     for tree in .ab/base .; do
       for c in ${RX_AB_CASES:-tp2-tp1 moe-ep2-ep1}; do
-        step "A/B round $round, $tree: refit_bench $c (nccl, direct, nvshmem)"
+        step "A/B round $round, $tree: refit_bench $c (${RX_AB_BACKENDS:-nccl,direct,nvshmem} ${RX_AB_ARGS:-})"
+        # shellcheck disable=SC2086  # RX_AB_ARGS: several arguments
         (cd "$tree" && PYTHONPATH="$PWD" timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
-          --case "$c" --backend nccl,direct,nvshmem --no-baseline 2>&1 | grep -v "^W\|^\[W\|^link =" | tail -4) | tee -a "$OUT/ab.log"
+          --case "$c" --backend "${RX_AB_BACKENDS:-nccl,direct,nvshmem}" --no-baseline ${RX_AB_ARGS:-} 2>&1 \
+          | grep -v "^W\|^\[W\|^link =" | tail -4) | tee -a "$OUT/ab.log"
       done
+      [ "${RX_AB_HOST:-1}" = 0 ] && continue
       step "A/B round $round, $tree: host time, 10,000 tensors"
       (cd "$tree" && PYTHONPATH="$PWD" timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 \
         | grep host_overhead) | tee -a "$OUT/ab.log"
