@@ -163,35 +163,41 @@ def test_trace_reports_every_step() -> None:
     assert steps == ["pack 0", "transfer 0", "pack 1", "transfer 1", "copy 0", "unpack 0", "copy 1", "unpack 1"]
 
 
-def test_verify_rounds_digest_each_round_as_it_lands() -> None:
-    """NCCL verify: a batch with a direct receive moves in VERIFY_ROUNDS posts; the digest
-    of round r waits for round r's end only, capped, but the very last one runs at full width."""
-    tables = _tables(2, 1, 1 << 16)
-    assert tables.direct_recvs(0)
+@pytest.mark.parametrize("batches, rounds", [(1, 8), (2, 4), (3, 2)])
+def test_verify_rounds_digest_each_round_as_it_lands(batches: int, rounds: int) -> None:
+    """NCCL verify: the last batch moves in rounds (fewer, the more batches there are: its
+    last round, digested after every transfer, stays an eighth of the bytes or less); the
+    digest of round r waits for round r's end only, capped, but the very last one runs at
+    full width. Earlier batches move whole."""
+    assert _C.verify_rounds(batches) == rounds
+    tables = _tables(2, batches, 1 << 16)
+    last = batches - 1
+    assert tables.direct_recvs(last)
     t, log, transport = _transport(tables, rounds=True, max_blocks=66)
     t.executor.verify_max_blocks = 66  # as rx.Options(max_blocks=66) sets it
     slots = t.executor.build_verify()
-    assert slots == (len(tables.pack_ops(0)) + len(tables.direct_sends(0)) + len(tables.unpack_ops(0))
-                     + len(tables.direct_recvs(0)))
+    assert slots == sum(len(tables.pack_ops(b)) + len(tables.direct_sends(b)) + len(tables.unpack_ops(b))
+                        + len(tables.direct_recvs(b)) for b in range(batches))
     t.executor.begin(MAIN, True, False)
     t.executor.pack_first()
     t.executor.run([1], True, 1.0)
     lines = log.lines
-    rounds = cuda_transport.VERIFY_ROUNDS
     posts = [line for line in lines if line.startswith("side: post")]
-    assert [p.split(" sends")[0] for p in posts] == [f"side: post 0 r{r}" for r in range(rounds)]
-    ends = [line.split("record ")[1] for line in lines if line.startswith("side: record")]
+    assert [p.split(" sends")[0] for p in posts] == [f"side: post {b}" for b in range(last)] + \
+        [f"side: post {last} r{r}" for r in range(rounds)]
+    ends = [line.split("record ")[1] for line in lines if line.startswith("side: record")][last:]
     assert len(ends) == rounds
     for r, e in enumerate(ends):
         wait = lines.index(f"main: wait {e}")
-        digest = next(i for i, line in enumerate(lines) if line.startswith(f"main: direct recvs 0 r{r} "))
+        digest = next(i for i, line in enumerate(lines) if line.startswith(f"main: direct recvs {last} r{r} "))
         assert wait < digest and lines[digest].endswith("pass 3")
         assert ("cap 66" in lines[digest]) == (r + 1 < rounds)
     # the pack and unpack digest (PASS_COPY), the direct sends are read (PASS_SRC) once posted
     assert "main: pack 0 cap 66 digest 0 pass 1" in lines
-    direct_sends = [i for i, line in enumerate(lines) if line.startswith("main: direct sends 0")]
+    direct_sends = [i for i, line in enumerate(lines) if line.startswith(f"main: direct sends {last}")]
     assert len(direct_sends) == 1 and direct_sends[0] > lines.index(posts[-1])
-    assert sum(m.bytes for m in transport.received) == sum(m.bytes for m in tables.messages(0)[1])
+    assert sum(m.bytes for m in transport.received) == sum(m.bytes for b in range(batches)
+                                                           for m in tables.messages(b)[1])
 
 
 def _degraded(good: set, writes: bool, status: int = 0) -> tuple[list[str], str, Any, Any]:

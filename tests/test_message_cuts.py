@@ -22,8 +22,9 @@ from reshard_ext.errors import InternalError
 from reshard_ext.layout import code_of
 from reshard_ext.options import Options
 from reshard_ext.planning import _plan_rank, _table
-from reshard_ext.transports.cuda import VERIFY_ROUNDS
 from reshard_ext.transports.nvshmem import check_one_message_per_pair
+
+VERIFY_ROUNDS = _C.verify_rounds(1)  # the most rounds a verified batch is cut into
 
 _SPAN = 1 << 32  # bytes between made-up pieces: none overlaps another unless placed so
 

@@ -500,8 +500,6 @@ def _rounds(rank, world):
     (rank 0 -> 1), cut into the verify rounds of the NCCL path: each end's pieces tile
     its messages in order at aligned offsets, both ends cut alike, and the digests of the
     direct receive's pieces add up to the digest of the whole received op."""
-    from reshard_ext.transports.cuda import VERIFY_ROUNDS
-
     g = torch.Generator().manual_seed(4)
     full = {"x": torch.randn(1024, 512, generator=g), "y": torch.randn(8, 8, generator=g)}
     lay = {k: (rx.Layout(tuple(v.shape), torch.float32, rx.Mesh([0]), [rx.Replicate()]),
@@ -511,10 +509,11 @@ def _rounds(rank, world):
                    {k: (v, lay[k][1]) for k, v in dst.items()} if rank == 1 else {},
                    options=rx.Options(direct_bytes=1 << 20))
     tables = plan.tables
+    n_rounds = _C.verify_rounds(tables.num_batches)  # what the NCCL executor cuts
     cuts = []
     for b in range(tables.num_batches):
         for side in (0, 1):
-            rounds = [tables.round_messages(b, r, VERIFY_ROUNDS)[side] for r in range(VERIFY_ROUNDS)]
+            rounds = [tables.round_messages(b, r, n_rounds)[side] for r in range(n_rounds)]
             cuts += [(b, r, m.bytes) for r, ms in enumerate(rounds) for m in ms]
             pieces = [m for ms in rounds for m in ms]
             for peer in {m.peer for m in tables.messages(b)[side]}:
@@ -528,7 +527,7 @@ def _rounds(rank, world):
                         end += piece.bytes
                     assert end == whole.ptr + whole.bytes
                 assert next(at, None) is None
-    assert len(cuts) > VERIFY_ROUNDS, "a 2 MiB message must be cut into rounds (and the small one stays whole)"
+    assert len(cuts) > n_rounds, "a 2 MiB message must be cut into rounds (and the small one stays whole)"
     import reshard_ext.transports.cpu as cpu
     cpu.VERIFY_PIECE = 4 * 16384  # the verified execute moves the 2 MiB message in 32 rounds
     rx.execute(plan, verify=True)
@@ -538,8 +537,8 @@ def _rounds(rank, world):
         added = np.zeros_like(recv)
         direct = [op for b in range(tables.num_batches) for op in tables.direct_recvs(b)]
         for b in range(tables.num_batches):
-            for r in range(VERIFY_ROUNDS):
-                tables.digest_direct_recv_round_cpu(b, r, VERIFY_ROUNDS, added)
+            for r in range(n_rounds):
+                tables.digest_direct_recv_round_cpu(b, r, n_rounds, added)
         assert len(direct) == 1 and added[direct[0]] == recv[direct[0]] != 0
     # gloo's rounds of `piece` bytes (transports/cpu.py): each end's pieces add up too
     side = 0 if rank == 0 else 1

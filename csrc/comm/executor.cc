@@ -98,6 +98,7 @@ int64_t Executor::build_verify() {
     digest_slots_ += device_->num_boxes(table);
   };
   const bool cut = transport_ && transport_->rounds();
+  const int32_t rounds = verify_rounds(nb);
   for (int32_t b = 0; b < nb; ++b) {
     add(pack_[b], true, t.pack_ops(b));
     add(device_->add_table(pick(t.send_boxes(), t.direct_sends(b)), with_batch("direct sends", b)), true,
@@ -109,8 +110,8 @@ int64_t Executor::build_verify() {
     // 4b+3's slots. An earlier batch's are read whole under the next batch's transfer.
     std::vector<int32_t> per_round;
     if (cut && b + 1 == nb && !t.direct_recvs(b).empty())
-      for (int32_t r = 0; r < kVerifyRounds; ++r)
-        per_round.push_back(device_->add_table(t.direct_recv_round(b, r, kVerifyRounds),
+      for (int32_t r = 0; r < rounds; ++r)
+        per_round.push_back(device_->add_table(t.direct_recv_round(b, r, rounds),
                                                "direct recvs " + std::to_string(b) + " r" + std::to_string(r)));
     round_tables_.push_back(std::move(per_round));
   }
@@ -121,9 +122,9 @@ int64_t Executor::build_verify() {
     for (int32_t b = 0; b < nb; ++b) {
       round_messages_.emplace_back();
       if (b + 1 < nb) continue;
-      for (int32_t r = 0; r < kVerifyRounds; ++r)
-        round_messages_.back().emplace_back(t.round_messages(b, true, r, kVerifyRounds),
-                                            t.round_messages(b, false, r, kVerifyRounds));
+      for (int32_t r = 0; r < rounds; ++r)
+        round_messages_.back().emplace_back(t.round_messages(b, true, r, rounds),
+                                            t.round_messages(b, false, r, rounds));
     }
   verify_built_ = true;
   return digest_slots_;
@@ -257,8 +258,8 @@ void Executor::post(int32_t b) {
     });
   };
   if (verify_ && !round_messages_.empty() && !round_messages_[static_cast<size_t>(b)].empty()) {
-    for (int32_t r = 0; r < kVerifyRounds; ++r) {
-      transfer(r);
+    for (size_t r = 0; r < round_messages_[static_cast<size_t>(b)].size(); ++r) {
+      transfer(static_cast<int32_t>(r));
       landed_[b].push_back(device_->record(side_, false));
     }
     done_.push_back(landed_[b].back());
@@ -277,7 +278,7 @@ void Executor::digest_direct_recvs(int32_t b) {
   const int32_t k = num_batches();
   for (int32_t r = 0; r < static_cast<int32_t>(per_round.size()); ++r) {
     device_->wait_event(main_, landed_[b][r]);
-    const int32_t c = (b + 1 == k && r + 1 == kVerifyRounds) ? 0 : cap();
+    const int32_t c = (b + 1 == k && r + 1 == static_cast<int32_t>(per_round.size())) ? 0 : cap();
     step("digest r" + std::to_string(r), b, main_, [&] { launch(per_round[r], c, 4 * b + 3, RX_PASS_DST); });
   }
 }

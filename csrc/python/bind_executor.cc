@@ -37,7 +37,8 @@ py::array_t<T> to_array(const std::vector<T>& v) {
 }  // namespace
 
 void register_executor(py::module_& m) {
-  m.attr("VERIFY_ROUNDS") = Executor::kVerifyRounds;
+  m.def("verify_rounds", &Executor::verify_rounds, py::arg("num_batches"),
+        "The rounds a verified NCCL execute cuts its last batch into, for a plan of num_batches batches.");
   py::class_<RecordingLog, std::shared_ptr<RecordingLog>>(m, "RecordingLog",
                                                           "What a recording device and transport were asked, in order.")
       .def(py::init<>())

@@ -19,10 +19,6 @@ from .digests import DeviceDigests
 from .p2p import P2PExchange
 
 _ALIGN = 256
-# A verified NCCL execute moves its last batch in this many rounds (ExecTables::
-# round_messages; the executor's kVerifyRounds); earlier batches' direct receives are
-# digested under the next batch's transfer.
-VERIFY_ROUNDS = _C.VERIFY_ROUNDS
 
 _log = logging.getLogger("reshard_ext")
 
