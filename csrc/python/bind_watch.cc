@@ -5,7 +5,7 @@
 // with a RawLayout the loop first compares the words that data_ptr is computed from (the
 // TensorImpl's storage, storage offset and numel, the StorageImpl's data pointer) at offsets
 // that Python found and tested on probe tensors, and calls the shim only where a word moved.
-// The reads are dependent (TensorImpl, then StorageImpl): both are prefetched ahead.
+// Both objects are prefetched ahead, the StorageImpl from the pointer read at binding.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -35,10 +35,8 @@ namespace {
 
 using DataPtrFn = int32_t (*)(void* tensor_handle, void** ret);  // the shim's: 0 on success
 
-// Prefetch distances, in tensors: the TensorImpl twice as far ahead as its StorageImpl,
-// whose address is read out of the (by then cached) TensorImpl.
-constexpr size_t kImplAhead = 16;
-constexpr size_t kStorageAhead = 8;
+// Prefetch distance, in tensors (TensorImpl and StorageImpl lines alike).
+constexpr size_t kAhead = 16;
 // Every offset must fall inside a TensorImpl (192 bytes in c10) / the StorageImpl head.
 constexpr int64_t kImplBytes = 192;
 constexpr int64_t kStorageBytes = 64;
@@ -248,21 +246,22 @@ class DataPtrWatch {
   bool same_words(const Entry& e) const {
     const uintptr_t storage = word<uintptr_t>(e.impl, raw_->storage);
     if (storage == 0 || storage != e.storage) return false;  // no storage: the shim decides
+    // e.storage, equal by now: its address is known before the TensorImpl's word arrives
     return word<uintptr_t>(e.impl, raw_->storage_offset) == e.storage_offset &&
            word<uintptr_t>(e.impl, raw_->numel) == e.numel &&
-           word<uintptr_t>(reinterpret_cast<const void*>(storage), raw_->data) == e.data;
+           word<uintptr_t>(reinterpret_cast<const void*>(e.storage), raw_->data) == e.data;
   }
 
+  // The StorageImpl line comes from the snapshot's pointer, not from the TensorImpl: no load
+  // waits on another, so the misses of many tensors are in flight at once. A prefetch never
+  // faults, even where that storage is gone (then the TensorImpl's word differs anyway).
   void prefetch(size_t i, size_t n) const {
-    if (i + kImplAhead < n) {
-      const char* impl = static_cast<const char*>(entries_[i + kImplAhead].impl);
-      __builtin_prefetch(impl + raw_->storage);
-      __builtin_prefetch(impl + raw_->numel);
-    }
-    if (i + kStorageAhead < n) {
-      const uintptr_t storage = word<uintptr_t>(entries_[i + kStorageAhead].impl, raw_->storage);
-      __builtin_prefetch(reinterpret_cast<const char*>(storage) + raw_->data);  // a hint: never faults
-    }
+    if (i + kAhead >= n) return;
+    const Entry& a = entries_[i + kAhead];
+    const char* impl = static_cast<const char*>(a.impl);
+    __builtin_prefetch(impl + raw_->storage);
+    __builtin_prefetch(impl + raw_->numel);
+    if (a.storage != 0) __builtin_prefetch(reinterpret_cast<const char*>(a.storage) + raw_->data);
   }
 
   DataPtrFn fn_;
