@@ -395,6 +395,20 @@ RX_LANE bool narrow_tile(rx_tile& t, int64_t share, int warp_shift) {
   return true;
 }
 
+// The launch side of the shares (copy and verify kernels alike): whether warp_shift is in
+// range with num_tiles << warp_shift representable; the blocks of a grid of one warp per
+// share; and the shift a cap max_blocks > 0 leaves, lowered until that grid fits it.
+inline bool warp_shift_ok(int64_t num_tiles, int32_t warp_shift) {
+  return warp_shift >= 0 && warp_shift <= RX_MAX_WARP_SHIFT && num_tiles <= (INT64_MAX >> (RX_MAX_WARP_SHIFT + 1));
+}
+inline int64_t share_blocks(int64_t num_tiles, int32_t warp_shift) {
+  return ((num_tiles << warp_shift) + kWarpsPerBlock - 1) / kWarpsPerBlock;
+}
+inline int32_t capped_warp_shift(int64_t num_tiles, int32_t max_blocks, int32_t warp_shift) {
+  while (max_blocks > 0 && warp_shift > 0 && share_blocks(num_tiles, warp_shift) > max_blocks) --warp_shift;
+  return warp_shift;
+}
+
 // The host loop's dispatch (rx_copy_boxes_emulated); the kernel's is run_warp.
 RX_LANE void run_lane(const rx_box* boxes, const rx_tile& t, int lane, volatile Geom<RX_MAX_DIMS>& slot) {
   Dg none{};

@@ -30,7 +30,7 @@ void emulate_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles
 
 extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles,
                                           int32_t warp_shift) {
-  if (warp_shift < 0 || warp_shift > RX_MAX_WARP_SHIFT) return -1;
+  if (!rx::warp_shift_ok(num_tiles, warp_shift)) return -1;
   rx::Geom<RX_MAX_DIMS> slot;
   for (int64_t t = 0; t < num_tiles; ++t)
     for (int64_t share = 0; share < (int64_t{1} << warp_shift); ++share) {
@@ -43,7 +43,7 @@ extern "C" int32_t rx_copy_boxes_emulated(const rx_box* boxes, const rx_tile* ti
 
 extern "C" int32_t rx_digest_boxes_emulated(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t pass,
                                             int32_t warp_shift, uint64_t* digests) {
-  if (warp_shift < 0 || warp_shift > RX_MAX_WARP_SHIFT) return -1;
+  if (!rx::warp_shift_ok(num_tiles, warp_shift)) return -1;
   switch (pass) {
     case RX_PASS_COPY: rx::emulate_digest<RX_PASS_COPY>(boxes, tiles, num_tiles, warp_shift, digests); return 0;
     case RX_PASS_SRC: rx::emulate_digest<RX_PASS_SRC>(boxes, tiles, num_tiles, warp_shift, digests); return 0;

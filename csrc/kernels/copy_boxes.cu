@@ -65,11 +65,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, kStride ? 1 : kMinBloc
 extern "C" int32_t rx_copy_boxes_cuda(const rx_box* boxes_dev, const rx_tile* tiles_dev, int64_t num_tiles,
                                       int32_t max_blocks, int32_t warp_shift, void* stream) {
   if (num_tiles <= 0) return cudaSuccess;
-  if (warp_shift < 0 || warp_shift > RX_MAX_WARP_SHIFT || num_tiles > (INT64_MAX >> (RX_MAX_WARP_SHIFT + 1)))
-    return cudaErrorInvalidValue;
-  const auto blocks_of = [&](int shift) { return ((num_tiles << shift) + rx::kWarpsPerBlock - 1) / rx::kWarpsPerBlock; };
-  while (max_blocks > 0 && warp_shift > 0 && blocks_of(warp_shift) > max_blocks) --warp_shift;  // within the cap
-  const int64_t blocks = blocks_of(warp_shift);
+  if (!rx::warp_shift_ok(num_tiles, warp_shift)) return cudaErrorInvalidValue;
+  warp_shift = rx::capped_warp_shift(num_tiles, max_blocks, warp_shift);
+  const int64_t blocks = rx::share_blocks(num_tiles, warp_shift);
   if (max_blocks > 0 && max_blocks < blocks) {
     rx::copy_boxes_kernel<true><<<static_cast<unsigned>(max_blocks), rx::kWarpsPerBlock * rx::kWarp, 0,
                                   static_cast<cudaStream_t>(stream)>>>(boxes_dev, tiles_dev, num_tiles, 0);

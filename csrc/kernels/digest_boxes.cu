@@ -11,13 +11,14 @@ extern "C" int32_t rx_digest_boxes_cuda(const rx_box* boxes_dev, const rx_tile* 
                                         int32_t max_blocks, int32_t warp_shift, void* stream, int32_t pass,
                                         uint64_t* digests_dev) {
   if (num_tiles <= 0) return cudaSuccess;
-  if (warp_shift < 0 || warp_shift > RX_MAX_WARP_SHIFT || num_tiles > (INT64_MAX >> (RX_MAX_WARP_SHIFT + 1)))
-    return cudaErrorInvalidValue;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (pass) {
-    case RX_PASS_COPY: return rx::launch_digest<RX_PASS_COPY>(boxes_dev, tiles_dev, num_tiles, max_blocks, warp_shift, s, digests_dev);
-    case RX_PASS_SRC: return rx::launch_digest<RX_PASS_SRC>(boxes_dev, tiles_dev, num_tiles, max_blocks, warp_shift, s, digests_dev);
-    case RX_PASS_DST: return rx::launch_digest<RX_PASS_DST>(boxes_dev, tiles_dev, num_tiles, max_blocks, warp_shift, s, digests_dev);
+    case RX_PASS_COPY:
+      return rx::launch_digest<RX_PASS_COPY>(boxes_dev, tiles_dev, num_tiles, max_blocks, warp_shift, s, digests_dev);
+    case RX_PASS_SRC:
+      return rx::launch_digest<RX_PASS_SRC>(boxes_dev, tiles_dev, num_tiles, max_blocks, warp_shift, s, digests_dev);
+    case RX_PASS_DST:
+      return rx::launch_digest<RX_PASS_DST>(boxes_dev, tiles_dev, num_tiles, max_blocks, warp_shift, s, digests_dev);
     default: return cudaErrorInvalidValue;
   }
 }

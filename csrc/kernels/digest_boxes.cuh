@@ -69,10 +69,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, P == RX_PASS_COPY ? 3 
 template <int P>
 int32_t launch_digest(const rx_box* boxes, const rx_tile* tiles, int64_t num_tiles, int32_t max_blocks,
                       int32_t warp_shift, cudaStream_t stream, uint64_t* digests) {
-  const auto blocks_of = [&](int shift) { return ((num_tiles << shift) + kWarpsPerBlock - 1) / kWarpsPerBlock; };
-  while (max_blocks > 0 && warp_shift > 0 && blocks_of(warp_shift) > max_blocks) --warp_shift;  // as the copy
-  int64_t blocks = blocks_of(warp_shift);
-  if (max_blocks > 0 && max_blocks < blocks) blocks = max_blocks;
+  if (!warp_shift_ok(num_tiles, warp_shift)) return cudaErrorInvalidValue;
+  warp_shift = capped_warp_shift(num_tiles, max_blocks, warp_shift);
+  int64_t blocks = share_blocks(num_tiles, warp_shift);
+  if (max_blocks > 0 && max_blocks < blocks) blocks = max_blocks;  // then warps stride over the shares
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   digest_boxes_kernel<P><<<static_cast<unsigned>(blocks), kWarpsPerBlock * kWarp, 0, stream>>>(boxes, tiles, num_tiles,
                                                                                                warp_shift, digests);
