@@ -130,24 +130,19 @@ void HostRing::begin(uint64_t token, const std::vector<Piece>& sends, const std:
   open_ = true;
 }
 
-void HostRing::copy_hashed(const Piece& p, int64_t off, int64_t n, const char* from, char* to, bool send) {
+void HostRing::copy_hashed(const Piece& p, int64_t off, int64_t n, const char* from, char* to) {
   const Digest& d = digests_[static_cast<size_t>(p.digest)];
   rx_box b = d.box;
   const int64_t es = dtype_size(b.dst_dtype);
-  RX_HOST_ASSERT(b.ndim == 1 && off % es == 0 && n % es == 0, "HostRing: a verified message is not a 1-D copy");
+  // a direct message moves its tensor's bytes as they are (ExecTables' flat condition)
+  RX_HOST_ASSERT(b.ndim == 1 && b.src_dtype == b.dst_dtype && off % es == 0 && n % es == 0,
+                 "HostRing: a verified message is not a 1-D same-dtype copy");
+  b.src = reinterpret_cast<uint64_t>(from);
+  b.dst = reinterpret_cast<uint64_t>(to);
   b.shape[0] = n / es;
   b.param[0] += off / es;
-  int32_t pass = RX_PASS_COPY;  // the bytes move as they are: a copy pass when that is what the box does
-  if (b.src_dtype == b.dst_dtype) {
-    b.src = reinterpret_cast<uint64_t>(from);
-    b.dst = reinterpret_cast<uint64_t>(to);
-  } else {  // what leaves, read back from the slot, or what landed
-    std::memcpy(to, from, static_cast<size_t>(n));
-    b.src = b.dst = reinterpret_cast<uint64_t>(to);
-    pass = send ? RX_PASS_SRC : RX_PASS_DST;
-  }
   uint64_t v = 0;
-  RX_HOST_ASSERT(rx_digest_boxes_cpu(&b, 1, pass, &v) == 0, "HostRing: bad digest box");
+  RX_HOST_ASSERT(rx_digest_boxes_cpu(&b, 1, RX_PASS_COPY, &v) == 0, "HostRing: bad digest box");
   *d.out = digest::add(*d.out, v);
 }
 
@@ -163,7 +158,7 @@ int64_t HostRing::move(Stream& s, char* data, int64_t n) {
     char* piece = reinterpret_cast<char*>(p.ptr) + s.off;
     char* slot = data + done;
     if (p.digest >= 0)  // what leaves or what lands, hashed as it is copied
-      copy_hashed(p, s.off, take, s.send ? piece : slot, s.send ? slot : piece, s.send);
+      copy_hashed(p, s.off, take, s.send ? piece : slot, s.send ? slot : piece);
     else
       std::memcpy(s.send ? slot : piece, s.send ? piece : slot, static_cast<size_t>(take));
     done += take;
