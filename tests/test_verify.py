@@ -116,14 +116,11 @@ def test_digest_is_bit_exact_and_position_sensitive(backend, dtype):
         assert digest_of(x) != ref, what
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("casts", [False, True])
-def test_passes_and_foldings_agree(backend, casts):
-    """For random boxes (strided, folded or not, misaligned, casting): the digest of the
-    copy as it writes = of what it would write (source read) = of what the destination
-    then holds, and equals the CPU twin's."""
-    specs, sb, db = random_specs(seed=11 + casts, count=60, max_elems=700, casts=casts)
-    g = torch.Generator().manual_seed(5)
+def _random_boxes(seed: int, count: int, max_elems: int, casts: bool, big: int | None = None):
+    """Random boxes (strided, folded or not, misaligned, casting) over random source bytes:
+    (buffers, table maker, the twin's digests of what they write, the plain copy's result)."""
+    specs, sb, db = random_specs(seed=seed, count=count, max_elems=max_elems, casts=casts, big=big)
+    g = torch.Generator().manual_seed(seed)
     src = torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g)
     src[1::2] &= 0xBF  # finite floats: cast NaN payloads are not the point here
     bufs = {"src": src, "dst": torch.zeros(db, dtype=torch.uint8)}
@@ -132,42 +129,39 @@ def test_passes_and_foldings_agree(backend, casts):
         return specs_table(specs, b["src"], b["dst"])
 
     want = digests("twin", tbl, {k: v.clone() for k, v in bufs.items()}, "src")
-    copied = {k: v.clone() for k, v in bufs.items()}
-    assert digests(backend, tbl, copied, "copy") == want
-    assert digests(backend, tbl, {k: v.clone() for k, v in bufs.items()}, "src") == want
-    assert digests(backend, tbl, copied, "dst") == want
     reference = {k: v.clone() for k, v in bufs.items()}
     _C.copy_boxes_cpu(tbl(reference))
-    assert torch.equal(copied["dst"], reference["dst"]), "the copy pass must copy what the plain copy does"
+    return bufs, tbl, want, reference["dst"]
+
+
+def _passes_agree(backend: str, bufs, tbl, want, copied_ref, **launch) -> None:
+    """Every pass's digests equal `want`, and the copy pass writes what the plain copy does."""
+    copied = {k: v.clone() for k, v in bufs.items()}
+    for pass_, b in (("copy", copied), ("src", {k: v.clone() for k, v in bufs.items()}), ("dst", copied)):
+        got = digests(backend, tbl, b, pass_, **launch)
+        assert got == want, (pass_, launch, [i for i, (x, y) in enumerate(zip(got, want)) if x != y])
+    assert torch.equal(copied["dst"], copied_ref), ("the copy pass must copy what the plain copy does", launch)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("casts", [False, True])
+def test_passes_and_foldings_agree(backend, casts):
+    """For random boxes: the digest of the copy as it writes = of what it would write
+    (source read) = of what the destination then holds, and equals the CPU twin's."""
+    _passes_agree(backend, *_random_boxes(11 + casts, 60, 700, casts))
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])  # the twin has no tiles
 @pytest.mark.parametrize("casts", [False, True])
 def test_warps_sharing_a_tile_digest_all_of_it(backend, casts):
     """Every share count 1..32 per tile (whole warp passes each, some empty; on the GPU the
     warps of a block sharing a tile add their sums before the atomics), uncapped and with
     grids capped below one warp per share: every pass gives the twin's digests, and the
     copy pass writes what the plain copy does."""
-    specs, sb, db = random_specs(seed=31 + casts, count=40, max_elems=3000, casts=casts, big=1 << 16)
-    g = torch.Generator().manual_seed(7)
-    src = torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g)
-    src[1::2] &= 0xBF  # finite floats: cast NaN payloads are not the point here
-    bufs = {"src": src, "dst": torch.zeros(db, dtype=torch.uint8)}
-
-    def tbl(b):
-        return specs_table(specs, b["src"], b["dst"])
-
-    want = digests("twin", tbl, {k: v.clone() for k, v in bufs.items()}, "src")
-    reference = {k: v.clone() for k, v in bufs.items()}
-    _C.copy_boxes_cpu(tbl(reference))
-    caps = [0] if backend == "emulated" else [0, 1, 3, 40]
+    case = _random_boxes(31 + casts, 40, 3000, casts, big=1 << 16)
     for shift in range(6):
-        for cap in caps:
-            copied = {k: v.clone() for k, v in bufs.items()}
-            for pass_, b in (("copy", copied), ("src", {k: v.clone() for k, v in bufs.items()}), ("dst", copied)):
-                got = digests(backend, tbl, b, pass_, tile_bytes=8192, warp_shift=shift, max_blocks=cap)
-                assert got == want, (pass_, shift, cap, [i for i, (x, y) in enumerate(zip(got, want)) if x != y])
-            assert torch.equal(copied["dst"], reference["dst"]), (shift, cap)
+        for cap in [0] if backend == "emulated" else [0, 1, 3, 40]:
+            _passes_agree(backend, *case, tile_bytes=8192, warp_shift=shift, max_blocks=cap)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
