@@ -22,6 +22,9 @@ from .errors import ReshardError
 from .options import env_default
 
 _SPIN_S = 1e-3  # how long wait() polls before it sleeps between polls
+# The longest sleep between polls: a wait sees its completion at most this late. Ranks that
+# reach a collective early (a verified execute's check) otherwise oversleep a slower peer.
+_MAX_PAUSE_S = 5e-4
 
 
 def _device(group: Any) -> torch.device:
@@ -49,7 +52,7 @@ def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
                     f"RESHARD_EXT_P2P_TIMEOUT); "
                     f"a rank stalled, died or did not make the same call")
             time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            pause = min(pause * 2, _MAX_PAUSE_S)
         work.wait()
     except ReshardError:
         raise
