@@ -1,9 +1,6 @@
 // CPU twin of the box-copy kernel: the reference the CUDA kernel must match bit for bit,
 // and the data path of the CPU (gloo) refit.
 #include <string.h>
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include "common/dtype.h"
 #include "core/box.h"
@@ -70,71 +67,11 @@ uint64_t hash_scalar(const char* p, uint32_t kk, int64_t m, char* to = nullptr) 
 constexpr int64_t kPrefetchAhead = 4096;
 template <typename T>
 constexpr int64_t kLineElems = 64 / static_cast<int64_t>(sizeof(T));  // a prefetch per 64-byte line
-// GCC 12 flags the intrinsics' own _mm512_undefined_epi32() placeholders.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define RX_AVX512 __attribute__((target("avx512f")))
-// hash_scalar with 16 32-bit words per vector: each word (an element zero-extended, or
-// one half of an 8-byte element) xor its key, squared by vpmuludq (even and odd words
-// apart); adding the 64-bit squares as 32-bit lanes is digest::add.
-template <typename T, bool kCopy>
-RX_AVX512 uint64_t hash_avx512(const char* p, uint32_t kk, int64_t m, char* to) {
-  constexpr int kElems = sizeof(T) == 8 ? 8 : 16;  // elements per vector
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i key;
-  if constexpr (sizeof(T) == 8) {  // words 2e, 2e + 1: element e's low and high word
-    const __m512i e = _mm512_srli_epi32(lane, 1), hi = _mm512_and_si512(lane, _mm512_set1_epi32(1));
-    key = _mm512_add_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(kk)),
-                                            _mm512_mullo_epi32(e, _mm512_set1_epi32(static_cast<int>(dg::kKeyLo)))),
-                           _mm512_mullo_epi32(hi, _mm512_set1_epi32(static_cast<int>(dg::kHiSalt))));
-  } else {
-    key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(kk)),
-                           _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(dg::kKeyLo))));
-  }
-  const __m512i step = _mm512_set1_epi32(static_cast<int>(kElems * dg::kKeyLo));
-  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + kElems <= m; i += kElems) {
-    const char* at = p + i * static_cast<int64_t>(sizeof(T));
-    if ((i & (kLineElems<T> - 1)) == 0) __builtin_prefetch(at + kPrefetchAhead, 0, 0);
-    __m512i w;
-    char* out = kCopy ? to + (at - p) : nullptr;
-    if constexpr (sizeof(T) == 1) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-      if constexpr (kCopy) _mm_storeu_si128(reinterpret_cast<__m128i*>(out), raw);
-      w = _mm512_cvtepu8_epi32(raw);
-    } else if constexpr (sizeof(T) == 2) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-      if constexpr (kCopy) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), raw);
-      w = _mm512_cvtepu16_epi32(raw);
-    } else {
-      w = _mm512_loadu_si512(at);
-      if constexpr (kCopy) _mm512_storeu_si512(out, w);
-    }
-    const __m512i x = _mm512_xor_si512(w, key);
-    key = _mm512_add_epi32(key, step);
-    const __m512i xo = _mm512_srli_epi64(x, 32);
-    even = _mm512_add_epi32(even, _mm512_mul_epu32(x, x));
-    odd = _mm512_add_epi32(odd, _mm512_mul_epu32(xo, xo));
-  }
-  alignas(64) uint32_t w[16];
-  _mm512_store_si512(w, _mm512_add_epi32(even, odd));
-  uint64_t acc = 0;
-  for (int j = 0; j < 16; j += 2) acc = dg::add(acc, w[j] | static_cast<uint64_t>(w[j + 1]) << 32);
-  return dg::add(acc, hash_scalar<T>(p + i * static_cast<int64_t>(sizeof(T)),
-                                     kk + static_cast<uint32_t>(i) * dg::kKeyLo, m - i,
-                                     kCopy ? to + i * static_cast<int64_t>(sizeof(T)) : nullptr));
-}
-
-#pragma GCC diagnostic pop
-
-bool have_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-
-// hash_avx512's words, keys and lanes, 8 words per vector, in GCC's vector extensions built
-// for AVX2, so that CPUs without AVX-512 do not fall back to the scalar loop.
+// hash_scalar 8 words per vector (each word an element zero-extended, or a part of one: 2 or
+// 4 narrow elements, or half of an 8-byte one), in GCC's vector extensions built for AVX2:
+// each word xor its key, squared by vpmuludq; adding the 64-bit squares as 32-bit lanes is
+// digest::add. AVX2 alone: an AVX-512 twin of this loop was no faster on AMD EPYC and
+// slower on an Intel Xeon (RESULTS.md, verify=True on the CPU).
 struct Avx2Vec {
   typedef uint32_t u32 __attribute__((vector_size(32)));
   typedef uint64_t u64 __attribute__((vector_size(32)));
@@ -229,9 +166,7 @@ uint64_t hash_run(const char* p, uint64_t k0, int64_t n, char* to) {
     const int64_t m = n < room ? n : room;
     const uint32_t kk = dg::key(k0);
 #if defined(__GNUC__) && defined(__x86_64__)
-    acc = dg::add(acc, have_avx512() ? hash_avx512<T, kCopy>(p, kk, m, to)
-                       : have_avx2() ? hash_avx2<T, kCopy>(p, kk, m, to)
-                                     : hash_scalar<T>(p, kk, m, to));
+    acc = dg::add(acc, have_avx2() ? hash_avx2<T, kCopy>(p, kk, m, to) : hash_scalar<T>(p, kk, m, to));
 #else
     acc = dg::add(acc, hash_scalar<T>(p, kk, m, to));
 #endif
