@@ -216,6 +216,28 @@ def test_pieces_add_up_to_the_whole(backend, spec):
     assert _added(digests(backend, lambda b: run(b, False), bufs, "src")) != whole_run
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dst_offset", [0, 8, 24, 40])
+@pytest.mark.parametrize("n", [1, 37, 5000])
+def test_cold_copy_pass_copies_and_digests_as_the_copy_pass(dtype, dst_offset, n):
+    """PASS_COPY_COLD (stores past the cache into tensors no one reads soon) writes the same
+    bytes and the same digest as PASS_COPY, from any destination alignment: its head up to
+    the first 32-byte boundary is copied apart from the streamed body."""
+    size = torch.empty((), dtype=dtype).element_size()
+    src = torch.randint(0, 255, (n * size,), dtype=torch.uint8)
+    out = {}
+    for name in ("copy", "cold"):
+        dst = torch.zeros(n * size + 64, dtype=torch.uint8)
+        at = dst.data_ptr() + dst_offset // size * size
+        tbl = table([(src.data_ptr(), at, (n,), (1,), (1,), code_of(dtype), code_of(dtype))])
+        pass_ = _C.PASS_COPY if name == "copy" else _C.PASS_COPY_COLD
+        out[name] = (list(_C.digest_boxes_cpu(tbl, pass_)), dst.clone())
+    assert out["cold"][0] == out["copy"][0]
+    assert torch.equal(out["cold"][1], out["copy"][1])
+    lo = dst_offset // size * size
+    assert torch.equal(out["cold"][1][lo:lo + n * size], src)
+
+
 def test_first_ordinal_is_checked():
     """A copy's first verify ordinal (param[0]) is >= 0, and a piece digested as the
     receiver's MXFP8 quantize holds it starts on a block (a multiple of 32): else refused."""

@@ -142,7 +142,9 @@ void HostRing::copy_hashed(const Piece& p, int64_t off, int64_t n, const char* f
   b.shape[0] = n / es;
   b.param[0] += off / es;
   uint64_t v = 0;
-  RX_HOST_ASSERT(rx_digest_boxes_cpu(&b, 1, RX_PASS_COPY, &v) == 0, "HostRing: bad digest box");
+  // into a slot: in cache for the receiver; out of one: into a tensor, past the cache
+  const int32_t pass = from == reinterpret_cast<const char*>(p.ptr) + off ? RX_PASS_COPY : RX_PASS_COPY_COLD;
+  RX_HOST_ASSERT(rx_digest_boxes_cpu(&b, 1, pass, &v) == 0, "HostRing: bad digest box");
   *d.out = digest::add(*d.out, v);
 }
 

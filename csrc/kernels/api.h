@@ -26,7 +26,16 @@ int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes);
 //   RX_PASS_SRC: writes nothing, hashes what the box would write (reads its source);
 //   RX_PASS_DST: writes nothing, hashes what its destination holds (and, for a codec
 //     box that places side bytes such as MXFP8 scales, those too).
-typedef enum rx_pass { RX_PASS_NONE = 0, RX_PASS_COPY = 1, RX_PASS_SRC = 2, RX_PASS_DST = 3 } rx_pass;
+//   RX_PASS_COPY_COLD (CPU only): RX_PASS_COPY into destinations no one reads soon (tensors a
+//     refit lands in): contiguous same-dtype runs are stored past the cache (non-temporal),
+//     which spares the read-for-ownership of every destination line.
+typedef enum rx_pass {
+  RX_PASS_NONE = 0,
+  RX_PASS_COPY = 1,
+  RX_PASS_SRC = 2,
+  RX_PASS_DST = 3,
+  RX_PASS_COPY_COLD = 4
+} rx_pass;
 int32_t rx_digest_boxes_cpu(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t* digests);
 
 // Work split of a box table for the CUDA kernel: one tile is one warp's share of one

@@ -1,6 +1,9 @@
 // CPU twin of the box-copy kernel: the reference the CUDA kernel must match bit for bit,
 // and the data path of the CPU (gloo) refit.
 #include <string.h>
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "common/dtype.h"
 #include "core/box.h"
@@ -94,13 +97,16 @@ __attribute__((target("avx2"))) inline void add_squares(Avx2Vec::u32 w, Avx2Vec:
 
 // The 32 bytes at `at` under keys key[j] (part j of each word) into e and o (and stored
 // at `out` for a copy).
-template <typename T, int kParts, bool kCopy>
+template <typename T, int kParts, bool kCopy, bool kCold = false>
 __attribute__((target("avx2"))) inline void add_vector(const char* at, char* out, const Avx2Vec::u32* key,
                                                        Avx2Vec::u32& e, Avx2Vec::u32& o) {
   constexpr uint32_t kMask = sizeof(T) < 4 ? (1u << (8 * sizeof(T))) - 1 : ~0u;
   Avx2Vec::u32 w;
   memcpy(&w, at, sizeof(w));
-  if constexpr (kCopy) memcpy(out, &w, sizeof(w));
+  if constexpr (kCold)  // out is 32-byte aligned (hash_cold)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out), (__m256i)w);
+  else if constexpr (kCopy)
+    memcpy(out, &w, sizeof(w));
   for (int j = 0; j < kParts; ++j) add_squares(kParts == 1 ? w : (w >> (8 * sizeof(T) * j)) & kMask, key[j], e, o);
 }
 
@@ -108,7 +114,7 @@ __attribute__((target("avx2"))) inline void add_vector(const char* at, char* out
 // chains would otherwise bound the loop. Elements narrower than a word come 32 bytes to a
 // vector, each word split into its kParts elements (with keys to match): widening them 8 at
 // a time cost more than the hashing (RESULTS.md, the digest loop in the cache).
-template <typename T, bool kCopy>
+template <typename T, bool kCopy, bool kCold = false>
 __attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, int64_t m, char* to) {
   using U32 = Avx2Vec::u32;
   constexpr int kWords = 8;
@@ -131,15 +137,15 @@ __attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, i
     const char* at = p + i * static_cast<int64_t>(sizeof(T));
     if ((i & (kLineElems<T> - 1)) == 0) __builtin_prefetch(at + kPrefetchAhead, 0, 0);
     char* out = kCopy ? to + (at - p) : nullptr;
-    add_vector<T, kParts, kCopy>(at, out, key, even, odd);
-    add_vector<T, kParts, kCopy>(at + kBytes, out + kBytes, key2, even2, odd2);
+    add_vector<T, kParts, kCopy, kCold>(at, out, key, even, odd);
+    add_vector<T, kParts, kCopy, kCold>(at + kBytes, out + kBytes, key2, even2, odd2);
     for (int j = 0; j < kParts; ++j) {
       key[j] += 2 * step;
       key2[j] += 2 * step;
     }
   }
   if (i + kElems <= m) {
-    add_vector<T, kParts, kCopy>(p + i * static_cast<int64_t>(sizeof(T)),
+    add_vector<T, kParts, kCopy, kCold>(p + i * static_cast<int64_t>(sizeof(T)),
                                  kCopy ? to + i * static_cast<int64_t>(sizeof(T)) : nullptr,
                                  key, even, odd);
     i += kElems;
@@ -156,9 +162,25 @@ bool have_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2");
   return yes;
 }
+
+// hash_avx2's copy with the stores past the cache (RX_PASS_COPY_COLD): the head up to the
+// first 32-byte boundary of `to` as hash_scalar copies it, the rest streamed (run_boxes
+// fences once at its end).
+template <typename T>
+__attribute__((target("avx2"))) uint64_t hash_cold(const char* p, uint32_t kk, int64_t m, char* to) {
+  const auto addr = reinterpret_cast<uintptr_t>(to);
+  if (addr % sizeof(T) != 0) return hash_avx2<T, true>(p, kk, m, to);
+  int64_t head = static_cast<int64_t>((32 - addr % 32) % 32 / sizeof(T));
+  head = head < m ? head : m;
+  uint64_t acc = hash_scalar<T>(p, kk, head, to);
+  const int64_t off = head * static_cast<int64_t>(sizeof(T));
+  acc = dg::add(acc, hash_avx2<T, true, true>(p + off, kk + static_cast<uint32_t>(head) * dg::kKeyLo, m - head,
+                                              to + off));
+  return acc;
+}
 #endif
 
-template <typename T, bool kCopy>
+template <typename T, bool kCopy, bool kCold = false>
 uint64_t hash_run(const char* p, uint64_t k0, int64_t n, char* to) {
   uint64_t acc = 0;
   while (n > 0) {
@@ -166,7 +188,9 @@ uint64_t hash_run(const char* p, uint64_t k0, int64_t n, char* to) {
     const int64_t m = n < room ? n : room;
     const uint32_t kk = dg::key(k0);
 #if defined(__GNUC__) && defined(__x86_64__)
-    acc = dg::add(acc, have_avx2() ? hash_avx2<T, kCopy>(p, kk, m, to) : hash_scalar<T>(p, kk, m, to));
+    acc = dg::add(acc, !have_avx2() ? hash_scalar<T>(p, kk, m, to)
+                       : kCold       ? hash_cold<T>(p, kk, m, to)
+                                     : hash_avx2<T, kCopy>(p, kk, m, to));
 #else
     acc = dg::add(acc, hash_scalar<T>(p, kk, m, to));
 #endif
@@ -178,25 +202,28 @@ uint64_t hash_run(const char* p, uint64_t k0, int64_t n, char* to) {
   return acc;
 }
 
-template <bool kCopy>
+template <bool kCopy, bool kCold = false>
 uint64_t hash_sized(const char* p, int size, uint64_t k0, int64_t n, char* to) {
   switch (size) {
-    case 1: return hash_run<uint8_t, kCopy>(p, k0, n, to);
-    case 2: return hash_run<uint16_t, kCopy>(p, k0, n, to);
-    case 4: return hash_run<uint32_t, kCopy>(p, k0, n, to);
-    default: return hash_run<uint64_t, kCopy>(p, k0, n, to);
+    case 1: return hash_run<uint8_t, kCopy, kCold>(p, k0, n, to);
+    case 2: return hash_run<uint16_t, kCopy, kCold>(p, k0, n, to);
+    case 4: return hash_run<uint32_t, kCopy, kCold>(p, k0, n, to);
+    default: return hash_run<uint64_t, kCopy, kCold>(p, k0, n, to);
   }
 }
 
 // The digest of n contiguous elements of `size` bytes at p, ordinals k0..; with a `to`,
 // also copies them there in the same sweep.
-uint64_t hash_contiguous(const char* p, int size, uint64_t k0, int64_t n, char* to = nullptr) {
-  return to ? hash_sized<true>(p, size, k0, n, to) : hash_sized<false>(p, size, k0, n, nullptr);
+// cold: the copy's stores go past the cache (RX_PASS_COPY_COLD).
+uint64_t hash_contiguous(const char* p, int size, uint64_t k0, int64_t n, char* to = nullptr, bool cold = false) {
+  if (!to) return hash_sized<false>(p, size, k0, n, nullptr);
+  return cold ? hash_sized<true, true>(p, size, k0, n, to) : hash_sized<true>(p, size, k0, n, to);
 }
 
 // The digest of `n` innermost elements of a copy box's row (ordinals k0..) in a verify
 // pass: src/dst point at their first element.
-uint64_t digest_chunk(const rx_box& box, int32_t pass, const char* src, char* dst, uint64_t k0, int64_t n) {
+uint64_t digest_chunk(const rx_box& box, int32_t pass, const char* src, char* dst, uint64_t k0, int64_t n,
+                      bool cold) {
   const int inner = box.ndim - 1;
   const int64_t ssi = box.src_stride[inner], dsi = box.dst_stride[inner];
   alignas(16) char tmp[kChunk * 8];
@@ -207,7 +234,7 @@ uint64_t digest_chunk(const rx_box& box, int32_t pass, const char* src, char* ds
   int64_t stride = dsi;
   if (pass == RX_PASS_COPY && box.src_dtype == box.dst_dtype && ssi == 1 && dsi == 1 &&
       RX_DIGEST_KIND(box.digest) == RX_DIGEST_AS_WRITTEN)  // the hot case: one sweep
-    return hash_contiguous(src, rx::dtype_size(box.dst_dtype), k0, n, dst);
+    return hash_contiguous(src, rx::dtype_size(box.dst_dtype), k0, n, dst, cold);
   if (pass == RX_PASS_COPY) {
     copy_row(src, ssi, box.src_dtype, dst, dsi, box.dst_dtype, n);
   } else if (pass == RX_PASS_SRC) {
@@ -225,6 +252,8 @@ uint64_t digest_chunk(const rx_box& box, int32_t pass, const char* src, char* ds
 
 // The copy (pass RX_PASS_NONE) or a verify pass over every box of a table.
 int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t* digests) {
+  const bool cold = pass == RX_PASS_COPY_COLD;  // a copy pass whose contiguous runs stream past the cache
+  if (cold) pass = RX_PASS_COPY;
   for (int64_t b = 0; b < num_boxes; ++b) {
     const rx_box& box = boxes[b];
     if (!rx::codecs::box_ok(box)) return -1;
@@ -254,7 +283,7 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
           const uint64_t k0 = static_cast<uint64_t>(ordinal + r * n + c);
           const int64_t m = n - c < kChunk ? n - c : kChunk;
           acc = dg::add(acc, box.codec == RX_CODEC_NONE
-                                 ? digest_chunk(box, pass, s_at, d_at, k0, m)
+                                 ? digest_chunk(box, pass, s_at, d_at, k0, m, cold)
                                  : rx::codecs::cpu_row(box, pass, s_at, d_at, box.param[1] + doff + c, k0, m));
         }
       } else if (box.codec == RX_CODEC_NONE) {
@@ -269,6 +298,9 @@ int32_t run_boxes(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t
     }
     if (digests) digests[b] = dg::add(digests[b], acc);
   }
+#if defined(__GNUC__) && defined(__x86_64__)
+  if (cold) _mm_sfence();  // the streamed stores before whatever the caller stores next (a ring's tail)
+#endif
   return 0;
 }
 
@@ -295,6 +327,6 @@ extern "C" int32_t rx_copy_boxes_cpu(const rx_box* boxes, int64_t num_boxes) {
 }
 
 extern "C" int32_t rx_digest_boxes_cpu(const rx_box* boxes, int64_t num_boxes, int32_t pass, uint64_t* digests) {
-  if (pass != RX_PASS_COPY && pass != RX_PASS_SRC && pass != RX_PASS_DST) return -1;
+  if (pass != RX_PASS_COPY && pass != RX_PASS_COPY_COLD && pass != RX_PASS_SRC && pass != RX_PASS_DST) return -1;
   return run_boxes(boxes, num_boxes, pass, digests);
 }

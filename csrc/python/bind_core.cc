@@ -569,7 +569,7 @@ void register_core(py::module_& m) {
            "run_pack_cpu, digesting each packed send op as it is written into send[op]")
       .def("run_unpack_cpu_verified",
            [](const ExecTables& t, int32_t b, py::array_t<uint64_t>& recv) {
-             digest_cpu(t.unpack(b), RX_PASS_COPY, t.unpack_ops(b), recv);
+             digest_cpu(t.unpack(b), RX_PASS_COPY_COLD, t.unpack_ops(b), recv);
            },
            "run_unpack_cpu, digesting each unpacked recv op as it is written into recv[op] (direct receives: "
            "digest_direct_recv_round_cpu)")

@@ -50,6 +50,7 @@ void register_kernels(py::module_& m) {
       },
       "Runs the CPU box copy over a table of rx_box records (bytes-like).");
   m.attr("PASS_COPY") = static_cast<int>(RX_PASS_COPY);
+  m.attr("PASS_COPY_COLD") = static_cast<int>(RX_PASS_COPY_COLD);
   m.attr("PASS_SRC") = static_cast<int>(RX_PASS_SRC);
   m.attr("PASS_DST") = static_cast<int>(RX_PASS_DST);
   m.attr("DIGEST_CAST") = static_cast<int>(RX_DIGEST_CAST);
