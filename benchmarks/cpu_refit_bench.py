@@ -11,7 +11,11 @@ the plain refit), and its cost relative to the plain one.
 --link gloo moves the bytes between the processes over gloo instead of the shared-memory
 rings (rx.Options(host_ring=False)).
 
-    python benchmarks/cpu_refit_bench.py [--iters 3] [--max-batch-mb 0] [--verify] [--link rings|gloo]
+--phases (with --verify): where each rank's time goes, plain against verified: wall ms per
+execute (medians) in the steps of the CPU transport (pack, unpack, same-rank copies; the
+channel worker's ring exchange and the caller's wait for it) and in the verify check.
+
+    python benchmarks/cpu_refit_bench.py [--iters 3] [--max-batch-mb 0] [--verify [--phases]] [--link rings|gloo]
 """
 from __future__ import annotations
 
@@ -37,7 +41,42 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify: bool, link: str, out) -> None:
+class _Steps:
+    """Wall time per step of the current execute, timed by wrapping the functions that make
+    each step (the worker thread's ring exchange overlaps the caller's wait for it)."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, float] = {}
+        self.rows: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+
+    def timed(self, name: str, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now[name] = self.now.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    def install(self) -> None:
+        from reshard_ext import _C, verification
+        from reshard_ext.transports import channel
+
+        for m in ("run_pack_cpu", "run_unpack_cpu", "run_copies_cpu"):
+            setattr(_C.ExecTables, m, self.timed(m[4:-4], getattr(_C.ExecTables, m)))
+        for m in ("run_pack_cpu_verified", "run_unpack_cpu_verified"):
+            setattr(_C.ExecTables, m, self.timed(m[4:-13], getattr(_C.ExecTables, m)))
+        channel.Channel._ring_exchange = self.timed("ring exchange (worker)", channel.Channel._ring_exchange)
+        channel.Channel.wait = self.timed("wait for the worker", channel.Channel.wait)
+        verification.check = self.timed("verify check", verification.check)
+
+    def median(self, verify: bool, name: str) -> float:
+        rows = self.rows[verify][1:]  # the first (cold) execute left out
+        return statistics.median(r.get(name, 0.0) for r in rows) if rows else 0.0
+
+
+def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify: bool, link: str, out,
+            phases: bool = False) -> None:
     import reshard_ext as rx
     from reshard_ext.synthetic import GPT_335M, Parallel, model_layouts
 
@@ -56,19 +95,27 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify:
     t0 = time.perf_counter()
     plan = rx.plan(src, dst, max_batch_bytes=max_batch or None, options=rx.Options(host_ring=link == "rings"))
     plan_s = time.perf_counter() - t0
+    steps = _Steps()
+    if phases:
+        steps.install()
     times: list[float] = []
     verified: list[float] = []
     cpu: dict[bool, list[float]] = {False: [], True: []}  # CPU-seconds of this process (all threads)
     for _ in range(iters + 1):
         for check, into in ((False, times), (True, verified)) if verify else ((False, times),):
             dist.barrier()
+            steps.now = {}
             c0, t0 = time.process_time(), time.perf_counter()
             rx.execute(plan, verify=check)
             into.append(time.perf_counter() - t0)
             cpu[check].append(time.process_time() - c0)
+            steps.now["execute"] = into[-1]
+            steps.rows[check].append(steps.now)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    names = sorted({n for rows_ in steps.rows.values() for r in rows_ for n in r})
+    step_rows = [(n, steps.median(False, n), steps.median(True, n)) for n in names] if phases else []
     row = (rank, plan_s, times[1:], plan.bytes_sent, model_bytes, base_rss, peak, verified[1:], cpu[False][1:],
-           cpu[True][1:])
+           cpu[True][1:], step_rows)
     rows = [None] * WORLD
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -76,11 +123,12 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify:
     dist.destroy_process_group()
 
 
-def run(case: str, iters: int, max_batch: int, verify: bool, link: str) -> None:
+def run(case: str, iters: int, max_batch: int, verify: bool, link: str, phases: bool = False) -> None:
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, verify, link, q)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, case, iters, max_batch, verify, link, q, phases))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     rows = None
@@ -114,6 +162,10 @@ def run(case: str, iters: int, max_batch: int, verify: bool, link: str) -> None:
         cpu_ver = statistics.median(sum(r[9][i] for r in rows) for i in range(iters))
         print(f"{'':9} CPU-seconds per refit (sum of {WORLD} processes, median) {cpu_plain:.3f} -> {cpu_ver:.3f}  "
               f"cost {100 * (cpu_ver / cpu_plain - 1):+.1f}%")
+    for r in rows if phases else []:
+        for name, plain_s, ver_s in r[10]:
+            print(f"{'':9} rank {r[0]} {name:24s} plain {1e3 * plain_s:8.2f} ms  verify=True {1e3 * ver_s:8.2f} ms  "
+                  f"({1e3 * (ver_s - plain_s):+.2f})")
 
 
 def main() -> None:
@@ -124,9 +176,13 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True)")
     ap.add_argument("--link", choices=("rings", "gloo"), default="rings",
                     help="how the bytes move between the processes (default: the shared-memory rings)")
+    ap.add_argument("--phases", action="store_true",
+                    help="with --verify: each rank's wall ms per step, plain against verified")
     args = ap.parse_args()
+    if args.phases and not args.verify:
+        ap.error("--phases compares plain and verified executes: it needs --verify")
     for case in args.case or list(CASES):
-        run(case, args.iters, args.max_batch_mb << 20, args.verify, args.link)
+        run(case, args.iters, args.max_batch_mb << 20, args.verify, args.link, args.phases)
 
 
 if __name__ == "__main__":
