@@ -130,21 +130,22 @@ void HostRing::begin(uint64_t token, const std::vector<Piece>& sends, const std:
   open_ = true;
 }
 
-void HostRing::copy_hashed(const Piece& p, int64_t off, int64_t n, const char* from, char* to) {
+void HostRing::copy_hashed(const Piece& p, int64_t off, int64_t n, char* slot, bool send) {
   const Digest& d = digests_[static_cast<size_t>(p.digest)];
   rx_box b = d.box;
   const int64_t es = dtype_size(b.dst_dtype);
   // a direct message moves its tensor's bytes as they are (ExecTables' flat condition)
   RX_HOST_ASSERT(b.ndim == 1 && b.src_dtype == b.dst_dtype && off % es == 0 && n % es == 0,
                  "HostRing: a verified message is not a 1-D same-dtype copy");
-  b.src = reinterpret_cast<uint64_t>(from);
-  b.dst = reinterpret_cast<uint64_t>(to);
+  const uint64_t piece = p.ptr + static_cast<uint64_t>(off);
+  b.src = send ? piece : reinterpret_cast<uint64_t>(slot);
+  b.dst = send ? reinterpret_cast<uint64_t>(slot) : piece;
   b.shape[0] = n / es;
   b.param[0] += off / es;
   uint64_t v = 0;
   // into a slot: in cache for the receiver; out of one: into a tensor, past the cache
-  const int32_t pass = from == reinterpret_cast<const char*>(p.ptr) + off ? RX_PASS_COPY : RX_PASS_COPY_COLD;
-  RX_HOST_ASSERT(rx_digest_boxes_cpu(&b, 1, pass, &v) == 0, "HostRing: bad digest box");
+  RX_HOST_ASSERT(rx_digest_boxes_cpu(&b, 1, send ? RX_PASS_COPY : RX_PASS_COPY_COLD, &v) == 0,
+                 "HostRing: bad digest box");
   *d.out = digest::add(*d.out, v);
 }
 
@@ -160,7 +161,7 @@ int64_t HostRing::move(Stream& s, char* data, int64_t n) {
     char* piece = reinterpret_cast<char*>(p.ptr) + s.off;
     char* slot = data + done;
     if (p.digest >= 0)  // what leaves or what lands, hashed as it is copied
-      copy_hashed(p, s.off, take, s.send ? piece : slot, s.send ? slot : piece);
+      copy_hashed(p, s.off, take, slot, s.send);
     else
       std::memcpy(s.send ? slot : piece, s.send ? piece : slot, static_cast<size_t>(take));
     done += take;

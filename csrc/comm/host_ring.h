@@ -85,8 +85,9 @@ class HostRing {
   int32_t index_of(int32_t rank) const;  // in locals_, or -1
   Ring ring(char* segment, int32_t sender) const;
   char* slot(const Ring& r, uint64_t n) const;
-  // Copies n bytes of verified piece p (from byte off) and adds their digest to its op's.
-  void copy_hashed(const Piece& p, int64_t off, int64_t n, const char* from, char* to);
+  // Copies n bytes of verified piece p (from byte off) into the slot (send) or out of it,
+  // and adds their digest to its op's.
+  void copy_hashed(const Piece& p, int64_t off, int64_t n, char* slot, bool send);
   // Copies up to n bytes between a slot's data and the stream's next pieces (into the slot
   // when sending, out of it when receiving), hashing verified pieces; returns the bytes.
   int64_t move(Stream& s, char* data, int64_t n);

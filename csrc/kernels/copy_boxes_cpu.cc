@@ -73,8 +73,8 @@ constexpr int64_t kLineElems = 64 / static_cast<int64_t>(sizeof(T));  // a prefe
 // hash_scalar 8 words per vector (each word an element zero-extended, or a part of one: 2 or
 // 4 narrow elements, or half of an 8-byte one), in GCC's vector extensions built for AVX2:
 // each word xor its key, squared by vpmuludq; adding the 64-bit squares as 32-bit lanes is
-// digest::add. AVX2 alone: an AVX-512 twin of this loop was no faster on AMD EPYC and
-// slower on an Intel Xeon (RESULTS.md, verify=True on the CPU).
+// digest::add. AVX2 alone: 512-bit vectors measured no faster (RESULTS.md, verify=True
+// on the CPU).
 struct Avx2Vec {
   typedef uint32_t u32 __attribute__((vector_size(32)));
   typedef uint64_t u64 __attribute__((vector_size(32)));
@@ -146,8 +146,7 @@ __attribute__((target("avx2"))) uint64_t hash_avx2(const char* p, uint32_t kk, i
   }
   if (i + kElems <= m) {
     add_vector<T, kParts, kCopy, kCold>(p + i * static_cast<int64_t>(sizeof(T)),
-                                 kCopy ? to + i * static_cast<int64_t>(sizeof(T)) : nullptr,
-                                 key, even, odd);
+                                        kCopy ? to + i * static_cast<int64_t>(sizeof(T)) : nullptr, key, even, odd);
     i += kElems;
   }
   const U32 sum = (even + odd) + (even2 + odd2);
