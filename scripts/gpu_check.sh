@@ -245,11 +245,12 @@ stage_gpustreams() {
 stage_verify() {
   gpus 2 verify || return 0
   # the verify=True column is the first backend's (RX_VERIFY_BACKENDS=direct,nccl: the direct one);
-  # RX_VERIFY_VARIANTS: refit_bench --variants, e.g. ";max_blocks=66;max_blocks=99" (a grid-cap A/B)
+  # RX_VERIFY_VARIANTS: refit_bench --variants, e.g. ";max_blocks=66;max_blocks=99" (a grid-cap A/B);
+  # RX_VERIFY_ARGS: more refit_bench arguments (e.g. "--iters 10")
   for c in ${RX_VERIFY_CASES:-tp2-tp1 moe-ep2-ep1}; do
     step "verify: refit_bench $c with a verify=True column"
     timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" \
-      --backend "${RX_VERIFY_BACKENDS:-nccl,direct}" --verify --no-baseline --variants "${RX_VERIFY_VARIANTS:-}" 2>&1 \
+      --backend "${RX_VERIFY_BACKENDS:-nccl,direct}" --verify --no-baseline --variants "${RX_VERIFY_VARIANTS:-}" ${RX_VERIFY_ARGS:-} 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/verify_bench.log" | tail -8
   done
   step "verify: the check's round trip issued to a GPU gone idle, queued, and host sleeps"

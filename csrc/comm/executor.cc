@@ -302,8 +302,10 @@ void Executor::run(const std::vector<int32_t>& good, bool writes, double timeout
       if (b + 1 < k) post(b + 1);  // overlaps the transfer of b
       // This batch's slice of the same-rank copies runs under transfer b, after the pack of
       // b + 1 so that it never holds back the next transfer; one big copy up front would
-      // leave the link idle.
-      if (writes && b < num_copy_slices()) step("copy", b, main_, [&] { launch(copy_[b], cap, -1, RX_PASS_NONE); });
+      // leave the link idle. It hashes nothing, so a verified execute keeps the plain cap for
+      // it: at full width it would hold SMs and HBM from the transfer as in a plain one.
+      if (writes && b < num_copy_slices())
+        step("copy", b, main_, [&] { launch(copy_[b], max_blocks_, -1, RX_PASS_NONE); });
       if (writes && in_rounds(b)) digest_direct_recvs(b);
       transport_->landed(b, main_, done_[b]);
       if (writes) step("unpack", b, main_, [&] { unpack_step(b, cap); });

@@ -110,8 +110,9 @@ class Executor {
   int32_t num_batches() const { return static_cast<int32_t>(pack_.size()); }
   int32_t num_copy_slices() const { return static_cast<int32_t>(copy_.size()); }
   int32_t max_blocks() const { return max_blocks_; }
-  // Grid cap of a verified execute's kernels (0: none): hashing makes them compute-bound,
-  // so the cap that leaves HBM to the transfers would make them the pipeline's bottleneck.
+  // Grid cap of a verified execute's hashing kernels (0: none): hashing makes them
+  // compute-bound, so the cap that leaves HBM to the transfers would make them the
+  // pipeline's bottleneck. Its same-rank copies hash nothing and keep max_blocks.
   int32_t verify_max_blocks() const { return verify_max_blocks_; }
   void set_verify_max_blocks(int32_t blocks) { verify_max_blocks_ = blocks; }
 

@@ -244,7 +244,8 @@ class CudaTransport:
                                        self.max_blocks_override) if self.comm is not None and moves else 0)
         ex = self.executor
         ex.prepare(tables, sliced, self.max_blocks, [(t.data_ptr(), t.numel()) for t in self.recv])
-        # auto: verified executes uncapped (their hashing kernels would set the pace)
+        # auto: a verified execute's hashing kernels uncapped (capped, they would set the
+        # pace); its same-rank copies keep max_blocks (the executor's run)
         ex.verify_max_blocks = self.max_blocks if self.max_blocks_override is not None else 0
         self._blob = self._upload_pending()
         self._verify_blob: torch.Tensor | None = None  # with the digest buffer, made by the first verified execute
