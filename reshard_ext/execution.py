@@ -404,7 +404,8 @@ class Plan:
             for step in self._steps[side][1]:
                 step()
         if verify:
-            verification.check(self._ops(), digests, what="rx.execute(verify=True)")
+            verification.check(self._ops(), digests, what="rx.execute(verify=True)", seq=session.seq, abort=abort,
+                               timeout_s=timeout_s)
 
     def _advance(self, session: Session) -> None:
         """The execute number of this plan, as the peers agreed (headers)."""
@@ -417,7 +418,8 @@ class Plan:
     def _ops(self) -> verification.Ops:
         if self._verify_ops is None:
             self._verify_ops = verification.Ops(self._agreement.rank_plan, self._agreement.dst_table, self.group,
-                                                self.options.resolved_timeout("gloo"))
+                                                self.options.resolved_timeout("gloo"),
+                                                getattr(self.transport, "channel", None), self.plan_id)
         return self._verify_ops
 
     def verify(self) -> None:
@@ -429,7 +431,8 @@ class Plan:
             for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
                 step()
             send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
-            verification.check(self._ops(), (send, recv), what="rx.verify", copies=(copy_src, copy_dst))
+            verification.check(self._ops(), (send, recv), what="rx.verify", copies=(copy_src, copy_dst),
+                               abort=self._abort)
         finally:
             channel.leave()
 

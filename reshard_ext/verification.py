@@ -10,9 +10,16 @@ the sum has a ~2^-64 chance). Only then does each sender send
 each of its receivers one vector, in the canonical op order both ends share, the
 receiver compares, and ReshardError is raised on every rank of the group, naming the
 tensors, boxes and ranks (one more all-reduce, and an all-gather of the reports).
+
+Where every rank of a CPU (gloo) group is on one host, the first all-reduce goes through
+the group's shared-memory mailboxes instead (each rank posts its sums to every other and
+adds up theirs): gloo's ring needs every process scheduled in turn at each of its steps,
+which on a busy host costs milliseconds.
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -21,10 +28,15 @@ import torch.distributed as dist
 
 from .collectives import first_failed_rank, wait
 from .errors import ReshardError
+from .transports.channel import HEADER_LEN, Session
 from .transports.digests import DeviceDigests, Digests, lanes
 from .transports.p2p import P2PExchange
 
 _MAX_LISTED = 20
+# A check's row in the mailboxes: a magic unlike an execute header's, so that a rank whose
+# peer posts the other kind (it runs another call) raises instead of adding it up.
+_CHECK_MAGIC = 0x52584348  # "RXCH"
+KIND, PLAN, SEQ, LO, HI, DIFFER = range(6)
 
 
 def empty(n: int) -> np.ndarray:
@@ -34,8 +46,11 @@ def empty(n: int) -> np.ndarray:
 class Ops:
     """What the digest check needs of a bound plan's ops, read once from its RankPlan."""
 
-    def __init__(self, rank_plan: Any, dst_names: Any, group: Any, timeout_s: float):
+    def __init__(self, rank_plan: Any, dst_names: Any, group: Any, timeout_s: float, channel: Any = None,
+                 plan_id: int = 0):
         self.rank = dist.get_rank(group)
+        self.channel = channel  # the group's host channel (its mailboxes), where the transport has one
+        self.plan_id = plan_id
         self.names = dst_names
         self.sends = rank_plan.sends()
         self.recvs = rank_plan.recvs()
@@ -114,7 +129,32 @@ def _exchange(ops: Ops, send: np.ndarray) -> np.ndarray:
     return theirs
 
 
-def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str) -> bool:
+def _mailbox_sums(ops: Ops, sums: np.ndarray, what: str, seq: int, abort: Any, limit: float) -> np.ndarray:
+    """The group's sums of `sums` (lo, hi, differ) through the host's mailboxes: this rank's
+    row to every other rank, theirs added to it. ReshardError where a rank posts nothing
+    in time, or a row of another call (another plan, execute or kind of check)."""
+    channel = ops.channel
+    kind = _CHECK_MAGIC + (1 if what == "rx.verify" else 0)
+    mine = np.zeros(HEADER_LEN, dtype=np.int64)
+    mine[[KIND, PLAN, SEQ]] = kind, ops.plan_id, seq
+    mine[[LO, HI, DIFFER]] = sums
+    others = channel.others
+    rows = np.zeros((len(others), HEADER_LEN), dtype=np.int64)
+    session = Session(ops.plan_id, seq, None, 0, time.monotonic() + limit, limit, abort)
+    failed = channel.mailbox_exchange(others, mine, rows, session, what="in its digest check")
+    if failed:
+        raise ReshardError(f"{what}: rank(s) {sorted(failed)} did not join the digest check within {limit:g} s "
+                           f"(rx.Options.timeout, default RESHARD_EXT_P2P_TIMEOUT); a rank stalled, died or did "
+                           f"not make the same call")
+    odd = [r for r, row in zip(others, rows) if list(row[[KIND, PLAN, SEQ]]) != list(mine[[KIND, PLAN, SEQ]])]
+    if odd:
+        raise ReshardError(f"{what}: rank(s) {odd} posted another call's digest check than rank {ops.rank} "
+                           f"(plan {ops.plan_id}, execute {seq}): the ranks did not make the same call")
+    return sums + rows[:, [LO, HI, DIFFER]].sum(axis=0)
+
+
+def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: int, abort: Any,
+               limit: float) -> bool:
     """One all-reduce: the group's sums of send and of receive digests agree lane by lane
     (and no rank's copies differ). Every rank gets the same answer."""
     if isinstance(digests, DeviceDigests) and digests.buf.device.type == ops.device.type:
@@ -125,7 +165,7 @@ def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str) -> bo
         if t.is_cuda:  # the answer's copy to the host is queued too
             landed = ops.read_back(t, work)
             digests.settle()
-            wait(landed, what, ops.p2p.timeout_s)
+            wait(landed, what, limit)
             lo, hi, differ = landed.values
             return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
         digests.settle()
@@ -135,18 +175,27 @@ def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str) -> bo
             send, recv = digests.host()
         else:
             send, recv = digests
-        t = torch.from_numpy(np.append(lanes(send) - lanes(recv), int(copies_differ))).to(ops.device)
+        sums = np.append(lanes(send) - lanes(recv), int(copies_differ))
+        if ops.channel is not None and ops.device.type == "cpu" and ops.channel.all_local():
+            lo, hi, differ = (int(v) for v in _mailbox_sums(ops, sums, what, seq, abort or threading.Event(), limit))
+            return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
+        t = torch.from_numpy(sums).to(ops.device)
         work = dist.all_reduce(t, group=ops.p2p.group, async_op=True)
-    wait(work, what, ops.p2p.timeout_s)
+    wait(work, what, limit)
     lo, hi, differ = t.tolist()
     return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
 
 
-def check(ops: Ops, digests: Digests, what: str, copies: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+def check(ops: Ops, digests: Digests, what: str, copies: tuple[np.ndarray, np.ndarray] | None = None,
+          seq: int = 0, abort: Any = None, timeout_s: float | None = None) -> None:
     """Compares every op's digests across its two ends (and, given `copies`, the source
     and destination digests of same-rank copies); raises ReshardError on every rank of
-    the group when any differ. Collective."""
-    if _all_match(ops, digests, copies is not None and bool(np.any(copies[0] != copies[1])), what):
+    the group when any differ. Collective. seq: the execute's number (0: rx.verify);
+    abort: the plan's abort flag (plan.abort() stops a check waiting in the mailboxes);
+    timeout_s: how long it waits for the other ranks (default: the plan's timeout)."""
+    limit = ops.p2p.timeout_s if timeout_s is None else timeout_s
+    if _all_match(ops, digests, copies is not None and bool(np.any(copies[0] != copies[1])), what, seq, abort,
+                  limit):
         return
     send, recv = digests.host() if isinstance(digests, DeviceDigests) else digests
     theirs = _exchange(ops, send)

@@ -612,6 +612,112 @@ def test_idle_ranks_verify():
         assert landed is (True if rank == 1 else None), (rank, landed)
 
 
+def _error_of(fn, *args, **kwargs) -> str:
+    """The message of the ReshardError fn raises ("" where it returns)."""
+    try:
+        fn(*args, **kwargs)
+    except rx.ReshardError as e:
+        return str(e)
+    return ""
+
+
+def _exchanging_plan(rank: int, world: int, seed: int):
+    """A plan in which every rank sends to and receives from every other one."""
+    shape = (8 * world, 4 * world)
+    src_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(0)])
+    dst_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(1)])
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    out = torch.zeros(dst_l.local_shape(rank))
+    plan = rx.plan({"w": (src_l.local_part(g, rank), src_l)}, {"w": (out, dst_l)})
+    return plan, out, dst_l.local_part(g, rank)
+
+
+def _check_paths(rank, world):
+    """The check of a CPU group whose ranks share a host adds up the ranks' sums through the
+    mailboxes (no gloo collective); without them (another host), through gloo."""
+    import torch.distributed as dist
+
+    plan, out, want = _exchanging_plan(rank, world, seed=3)
+    rx.execute(plan)
+    calls = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), all_reduce(*a, **k))[1]
+    try:  # the pool's processes serve later tests: the spy and the override go with this one
+        rx.execute(plan, verify=True)
+        rx.verify(plan)
+        through_mailboxes = len(calls)
+        plan.transport.channel._all_local = False
+        rx.execute(plan, verify=True)
+        rx.verify(plan)
+        over_gloo = len(calls) - through_mailboxes
+        out.view(torch.int32).view(-1)[rank] ^= 1  # caught either way
+        caught = []
+        for local in (None, False):
+            plan.transport.channel._all_local = local
+            try:
+                rx.verify(plan)
+            except rx.ReshardError as e:
+                caught.append(str(e))
+        out.view(torch.int32).view(-1)[rank] ^= 1
+    finally:
+        dist.all_reduce = all_reduce
+        plan.transport.channel._all_local = None
+    return through_mailboxes, over_gloo, caught, bool(torch.equal(out, want))
+
+
+def test_cpu_check_goes_through_the_mailboxes():
+    for rank, (mailboxes, gloo, caught, ok) in enumerate(run_ranks(4, _check_paths)):
+        assert mailboxes == 0 and gloo == 2, (rank, mailboxes, gloo)
+        assert len(caught) == 2 and all("rx.verify" in m and "'w'" in m for m in caught), (rank, caught)
+        assert ok
+
+
+def _late_to_the_check(rank, world):
+    """Rank 1 reaches the digest check 3 s late; rank 0 gives up after its 1.5 s timeout.
+    Then both execute again, verified."""
+    import torch.distributed as dist
+
+    from reshard_ext import verification
+
+    plan, out, want = _exchanging_plan(rank, world, seed=5)
+    check = verification.check
+    if rank == 1:
+        verification.check = lambda *a, **k: (time.sleep(3.0), check(*a, **k))[1]
+    t0 = time.monotonic()
+    try:
+        error = _error_of(rx.execute, plan, verify=True, timeout=1.5)
+    finally:
+        verification.check = check
+    elapsed = time.monotonic() - t0
+    dist.barrier()
+    rx.execute(plan, verify=True)
+    return error, elapsed, bool(torch.equal(out, want))
+
+
+def test_a_rank_late_to_the_check_raises_within_the_timeout():
+    results = run_ranks(2, _late_to_the_check)
+    for rank, (error, _, ok) in enumerate(results):
+        assert "rank(s) [" in error and "did not join the digest check within 1.5 s" in error, (rank, error)
+        assert ok, rank
+    assert results[0][1] < 3.0, results[0][1]
+
+
+def _checks_of_two_plans(rank, world):
+    a, out_a, want_a = _exchanging_plan(rank, world, seed=6)
+    b, out_b, want_b = _exchanging_plan(rank, world, seed=7)
+    rx.execute(a)
+    rx.execute(b)
+    error = _error_of(rx.verify, a if rank == 0 else b)
+    rx.verify(a)
+    rx.verify(b)
+    return error
+
+
+def test_ranks_checking_different_plans_raise():
+    for rank, error in enumerate(run_ranks(2, _checks_of_two_plans)):
+        assert f"rank(s) [{1 - rank}] posted another call's digest check" in error, (rank, error)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU")])])
 def test_lane_sums_on_the_device_equal_the_host_lanes(device):

@@ -178,6 +178,7 @@ class Channel:
         self._headers: _Headers | None = None  # see header_buffers
         self._mailbox, self._announced = self._open_mailbox()
         self._local: dict[int, bool] = {}  # peer -> whether our headers go through the mailboxes
+        self._all_local: bool | None = None  # see all_local
         self._splits: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # see split()
         self._mail_open: tuple[np.ndarray, Session] | None = None  # an aborted execute's header exchange
         self._ring: Any = None  # this rank's data rings (_C.HostRing), made on first use
@@ -224,6 +225,14 @@ class Channel:
             self._local[peer] = known
         return known
 
+    def all_local(self) -> bool:
+        """Whether every other rank of the group is reached through the mailboxes (the same
+        answer on every rank: one rank without a mailbox, or on another host, makes it False
+        for all)."""
+        if self._all_local is None:
+            self._all_local = self._mailbox is not None and all(self.local(p) for p in self.others)
+        return self._all_local
+
     def split(self, ranks: list[int]) -> tuple[list[int], list[int]]:
         """Indices into `ranks` of the peers our headers reach through the mailboxes, and of the
         others (remembered per list of ranks)."""
@@ -235,7 +244,8 @@ class Channel:
         return known
 
     def mailbox_exchange(self, peers: list[int], header: np.ndarray, rows: np.ndarray, session: Session,
-                         before_wait: Callable[[], None] | None = None) -> dict[int, str]:
+                         before_wait: Callable[[], None] | None = None,
+                         what: str = "while exchanging execute headers") -> dict[int, str]:
         """Our header to each of `peers` (all local) and theirs into rows (in peers' order);
         before_wait runs while they travel. Returns {peer: error} of the pairs that failed:
         what did not arrive by the deadline is withdrawn, alike at both ends. An abort leaves
@@ -247,7 +257,7 @@ class Channel:
         self._mail_open = (rows, session)
         if before_wait is not None:
             before_wait()
-        self._await_mail(rows, session, session, "while exchanging execute headers")
+        self._await_mail(rows, session, session, what)
         self._mail_open = None
         outcome = mailbox.finish(rows)
         return {p: _MAILBOX_FAILURES[o] for p, o in zip(peers, outcome) if o}
