@@ -404,7 +404,7 @@ class Plan:
             for step in self._steps[side][1]:
                 step()
         if verify:
-            verification.check(self._ops(), digests, what="rx.execute(verify=True)", seq=session.seq, abort=abort,
+            verification.check(self._ops(), digests, what="rx.execute(verify=True)", seq=session.seq,
                                timeout_s=timeout_s)
 
     def _advance(self, session: Session) -> None:
@@ -431,8 +431,7 @@ class Plan:
             for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
                 step()
             send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
-            verification.check(self._ops(), (send, recv), what="rx.verify", copies=(copy_src, copy_dst),
-                               abort=self._abort)
+            verification.check(self._ops(), (send, recv), what="rx.verify", copies=(copy_src, copy_dst))
         finally:
             channel.leave()
 

@@ -129,10 +129,12 @@ def _exchange(ops: Ops, send: np.ndarray) -> np.ndarray:
     return theirs
 
 
-def _mailbox_sums(ops: Ops, sums: np.ndarray, what: str, seq: int, abort: Any, limit: float) -> np.ndarray:
+def _mailbox_sums(ops: Ops, sums: np.ndarray, what: str, seq: int, limit: float) -> np.ndarray:
     """The group's sums of `sums` (lo, hi, differ) through the host's mailboxes: this rank's
     row to every other rank, theirs added to it. ReshardError where a rank posts nothing
-    in time, or a row of another call (another plan, execute or kind of check)."""
+    in time, or a row of another call (another plan, execute or kind of check). Not cut
+    short by plan.abort() (the data has landed): an exchange left open would take the
+    peer's next header as its row, and the peer would wait on this rank for good."""
     channel = ops.channel
     kind = _CHECK_MAGIC + (1 if what == "rx.verify" else 0)
     mine = np.zeros(HEADER_LEN, dtype=np.int64)
@@ -140,8 +142,8 @@ def _mailbox_sums(ops: Ops, sums: np.ndarray, what: str, seq: int, abort: Any, l
     mine[[LO, HI, DIFFER]] = sums
     others = channel.others
     rows = np.zeros((len(others), HEADER_LEN), dtype=np.int64)
-    session = Session(ops.plan_id, seq, None, 0, time.monotonic() + limit, limit, abort)
-    failed = channel.mailbox_exchange(others, mine, rows, session, what="in its digest check")
+    session = Session(ops.plan_id, seq, None, 0, time.monotonic() + limit, limit, threading.Event())
+    failed = channel.mailbox_exchange(others, mine, rows, session)
     if failed:
         raise ReshardError(f"{what}: rank(s) {sorted(failed)} did not join the digest check within {limit:g} s "
                            f"(rx.Options.timeout, default RESHARD_EXT_P2P_TIMEOUT); a rank stalled, died or did "
@@ -153,8 +155,7 @@ def _mailbox_sums(ops: Ops, sums: np.ndarray, what: str, seq: int, abort: Any, l
     return sums + rows[:, [LO, HI, DIFFER]].sum(axis=0)
 
 
-def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: int, abort: Any,
-               limit: float) -> bool:
+def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: int, limit: float) -> bool:
     """One all-reduce: the group's sums of send and of receive digests agree lane by lane
     (and no rank's copies differ). Every rank gets the same answer."""
     if isinstance(digests, DeviceDigests) and digests.buf.device.type == ops.device.type:
@@ -177,7 +178,7 @@ def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: 
             send, recv = digests
         sums = np.append(lanes(send) - lanes(recv), int(copies_differ))
         if ops.channel is not None and ops.device.type == "cpu" and ops.channel.all_local():
-            lo, hi, differ = (int(v) for v in _mailbox_sums(ops, sums, what, seq, abort or threading.Event(), limit))
+            lo, hi, differ = (int(v) for v in _mailbox_sums(ops, sums, what, seq, limit))
             return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
         t = torch.from_numpy(sums).to(ops.device)
         work = dist.all_reduce(t, group=ops.p2p.group, async_op=True)
@@ -187,15 +188,13 @@ def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: 
 
 
 def check(ops: Ops, digests: Digests, what: str, copies: tuple[np.ndarray, np.ndarray] | None = None,
-          seq: int = 0, abort: Any = None, timeout_s: float | None = None) -> None:
+          seq: int = 0, timeout_s: float | None = None) -> None:
     """Compares every op's digests across its two ends (and, given `copies`, the source
     and destination digests of same-rank copies); raises ReshardError on every rank of
     the group when any differ. Collective. seq: the execute's number (0: rx.verify);
-    abort: the plan's abort flag (plan.abort() stops a check waiting in the mailboxes);
     timeout_s: how long it waits for the other ranks (default: the plan's timeout)."""
     limit = ops.p2p.timeout_s if timeout_s is None else timeout_s
-    if _all_match(ops, digests, copies is not None and bool(np.any(copies[0] != copies[1])), what, seq, abort,
-                  limit):
+    if _all_match(ops, digests, copies is not None and bool(np.any(copies[0] != copies[1])), what, seq, limit):
         return
     send, recv = digests.host() if isinstance(digests, DeviceDigests) else digests
     theirs = _exchange(ops, send)

@@ -244,8 +244,7 @@ class Channel:
         return known
 
     def mailbox_exchange(self, peers: list[int], header: np.ndarray, rows: np.ndarray, session: Session,
-                         before_wait: Callable[[], None] | None = None,
-                         what: str = "while exchanging execute headers") -> dict[int, str]:
+                         before_wait: Callable[[], None] | None = None) -> dict[int, str]:
         """Our header to each of `peers` (all local) and theirs into rows (in peers' order);
         before_wait runs while they travel. Returns {peer: error} of the pairs that failed:
         what did not arrive by the deadline is withdrawn, alike at both ends. An abort leaves
@@ -257,7 +256,7 @@ class Channel:
         self._mail_open = (rows, session)
         if before_wait is not None:
             before_wait()
-        self._await_mail(rows, session, session, what)
+        self._await_mail(rows, session, session, "while exchanging execute headers")
         self._mail_open = None
         outcome = mailbox.finish(rows)
         return {p: _MAILBOX_FAILURES[o] for p, o in zip(peers, outcome) if o}
