@@ -132,13 +132,12 @@ def _exchange(ops: Ops, send: np.ndarray) -> np.ndarray:
 def _mailbox_sums(ops: Ops, sums: np.ndarray, what: str, seq: int, limit: float) -> np.ndarray:
     """The group's sums of `sums` (lo, hi, differ) through the host's mailboxes: this rank's
     row to every other rank, theirs added to it. ReshardError where a rank posts nothing
-    in time, or a row of another call (another plan, execute or kind of check). Not cut
-    short by plan.abort() (the data has landed): an exchange left open would take the
-    peer's next header as its row, and the peer would wait on this rank for good."""
+    in time, or a row of another call (another plan or execute; seq 0 is rx.verify's).
+    Not cut short by plan.abort() (the data has landed): an exchange left open would take
+    the peer's next header as its row, and both would wait out their timeouts."""
     channel = ops.channel
-    kind = _CHECK_MAGIC + (1 if what == "rx.verify" else 0)
     mine = np.zeros(HEADER_LEN, dtype=np.int64)
-    mine[[KIND, PLAN, SEQ]] = kind, ops.plan_id, seq
+    mine[[KIND, PLAN, SEQ]] = _CHECK_MAGIC, ops.plan_id, seq
     mine[[LO, HI, DIFFER]] = sums
     others = channel.others
     rows = np.zeros((len(others), HEADER_LEN), dtype=np.int64)
@@ -155,6 +154,11 @@ def _mailbox_sums(ops: Ops, sums: np.ndarray, what: str, seq: int, limit: float)
     return sums + rows[:, [LO, HI, DIFFER]].sum(axis=0)
 
 
+def _zero(lo: int, hi: int, differ: int) -> bool:
+    """Whether the group's lane sums (mod 2^32) and copy flags add up to nothing."""
+    return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
+
+
 def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: int, limit: float) -> bool:
     """One all-reduce: the group's sums of send and of receive digests agree lane by lane
     (and no rank's copies differ). Every rank gets the same answer."""
@@ -167,8 +171,7 @@ def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: 
             landed = ops.read_back(t, work)
             digests.settle()
             wait(landed, what, limit)
-            lo, hi, differ = landed.values
-            return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
+            return _zero(*landed.values)
         digests.settle()
     else:
         if isinstance(digests, DeviceDigests):
@@ -178,13 +181,11 @@ def _all_match(ops: Ops, digests: Digests, copies_differ: bool, what: str, seq: 
             send, recv = digests
         sums = np.append(lanes(send) - lanes(recv), int(copies_differ))
         if ops.channel is not None and ops.device.type == "cpu" and ops.channel.all_local():
-            lo, hi, differ = (int(v) for v in _mailbox_sums(ops, sums, what, seq, limit))
-            return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
+            return _zero(*(int(v) for v in _mailbox_sums(ops, sums, what, seq, limit)))
         t = torch.from_numpy(sums).to(ops.device)
         work = dist.all_reduce(t, group=ops.p2p.group, async_op=True)
     wait(work, what, limit)
-    lo, hi, differ = t.tolist()
-    return lo % 2**32 == 0 and hi % 2**32 == 0 and differ == 0
+    return _zero(*t.tolist())
 
 
 def check(ops: Ops, digests: Digests, what: str, copies: tuple[np.ndarray, np.ndarray] | None = None,
