@@ -22,6 +22,7 @@ except ImportError:
 from . import adapters, merged, relay
 from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
+from .fp8block import FP8Block
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
 from .options import Options
@@ -44,6 +45,6 @@ def build_info() -> dict[str, Any]:
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
-    "MXFP8",
+    "MXFP8", "FP8Block",
     "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
 ]

@@ -31,6 +31,7 @@ extern "C" {
 enum rx_codec_id {
   RX_CODEC_MXFP8 = 1,         // BF16 -> E4M3 data (+ E8M0 scales): codecs/mxfp8.h
   RX_CODEC_MXFP8_SCALES = 2,  // BF16 -> the E8M0 scales alone: codecs/mxfp8.h
+  RX_CODEC_FP8BLOCK = 3,      // BF16/FP32 -> E4M3 under per-128x128-block scales: codecs/fp8block.h
 };
 
 // 1 when a box's codec fields (codec, param[], a codec digest) are well formed for its
