@@ -53,6 +53,7 @@ quantizes (its local quantize then is the deterministic kernel of both conventio
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -232,10 +233,12 @@ def _fused(tensor: torch.Tensor, layout: Layout) -> bool:
     """Whether the pack and copy boxes can quantize the source piece in place: rows that
     flatten with unit stride along the last dim, and every piece's last-dim boundaries (K
     included) on the 16-element items of the boxes."""
-    if rows_view(tensor) is None or (tensor.shape[-1] > 1 and tensor.stride(-1) != 1):
-        return False
-    k = layout.shape[-1]
-    if k % GRAIN:
+    return rows_view(tensor) is not None and _on_items(layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _on_items(layout: Layout) -> bool:
+    if layout.shape[-1] % GRAIN:
         return False
     for rank in set(layout.mesh.ranks):
         runs = layout.runs(rank)

@@ -114,6 +114,20 @@ def test_partial_kernel_matches_torch(case, dtype, nan):
         assert torch.equal(canon(piece.grid), want), (case, rank)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and rx.build_info()["cuda"]),
+                    reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.parametrize("nan", ["propagate", "ignore"])
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_partial_kernel_on_cuda(case, nan):
+    layout, block = LAYOUTS[case]
+    x = sample(layout.shape, zlib.crc32(case.encode()))
+    for rank in sorted(set(layout.mesh.ranks)):
+        piece = AmaxPiece(case, layout, layout.local_part(x, rank).cuda(), rank, block, nan)
+        piece.partial()
+        assert torch.equal(canon(piece.grid.cpu()), ref_amax(x, block, nan, piece_mask(layout, rank))), (case, rank)
+
+
 def test_partial_kernel_reads_strided_pieces():
     """A piece whose rows do not flatten (a transposed view) goes through a contiguous copy."""
     layout = _L((64, 256), [0], [Replicate()])

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate
 from reshard_ext.codecs.amax import AmaxPiece
 from reshard_ext.codecs.fp8block import BlockScales, block_of, scale_shape
@@ -103,15 +104,16 @@ def special_case(shape, dtype, seed: int) -> torch.Tensor:
 
 
 def quantize_whole(x: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codec's kernels on one rank's whole tensor: amax pre-pass, scales, quantize."""
+    """The codec's kernels on one rank's whole tensor (on its device): amax pre-pass, scales,
+    quantize; the results on the CPU."""
     layout = Layout(tuple(x.shape), x.dtype, Mesh([0]), [Replicate()])
     amax = AmaxPiece("x", layout, x, 0, block_of(x.dim()), "propagate" if scales == "fp32" else "ignore")
     amax.partial()
     bs = BlockScales(amax, scales)
     bs.update()
-    data = torch.empty(x.shape, dtype=torch.uint8)
+    data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     bs.quantize(data.view(-1))
-    return data, bs.scale_inv.view(scale_shape(tuple(x.shape)))
+    return data.cpu(), bs.scale_inv.view(scale_shape(tuple(x.shape))).cpu()
 
 
 def assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -134,6 +136,21 @@ def test_whole_tensor_matches_reference(shape, dtype, scales):
     want_d, want_s = ref_fp8block(x, scales)
     assert_bytes(scale, want_s, f"scale_inv {shape} {dtype} {scales}")
     assert_bytes(data, want_d, f"data {shape} {dtype} {scales}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and rx.build_info()["cuda"]),
+                    reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.parametrize("scales", ["fp32", "pow2"])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_whole_tensor_on_cuda_matches_reference(shape, dtype, scales):
+    """The CUDA amax, scales and quantize kernels: the CPU reference's bytes."""
+    x = special_case(shape, dtype, seed=sum(shape) + (dtype == F32))
+    data, scale = quantize_whole(x.cuda(), scales)
+    want_d, want_s = ref_fp8block(x, scales)
+    assert_bytes(scale, want_s, f"cuda scale_inv {shape} {dtype} {scales}")
+    assert_bytes(data, want_d, f"cuda data {shape} {dtype} {scales}")
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])

@@ -73,8 +73,18 @@ def _poison(n: int, seed: str, dtype=torch.uint8) -> torch.Tensor:
 
 
 def refit_worker(rank: int, world: int, where: str, scales: str, verify: bool = False, device: str = "cpu",
-                 backend: str = "auto") -> dict:
+                 backend: str = "auto", shared: bool = False) -> dict:
+    """shared: the destinations live in memory other processes can map (the CPU stand-in of
+    the direct transport, tests/_direct_fake.py)."""
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        if shared:
+            from _direct_fake import shared_poison
+
+            return shared_poison(tuple(t.shape), t.dtype).copy_(t)
+        return t.to(dev)
+
     specs = cases(world)
     names = sorted(specs)
     codec.PATHS.clear()
@@ -87,14 +97,14 @@ def refit_worker(rank: int, world: int, where: str, scales: str, verify: bool = 
         if rank in dl.mesh:
             local = dl.local_shape(rank)
             slocal = codec.scale_layout(n, dl, "convert").local_shape(rank)
-            data = _poison(math.prod(local), n + "d").view(torch.float8_e4m3fn).view(local).to(dev)
-            scale = _poison(math.prod(slocal), n + "s", F32).view(slocal).to(dev)
+            data = place(_poison(math.prod(local), n + "d").view(torch.float8_e4m3fn).view(local))
+            scale = place(_poison(math.prod(slocal), n + "s", F32).view(slocal))
             dst[n] = ((data, scale), dl)
     bias_src, bias_dst = _L((12,), [0], [Replicate()], F32), _L((12,), list(range(world)), [Shard(0)], F32)
     bias = torch.arange(12, dtype=F32)
     if rank == 0:
         src["bias"] = (bias.clone().to(dev), bias_src)
-    bias_out = torch.empty(bias_dst.local_shape(rank), dtype=F32, device=dev)
+    bias_out = place(torch.zeros(bias_dst.local_shape(rank), dtype=F32))
     dst["bias"] = (bias_out, bias_dst)
     plan = rx.plan(src, dst, transform=FP8Block(names, scales=scales, where=where), backend=backend)
     converted = {n: e for n, e in dst.items() if n != "bias"}
@@ -143,6 +153,23 @@ def test_refit_verified(where):
 def test_refit_two_ranks_and_one(where):
     run_ranks(2, refit_worker, where, "pow2")
     run_ranks(1, refit_worker, where, "fp32")
+
+
+def _fake_direct_worker(rank: int, world: int, scales: str) -> dict:
+    from _direct_fake import release_shared, use_fake_device
+
+    use_fake_device()
+    try:
+        return refit_worker(rank, world, "sender", scales, backend="direct", shared=True)
+    finally:
+        release_shared()
+
+
+@pytest.mark.parametrize("scales", ["fp32", "pow2"])
+def test_refit_sender_over_direct_transport(scales):
+    """backend "direct" on the CPU stand-in of the device: the senders' boxes quantize
+    straight into the receivers' mapped data buffers, the scales land in theirs."""
+    run_ranks(WORLD, _fake_direct_worker, scales)
 
 
 def corrupt_worker(rank: int, world: int, where: str) -> str:
