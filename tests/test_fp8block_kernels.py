@@ -72,8 +72,10 @@ def _bits(values, dtype) -> torch.Tensor:
 
 
 def special_case(shape, dtype, seed: int) -> torch.Tensor:
-    """Random blocks of varied magnitudes, and special ones: all zero, NaN, Inf, -0.0, tiny
-    (below the 1e-4 clamp), subnormal, huge, and values on rounding ties."""
+    """Random blocks of varied magnitudes, and special ones, in this order over the first
+    leading index's blocks (as many as there are): all zero (with a -0.0), NaN (+ and -),
+    Inf (+ and -, with -0.0 and negatives), tiny (below the 1e-4 clamp); a subnormal block
+    in the second leading index, a huge row in the last, and values on rounding ties."""
     g = torch.Generator().manual_seed(seed)
     rows, cols = shape[-2], shape[-1]
     x = torch.randn(shape, generator=g)
@@ -83,21 +85,27 @@ def special_case(shape, dtype, seed: int) -> torch.Tensor:
     x = (x * scale).to(dtype)
     flat = x.reshape(-1, rows, cols)
     first = flat[0]
-    if rows >= 136 and cols > 256:
-        first[:128, :128] = 0                      # all-zero block
-        first[:128, :128][5, 5] = -0.0
-        first[:128, 128:256][3, 4] = float("nan")   # a NaN block
-        first[:128, 128:256][7, 9] = -float("nan")
-        first[128:, :128][1, 1] = float("inf")       # an Inf block
-        first[128:, :128][2, 2] = -float("inf")
-        first[128:, :128][3, 3] = -0.0
-        first[128:, 128:256] *= 0
-        first[128:, 128:256] += torch.randn(first[128:, 128:256].shape, generator=g).to(dtype) * 1e-6  # tiny
+    blocks = [first[i:i + 128, j:j + 128] for i in range(0, rows, 128) for j in range(0, cols, 128)]
+    nan_neg = torch.tensor([-float("nan")]).to(dtype) if dtype == F32 else _bits([0xFFC0], BF16)
+    for kind, b in zip(("zero", "nan", "inf", "tiny"), blocks if len(blocks) > 1 else []):
+        r, c = b.shape
+        if kind == "zero":
+            b.zero_()
+            b[r // 2, c // 2] = -0.0
+        elif kind == "nan":
+            b[r // 3, c // 3] = float("nan")
+            b[-1, -1] = nan_neg[0]
+        elif kind == "inf":
+            b[0, 0] = float("inf")
+            b[r // 2, c - 1] = -float("inf")
+            b[r - 1, 0] = -0.0
+        else:
+            b.copy_(torch.randn(b.shape, generator=g).to(dtype) * 1e-6)
     if flat.shape[0] > 1 and rows >= 128 and cols >= 128:
         sub = torch.randn(128, 128, generator=g) * (1e-39 if dtype == F32 else 1e-38)  # subnormal
         flat[1][:128, :128] = sub.to(dtype)
         flat[-1][-1, :] = torch.finfo(dtype).max / 2  # huge
-    if cols > 384:
+    if cols > 384 and rows >= 2:
         # ties: 448 / amax = 1 with amax 448: x.5 quanta of E4M3 around 1.0 (1 + 1/16)
         first[:2, 384:386] = torch.tensor([[448.0, 1.0625], [1.1875, -2.125]]).to(dtype)
     return x

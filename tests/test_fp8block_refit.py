@@ -187,7 +187,7 @@ def corrupt_worker(rank: int, world: int, where: str) -> str:
     rx.verify(plan)
     if rank == 3:  # a scale_inv and an E4M3 byte the senders did not send
         data, scale = dst["w"][0]
-        scale[0, 0] = scale[0, 0] * 2
+        scale.view(torch.int32)[0, 0] ^= 1
         data.view(torch.uint8)[5, 7] ^= 1
     try:
         rx.verify(plan)
