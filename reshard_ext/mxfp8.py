@@ -94,6 +94,10 @@ def _scale_layout_or_error(layout: Layout) -> Layout | str:
             if any(b % BLOCK for b in p.blocks):
                 return f"packed blocks {p.blocks} of the last dim are not multiples of {BLOCK}"
             p = Shard(p.dim, p.stride, tuple(b // BLOCK for b in p.blocks))
+        if isinstance(p, Shard) and p.dim % nd == last and p.sizes is not None:
+            if any(b % BLOCK for b in p.sizes):
+                return f"shard sizes {p.sizes} of the last dim are not multiples of {BLOCK}"
+            p = Shard(p.dim, sizes=tuple(b // BLOCK for b in p.sizes))
         placements.append(p)
     scale = Layout(layout.shape[:-1] + (scale_cols(k),), torch.uint8, layout.mesh, placements)
     for rank in sorted(set(layout.mesh.ranks)):

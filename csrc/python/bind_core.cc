@@ -296,13 +296,15 @@ void register_core(py::module_& m) {
       .def("describe", &Mesh::describe);
 
   py::class_<Placement>(m, "Placement")
-      .def(py::init([](int32_t dim, int64_t stride, std::vector<int64_t> blocks) {
-             return Placement{dim, stride, std::move(blocks)};
+      .def(py::init([](int32_t dim, int64_t stride, std::vector<int64_t> blocks, std::vector<int64_t> sizes) {
+             return Placement{dim, stride, std::move(blocks), std::move(sizes)};
            }),
-           py::arg("shard_dim"), py::arg("stride") = 1, py::arg("blocks") = std::vector<int64_t>{})
+           py::arg("shard_dim"), py::arg("stride") = 1, py::arg("blocks") = std::vector<int64_t>{},
+           py::arg("sizes") = std::vector<int64_t>{})
       .def_readonly("shard_dim", &Placement::shard_dim)
       .def_readonly("stride", &Placement::stride)
       .def_readonly("blocks", &Placement::blocks)
+      .def_readonly("sizes", &Placement::sizes)
       .def_static("replicate", [] { return Placement{}; }, "The placement of a Replicate mesh dim.");
 
   py::class_<Layout, std::shared_ptr<Layout>>(m, "Layout")
