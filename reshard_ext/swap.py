@@ -39,7 +39,9 @@ from torch import nn
 from . import _C, torch_shim
 from .adapters import Entries, NameMap, apply_name_map
 from .adapters import dtensor as dtensor_adapter
+from .adapters import engine as engine_adapter
 from .adapters import megatron as megatron_adapter
+from .engines.entries import EngineEntries
 from .errors import ReshardError
 from .layout import Layout
 from .options import Options
@@ -195,10 +197,13 @@ def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
     if model is None:
         return {}, _signature({})
     if isinstance(model, Mapping):
-        entries = dict(model)
+        entries = model if isinstance(model, EngineEntries) else dict(model)
         return entries, _signature(entries)
     if adapter is not None:
         entries = adapter(model, group=group, rank_offset=rank_offset)
+        return entries, _signature(entries)
+    if engine_adapter.is_engine(model):  # vLLM / SGLang convention: traced once, remembered per model
+        entries = engine_adapter.entries(model, group=group, rank_offset=rank_offset)
         return entries, _signature(entries)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     memo_key = (side, _group_key(group), rank_offset)
@@ -455,8 +460,10 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
 
     `options` are those of `prepare_swap_model_weights` (rank offsets, name_map renaming
     source names to the destination's, max_batch_bytes, transform, options (rx.Options), adapter overriding the
-    model description: default DTensor parameters -> rx.adapters.dtensor, otherwise
-    rx.adapters.megatron). A warm call reuses the cached plan: no metadata exchange.
+    model description: default a model with a callable ``load_weights`` (vLLM, SGLang) ->
+    rx.adapters.engine, whose entries' finish() runs after every transfer; DTensor
+    parameters -> rx.adapters.dtensor; otherwise rx.adapters.megatron). A warm call
+    reuses the cached plan: no metadata exchange.
     """
     from . import execute
 
@@ -472,6 +479,7 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
                 cached.entries = (look.src, look.dst)
             try:
                 cached.plan.execute(swap=cached.generation)  # the swap round: every rank's flags in the headers
+                _finish(look.dst)
                 return
             except SwapReplan:
                 timeout_s = cached.plan.options.resolved_timeout("gloo")
@@ -479,6 +487,14 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
             timeout_s = _replan_round(group, opts)
     # Every rank is here together: the one agreement, then planning or rebinding where needed.
     execute(_settle(look, group, backend, max_batch_bytes, transform, opts, timeout_s))
+    _finish(look.dst)
+
+
+def _finish(dst: Entries) -> None:
+    """An engine destination's step after the transfer (its safe-path tensors through its
+    own loader: reshard_ext.engines)."""
+    if isinstance(dst, EngineEntries):
+        dst.finish()
 
 
 def _swap_args(src_rank_offset: int = 0, dst_rank_offset: int = 0, name_map: NameMap | None = None,

@@ -3,6 +3,8 @@
 
 - ``megatron``: Megatron-Core conventions read from parameters, modules and ``pg_collection``.
 - ``dtensor``: DTensor parameters (FSDP2, tensor parallel), including ``_StridedShard``.
+- ``engine``: inference engines (vLLM, SGLang): models with a ``load_weights`` loader, whose
+  parameters are described by tracing that loader (reshard_ext.engines).
 
 A name map (``NameMap``) renames entries for engines whose names differ from the trainer's;
 returning None drops the entry.
@@ -52,6 +54,6 @@ def apply_name_map(entries: Mapping[str, tuple[torch.Tensor, Layout]], name_map:
     return out
 
 
-from . import dtensor, megatron  # noqa: E402  (submodules use the types above)
+from . import dtensor, engine, megatron  # noqa: E402  (submodules use the types above)
 
-__all__ = ["Entries", "NameMap", "regex_name_map", "apply_name_map", "megatron", "dtensor"]
+__all__ = ["Entries", "NameMap", "regex_name_map", "apply_name_map", "megatron", "dtensor", "engine"]
