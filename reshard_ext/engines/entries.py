@@ -118,8 +118,8 @@ class EngineEntries(dict):
 
     def report(self) -> str:
         """What the trace found on this rank: traced and safe-path tensors (with why)."""
-        lines = [f"engine rank {self.rank}: {len(self.traced)} tensors traced into the engine's parameters, "
-                 f"{len(self.safe)} on the safe path (received whole, then the engine's load_weights)"]
+        lines = [f"engine at refit rank {self.rank}: {len(self) - len(self.scratch)} Hugging Face tensors traced into its "
+                 f"parameters, {len(self.scratch)} on the safe path (received whole, then the engine's load_weights)"]
         lines += [f"  safe path: {n}: {why}" for n, why in self.safe.items()]
         return "\n".join(lines)
 
