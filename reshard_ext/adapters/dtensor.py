@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Placement, Replicate, Shard
-from . import Entries
+from . import Entries, named_tensors
 
 try:  # private in torch; present since 2.4
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -70,14 +70,8 @@ def entries(model: Source, *, group: Any = None, rank_offset: int = 0, buffers: 
     DTensor's local shard (shared storage, so refits land in the parameter itself).
     """
     if isinstance(model, nn.Module):
-        named: Iterable[tuple[str, torch.Tensor]] = list(model.named_parameters())
-        if buffers:
-            named = list(named) + [
-                (f"{p}.{b}" if p else b, buf)
-                for p, m in model.named_modules()
-                for b, buf in m._buffers.items()
-                if buf is not None and b not in m._non_persistent_buffers_set
-            ]
+        named: Iterable[tuple[str, torch.Tensor]] = (
+            list(named_tensors(model)) if buffers else list(model.named_parameters()))
     elif isinstance(model, Mapping):
         named = model.items()
     else:

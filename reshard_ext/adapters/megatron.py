@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Replicate, Shard
-from . import Entries
+from . import Entries, named_tensors
 
 _EXPERT_INDEX = (
     re.compile(r"^(.*\.)?(weight|bias)(\d+)$"),  # TEGroupedMLP: experts.linear_fc1.weight3
@@ -117,15 +117,6 @@ def _global_layer_name(name: str, prefixes: dict[str, str]) -> str:
     return name
 
 
-def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters, then persistent buffers (training state that must travel too)."""
-    yield from module.named_parameters()
-    for path, sub in module.named_modules():
-        for bname, buf in sub._buffers.items():
-            if buf is not None and bname not in sub._non_persistent_buffers_set:
-                yield (f"{path}.{bname}" if path else bname), buf
-
-
 def _expert_slot(name: str) -> tuple[str, int] | None:
     """(name with the local expert index replaced by '{}', local index), or None."""
     m = _EXPERT_INDEX[0].match(name)
@@ -157,7 +148,7 @@ def _layout(tensor: torch.Tensor, name: str, mesh: Mesh, tp_size: int) -> Layout
 
 def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None) -> Entries:
     prefixes = _layer_prefixes(core)
-    tensors = [(_global_layer_name(n, prefixes), t) for n, t in _named_tensors(core)]
+    tensors = [(_global_layer_name(n, prefixes), t) for n, t in named_tensors(core)]
 
     tp = groups.ranks("tp")
     dense_mesh = groups.grid(groups.ranks("dp_cp", "dp"), tp)
@@ -189,6 +180,23 @@ def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None) ->
     return out
 
 
+def _chunks(model: Model) -> list[nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [cast(nn.Module, model)]
+
+
+def _pg_collection(core: nn.Module) -> Any:
+    pgc = getattr(core, "pg_collection", None)
+    if pgc is None:
+        raise ReshardError(f"{type(core).__name__} has no pg_collection: cannot tell its process groups")
+    return pgc
+
+
+def refit_rank(model: Model, *, group: Any = None, rank_offset: int = 0) -> int:
+    """This process's rank as the entries' meshes number it (a rank of the refit `group`)."""
+    groups = _Groups(_pg_collection(unwrap(_chunks(model)[0])), group, rank_offset)
+    return groups.to_group(groups.me)
+
+
 def entries(
     model: Model,
     *,
@@ -203,13 +211,10 @@ def entries(
     tie_output_to_embedding: offer the word embeddings as ``output_layer.weight`` when the
     model ties them and holds no output weight (for source models).
     """
-    chunks: list[nn.Module] = list(model) if isinstance(model, (list, tuple)) else [cast(nn.Module, model)]
     out: Entries = {}
-    for chunk in chunks:
+    for chunk in _chunks(model):
         core = unwrap(chunk)
-        pgc = getattr(core, "pg_collection", None)
-        if pgc is None:
-            raise ReshardError(f"{type(core).__name__} has no pg_collection: cannot tell its process groups")
+        pgc = _pg_collection(core)
         config = getattr(core, "config", None)
         num_experts = getattr(config, "num_moe_experts", None)
         for name, item in _chunk_entries(core, _Groups(pgc, group, rank_offset), num_experts).items():
@@ -226,4 +231,4 @@ def entries(
     return out
 
 
-__all__ = ["entries", "unwrap", "WORD_EMBEDDINGS", "OUTPUT_LAYER"]
+__all__ = ["entries", "refit_rank", "unwrap", "WORD_EMBEDDINGS", "OUTPUT_LAYER"]
