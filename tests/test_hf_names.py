@@ -287,3 +287,36 @@ def test_transformers_stacked_experts_are_views() -> None:
     its per-expert checkpoint tensors are views of those parameters, not copies."""
     pytest.importorskip("transformers")
     assert run_ranks(2, _stacked_experts) == [[], []]
+
+
+def _fsdp2_source(rank: int, world: int) -> list[str]:
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import reshard_ext as rx
+
+    config = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_experts=4,
+                                         moe_intermediate_size=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = transformers.AutoModelForCausalLM.from_config(config)
+    want = {k: v.clone() for k, v in src.state_dict().items()}
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in src.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(src, mesh=mesh)  # every parameter a DTensor, Shard(0) (stacked experts: over the experts)
+    torch.manual_seed(1)
+    dst = transformers.AutoModelForCausalLM.from_config(config) if rank == 0 else None
+    rx.swap_model_weights(src, dst)
+    rx.clear_caches()
+    got = dst.state_dict() if dst is not None else want
+    return [k for k in want if not torch.equal(want[k], got[k])]
+
+
+def test_fsdp2_transformers_source_refits_a_whole_model() -> None:
+    """An FSDP2-wrapped transformers model (DTensor parameters, stacked experts sharded over
+    the expert dim) is described under checkpoint names through its DTensor layouts and
+    refits a whole model on rank 0 bit for bit."""
+    pytest.importorskip("transformers")
+    assert run_ranks(2, _fsdp2_source) == [[], []]

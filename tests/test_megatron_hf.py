@@ -120,14 +120,17 @@ def _refit(rank: int, world: int, family: str) -> dict:
     from transformers.core_model_loading import revert_weight_conversion
 
     import reshard_ext as rx
+    from reshard_ext.planning import STATS
 
     src = mh.build_megatron(family, tp=TP, pp=PP, ep=2 if family != "llama" else 1, seed=1)
     mg = _gathered(src)
     megatron_logits = mh.megatron_logits(src)
     dst = mh.build_hf(family) if rank == 0 else None
     rx.swap_model_weights(src, dst, hf_names=HF_NAMES[family](mh))
-    rx.swap_model_weights(src, dst, hf_names=HF_NAMES[family](mh))  # warm: the cached plan
-    out: dict = {"megatron_logits": megatron_logits}
+    before = dict(STATS)
+    rx.swap_model_weights(src, dst, hf_names=HF_NAMES[family](mh))  # warm: the cached plan, both descriptions kept
+    out: dict = {"megatron_logits": megatron_logits,
+                 "warm": {k: STATS[k] - before[k] for k in ("plans", "describe_reused")}}
     if dst is not None:
         assert mg is not None
         want = _reference(mg, family)
@@ -145,6 +148,8 @@ def _refit(rank: int, world: int, family: str) -> dict:
 def test_megatron_tp2_pp2_into_transformers(family: str) -> None:
     results = run_ranks(4, _refit, family, timeout=600)
     first = results[0]
+    warm = [{"plans": 0, "describe_reused": 2 if r == 0 else 1} for r in range(4)]  # rank 0 holds both models
+    assert [r["warm"] for r in results] == warm
     assert first["missing"] == [] and first["extra"] == [], (first["missing"][:5], first["extra"][:5])
     assert first["differ"] == [], first["differ"][:5]
     megatron_logits = results[TP * (PP - 1)]["megatron_logits"]  # the last stage's first rank
