@@ -53,7 +53,6 @@ model's own parameters). Mixtral must be asked for (``hf_names="mixtral"``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,60 +71,60 @@ _TOP = {
     "decoder.final_layernorm.weight": "model.norm.weight",
     "decoder.final_layernorm.bias": "model.norm.bias",
 }
-# Layer-relative renames that hold for every family: Megatron (regex) -> HF (template).
-_COMMON = [
-    (r"input_layernorm\.(weight|bias)", r"input_layernorm.\1"),
-    (r"self_attention\.linear_qkv\.layer_norm_(weight|bias)", r"input_layernorm.\1"),
-    (r"self_attention\.linear_qkv_down_proj\.layer_norm_(weight|bias)", r"input_layernorm.\1"),
-    (r"pre_mlp_layernorm\.(weight|bias)", r"post_attention_layernorm.\1"),
-    (r"mlp\.linear_fc1\.layer_norm_(weight|bias)", r"post_attention_layernorm.\1"),
-    (r"self_attention\.linear_proj\.(weight|bias)", r"self_attn.o_proj.\1"),
-    (r"mlp\.linear_fc2\.(weight|bias)", r"mlp.down_proj.\1"),
-]
-_GQA = [
-    (r"self_attention\.q_layernorm\.(weight|bias)", r"self_attn.q_norm.\1"),
-    (r"self_attention\.k_layernorm\.(weight|bias)", r"self_attn.k_norm.\1"),
-]
-_MLA = [
-    (r"self_attention\.linear_q_proj\.(weight|bias)", r"self_attn.q_proj.\1"),
-    (r"self_attention\.linear_q_down_proj\.(weight|bias)", r"self_attn.q_a_proj.\1"),
-    (r"self_attention\.linear_q_up_proj\.(weight|bias)", r"self_attn.q_b_proj.\1"),
-    (r"self_attention\.linear_q_up_proj\.layer_norm_(weight|bias)", r"self_attn.q_a_layernorm.\1"),
-    (r"self_attention\.q_layernorm\.(weight|bias)", r"self_attn.q_a_layernorm.\1"),
-    (r"self_attention\.linear_kv_down_proj\.(weight|bias)", r"self_attn.kv_a_proj_with_mqa.\1"),
-    (r"self_attention\.linear_kv_up_proj\.(weight|bias)", r"self_attn.kv_b_proj.\1"),
-    (r"self_attention\.linear_kv_up_proj\.layer_norm_(weight|bias)", r"self_attn.kv_a_layernorm.\1"),
-    (r"self_attention\.kv_layernorm\.(weight|bias)", r"self_attn.kv_a_layernorm.\1"),
-]
+# Layer-relative Megatron names ("{p}": weight or bias; "{e}": a global expert index) ->
+# HF: a name, (gate, up) for a linear_fc1 cut in halves, None where the family has no such
+# tensor, or a marker for the cuts below (_QKV, _DOWN).
+_QKV, _DOWN = "grouped q/k/v", "fused MLA down projection"
+Target = str | tuple[str, str] | None
+_COMMON: dict[str, Target] = {
+    "input_layernorm.{p}": "input_layernorm.{p}",
+    "self_attention.linear_qkv.layer_norm_{p}": "input_layernorm.{p}",
+    "self_attention.linear_qkv_down_proj.layer_norm_{p}": "input_layernorm.{p}",
+    "pre_mlp_layernorm.{p}": "post_attention_layernorm.{p}",
+    "mlp.linear_fc1.layer_norm_{p}": "post_attention_layernorm.{p}",
+    "self_attention.linear_proj.{p}": "self_attn.o_proj.{p}",
+    "mlp.linear_fc1.{p}": ("mlp.gate_proj.{p}", "mlp.up_proj.{p}"),
+    "mlp.linear_fc2.{p}": "mlp.down_proj.{p}",
+}
+_GQA: dict[str, Target] = {
+    "self_attention.linear_qkv.{p}": _QKV,
+    "self_attention.q_layernorm.{p}": "self_attn.q_norm.{p}",
+    "self_attention.k_layernorm.{p}": "self_attn.k_norm.{p}",
+}
+_MLA: dict[str, Target] = {
+    "self_attention.linear_q_proj.{p}": "self_attn.q_proj.{p}",
+    "self_attention.linear_q_down_proj.{p}": "self_attn.q_a_proj.{p}",
+    "self_attention.linear_qkv_down_proj.{p}": _DOWN,
+    "self_attention.linear_q_up_proj.{p}": "self_attn.q_b_proj.{p}",
+    "self_attention.linear_q_up_proj.layer_norm_{p}": "self_attn.q_a_layernorm.{p}",
+    "self_attention.q_layernorm.{p}": "self_attn.q_a_layernorm.{p}",
+    "self_attention.linear_kv_down_proj.{p}": "self_attn.kv_a_proj_with_mqa.{p}",
+    "self_attention.linear_kv_up_proj.{p}": "self_attn.kv_b_proj.{p}",
+    "self_attention.linear_kv_up_proj.layer_norm_{p}": "self_attn.kv_a_layernorm.{p}",
+    "self_attention.kv_layernorm.{p}": "self_attn.kv_a_layernorm.{p}",
+}
 
 
-def _moe_renames(f: HFNames) -> list[tuple[str, str | None]]:
-    """The family's MoE renames; None: the family has no such tensor."""
+def _moe(f: HFNames) -> dict[str, Target]:
+    """The family's MoE names: routed experts in both Megatron forms, shared experts."""
     moe, shared = f.moe_block, f"{f.moe_block}.{f.shared_experts}"
-    return [
-        (r"mlp\.router\.(weight|bias)", rf"{moe}.{f.router}.\1"),
-        (r"mlp\.router\.expert_bias", f"{moe}.{f.router}.{f.expert_bias}" if f.expert_bias else None),
-        (r"mlp\.experts\.linear_fc2\.(weight|bias)(\d+)", rf"{moe}.experts.\2.{f.expert_proj[2]}.\1"),
-        (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.(weight|bias)", rf"{moe}.experts.\1.{f.expert_proj[2]}.\2"),
-        (r"mlp\.shared_experts\.linear_fc2\.(weight|bias)", rf"{shared}.down_proj.\1"),
-        (r"mlp\.shared_experts\.gate_weight",
-         f"{moe}.{f.shared_expert_gate}.weight" if f.shared_expert_gate else None),
-    ]
+    gate, up, down = (f"{moe}.experts.{{e}}.{proj}.{{p}}" for proj in f.expert_proj)
+    return {
+        "mlp.router.{p}": f"{moe}.{f.router}.{{p}}",
+        "mlp.router.expert_bias": f"{moe}.{f.router}.{f.expert_bias}" if f.expert_bias else None,
+        "mlp.experts.linear_fc1.{p}{e}": (gate, up),
+        "mlp.experts.local_experts.{e}.linear_fc1.{p}": (gate, up),
+        "mlp.experts.linear_fc2.{p}{e}": down,
+        "mlp.experts.local_experts.{e}.linear_fc2.{p}": down,
+        "mlp.shared_experts.linear_fc1.{p}": (f"{shared}.gate_proj.{{p}}", f"{shared}.up_proj.{{p}}"),
+        "mlp.shared_experts.linear_fc2.{p}": f"{shared}.down_proj.{{p}}",
+        "mlp.shared_experts.gate_weight": f"{moe}.{f.shared_expert_gate}.weight" if f.shared_expert_gate else None,
+    }
 
 
-def _fc1_targets(f: HFNames) -> list[tuple[str, Callable[[re.Match], tuple[str, str, str]]]]:
-    """linear_fc1 tensors -> (HF module of gate, of up, param kind)."""
-    moe, (gate, up, _) = f.moe_block, f.expert_proj
-    shared = f"{moe}.{f.shared_experts}"
-    return [
-        (r"mlp\.linear_fc1\.(weight|bias)", lambda m: ("mlp.gate_proj", "mlp.up_proj", m.group(1))),
-        (r"mlp\.experts\.linear_fc1\.(weight|bias)(\d+)",
-         lambda m: (f"{moe}.experts.{m.group(2)}.{gate}", f"{moe}.experts.{m.group(2)}.{up}", m.group(1))),
-        (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.(weight|bias)",
-         lambda m: (f"{moe}.experts.{m.group(1)}.{gate}", f"{moe}.experts.{m.group(1)}.{up}", m.group(2))),
-        (r"mlp\.shared_experts\.linear_fc1\.(weight|bias)",
-         lambda m: (f"{shared}.gate_proj", f"{shared}.up_proj", m.group(1))),
-    ]
+def _compiled(table: dict[str, Target]) -> list[tuple[re.Pattern, Target]]:
+    return [(re.compile(re.escape(k).replace(r"\{p\}", "(?P<p>weight|bias)").replace(r"\{e\}", r"(?P<e>\d+)")), v)
+            for k, v in table.items()]
 
 
 def infer_family(config: Any) -> str:
@@ -148,9 +147,7 @@ class _Converter:
         self.config, self.rank = config, rank
         self.gated = bool(getattr(config, "gated_linear_unit", False))
         self.mla = bool(getattr(config, "multi_latent_attention", False))
-        attention = _MLA if self.mla else _GQA
-        self.renames = [(re.compile(p), r) for p, r in _COMMON + attention + _moe_renames(names)]
-        self.fc1 = [(re.compile(p), t) for p, t in _fc1_targets(names)]
+        self.table = _compiled({**_COMMON, **(_MLA if self.mla else _GQA), **_moe(names)})
 
     def convert(self, name: str, item: Item) -> dict[str, Item] | None:
         """HF entries of one Megatron entry; None: no name for it."""
@@ -160,25 +157,23 @@ class _Converter:
         if not m:
             return None
         prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-        for pattern, repl in self.renames:
+        for pattern, target in self.table:
             hit = pattern.fullmatch(rest)
-            if hit:
-                return None if repl is None else {prefix + hit.expand(repl): item}
-        for pattern, target in self.fc1:
-            hit = pattern.fullmatch(rest)
-            if hit:
-                gate, up, kind = target(hit)
-                return self._fc1(item, prefix + gate + "." + kind, prefix + up + "." + kind, name)
-        hit = re.fullmatch(r"self_attention\.linear_qkv\.(weight|bias)", rest)
-        if hit and not self.mla:
-            kind = hit.group(1)
-            return merged.split_interleaved_qkv(
-                {name: item}, name, tuple(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"),  # type: ignore[arg-type]
-                num_query_groups=self.config.num_query_groups or self.config.num_attention_heads,
-                head_dim=self.config.kv_channels)
-        hit = re.fullmatch(r"self_attention\.linear_qkv_down_proj\.(weight|bias)", rest)
-        if hit and self.mla:
-            return self._fused_down(item, prefix, hit.group(1), name)
+            if hit is None:
+                continue
+            groups = hit.groupdict()
+            if target is None:
+                return None
+            if target == _QKV:
+                return merged.split_interleaved_qkv(
+                    {name: item}, name, tuple(f"{prefix}self_attn.{x}_proj.{groups['p']}" for x in "qkv"),  # type: ignore[arg-type]
+                    num_query_groups=self.config.num_query_groups or self.config.num_attention_heads,
+                    head_dim=self.config.kv_channels)
+            if target == _DOWN:
+                return self._fused_down(item, prefix, groups["p"], name)
+            if isinstance(target, tuple):
+                return self._fc1(item, prefix + target[0].format(**groups), prefix + target[1].format(**groups), name)
+            return {prefix + target.format(**groups): item}
         return None
 
     def _fc1(self, item: Item, gate: str, up: str, name: str) -> dict[str, Item]:
