@@ -4,8 +4,9 @@ through `rx.swap_model_weights`, the Megatron side described under Hugging Face
 checkpoint names. Every checkpoint tensor of the `transformers` model then equals an
 independent conversion of the Megatron weights (gathered here with torch.distributed and
 re-arranged with torch ops, without reshard_ext) bit for bit, and its logits on fixed ids
-match the Megatron model's (a hand-run pipeline; fp32 on CPU). Skipped where
-megatron-core or transformers is missing."""
+match the Megatron model's (a hand-run pipeline; fp32 on CPU). The transformers model
+then refits a zeroed Megatron model back, bit for bit. Skipped where megatron-core or
+transformers is missing."""
 from __future__ import annotations
 
 import re
@@ -131,6 +132,17 @@ def _refit(rank: int, world: int, family: str) -> dict:
     rx.swap_model_weights(src, dst, hf_names=HF_NAMES[family](mh))  # warm: the cached plan, both descriptions kept
     out: dict = {"megatron_logits": megatron_logits,
                  "warm": {k: STATS[k] - before[k] for k in ("plans", "describe_reused")}}
+    # And back: the transformers model refits a zeroed Megatron model (HF names on the
+    # destination side: q/k/v, gate/up and expert views written in place).
+    back = mh.build_megatron(family, tp=TP, pp=PP, ep=2 if family != "llama" else 1, seed=2)
+    with torch.no_grad():
+        for t in back.state_dict().values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.zero_()
+    rx.swap_model_weights(dst, back, hf_names=HF_NAMES[family](mh))
+    theirs = back.state_dict()
+    out["back_differ"] = sorted(n for n, t in src.state_dict().items()
+                                if isinstance(t, torch.Tensor) and not torch.equal(t, theirs[n]))
     if dst is not None:
         assert mg is not None
         want = _reference(mg, family)
@@ -148,6 +160,7 @@ def _refit(rank: int, world: int, family: str) -> dict:
 def test_megatron_tp2_pp2_into_transformers(family: str) -> None:
     results = run_ranks(4, _refit, family, timeout=600)
     first = results[0]
+    assert [r["back_differ"] for r in results] == [[]] * 4, [r["back_differ"][:3] for r in results]
     warm = [{"plans": 0, "describe_reused": 2 if r == 0 else 1} for r in range(4)]  # rank 0 holds both models
     assert [r["warm"] for r in results] == warm
     assert first["missing"] == [] and first["extra"] == [], (first["missing"][:5], first["extra"][:5])
