@@ -48,7 +48,8 @@ def cpu_forward_shims() -> None:
     mr._cpu_forward_shim()
 
     def gating(self: Any, input: torch.Tensor) -> torch.Tensor:
-        return router_gating_linear(input, self.weight, self.bias, torch.float32)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return router_gating_linear(input, self.weight, self.bias, dtype)
 
     mrouter.Router.gating = gating
 

@@ -43,6 +43,14 @@ plain ``mlp.linear_fc1``; Megatron's persistent ``expert_bias`` becomes
 Mamba/hybrid layers have no entry here: a parameter the table does not know raises,
 naming it (an unmapped tensor is never dropped silently).
 
+Experts are offered one by one, under the checkpoint's per-expert names: Megatron-Core
+holds every expert as a parameter of its own (``weightK``, ``local_experts.K``), so no
+stacked view of them exists without a copy; a stacked destination (a ``transformers`` 5
+model's ``gate_up_proj``) views its own parameter per expert instead (`hf_model`). A
+vocabulary Megatron padded beyond the checkpoint's (``make_vocab_size_divisible_by``)
+gives ``embed_tokens`` and ``lm_head`` other shapes than the checkpoint's, which
+``rx.plan`` then reports.
+
 The family (`hf_names.HFNames`) comes from `hf_names` (a family name such as
 ``"qwen3_moe"``, a HF config, or an `HFNames`), else from the model's TransformerConfig:
 MLA or a router expert bias -> ``deepseek_v3``; a shared-expert gate -> ``qwen2_moe``;
