@@ -320,3 +320,22 @@ def test_fsdp2_transformers_source_refits_a_whole_model() -> None:
     refits a whole model on rank 0 bit for bit."""
     pytest.importorskip("transformers")
     assert run_ranks(2, _fsdp2_source) == [[], []]
+
+
+def test_recorder_follows_views_and_names_what_is_not_one() -> None:
+    """The ops transformers' reverse conversions use, as view chains of one parameter; a
+    concatenation of parameters has none and says why."""
+    from reshard_ext.adapters.hf_model import _Recorder
+
+    p = torch.empty(4, 6, 3, device="meta")
+    recorder = _Recorder({"w": p})
+    with recorder:
+        out = {"transpose": torch.transpose(p, dim0=1, dim1=2).contiguous(), "narrow": p.narrow(1, 2, 3),
+               "select": torch.select(p, dim=0, index=-1), "split": torch.split(p, [1, 3], dim=0)[1],
+               "unbind": p.unbind(2)[1], "chunk_squeeze": p.chunk(4)[2].squeeze(0), "cat": torch.cat([p, p])}
+    got = {k: recorder.origin.get(id(t)) for k, t in out.items()}
+    assert got == {"transpose": ("w", (("transpose", 1, 2),)), "narrow": ("w", (("narrow", 1, 2, 3),)),
+                   "select": ("w", (("narrow", 0, 3, 1), ("squeeze", 0))), "split": ("w", (("narrow", 0, 1, 3),)),
+                   "unbind": ("w", (("narrow", 2, 1, 1), ("squeeze", 2))),
+                   "chunk_squeeze": ("w", (("narrow", 0, 2, 1), ("squeeze", 0))), "cat": None}
+    assert recorder.failed[id(out["cat"])] == "cat of ['w', 'w']"

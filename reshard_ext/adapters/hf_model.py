@@ -118,14 +118,17 @@ def _steps(func: Any, src: torch.Tensor, args: Sequence[Any], kwargs: Any,
         ones = sorted({d % nd for d in dims if src.shape[d] == 1}, reverse=True)
         return [[("squeeze", d) for d in ones]]
     if name in ("transpose", "swapaxes"):
-        return [[("transpose", args[1] % nd, args[2] % nd)]]
+        d0 = _arg(args, kwargs, 1, "dim0", _arg(args, kwargs, 1, "axis0", 0))
+        d1 = _arg(args, kwargs, 2, "dim1", _arg(args, kwargs, 2, "axis1", 1))
+        return [[("transpose", d0 % nd, d1 % nd)]]
     if name == "t" and nd == 2:
         return [[("transpose", 0, 1)]]
-    if name == "narrow":
-        return [[("narrow", args[1] % nd, args[2] % src.shape[args[1]], args[3])]]
-    if name == "select":
-        dim = args[1] % nd
-        return [[("narrow", dim, args[2] % src.shape[dim], 1), ("squeeze", dim)]]
+    if name in ("narrow", "select"):
+        dim = _arg(args, kwargs, 1, "dim", 0) % nd
+        start = _arg(args, kwargs, 2, "start" if name == "narrow" else "index", 0) % src.shape[dim]
+        if name == "select":
+            return [[("narrow", dim, start, 1), ("squeeze", dim)]]
+        return [[("narrow", dim, start, _arg(args, kwargs, 3, "length", 0))]]
     if name in ("view", "reshape") and tuple(pieces[0].shape) == tuple(src.shape):
         return [[]]
     return None
