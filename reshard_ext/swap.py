@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, adapters, torch_shim
+from . import _C, adapters, groups, torch_shim
 from .adapters import Entries, NameMap, apply_name_map
 from .adapters import megatron as megatron_adapter
 from .errors import ReshardError
@@ -240,10 +240,10 @@ _GROUP_KEYS: dict[Any, tuple[tuple, int]] = {}
 
 
 def _group_info(group: Any) -> tuple[tuple, int]:
-    g = group if group is not None else dist.group.WORLD
+    g = groups.resolve(group)
     info = _GROUP_KEYS.get(g)
     if info is None:
-        info = _GROUP_KEYS[g] = ((dist.get_backend(g), tuple(dist.get_process_group_ranks(g))), dist.get_rank(g))
+        info = _GROUP_KEYS[g] = ((groups.backend(g), groups.key(g)), groups.rank(g))
     return info
 
 
@@ -300,7 +300,7 @@ def _agree_stream(device: int) -> Any:
 def _agree(group: Any, failed: bool, generation: int, timeout_s: float | None = None) -> tuple[int, bool]:
     """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`).
     timeout_s: wait at most that long (ReshardError), polling."""
-    g = group if group is not None else dist.group.WORLD
+    g = groups.resolve(group)
     (backend, _), rank = _group_info(g)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
@@ -412,7 +412,7 @@ def _replan_round(group: Any, options: Options | None) -> float:
     it). Returns the timeout its waits used."""
     from .transports.channel import REPLAN_HERE, Session, channel_of, exchange_headers
 
-    ch = channel_of(group if group is not None else dist.group.WORLD)
+    ch = channel_of(groups.resolve(group))
     timeout_s = (options if isinstance(options, Options) else Options()).resolved_timeout("gloo")
     session = Session(0, 0, None, 0, time.monotonic() + timeout_s, timeout_s, threading.Event(), swap=REPLAN_HERE)
     ch.enter("rx.swap_model_weights")

@@ -13,12 +13,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
+from .. import groups
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Placement, Replicate, Shard
 from . import Entries, named_tensors
@@ -42,9 +42,7 @@ def _placement(p: Any, name: str) -> Placement:
 def _to_group(r: int, group: Any, rank_offset: int) -> int:
     if rank_offset:
         return r + rank_offset
-    if group is None or group is dist.group.WORLD:
-        return r
-    g = dist.get_group_rank(group, r)
+    g = groups.group_rank(group, r)
     if g is None or g < 0:
         raise ReshardError(f"mesh rank {r} is not in the refit group")
     return g

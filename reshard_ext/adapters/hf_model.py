@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import views
+from .. import groups, views
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Replicate
 from . import Entries, dtensor, named_tensors
@@ -189,7 +188,7 @@ def entries(model: nn.Module, *, group: Any = None, rank_offset: int = 0,
     same list on each of them; default: this rank alone. DTensor parameters bring their
     own meshes.
     """
-    me = dtensor._to_group(dist.get_rank(), group, rank_offset)
+    me = groups.rank() + rank_offset if rank_offset else groups.rank(group)
     mesh = Mesh(list(ranks) if ranks is not None else [me])
     if me not in mesh:
         raise ReshardError(f"ranks={list(mesh.ranks)} does not hold this rank ({me}), which passes the model")

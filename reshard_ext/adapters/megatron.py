@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .. import groups as process_groups
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Replicate, Shard
 from . import Entries, named_tensors
@@ -55,7 +55,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def _pg_ranks(pg: Any) -> list[int]:
     """Ranks of a group in the model's own world (a seam for models in other worlds)."""
-    return dist.get_process_group_ranks(pg)
+    return list(process_groups.ranks(pg))
 
 
 class _Groups:
@@ -66,7 +66,7 @@ class _Groups:
         self.group = group
         self.offset = rank_offset
         tp = getattr(pg_collection, "tp", None)
-        self.me = _pg_ranks(tp)[dist.get_rank(tp)] if tp is not None else dist.get_rank()
+        self.me = _pg_ranks(tp)[process_groups.rank(tp)] if tp is not None else process_groups.rank()
 
     def ranks(self, *attrs: str) -> list[int]:
         """Model-world ranks of the first of `attrs` that the collection has; [me] if none."""
@@ -81,14 +81,12 @@ class _Groups:
 
     def rank_in(self, attr: str) -> int:
         pg = getattr(self.pgc, attr, None)
-        return 0 if pg is None else dist.get_rank(pg)
+        return 0 if pg is None else process_groups.rank(pg)
 
     def to_group(self, r: int) -> int:
         if self.offset:
             return r + self.offset
-        if self.group is None or self.group is dist.group.WORLD:
-            return r
-        g = dist.get_group_rank(self.group, r)
+        g = process_groups.group_rank(self.group, r)
         if g is None or g < 0:
             raise ReshardError(f"model rank {r} is not in the refit group")
         return g
