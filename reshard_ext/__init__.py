@@ -19,7 +19,7 @@ except ImportError:
         "another folder (these sources shadow an installed copy), or build it in place for development "
         "(scripts/dev_build.sh OFF)") from None
 
-from . import adapters, merged, relay
+from . import adapters, merged, relay, views
 from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
 from .layout import Layout, Mesh, Replicate, Shard
@@ -45,5 +45,6 @@ __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
     "MXFP8",
-    "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
+    "adapters", "merged", "relay", "views", "swap_model_weights", "prepare_swap_model_weights", "clear_caches",
+    "__version__",
 ]

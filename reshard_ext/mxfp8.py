@@ -172,9 +172,9 @@ class MXFP8(Transform):
         return receiver_digest(self.rounding) if self.where == "receiver" and self._select(name) else None
 
     def _rank(self) -> int:
-        import torch.distributed as dist
+        from . import groups
 
-        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        return groups.rank(self.group) if groups.usable(self.group) else 0
 
     # -- sender side: quantize the source piece into the wire tensors ------------------
     def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Rewrite | None:

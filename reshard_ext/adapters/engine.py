@@ -19,9 +19,9 @@ import hashlib
 import weakref
 from typing import Any, TypeGuard
 
-import torch.distributed as dist
 from torch import nn
 
+from .. import groups
 from ..collectives import all_gather_objects
 from ..engines.checkpoint import specs_of
 from ..engines.entries import EngineEntries, decide
@@ -37,14 +37,22 @@ def is_engine(model: Any) -> TypeGuard[nn.Module]:
 
 
 def _engine_rank(engine_group: Any) -> tuple[Any, int, int]:
-    if engine_group is None and dist.is_initialized():
-        engine_group = dist.group.WORLD
-    if engine_group is None:
+    """(the engine ranks' group, this rank in it, their count): the default group when
+    none is given, a lone rank without torch.distributed."""
+    if engine_group is None and not groups.usable():
         return None, 0, 1
-    return engine_group, dist.get_rank(engine_group), dist.get_world_size(engine_group)
+    return groups.resolve(engine_group), groups.rank(engine_group), groups.size(engine_group)
 
 
-def trace(model: nn.Module, *, weights: Any = None, group: Any = None, rank_offset: int = 0,
+def _refit_rank(group: Any) -> int | None:
+    """This process's rank in the refit group, where this process can tell."""
+    if not groups.usable(group):
+        return None
+    r = groups.rank(group)
+    return r if r >= 0 else None
+
+
+def trace(model: nn.Module, *, weights: Any = None, group: Any = None, rank_offset: int | None = None,
           engine_group: Any = None, load: Loader | None = None, timeout: float | None = None) -> EngineEntries:
     """Traces `model`'s loader and returns this engine rank's plan entries. Collective over
     `engine_group`: every engine rank calls it; an error on one raises on all of them.
@@ -53,7 +61,8 @@ def trace(model: nn.Module, *, weights: Any = None, group: Any = None, rank_offs
       a safetensors checkpoint path, {name: tensor or (shape, dtype)}, or None for the
       checkpoint named by ``model.config._name_or_path``), in checkpoint order.
     group, rank_offset: engine rank i is rank ``rank_offset + i`` of the refit group `group`
-      (the group passed to rx.plan; checked where this process can tell).
+      (the group passed to rx.plan). rank_offset None: found from this rank's place in
+      `group` (every engine rank must find the same); given, it is checked against it.
     engine_group: a torch.distributed group of exactly the engine's ranks, in engine rank
       order (default: the default group, i.e. the engine's own world when the engine is
       its own job or shares the trainer's processes; pass the subgroup when only some
@@ -66,33 +75,36 @@ def trace(model: nn.Module, *, weights: Any = None, group: Any = None, rank_offs
     error = ""
     specs: dict = {}
     local = None
+    mine = _refit_rank(group)
+    offset = rank_offset if rank_offset is not None else (mine - index if mine is not None else 0)
     try:
         specs = specs_of(weights, model)
-        if group is not None or dist.is_initialized():
-            mine = dist.get_rank(group)
-            if mine >= 0 and mine != rank_offset + index:
-                raise ReshardError(f"engine rank {index} is rank {mine} of the refit group, not rank_offset + {index} "
-                                   f"= {rank_offset + index}: pass the rank of engine rank 0 in the refit group as "
-                                   f"rank_offset")
+        if mine is not None and mine != offset + index:
+            raise ReshardError(f"engine rank {index} is rank {mine} of the refit group, not rank_offset + {index} = "
+                               f"{offset + index}: pass the refit rank of engine rank 0 as rank_offset, or an "
+                               f"engine_group whose ranks are the engine's in order")
         local = trace_loader(model, specs, load)
         summary = local.summary()
     except Exception as e:  # noqa: BLE001 - reported to every engine rank below
         error = f"engine rank {index}: {e if isinstance(e, ReshardError) else f'{type(e).__name__}: {e}'}"
     key = hashlib.blake2b(repr([(n, s, str(d)) for n, (s, d) in specs.items()]).encode(), digest_size=8).hexdigest()
-    payload = (summary, error, key)
+    payload = (summary, error, key, offset)
     gathered = [payload] if size == 1 else all_gather_objects(
         payload, engine_group, "rx.adapters.engine.trace (engine ranks exchanging their traces)", timeout)
-    errors = [e for _, e, _ in gathered if e]
-    if not errors and len({k for *_, k in gathered}) > 1:
+    errors = [g[1] for g in gathered if g[1]]
+    if not errors and len({g[2] for g in gathered}) > 1:
         errors = ["the engine ranks traced different lists of Hugging Face tensors (weights=...)"]
+    if not errors and len({g[3] for g in gathered}) > 1:
+        errors = [f"the engine ranks found different rank offsets {[g[3] for g in gathered]} in the refit group: "
+                  f"pass rank_offset, or an engine_group whose ranks are the engine's in order"]
     if errors:
         raise ReshardError("tracing the engine's load_weights failed:\n  " + "\n  ".join(errors))
     assert local is not None
-    decisions = decide([s or {} for s, _, _ in gathered], specs, rank_offset)
-    return EngineEntries(model, local, decisions, rank_offset + index, load)
+    decisions = decide([g[0] or {} for g in gathered], specs, offset)
+    return EngineEntries(model, local, decisions, offset + index, load)
 
 
-def entries(model: nn.Module, group: Any = None, rank_offset: int = 0, *, weights: Any = None,
+def entries(model: nn.Module, group: Any = None, rank_offset: int | None = None, *, weights: Any = None,
             engine_group: Any = None, load: Loader | None = None) -> EngineEntries:
     """`trace`, remembered per model: a later call returns the same entries while the
     engine's parameters are where they were, and rebinds them (no new trace) after the

@@ -118,8 +118,9 @@ class EngineEntries(dict):
 
     def report(self) -> str:
         """What the trace found on this rank: traced and safe-path tensors (with why)."""
-        lines = [f"engine at refit rank {self.rank}: {len(self) - len(self.scratch)} Hugging Face tensors traced into its "
-                 f"parameters, {len(self.scratch)} on the safe path (received whole, then the engine's load_weights)"]
+        lines = [f"engine at refit rank {self.rank}: {len(self) - len(self.scratch)} Hugging Face tensors traced "
+                 f"into its parameters, {len(self.scratch)} on the safe path (received whole, then the engine's "
+                 f"load_weights)"]
         lines += [f"  safe path: {n}: {why}" for n, why in self.safe.items()]
         return "\n".join(lines)
 

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..errors import ReshardError
 from ..options import env_default, scoped_external_env
 
@@ -160,13 +160,14 @@ class Channel:
 
     def __init__(self, group: Any):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.rank = groups.rank(group)
+        self.size = groups.size(group)
+        self.ranks = groups.ranks(group)
+        self.key = groups.key(group)
         self.others = [r for r in range(self.size) if r != self.rank]  # a swap round's header ranks
         key = "-".join(map(str, self.ranks)) if len(self.ranks) <= 16 else f"{hash(self.ranks) & 0xFFFFFFFF:x}"
         self._prefix = f"reshard_ext/channel/{self.size}/{key}/"
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = groups.store(group)
         self._contexts: dict[int, Any] = {}
         self._gen: dict[int, int] = {}  # peer -> generation of our pair (worker thread only)
         self._met: set[tuple[int, int]] = set()  # (peer, generation) on which both ends post
@@ -669,7 +670,7 @@ def _host_key() -> str:
         return f"{socket.gethostname()}:{os.getuid()}"
 
 
-_CHANNELS: dict[tuple[int, ...], Channel] = {}
+_CHANNELS: dict[tuple, Channel] = {}  # groups.key -> its channel
 _CHANNELS_LOCK = threading.Lock()
 
 
@@ -684,10 +685,10 @@ def _close_mailboxes() -> None:
 
 def channel_of(group: Any) -> Channel:
     """The channel of `group`'s ranks (created once per process, locally: no collective)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
+    key = groups.key(group)
     with _CHANNELS_LOCK:
-        ch = _CHANNELS.get(ranks)
+        ch = _CHANNELS.get(key)
         # A process group created again (destroy_process_group, init again) has a new store.
-        if ch is None or ch.store is not dist.distributed_c10d._get_default_store():
-            ch = _CHANNELS[ranks] = Channel(group)
+        if ch is None or ch.store is not groups.store(group):
+            ch = _CHANNELS[key] = Channel(group)
         return ch

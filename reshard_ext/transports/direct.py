@@ -42,9 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..collectives import all_gather_objects
 from ..errors import ReshardError
 from ..options import Options
@@ -242,8 +241,8 @@ class DirectTransport:
         self.group = group
         self.options = options
         self.register = register
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank = groups.rank(group)
+        self.world = groups.size(group)
         self.timeout = options.resolved_timeout("direct")
         self.groups = options.resolved_direct_verify_groups()  # landing groups of a verified execute
         self.gather_timeout = options.resolved_timeout("gloo")  # rx.plan's own collectives use it too
@@ -545,7 +544,7 @@ class DirectTransport:
         # direct writes land in the peers' tensors, so every pair must agree before them.
         self.channel.drain(session)
         if getattr(self.inner, "comm", None) is not None:
-            session.epoch = nccl_lib.epoch(self.group, self.channel.ranks)
+            session.epoch = nccl_lib.epoch(self.group, self.channel.key)
             session.comm_unusable = not self.inner.comm.usable
         outbox = self._outbox() if session.status == 0 else {}
         if session.verdict is None:  # else Plan exchanged them (a swap round of a rank without peers)
