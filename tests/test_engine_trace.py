@@ -24,6 +24,7 @@ from _engine import Config, Engine, hf_weights
 
 import reshard_ext as rx
 from reshard_ext import ReshardError
+from reshard_ext.adapters import hf_names
 from reshard_ext.engines import EngineEntries, decide, read_checkpoint, specs_of, trace_loader
 from reshard_ext.engines.boxes import locate
 from reshard_ext.engines.layouts import infer
@@ -240,14 +241,16 @@ def test_checkpoint_headers_give_names_shapes_dtypes(tmp_path):
 # --- real process groups ----------------------------------------------------------------
 
 
-def _trainer_entries(hf: dict[str, torch.Tensor], ranks: list[int], rank: int) -> dict:
-    """FSDP-like trainer pieces: every tensor split on dim 0 over the trainer ranks."""
+def _trainer_entries(hf: dict[str, torch.Tensor], ranks: list[int], rank: int, config: object = None) -> dict:
+    """Trainer pieces: every tensor split on its last dim over the trainer ranks; with a
+    Hugging Face `config`, grouped-query q/k/v in their grouped shapes (adapters.hf_names)."""
     out = {}
     for name, t in hf.items():
-        layout = Layout(t.shape, t.dtype, Mesh(ranks), [Shard(0)])
+        layout = Layout(t.shape, t.dtype, Mesh(ranks), [Shard(-1)])
         if rank in ranks:
             out[name] = (layout.local_part(t, rank), layout)
-    return out
+    shape = hf_names.attention_shape(config) if config is not None else None
+    return out if shape is None else hf_names.grouped_qkv(out, rank, **shape)
 
 
 def _refit_two_jobs(rank: int, world: int, cfg: Config, trainers: int) -> tuple:
@@ -290,24 +293,32 @@ def test_refit_from_a_trainer_into_engine_tp2(case):
 
 
 def _swap_colocated(rank: int, world: int, cfg: Config, path: str) -> list:
+    import transformers
+
     """Trainer and engine in the same processes (the default engine_group: the world), the
     engine found by swap_model_weights from its load_weights, the tensor list from its
-    checkpoint's headers (config._name_or_path)."""
+    checkpoint's headers and q/k/v grouped as its attention heads say (its Hugging Face
+    config, as vLLM models carry it)."""
+
     model = Engine(cfg, rank, world)
-    model.config = type("HFConfig", (), {"_name_or_path": path})()
+    model.config = transformers.LlamaConfig(num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                                            head_dim=cfg.head_dim, hidden_size=cfg.hidden)
+    model.config._name_or_path = path
     out = []
     for seed in (0, 3):
         hf = hf_weights(cfg, seed=seed)
-        rx.swap_model_weights(_trainer_entries(hf, list(range(world)), rank), model)
+        rx.swap_model_weights(_trainer_entries(hf, list(range(world)), rank, model.config), model)
         out.append(_mismatches(model, cfg, rank, world, hf))
     first = rx.adapters.engine.entries(model)
     out.append(first is rx.adapters.engine.entries(model))  # remembered: no second trace
+    out.append(first["model.layers.0.self_attn.q_proj.weight"][1].shape)
     return out
 
 
 def test_swap_model_weights_into_a_colocated_engine_tp4(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
+    pytest.importorskip("transformers")
     cfg = Config(vocab=1000, kv_heads=2, odd="scale")
     safetensors.save_file(hf_weights(cfg), str(tmp_path / "model.safetensors"))
     for got in run_ranks(4, _swap_colocated, cfg, str(tmp_path)):
-        assert got == [[], [], True]
+        assert got == [[], [], True, (cfg.kv_heads, cfg.heads // cfg.kv_heads, cfg.head_dim, cfg.hidden)]

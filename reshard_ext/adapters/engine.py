@@ -7,6 +7,9 @@ Hugging Face tensor, and the result (`EngineEntries`) is this rank's plan entrie
 into the engine's fused, padded, TP/EP-sharded parameters, so that a refit writes each
 rank's slice straight where the loader would put it. Collective over the engine's ranks
 (`engine_group`); the trainer side describes its model under Hugging Face names.
+Grouped-query q/k/v take adapters.hf_names' grouped shapes when the model's config names
+its attention heads (vLLM and SGLang models carry their Hugging Face config), as every
+side described under Hugging Face names does.
 
     dst = rx.adapters.engine.entries(llm_model, group=refit_group, rank_offset=trainer_world)
     plan = rx.plan(src=None, dst=dst, group=refit_group)   # once
@@ -15,6 +18,7 @@ rank's slice straight where the loader would put it. Collective over the engine'
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import weakref
 from typing import Any, TypeGuard
@@ -27,6 +31,7 @@ from ..engines.checkpoint import specs_of
 from ..engines.entries import EngineEntries, decide
 from ..engines.trace import Loader, trace_loader
 from ..errors import ReshardError
+from .hf_names import attention_shape, grouped_qkv
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -101,7 +106,14 @@ def trace(model: nn.Module, *, weights: Any = None, group: Any = None, rank_offs
         raise ReshardError("tracing the engine's load_weights failed:\n  " + "\n  ".join(errors))
     assert local is not None
     decisions = decide([g[0] or {} for g in gathered], specs, offset)
-    return EngineEntries(model, local, decisions, offset + index, load)
+    shape = attention_shape(getattr(model, "config", None))
+    reshape = None if shape is None else functools.partial(_grouped, shape=shape)
+    return EngineEntries(model, local, decisions, offset + index, load, reshape=reshape)
+
+
+def _grouped(entries: dict, rank: int, shape: dict[str, int]) -> dict:
+    """Grouped-query q/k/v in the shapes every side describes them in (adapters.hf_names)."""
+    return grouped_qkv(entries, rank, **shape)
 
 
 def entries(model: nn.Module, group: Any = None, rank_offset: int | None = None, *, weights: Any = None,

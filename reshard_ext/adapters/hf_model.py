@@ -32,7 +32,7 @@ from .. import groups, views
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Replicate
 from . import Entries, dtensor, named_tensors
-from .hf_names import grouped_qkv
+from .hf_names import attention_shape, grouped_qkv
 
 Op = tuple  # ("narrow", dim, start, length) | ("squeeze", dim) | ("transpose", dim0, dim1)
 Origin = tuple[str, tuple[Op, ...]]  # (parameter name, view ops from it)
@@ -169,15 +169,6 @@ def _apply(piece: views.Piece, layout: Layout, rank: int, ops: tuple[Op, ...],
     return piece, layout
 
 
-def _attention_shape(config: Any) -> dict[str, int] | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    if not heads:
-        return None
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return dict(num_heads=heads, num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim)
-
-
 def entries(model: nn.Module, *, group: Any = None, rank_offset: int = 0,
             ranks: Sequence[int] | None = None) -> Entries:
     """Plan entries of a ``transformers`` model under its checkpoint names.
@@ -206,7 +197,7 @@ def entries(model: nn.Module, *, group: Any = None, rank_offset: int = 0,
         piece, layout = _apply(*pieces[param], me, ops, ckpt)
         if piece is not None:
             out[ckpt] = (piece, layout)
-    shape = _attention_shape(getattr(model, "config", None))
+    shape = attention_shape(getattr(model, "config", None))
     return out if shape is None else grouped_qkv(out, me, **shape)
 
 

@@ -96,6 +96,16 @@ def family(spec: Any) -> HFNames:
 _QKV = re.compile(r"^(.*\.)q_proj\.(weight|bias)$")
 
 
+def attention_shape(config: Any) -> dict[str, int] | None:
+    """``grouped_qkv``'s keywords from a Hugging Face config (None: it names no attention heads)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        return None
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return dict(num_heads=heads, num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim)
+
+
 def grouped_qkv(entries: Mapping[str, tuple[torch.Tensor, Layout]], rank: int, *, num_heads: int,
                 num_kv_heads: int, head_dim: int) -> Entries:
     """`entries` with grouped-query attention's q/k/v in their grouped shapes (see the
@@ -133,4 +143,4 @@ def _prod(sizes: Any) -> int:
     return n
 
 
-__all__ = ["HFNames", "FAMILIES", "family", "grouped_qkv"]
+__all__ = ["HFNames", "FAMILIES", "family", "grouped_qkv", "attention_shape"]

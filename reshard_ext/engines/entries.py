@@ -4,7 +4,7 @@ safe path; `EngineEntries` is one rank's plan entries and what it does after eac
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from .recording import Specs
 from .trace import Loader, LocalTrace, _consume, loader_of
 
 Decision = Layout | tuple[list[int], str]  # the traced pieces' layout, or (ranks taking it whole, why)
+Reshape = Callable[[dict[str, tuple[torch.Tensor, Layout]], int], Mapping[str, tuple[torch.Tensor, Layout]]]
 
 
 def decide(summaries: Sequence[Mapping[str, Any]], specs: Specs, rank_offset: int = 0) -> dict[str, Decision]:
@@ -54,7 +55,8 @@ class EngineEntries(dict):
     rank; ``fills`` the constants the loader wrote (padding), repeated by `rebound`."""
 
     def __init__(self, model: torch.nn.Module, trace: LocalTrace, decisions: Mapping[str, Decision], rank: int,
-                 load: Loader | None = None, params: Mapping[str, torch.Tensor] | None = None):
+                 load: Loader | None = None, params: Mapping[str, torch.Tensor] | None = None,
+                 reshape: Reshape | None = None):
         super().__init__()
         self.model, self.trace, self.decisions, self.rank = model, trace, dict(decisions), rank
         self.load = load if load is not None else loader_of(model)
@@ -79,6 +81,9 @@ class EngineEntries(dict):
                 self.scratch[name] = buf
                 self[name] = (buf, Layout(shape, dtype, Mesh(d[0]), [Replicate()]))
         self._bound = {n: _where(p) for n, p in self.params.items()}
+        self.reshape = reshape
+        if reshape is not None:  # e.g. grouped-query q/k/v in their grouped shapes (adapters.hf_names)
+            self.update(reshape(dict(self), rank))
 
     def finish(self) -> None:
         """After each ``rx.execute``: copies the tensors the loader also writes elsewhere on
@@ -114,7 +119,7 @@ class EngineEntries(dict):
         with torch.no_grad():
             for f in self.fills:
                 f.view.on(params[f.view.param]).fill_(f.value)
-        return EngineEntries(self.model, self.trace, self.decisions, self.rank, self.load, params)
+        return EngineEntries(self.model, self.trace, self.decisions, self.rank, self.load, params, self.reshape)
 
     def report(self) -> str:
         """What the trace found on this rank: traced and safe-path tensors (with why)."""
