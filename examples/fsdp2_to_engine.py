@@ -1,7 +1,7 @@
 """FSDP2 trainer -> tensor-parallel inference engine, in one job on CPU (gloo).
 
-Ranks 0-1 train a Hugging Face Llama sharded with FSDP2 (DTensor parameters under
-Hugging Face names); ranks 2-3 serve it in an engine at TP2 whose parameters follow
+Ranks 0-1 train a Hugging Face Llama sharded with FSDP2 (DTensor parameters, described
+under its checkpoint names by rx.adapters.hf_model); ranks 2-3 serve it in an engine at TP2 whose parameters follow
 vLLM's conventions (fused qkv_proj and gate_up_proj, padded vocabulary). The engine's
 parameters are described by tracing its own load_weights once; every refit then moves
 each engine rank's slices straight into its fused parameters.
@@ -40,6 +40,19 @@ def hf_model():
         num_attention_heads=CFG.heads, num_key_value_heads=CFG.kv_heads, head_dim=CFG.head_dim))
 
 
+def engine_model(rank: int, checkpoint: str) -> Engine:
+    """Engine TP rank `rank`, loaded from `checkpoint` as an engine starts; its `config` is
+    the Hugging Face config, as vLLM's and SGLang's models carry it (reshard_ext reads the
+    attention heads from it, to offer q/k/v in the grouped shapes every side uses)."""
+    import safetensors.torch
+    import transformers
+
+    engine = Engine(CFG, rank, ENGINES)
+    engine.config = transformers.AutoConfig.from_pretrained(checkpoint)
+    engine.load_weights(safetensors.torch.load_file(os.path.join(checkpoint, "model.safetensors")).items())
+    return engine
+
+
 def main(rank: int, world: int, port: int, checkpoint: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,13 +68,10 @@ def main(rank: int, world: int, port: int, checkpoint: str) -> None:
         for layer in model.model.layers:
             fully_shard(layer, mesh=trainer_mesh)
         fully_shard(model, mesh=trainer_mesh)
-        src = rx.adapters.dtensor.entries(model)  # {hf_name: (local shard, layout)}
+        src = rx.adapters.hf_model.entries(model)  # {hf_name: (local shard or a view of it, layout)}
     dist.barrier()
     if rank >= TRAINERS:
-        engine = Engine(CFG, rank - TRAINERS, ENGINES)
-        import safetensors.torch
-
-        engine.load_weights(safetensors.torch.load_file(os.path.join(checkpoint, "model.safetensors")).items())
+        engine = engine_model(rank - TRAINERS, checkpoint)
         # Trace the engine's loader once: engine rank i is refit rank TRAINERS + i.
         dst = rx.adapters.engine.entries(engine, rank_offset=TRAINERS, weights=checkpoint, engine_group=engine_group)
         if rank == TRAINERS:
