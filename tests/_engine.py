@@ -284,9 +284,14 @@ class Engine(nn.Module):
 def hf_weights(cfg: Config, seed: int = 0) -> dict[str, torch.Tensor]:
     """A Hugging Face checkpoint of `cfg` (random values), in checkpoint order."""
     g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(*shape, generator=g).to(cfg.dtype) for n, shape in hf_shapes(cfg).items()}
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(cfg.dtype)
+
+def hf_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The tensors of a Hugging Face checkpoint of `cfg` and their shapes, in checkpoint order."""
+
+    def rand(*shape: int) -> tuple[int, ...]:
+        return shape
 
     h, d = cfg.hidden, cfg.head_dim
     out = {"model.embed_tokens.weight": rand(cfg.vocab, h)}
