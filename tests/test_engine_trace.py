@@ -52,7 +52,7 @@ def _mismatches(model: Engine, cfg: Config, rank: int, tp: int, hf: dict[str, to
     ref.load_weights(hf.items())
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     assert got.keys() == want.keys()
-    return [n for n in got if not bits_equal(got[n], want[n])]
+    return [n for n in got if not bits_equal(got[n].cpu(), want[n])]
 
 
 CONFIGS = {
@@ -253,24 +253,25 @@ def _trainer_entries(hf: dict[str, torch.Tensor], ranks: list[int], rank: int, c
     return out if shape is None else hf_names.grouped_qkv(out, rank, **shape)
 
 
-def _refit_two_jobs(rank: int, world: int, cfg: Config, trainers: int) -> tuple:
+def _refit_two_jobs(rank: int, world: int, cfg: Config, trainers: int, device: str = "cpu") -> tuple:
     """Trainer ranks 0..trainers-1, engine ranks after them (TP world - trainers): two
     refits of the same plan, the second after the trainer's weights changed in place."""
     engine_ranks = list(range(trainers, world))
     sub = dist.new_group(engine_ranks)
     hf = hf_weights(cfg, seed=0)
-    src = _trainer_entries(hf, list(range(trainers)), rank)
+    src = {n: (t.to(device), layout) for n, (t, layout) in _trainer_entries(hf, list(range(trainers)), rank).items()}
     tp = len(engine_ranks)
     dst, model = None, None
     if rank >= trainers:
-        model = Engine(cfg, rank - trainers, tp)
+        with torch.device(device):
+            model = Engine(cfg, rank - trainers, tp)
         dst = rx.adapters.engine.entries(model, rank_offset=trainers, weights=hf, engine_group=sub)
     plan = rx.plan(src, dst)
     out = []
     for seed in (0, 1):
         new = hf_weights(cfg, seed=seed)
         for name, (t, layout) in src.items():
-            t.copy_(layout.local_part(new[name], rank))
+            t.copy_(layout.local_part(new[name], rank).to(device))
         rx.execute(plan)
         if dst is not None:
             dst.finish()
@@ -290,6 +291,16 @@ def test_refit_from_a_trainer_into_engine_tp2(case):
         assert mismatches == [[], []]
         assert received == wanted  # each engine rank receives its own slices only (safe-path ones whole)
         assert safe == ([f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)] if case == "dense-odd" else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_refit_from_a_trainer_into_engine_tp2_on_gpus():
+    cfg = Config(vocab=1000, odd="item", tie=True, dtype=torch.bfloat16)
+    for got in run_ranks(4, _refit_two_jobs, cfg, 2, "cuda", backend="nccl")[2:]:
+        mismatches, received, wanted, safe = got
+        assert mismatches == [[], []] and received == wanted
+        assert safe == [f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)]
 
 
 def _swap_colocated(rank: int, world: int, cfg: Config, path: str) -> list:
