@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ODD = ("scale", "item", "temp", "permute", "cat", "raises", "replace")
+ODD = ("scale", "item", "temp", "permute", "cat", "half", "plus-one", "raises", "replace")
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,13 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden: int, dtype: torch.dtype, odd: str = ""):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
-        if odd == "scale":
-            self.weight.weight_loader = lambda p, w: p.data.copy_(w * 1.0)  # type: ignore[attr-defined]
+        loaders = {
+            "scale": lambda p, w: p.data.copy_(w * 1.0),
+            "half": lambda p, w: p.data.copy_(w.to(torch.float16)),  # a lossy cast on the way
+            "plus-one": lambda p, w: p.data.copy_(w).add_(1.0),  # stored as 1 + w, as some norms are
+        }
+        if odd in loaders:
+            self.weight.weight_loader = loaders[odd]  # type: ignore[attr-defined]
 
 
 class FusedMoE(nn.Module):

@@ -112,6 +112,8 @@ ODD_SAFE = {
     "temp": ("proj.weight", "not a parameter or buffer"),
     "permute": ("q_proj.weight", "not a view of the weight"),
     "cat": ("_proj.weight", "aten.cat"),
+    "half": ("input_layernorm.weight", "casts torch.float32 to torch.float16"),
+    "plus-one": ("input_layernorm.weight", "also writes"),
 }
 
 
@@ -124,7 +126,7 @@ def test_unsupported_step_takes_the_safe_path(odd, tp):
     suffix, why = ODD_SAFE[odd]
     safe = ranks[0].safe
     assert safe and all(n.endswith(suffix) and why in reason for n, reason in safe.items()), safe
-    expected = {"scale": 2, "item": 2, "temp": 4, "permute": 2, "cat": 4}[odd]
+    expected = {"scale": 2, "item": 2, "temp": 4, "permute": 2, "cat": 4, "half": 2, "plus-one": 2}[odd]
     assert len(safe) == expected
     for e in ranks:
         assert e.safe == safe and set(e.scratch) == set(safe)
