@@ -40,7 +40,7 @@ def hf_model():
         num_attention_heads=CFG.heads, num_key_value_heads=CFG.kv_heads, head_dim=CFG.head_dim))
 
 
-def engine_model(rank: int, checkpoint: str) -> Engine:
+def engine_model(rank: int, checkpoint: str, file: str = "model.safetensors") -> Engine:
     """Engine TP rank `rank`, loaded from `checkpoint` as an engine starts; its `config` is
     the Hugging Face config, as vLLM's and SGLang's models carry it (reshard_ext reads the
     attention heads from it, to offer q/k/v in the grouped shapes every side uses)."""
@@ -49,7 +49,7 @@ def engine_model(rank: int, checkpoint: str) -> Engine:
 
     engine = Engine(CFG, rank, ENGINES)
     engine.config = transformers.AutoConfig.from_pretrained(checkpoint)
-    engine.load_weights(safetensors.torch.load_file(os.path.join(checkpoint, "model.safetensors")).items())
+    engine.load_weights(safetensors.torch.load_file(os.path.join(checkpoint, file)).items())
     return engine
 
 
@@ -86,9 +86,21 @@ def main(rank: int, world: int, port: int, checkpoint: str) -> None:
         if dst is not None:
             dst.finish()      # the safe path, if any tensor took it; then the engine's post-load step
         rx.verify(plan)       # every engine slice equals the trainer's tensor, bit for bit (digests)
+    # An independent check: the trainer's full weights, loaded by a fresh engine through its own loader.
+    if rank < TRAINERS:
+        import safetensors.torch
+
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective over the trainer ranks
+        if rank == 0:
+            safetensors.torch.save_file(full, os.path.join(checkpoint, "trained.safetensors"))
+    dist.barrier()
+    if rank >= TRAINERS:
+        want = dict(engine_model(rank - TRAINERS, checkpoint, "trained.safetensors").named_parameters())
+        assert all(torch.equal(p.view(-1).view(torch.int32), want[n].view(-1).view(torch.int32))
+                   for n, p in engine.named_parameters()), "the refit engine differs from its loader's result"
     if rank == TRAINERS:
-        print(f"3 refits verified; engine rank 0 received {plan.bytes_received} bytes per refit "
-              f"(its slices of {len(dst)} Hugging Face tensors)")
+        print(f"3 refits verified, and equal to the engine's own load_weights of the trained weights; engine rank 0 "
+              f"received {plan.bytes_received} bytes per refit (its slices of {len(dst)} Hugging Face tensors)")
     dist.destroy_process_group()
 
 
