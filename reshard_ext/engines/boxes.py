@@ -11,7 +11,6 @@ reversed or overlapping elements, a reshape that interleaves dims) says why inst
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ class Region:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Region:
+        """The region `t` covers of its storage."""
         return cls(int(t.storage_offset()), tuple(t.shape), t.stride(), t.element_size())
 
     def span(self) -> tuple[int, int]:
@@ -52,18 +52,16 @@ class View:
 
     @classmethod
     def of(cls, name: str, param: torch.Tensor, t: torch.Tensor) -> View:
+        """`t`, a view of parameter `param` (named `name`), as a View."""
         return cls(name, int(t.storage_offset() - param.storage_offset()), tuple(t.shape), t.stride())
 
     def reshaped(self, sizes: tuple[int, ...], strides: tuple[int, ...]) -> View:
+        """The same first element with other sizes and strides."""
         return View(self.param, self.offset, sizes, strides)
 
     def on(self, param: torch.Tensor) -> torch.Tensor:
         """This view of `param` (the parameter as it is now: after a rebind, new storage)."""
         return param.detach().as_strided(self.sizes, self.strides, param.storage_offset() + self.offset)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
 
 
 def _contiguous(shape: tuple[int, ...]) -> list[int]:
@@ -137,10 +135,6 @@ def _dim_of(s: int, shape: tuple[int, ...], cont: list[int]) -> int | None:
         if cont[d] <= s and (d == 0 or s < cont[d - 1]) and shape[d] > 1:
             return d
     return None
-
-
-def box_numel(box: Box) -> int:
-    return math.prod(sum(n for _, n in runs) for runs in box)
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,7 @@ class Recorder(TorchDispatchMode):
     # -- bookkeeping ----------------------------------------------------------------------
 
     def untrace(self, names: frozenset[str], why: str) -> None:
+        """Sends weights `names` to the safe path (the first reason given stays)."""
         for n in sorted(names):
             self.untraced.setdefault(n, why)
 
