@@ -95,7 +95,9 @@ def trace(model: nn.Module, *, weights: Any = None, group: Any = None, rank_offs
     key = hashlib.blake2b(repr([(n, s, str(d)) for n, (s, d) in specs.items()]).encode(), digest_size=8).hexdigest()
     payload = (summary, error, key, offset)
     gathered = [payload] if size == 1 else all_gather_objects(
-        payload, engine_group, "rx.adapters.engine.trace (engine ranks exchanging their traces)", timeout)
+        payload, engine_group, "rx.adapters.engine.trace (the engine ranks exchanging their traces over "
+        "engine_group, by default the default group: where some of its ranks hold no engine, pass the engine "
+        "ranks' subgroup as engine_group=)", timeout)
     errors = [g[1] for g in gathered if g[1]]
     if not errors and len({g[2] for g in gathered}) > 1:
         errors = ["the engine ranks traced different lists of Hugging Face tensors (weights=...)"]
