@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ODD = ("scale", "item", "temp", "permute", "cat", "half", "plus-one", "raises", "replace")
+ODD = ("scale", "item", "temp", "permute", "cat", "half", "plus-one", "readback", "raises", "replace")
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,12 @@ class Layer(nn.Module):
                                                    "temp" if odd == "temp" else "")
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.dtype, odd)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.dtype)
+        if odd == "readback":  # one norm loaded, then copied on into the other (read back from the parameter)
+            def both(p: nn.Parameter, w: torch.Tensor) -> None:
+                p.data.copy_(w)
+                self.input_layernorm.weight.data.copy_(p.data)
+
+            self.post_attention_layernorm.weight.weight_loader = both  # type: ignore[attr-defined]
 
 
 class Engine(nn.Module):

@@ -15,9 +15,9 @@ value lands in is known to be untraced.
 - ``param_region.copy_(hf_weight)`` into a parameter or buffer of the model is a `Landing`
   (written nowhere; the refit writes it later);
 - a copy into any other tensor, an in-place change of a weight, a write from a weight by
-  any other op (``index_put_``, ``add_``), a loader step that changes a parameter region
-  after a weight landed there, or two weights landing on the same elements mark the
-  weights involved as untraced (the safe path), with the reason;
+  any other op (``index_put_``, ``add_``), a loader step that changes or reads a
+  parameter region after a weight landed there, or two weights landing on the same
+  elements mark the weights involved as untraced (the safe path), with the reason;
 - an op that needs the data (``.item()``, a comparison read in Python, an op meta tensors
   cannot run) raises `NeedsData`, which the tracing driver turns into the safe path for the
   weights involved;
@@ -216,6 +216,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         weights = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, HFWeight)]
+        self._reads(func, args, kwargs)
         if not weights:
             self._watch(func, args, kwargs)
             return func(*args, **kwargs)
@@ -240,6 +241,25 @@ class Recorder(TorchDispatchMode):
         if func is aten._unsafe_view.default:  # reshape's view after a copy
             return self._view(aten.view.default, args, kwargs, sources)
         return self._compute(func, args, kwargs, sources)
+
+    def _reads(self, func: Any, args: Any, kwargs: Any) -> None:
+        """A step that reads parameter elements a weight landed in reads what the trace never
+        wrote there (the refit writes them later): that weight takes the safe path, whose
+        loader call redoes the step with its values."""
+        if func.is_view:  # views read no data
+            return
+        written = {id(t) for t in _mutated(func, args, kwargs)}
+        for t in pytree.tree_leaves((args, kwargs)):
+            if (not isinstance(t, torch.Tensor) or isinstance(t, HFWeight) or id(t) in written or not t.numel()
+                    or t.device.type == "meta"):
+                continue
+            ws = self.writes.get(t.untyped_storage().data_ptr())
+            if not ws:
+                continue
+            lo, hi = Region.of(t).span()
+            for w in ws:
+                if w.kind == "landing" and w.lo < hi and lo < w.hi:
+                    self.untrace(w.names, f"the loader reads back the elements it copied it into ({func})")
 
     def _watch(self, func: Any, args: Any, kwargs: Any) -> None:
         """A loader step on real tensors only: writes into parameters are noted."""
