@@ -77,6 +77,8 @@ def _side_by_side(job, local, sizes, port):
             out.fill_(float("nan"))
             rx.execute(p, verify=step == 1)
             landed.append(not receives or bits_equal(out, full))
+            if step == 1:
+                rx.verify(p)  # re-reads both sides: digests only
         if own is not None:
             rx.execute(own[0], verify=step == 1)
             landed.append(torch.equal(own[1], torch.full((4, 4), float(job + 1))))
