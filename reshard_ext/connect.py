@@ -341,7 +341,9 @@ def connect(address: str | None, world_size: int, rank: int, *, timeout: float =
     timeout: seconds to wait for every rank to join; also the default timeout of the
     group's gloo and NCCL backends (as init_process_group's timeout).
     store: an existing torch Store to meet in instead (then nobody hosts one).
-    name: keeps groups made on one store apart (and lets a closed name be made again).
+    name: keeps groups made on one store apart. On a store= that outlives its groups, a
+    closed group's name can be joined again (each rank's n-th join of a name meets the
+    others' n-th); after a join that failed there, use another name.
 
     Raises rx.ReshardError on every rank that joined when some rank did not join within
     `timeout` (naming it) or when the ranks disagree on world_size; at once on a second
