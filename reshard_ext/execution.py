@@ -489,8 +489,7 @@ def plan(
     max_batch_bytes: bound on this rank's staging buffers (send + receive, every
     pipelined copy), in bytes.
     """
-    if not groups.usable(group):
-        raise ReshardError("rx.plan needs torch.distributed to be initialised (any launcher, any backend)")
+    groups.require(group, "rx.plan")
     group = groups.resolve(group)
     rank = groups.rank(group)
     # Anything wrong with this rank's arguments joins the first exchange, so every rank
