@@ -333,3 +333,15 @@ def test_refit_matrix_cuda(where, layout_kind, world, backend):
         pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):
         run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", 0, backend, backend="nccl")
+
+
+@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+def test_sender_side_through_a_small_staging_ring_cuda(layout_kind, verify):
+    """backend "direct" on 2 GPUs with a 4 KiB staging ring: the senders' codec boxes cut to
+    its 1 KiB slots, the ring wrapping many times per execute, verified or not."""
+    got = run_ranks(2, refit_worker, "sender", layout_kind, "ceil", "cuda", 0, "direct", False, verify,
+                    {"direct_staging_bytes": 4096}, backend="nccl")
+    assert all(r["direct_peers"] == [1 - rank] for rank, r in enumerate(got)), got
+    assert any("codec boxes staged" in r["routes"] for r in got), [r["routes"] for r in got]

@@ -234,10 +234,10 @@ void relocate_staging(StagingPlan* plan, uint64_t base) {
 StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams) {
   RX_HOST_ASSERT(streams >= 1 && groups >= 0, "stage_script: ", streams, " streams, ", groups, " groups");
   StageScript out;
-  out.streams = streams;
   const int32_t slots = plan.slots, n = static_cast<int32_t>(plan.chunks.size());
   out.parts.resize(static_cast<size_t>(std::max(groups, 1)));
   if (n == 0) return out;  // nothing staged: no action at all
+  out.streams = streams;
   out.events = 2 * slots + streams;
   const auto packed = [](int32_t c, int32_t s) { return c % s; };
   auto pack = [&](std::vector<StageAction>& to, int32_t c) {
