@@ -5,7 +5,8 @@ the peer mapping is the identity); copy-engine copies run as row memmoves, kerne
 through the CPU twin; NCCL pairs pack, exchange their messages by memmove and unpack.
 What it checks is everything the transport decides on the host: which ops each side
 keeps, the batch layout both ends of an NCCL pair share, the geometry of every direct
-box and copy-engine copy, and the casts and MX modes they carry."""
+box and copy-engine copy, and the casts and MX modes they carry; a sender's staged codec
+boxes run through StagedRun, the CPU emulation of their staging script."""
 from __future__ import annotations
 
 import ctypes

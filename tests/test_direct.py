@@ -2,7 +2,8 @@
 
 CPU: the pair selection, and every table the transport builds, run in one process by
 _direct_sim (direct pairs, NCCL pairs and mixes of both, copy engines and kernel, casts
-and MXFP8) against the logical tensors, bit for bit.
+and MXFP8, a sender's codec boxes through the staging ring in every order its script
+allows) against the logical tensors, bit for bit.
 GPU (2 or 4 GPUs, skipped elsewhere): the refit matrix through backend="direct", pairs
 falling back to NCCL, a peer that never executes, rebinding (MXFP8 over direct pairs:
 test_mxfp8_refit.py::test_refit_matrix_cuda).
@@ -387,9 +388,8 @@ def test_mxfp8_through_direct_boxes(mode, where, layout_kind, world):
     assert stats["staged"] == 0, stats
 
 
-@pytest.mark.parametrize("policy", ["pack", "copy", 5])
-@pytest.mark.parametrize("landing", [False, True])
-@pytest.mark.parametrize("stage_bytes", [256, 2048, 1 << 20])
+@pytest.mark.parametrize("stage_bytes,landing,policy", [(256, False, "pack"), (256, True, "pack"), (256, False, "copy"),
+                                                       (256, True, 5), (2048, True, "copy"), (1 << 20, False, 5)])
 @pytest.mark.parametrize("layout_kind,world", [("2d", 2), ("swizzled", 4)])
 def test_mxfp8_sender_staged_through_the_ring(layout_kind, world, stage_bytes, landing, policy):
     """Sender-side MXFP8 on the direct path with a staging ring: the sender's codec boxes
