@@ -173,6 +173,7 @@ class Plan:
         self.rank = groups.rank(group)
         self.transform = transform
         self._agreement = agreement
+        self.max_batch_bytes = max_batch_bytes  # the transports' staging stays within it
         self.options = options = options.replace(host_ring=agreement.host_ring)  # the vote decides
         self.device = agreement.device
         self.plan_id = agreement.plan_id
