@@ -20,6 +20,7 @@ except ImportError:
         "(scripts/dev_build.sh OFF)") from None
 
 from . import adapters, merged, relay, views
+from .connect import ConnectedGroup, connect
 from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
 from .layout import Layout, Mesh, Replicate, Shard
@@ -44,7 +45,7 @@ def build_info() -> dict[str, Any]:
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
-    "MXFP8",
+    "MXFP8", "connect", "ConnectedGroup",
     "adapters", "merged", "relay", "views", "swap_model_weights", "prepare_swap_model_weights", "clear_caches",
     "__version__",
 ]

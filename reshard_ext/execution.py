@@ -173,6 +173,7 @@ class Plan:
         self.rank = groups.rank(group)
         self.transform = transform
         self._agreement = agreement
+        self.max_batch_bytes = max_batch_bytes  # the transports' staging stays within it
         self.options = options = options.replace(host_ring=agreement.host_ring)  # the vote decides
         self.device = agreement.device
         self.plan_id = agreement.plan_id
@@ -489,8 +490,7 @@ def plan(
     max_batch_bytes: bound on this rank's staging buffers (send + receive, every
     pipelined copy), in bytes.
     """
-    if not groups.usable(group):
-        raise ReshardError("rx.plan needs torch.distributed to be initialised (any launcher, any backend)")
+    groups.require(group, "rx.plan")
     group = groups.resolve(group)
     rank = groups.rank(group)
     # Anything wrong with this rank's arguments joins the first exchange, so every rank

@@ -254,6 +254,19 @@ def _group_key(group: Any) -> tuple:
     return _group_info(group)[0]
 
 
+def _forget_group(group: groups.Standalone) -> None:
+    """Drops the cached plans and descriptions of a standalone group that closes."""
+    _GROUP_KEYS.pop(group.process_group, None)
+    # keys: _PLANS (group key, ...), _DESCRIBED (side, group key, offset), _GENERATIONS group key,
+    # where a group key is (backend, groups.key)
+    for cache, of in ((_PLANS, lambda k: k[0]), (_DESCRIBED, lambda k: k[1]), (_GENERATIONS, lambda k: k)):
+        for key in [k for k in cache if of(k)[1] == group.key]:
+            del cache[key]
+
+
+groups.on_close(_forget_group)
+
+
 class _Signature:
     """The sorted (name, layout) pairs of one side, as part of a plan-cache key. Python
     does not cache a tuple's hash: hashing the raw pairs on every warm lookup cost
@@ -506,7 +519,7 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
     look = _lookup(src_model, dst_model, backend, group, src_off, dst_off, name_map, max_batch_bytes, transform,
                    adapter, opts, hf_names)
     timeout_s = None
-    if len(_group_key(group)[1]) <= HEADER_AGREEMENT_RANKS:
+    if groups.size(group) <= HEADER_AGREEMENT_RANKS:
         if look.clean:
             cached = look.cached
             assert cached is not None  # clean

@@ -186,7 +186,9 @@ class Channel:
         self._ring_made = False
         self._ring_peers: dict[int, bool] = {}  # peer -> whether our data goes through the rings
         self._ring_lock = threading.Lock()
-        threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
+        self.closed = False  # its group was closed (rx.connect's ConnectedGroup.close())
+        self._worker = threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True)
+        self._worker.start()
 
     # --- headers through shared memory (same host) --------------------------------------
     def _mailbox_key(self, rank: int) -> str:
@@ -353,6 +355,9 @@ class Channel:
 
     # --- one execute at a time -------------------------------------------------------
     def enter(self, what: str = "rx.execute") -> None:
+        if self.closed:
+            raise ReshardError(f"{what}: the group made by rx.connect was closed; plans made over it cannot run "
+                               f"(connect again and plan again)")
         if not self._busy.acquire(blocking=False):
             raise ReshardError(
                 f"{what}: an execute on the process group of ranks {list(self.ranks)} is running in this process "
@@ -364,10 +369,23 @@ class Channel:
         self.owner = None
         self._busy.release()
 
+    def close(self) -> None:
+        """Ends the channel of a group that closes: later executes raise, the worker
+        stops once its jobs are done, and the shared-memory segments and gloo contexts
+        go with the last reference."""
+        self.closed = True
+        self._jobs.put(None)  # type: ignore[arg-type]  # the worker's end
+        self._worker.join(timeout=_POLL_S * 20)  # it holds the channel (and so the group's store) while it runs
+        self._mailbox = None
+        self._ring = None
+        self._contexts.clear()
+
     # --- the worker --------------------------------------------------------------------
     def _work(self) -> None:
         while True:
             task = self._jobs.get()
+            if task is None:
+                return
             try:
                 task.result = task.fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -681,6 +699,16 @@ def _close_mailboxes() -> None:
     for ch in list(_CHANNELS.values()):
         ch._mailbox = None  # a forked child's copy leaves the parent's segment (the destructor checks)
         ch._ring = None  # a worker still polling it holds its own reference
+
+
+def _close_group(group: groups.Standalone) -> None:
+    with _CHANNELS_LOCK:
+        ch = _CHANNELS.pop(group.key, None)
+    if ch is not None:
+        ch.close()
+
+
+groups.on_close(_close_group)
 
 
 def channel_of(group: Any) -> Channel:

@@ -162,8 +162,7 @@ def communicator(group: Any = None, timeout_s: float | None = None,
     if not torch.cuda.is_available():
         raise ReshardError("the NCCL transport needs a CUDA device, and torch.cuda.is_available() is False; "
                            "use backend='torch' on CPU")
-    if not groups.usable(group):
-        raise ReshardError("the NCCL transport needs torch.distributed to be initialized")
+    groups.require(group, "the NCCL transport")
     group = groups.resolve(group)
     ranks = groups.ranks(group)
     device = torch.cuda.current_device()
@@ -204,6 +203,15 @@ def side_stream(comm: _C.NcclComm) -> torch.cuda.ExternalStream:
     """The communicator's stream as a torch stream: `t.record_stream(side_stream(comm))`
     for a buffer freed while a transfer may still read or write it."""
     return torch.cuda.ExternalStream(comm.side_stream, device=torch.device("cuda", comm.device))
+
+
+def _close_group(group: groups.Standalone) -> None:
+    """Closes the communicators of a standalone group that closes (on every member)."""
+    for key in [k for k in _COMMS if k[0] == group.key]:
+        _COMMS.pop(key).close(10.0)
+
+
+groups.on_close(_close_group)
 
 
 def clear_communicators(timeout_s: float = 10.0) -> None:

@@ -18,7 +18,7 @@ from ..options import set_process_env_default
 from . import libfiles
 
 _SONAME = "libnvshmem_host.so.3"
-_WORLD: tuple[int, ...] | None = None  # global ranks of the NVSHMEM world, in PE order
+_WORLD: tuple | None = None  # its processes (groups.processes) of the NVSHMEM world, in PE order
 
 
 def available() -> bool:
@@ -84,12 +84,12 @@ def world(group: Any, batch_bytes: int = 512 << 20) -> list[int]:
     NVSHMEM has one world per process, and its allocations are collective over all of it.
     batch_bytes (a plan's staging bound) sizes the symmetric heap unless the user set it."""
     global _WORLD
-    ranks = groups.ranks(group)
+    ranks = groups.processes(group)
     each = check_group(group)
     worlds = set(each)
     if worlds != {None}:
         if len(worlds) != 1 or set(next(iter(worlds)) or ()) != set(ranks):
-            raise ReshardError(f"backend 'nvshmem': this process's NVSHMEM world is the global ranks "
+            raise ReshardError(f"backend 'nvshmem': this process's NVSHMEM world is the processes "
                                f"{sorted(_WORLD or ())}, and a plan must span exactly those processes "
                                f"(this group: {sorted(ranks)}; the world of each rank: {each})")
         return [_WORLD.index(g) for g in ranks]  # type: ignore[union-attr]
