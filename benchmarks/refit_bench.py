@@ -82,7 +82,7 @@ def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
 
 
 def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
-                 rank: int) -> tuple[int, int, float, float]:
+                 rank: int) -> tuple[int, int, float, float, str]:
     """The same refit with the 2-D linear weights landing as MXFP8 (data, scale) buffers."""
     from reshard_ext.mxfp8 import scale_numel
 
@@ -111,7 +111,7 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
     bf16_conv = sum(op.nbytes for op in rx.local_plan(src_l, dst_l, rank).sends
                     if op.peer != rank and op.name in chosen)
     t_verify = _time(lambda: rx.execute(plan, verify=True), args.iters) if args.verify else 0.0
-    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters), t_verify
+    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters), t_verify, plan.routes
 
 
 def _options(variant: str) -> rx.Options:
@@ -344,16 +344,19 @@ def main() -> None:
         if args.mxfp8:
             print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
-                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9}" +
+                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9} {'time ratio':>10}" +
                   (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv), _, _, _, _, _, _, _, _ in rows:  # noqa: B007
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv, _), _, _, _, _, _, _, _, _ in rows:  # noqa: B007
                 other = sent - conv_bf16  # bytes of tensors that travel unconverted
                 conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
                 cratio = f"{conv_wire / conv_bf16:6.3f}" if conv_bf16 else "     -"
                 cost = f" {1e3 * mx_tv:9.2f} {100 * (mx_tv / mx_t - 1):+5.1f}%" if args.verify and mx_t else ""
+                tratio = f"{mx_t / t:10.3f}" if t else "         -"
                 print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
-                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f}{cost}")
+                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f} {tratio}{cost}")
+            print("time ratio = mxfp8 refit / bf16 refit of the same model, same backend, same run "
+                  f"(routes of rank 0: {rows[0][11][4]})")
         for r, *_, timeline, _, _, _, _, _, _, _ in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")

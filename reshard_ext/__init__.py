@@ -19,7 +19,8 @@ except ImportError:
         "another folder (these sources shadow an installed copy), or build it in place for development "
         "(scripts/dev_build.sh OFF)") from None
 
-from . import adapters, merged, relay
+from . import adapters, merged, relay, views
+from .connect import ConnectedGroup, connect
 from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
 from .fp8block import FP8Block
@@ -45,6 +46,7 @@ def build_info() -> dict[str, Any]:
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
-    "MXFP8", "FP8Block",
-    "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
+    "MXFP8", "FP8Block", "connect", "ConnectedGroup",
+    "adapters", "merged", "relay", "views", "swap_model_weights", "prepare_swap_model_weights", "clear_caches",
+    "__version__",
 ]

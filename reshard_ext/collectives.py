@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import groups
 from .errors import ReshardError
 from .options import env_default
 
@@ -25,12 +26,6 @@ _SPIN_S = 1e-3  # how long wait() polls before it sleeps between polls
 # The longest sleep between polls: a wait sees its completion at most this late. Ranks that
 # reach a collective early (a verified execute's check) otherwise oversleep a slower peer.
 _MAX_PAUSE_S = 5e-4
-
-
-def _device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
@@ -62,8 +57,8 @@ def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
 
 def all_gather_objects(obj: Any, group: Any, what: str, timeout_s: float | None = None) -> list[Any]:
     """dist.all_gather_object with a bounded wait: every rank's `obj`, in group rank order."""
-    world = dist.get_world_size(group)
-    device = _device(group)
+    world = groups.size(group)
+    device = groups.collective_device(group)
     data = pickle.dumps(obj)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
@@ -82,8 +77,9 @@ def first_failed_rank(group: Any, failed: bool, what: str = "rx.plan", timeout_s
     """One all-reduce: the lowest group rank that passed failed=True, or -1. Lets a
     failure on one rank (an allocation, a local check) raise on every rank at once
     instead of leaving the others waiting in their next collective."""
-    world = dist.get_world_size(group)
-    t = torch.tensor([world - dist.get_rank(group) if failed else 0], dtype=torch.int64, device=_device(group))
+    world = groups.size(group)
+    t = torch.tensor([world - groups.rank(group) if failed else 0], dtype=torch.int64,
+                     device=groups.collective_device(group))
     wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), what, timeout_s)
     top = int(t.item())
     return world - top if top else -1

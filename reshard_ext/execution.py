@@ -8,9 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch.distributed as dist
-
-from . import _C, verification
+from . import _C, groups, verification
 from .collectives import all_gather_objects, first_failed_rank
 from .errors import ReshardError
 from .layout import Layout, code_of
@@ -192,9 +190,10 @@ class Plan:
                  backend: str, transform: Transform | None, options: Options,
                  max_batch_bytes: int | None = None):
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = groups.rank(group)
         self.transform = transform
         self._agreement = agreement
+        self.max_batch_bytes = max_batch_bytes  # the transports' staging stays within it
         self.options = options = options.replace(host_ring=agreement.host_ring)  # the vote decides
         self.device = agreement.device
         self.plan_id = agreement.plan_id
@@ -524,10 +523,9 @@ def plan(
     max_batch_bytes: bound on this rank's staging buffers (send + receive, every
     pipelined copy), in bytes.
     """
-    if not dist.is_initialized():
-        raise ReshardError("rx.plan needs torch.distributed to be initialised (any launcher, any backend)")
-    group = group if group is not None else dist.group.WORLD
-    rank = dist.get_rank(group)
+    groups.require(group, "rx.plan")
+    group = groups.resolve(group)
+    rank = groups.rank(group)
     # Anything wrong with this rank's arguments joins the first exchange, so every rank
     # raises together instead of some waiting in a collective the others skipped.
     errors: list[str] = []

@@ -118,9 +118,9 @@ class FP8Block(Transform):
         return None
 
     def _rank(self) -> int:
-        import torch.distributed as dist
+        from . import groups
 
-        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        return groups.rank(self.group) if groups.usable(self.group) else 0
 
     # -- sender side ----------------------------------------------------------------------
     def rewrite_src(self, name: str, tensor: Any, layout: Layout) -> Rewrite | None:

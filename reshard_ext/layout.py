@@ -134,11 +134,17 @@ class Shard:
     blocks: packed blocks (Megatron partition_sizes); each block is split separately and
     a rank holds its share of every block, concatenated. Block sizes are of the dim as it
     stands before this mesh dim splits it.
+    sizes: an uneven contiguous split, one size per coordinate of this mesh dim (zeros
+    allowed), summing to the dim as it stands before this mesh dim splits it: coordinate
+    c holds the sizes[c] elements after those of coordinates 0..c-1. An inference
+    engine's padded vocabulary: vLLM's 1000-row embedding at TP2 pads to 1024 and splits
+    as sizes=(512, 488). Not combined with stride or blocks.
     """
 
     dim: int
     stride: int = 1
     blocks: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Type errors are local mistakes, raised here; a dim out of range for the tensor
@@ -153,10 +159,15 @@ class Shard:
             if isinstance(self.blocks, (str, bytes)) or not all(_is_int(b) for b in self.blocks):
                 raise ReshardError(f"Shard({self.dim}, blocks={self.blocks!r}): blocks must be a sequence of integers")
             object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
+        if self.sizes is not None:
+            if isinstance(self.sizes, (str, bytes)) or not all(_is_int(b) for b in self.sizes):
+                raise ReshardError(f"Shard({self.dim}, sizes={self.sizes!r}): sizes must be a sequence of integers")
+            object.__setattr__(self, "sizes", tuple(int(b) for b in self.sizes))
 
     def __repr__(self) -> str:
         extra = "" if self.stride == 1 else f", stride={self.stride}"
         extra += "" if self.blocks is None else f", blocks={self.blocks}"
+        extra += "" if self.sizes is None else f", sizes={self.sizes}"
         return f"Shard({self.dim}{extra})"
 
 
@@ -171,7 +182,7 @@ def _normalized(p: Placement, ndim: int) -> Placement:
     """Shard(-k) counts from the last dim, as in torch DTensor; out-of-range dims stay as
     given, for the layout's error to name."""
     if isinstance(p, Shard) and -ndim <= p.dim < 0:
-        return Shard(p.dim + ndim, p.stride, p.blocks)
+        return Shard(p.dim + ndim, p.stride, p.blocks, p.sizes)
     return p
 
 
@@ -194,7 +205,8 @@ class Layout:
         cpp_placements = [
             _C.Placement.replicate() if isinstance(p, Replicate) else
             _C.Placement(_fixed(p.dim, "Shard dim", 32), _fixed(p.stride, "Shard stride"),
-                         [_fixed(b, "Shard block") for b in p.blocks or ()])
+                         [_fixed(b, "Shard block") for b in p.blocks or ()],
+                         [_fixed(b, "Shard size") for b in p.sizes or ()])
             for p in self.placements
         ]
         # Construction never raises for semantic problems: `plan` reports them on every

@@ -115,29 +115,30 @@ def split_interleaved_qkv(
     num_query_groups: int,
     head_dim: int,
 ) -> Entries:
-    """Replaces Megatron's fused ``linear_qkv.weight`` entry (per query group
-    [q heads; k; v], groups sharded over TP) by q/k/v entries that are strided views of
-    the same local storage, with the shapes of `qkv_layouts`."""
+    """Replaces Megatron's fused ``linear_qkv.weight`` (or ``.bias``) entry (per query
+    group [q heads; k; v], groups sharded over TP) by q/k/v entries that are strided views
+    of the same local storage, with the shapes of `qkv_layouts` (a bias: without the
+    trailing hidden dim)."""
     out = dict(entries)
     if fused not in out:
         return out
     local, layout = out.pop(fused)
-    if len(layout.shape) != 2 or not all(
+    if len(layout.shape) not in (1, 2) or not all(
         isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0 and p.stride == 1 and p.blocks is None)
         for p in layout.placements
     ):
-        raise ReshardError(f"'{fused}': expected a 2-D tensor plainly sharded on dim 0, got {layout!r}")
-    rows, hidden = layout.shape
+        raise ReshardError(f"'{fused}': expected a 1-D or 2-D tensor plainly sharded on dim 0, got {layout!r}")
+    rows, rest = layout.shape[0], tuple(layout.shape[1:])
     per_group = rows // num_query_groups
     heads_per_group = per_group // head_dim - 2
     if rows % num_query_groups or per_group % head_dim or heads_per_group < 1 or local.shape[0] % per_group:
         raise ReshardError(f"'{fused}': {rows} rows do not split into {num_query_groups} groups of head_dim {head_dim}")
-    g = local.view(local.shape[0] // per_group, heads_per_group + 2, head_dim, hidden)
+    g = local.view(local.shape[0] // per_group, heads_per_group + 2, head_dim, *rest)
     views = (g[:, :heads_per_group], g[:, heads_per_group], g[:, heads_per_group + 1])
     shapes = (
-        (num_query_groups, heads_per_group, head_dim, hidden),
-        (num_query_groups, head_dim, hidden),
-        (num_query_groups, head_dim, hidden),
+        (num_query_groups, heads_per_group, head_dim, *rest),
+        (num_query_groups, head_dim, *rest),
+        (num_query_groups, head_dim, *rest),
     )
     for name, view, shape in zip(names, views, shapes):
         out[name] = (view, Layout(shape, layout.dtype, layout.mesh, layout.placements))

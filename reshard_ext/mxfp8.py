@@ -93,6 +93,10 @@ def _scale_layout_or_error(layout: Layout) -> Layout | str:
             if any(b % BLOCK for b in p.blocks):
                 return f"packed blocks {p.blocks} of the last dim are not multiples of {BLOCK}"
             p = Shard(p.dim, p.stride, tuple(b // BLOCK for b in p.blocks))
+        if isinstance(p, Shard) and p.dim % nd == last and p.sizes is not None:
+            if any(b % BLOCK for b in p.sizes):
+                return f"shard sizes {p.sizes} of the last dim are not multiples of {BLOCK}"
+            p = Shard(p.dim, sizes=tuple(b // BLOCK for b in p.sizes))
         placements.append(p)
     scale = Layout(layout.shape[:-1] + (scale_cols(k),), torch.uint8, layout.mesh, placements)
     for rank in sorted(set(layout.mesh.ranks)):
@@ -161,9 +165,9 @@ class MXFP8(Transform):
         return receiver_digest(self.rounding) if self.where == "receiver" and self._select(name) else None
 
     def _rank(self) -> int:
-        import torch.distributed as dist
+        from . import groups
 
-        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        return groups.rank(self.group) if groups.usable(self.group) else 0
 
     # -- sender side: quantize the source piece into the wire tensors ------------------
     def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Rewrite | None:

@@ -131,6 +131,10 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_DIRECT_VERIFY_GROUPS", 8, _count(1, MAX_VERIFY_GROUPS),
              "a verified direct execute lands in this many groups, each half the one before, each digested by its "
              "receiver while the next ones move (1 to 255; the same on every rank)"),
+        Knob("RESHARD_EXT_DIRECT_STAGING_BYTES", 256 << 20, _count(0),
+             "a sender's codec boxes on the direct path (rx.MXFP8(where='sender') and the like) are quantized into "
+             "a local ring of this many bytes and carried by the copy engines, chunk by chunk (within "
+             "max_batch_bytes; 0: the box kernel stores them into the peer)"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
@@ -210,6 +214,12 @@ class Options:
       group k while the next ones move; a group's copies spread over the streams its own
       copy count calls for, at most direct_engine_streams (1 to 255, the same on every rank:
       plan raises otherwise; RESHARD_EXT_DIRECT_VERIFY_GROUPS).
+    - direct_staging_bytes: a sender's codec boxes (a conversion on the sending side, such as
+      rx.MXFP8(where="sender")) go through a local staging ring of at most this many bytes on
+      the direct path: the box kernel quantizes a chunk into a slot while the copy engines carry
+      the chunk before it into the peer, so the link runs at the copy engines' rate; within
+      max_batch_bytes where the plan has one; 0: the box kernel stores them into the peer
+      (RESHARD_EXT_DIRECT_STAGING_BYTES).
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
@@ -246,6 +256,7 @@ class Options:
     direct_engine_batch: bool | None = None
     direct_engine_streams: int | None = None
     direct_verify_groups: int | None = None
+    direct_staging_bytes: int | None = None
     direct_local_engine_bytes: int | None = None
     direct_local_blocks: int | None = None
     direct_ipc: bool | None = None
@@ -271,6 +282,7 @@ class Options:
             "direct_engine_streams": (int, lambda v: v >= 1, "an integer >= 1"),
             "direct_verify_groups": (int, lambda v: 1 <= v <= MAX_VERIFY_GROUPS,
                                      f"an integer from 1 to {MAX_VERIFY_GROUPS}"),
+            "direct_staging_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_local_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_local_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
             "direct_ipc": (bool, lambda v: True, "a bool"),
@@ -354,6 +366,11 @@ class Options:
         if self.direct_verify_groups is not None:
             return self.direct_verify_groups
         return int(env_default("RESHARD_EXT_DIRECT_VERIFY_GROUPS"))
+
+    def resolved_direct_staging_bytes(self) -> int:
+        if self.direct_staging_bytes is not None:
+            return self.direct_staging_bytes
+        return int(env_default("RESHARD_EXT_DIRECT_STAGING_BYTES"))
 
     def resolved_direct_local_engine_bytes(self) -> int:
         if self.direct_local_engine_bytes is not None:

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from . import _C
+from . import _C, groups
 from .collectives import all_gather_objects, first_failed_rank  # noqa: F401 - first_failed_rank lived here
 from .errors import ReshardError
 from .layout import Layout
@@ -306,7 +305,7 @@ def plan_collective(
     grain_of(dst name): the cut grain of its last dim, or None (Transform.last_dim_grain)."""
     options = options or Options()
     timeout_s = options.resolved_timeout("gloo")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = groups.rank(group), groups.size(group)
     errors = list(errors or []) + _check_local("src", src, rank, world) + _check_local("dst", dst, rank, world)
     device = _device_kind([src, dst])
     report = []

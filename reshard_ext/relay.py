@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, groups
 from .errors import InternalError, ReshardError
 from .execution import Plan, rebind_errors
 from .layout import Layout, Mesh, Replicate, Shard, dtype_of
@@ -203,7 +203,7 @@ def relayed_dims(agreement: Any) -> dict[str, int]:
 
 
 def _agreed_stages(options: Options, group: Any) -> int:
-    votes: list[Any] = [None] * dist.get_world_size(group)
+    votes: list[Any] = [None] * groups.size(group)
     dist.all_gather_object(votes, options.resolved_relay_stages(), group=group)
     if len(set(votes)) > 1:
         raise ReshardError(f"rx.Options(relay_stages=...) / RESHARD_EXT_RELAY_STAGES must be alike on every "
@@ -219,7 +219,7 @@ def plan_relayed(agreement: Any, dims: Mapping[str, int], src: Entries, dst: Ent
     stages = _agreed_stages(options, group)
     plan_of = staging(agreement, dims, stages, max_batch_bytes or options.resolved_batch_bytes())
     plans = [bind(plan_collective(s, d, group, max_batch_bytes, None, options, depth), s, d)
-             for s, d in plan_of.entries(src, dst, dist.get_rank(group))]
+             for s, d in plan_of.entries(src, dst, groups.rank(group))]
     return RelayPlan(plans, plan_of, src, dst)
 
 

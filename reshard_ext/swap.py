@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, torch_shim
+from . import _C, adapters, groups, torch_shim
 from .adapters import Entries, NameMap, apply_name_map
-from .adapters import dtensor as dtensor_adapter
 from .adapters import megatron as megatron_adapter
+from .engines.entries import EngineEntries
 from .errors import ReshardError
 from .layout import Layout
 from .options import Options
@@ -97,7 +97,8 @@ def clear_caches(communicators: bool = True) -> None:
         nccl_lib.clear_communicators()
 
 
-# Megatron descriptions of the last models seen: (side, group, offset) -> (model ids, head,
+# Megatron and transformers descriptions of the last models seen: (side, group, offset, kind,
+# names) -> (model ids, head,
 # snapshot, entries, signature). A warm swap re-checks only what the description depends on
 # (the snapshot) instead of describing the model again.
 _DESCRIBED: dict[tuple, tuple[tuple, tuple, Any, Entries, _Signature]] = {}
@@ -151,13 +152,14 @@ def _tensor_abi() -> Any:
 
 
 def _head(cores: list[nn.Module]) -> tuple:
-    return tuple((c, getattr(c, "pg_collection", None), getattr(getattr(c, "config", None), "num_moe_experts", None),
+    return tuple((c, getattr(c, "pg_collection", None), getattr(c, "config", None),
+                  getattr(getattr(c, "config", None), "num_moe_experts", None),
                   getattr(c, "share_embeddings_and_output_weights", None)) for c in cores)
 
 
 def _fingerprint(chunks: list[nn.Module]) -> tuple:
-    """Everything the Megatron adapter reads: per chunk its core module, process groups,
-    expert count and tying (held, so ids cannot be reused), and the exact bytes of its
+    """Everything the Megatron and transformers adapters read: per chunk its core module,
+    process groups, config, expert count and tying (held, so ids cannot be reused), and the exact bytes of its
     module tree (names, layer numbers, non-persistent buffer names) and of every parameter
     and buffer (object, data_ptr, shape, strides, dtype, parallel attributes). Equal
     fingerprints give equal descriptions, so a changed model is described (and planned)
@@ -189,39 +191,48 @@ def _snapshots_work() -> bool:
     return True
 
 
-def _describe(model: ModelLike, side: str, group: Any, rank_offset: int,
-              adapter: Adapter | None) -> tuple[Entries, _Signature]:
-    """(entries, layout signature) of one side."""
+def _kind(model: ModelLike, adapter: Adapter | None) -> str | None:
+    """The adapter kind of a module side (adapters.pick); None for entries, None or an explicit adapter."""
+    if model is None or isinstance(model, Mapping) or adapter is not None:
+        return None
+    return adapters.pick(model)
+
+
+def _describe(model: ModelLike, side: str, group: Any, rank_offset: int, adapter: Adapter | None,
+              kind: str | None = None, names: Any = None) -> tuple[Entries, _Signature]:
+    """(entries, layout signature) of one side: `kind` from _kind, `names` the Hugging
+    Face names a Megatron model is described under (adapters.hf_naming)."""
     if model is None:
         return {}, _signature({})
     if isinstance(model, Mapping):
-        entries = dict(model)
+        entries = model if isinstance(model, EngineEntries) else dict(model)
         return entries, _signature(entries)
     if adapter is not None:
         entries = adapter(model, group=group, rank_offset=rank_offset)
         return entries, _signature(entries)
+    kind = kind or adapters.pick(model)
+    # DTensor: new local tensors on every call, nothing to memoize; an engine's adapter
+    # remembers its trace per model itself.
+    if kind in (adapters.DTENSOR, adapters.ENGINE):
+        entries = adapters.describe(model, kind, side=side, group=group, rank_offset=rank_offset)
+        return entries, _signature(entries)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    memo_key = (side, _group_key(group), rank_offset)
+    memo_key = (side, _group_key(group), rank_offset, kind, names)
     ids = tuple(id(c) for c in chunks)
     cores = [megatron_adapter.unwrap(c) for c in chunks]
     head = _head(cores)
     memo = _DESCRIBED.get(memo_key)
     if memo is not None and (memo[0] != ids or memo[1] != head):
         memo = None  # other chunks
-    if memo is not None and _snapshots_work() and memo[2].unchanged():  # the same parameter objects: not DTensors
+    if memo is not None and _snapshots_work() and memo[2].unchanged():  # the same parameter objects
         STATS["describe_reused"] += 1
         return memo[3], memo[4]
-    first = next(iter(chunks[0].parameters()), None)
-    if isinstance(first, dtensor_adapter.DTensor):
-        entries = dtensor_adapter.entries(model, group=group, rank_offset=rank_offset)
-        return entries, _signature(entries)
     snap = _snapshot(cores)
     if memo is not None and snap.fingerprint == memo[2].fingerprint:  # e.g. a dict rewritten with the same items
         STATS["describe_reused"] += 1
         _DESCRIBED[memo_key] = (ids, head, snap, memo[3], memo[4])
         return memo[3], memo[4]
-    entries = megatron_adapter.entries(model, group=group, rank_offset=rank_offset,
-                                       tie_output_to_embedding=side == "src")
+    entries = adapters.describe(model, kind, side=side, group=group, rank_offset=rank_offset, names=names)
     sig = _signature(entries)
     _DESCRIBED[memo_key] = (ids, head, snap, entries, sig)
     return entries, sig
@@ -232,15 +243,28 @@ _GROUP_KEYS: dict[Any, tuple[tuple, int]] = {}
 
 
 def _group_info(group: Any) -> tuple[tuple, int]:
-    g = group if group is not None else dist.group.WORLD
+    g = groups.resolve(group)
     info = _GROUP_KEYS.get(g)
     if info is None:
-        info = _GROUP_KEYS[g] = ((dist.get_backend(g), tuple(dist.get_process_group_ranks(g))), dist.get_rank(g))
+        info = _GROUP_KEYS[g] = ((groups.backend(g), groups.key(g)), groups.rank(g))
     return info
 
 
 def _group_key(group: Any) -> tuple:
     return _group_info(group)[0]
+
+
+def _forget_group(group: groups.Standalone) -> None:
+    """Drops the cached plans and descriptions of a standalone group that closes."""
+    _GROUP_KEYS.pop(group.process_group, None)
+    # keys: _PLANS (group key, ...), _DESCRIBED (side, group key, offset), _GENERATIONS group key,
+    # where a group key is (backend, groups.key)
+    for cache, of in ((_PLANS, lambda k: k[0]), (_DESCRIBED, lambda k: k[1]), (_GENERATIONS, lambda k: k)):
+        for key in [k for k in cache if of(k)[1] == group.key]:
+            del cache[key]
+
+
+groups.on_close(_forget_group)
 
 
 class _Signature:
@@ -292,7 +316,7 @@ def _agree_stream(device: int) -> Any:
 def _agree(group: Any, failed: bool, generation: int, timeout_s: float | None = None) -> tuple[int, bool]:
     """One all-reduce: (first failed rank + 1 or 0, whether every rank holds `generation`).
     timeout_s: wait at most that long (ReshardError), polling."""
-    g = group if group is not None else dist.group.WORLD
+    g = groups.resolve(group)
     (backend, _), rank = _group_info(g)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     # MAX of (-(rank+1) if failed) finds the first failed rank; MAX of v and -v checks all equal.
@@ -344,17 +368,21 @@ class _Lookup:
 
 def _lookup(src_model: ModelLike, dst_model: ModelLike, backend: str, group: Any, src_rank_offset: int,
             dst_rank_offset: int, name_map: NameMap | None, max_batch_bytes: int | None,
-            transform: Transform | None, adapter: Adapter | None, options: Options | None) -> _Lookup:
+            transform: Transform | None, adapter: Adapter | None, options: Options | None,
+            hf_names: Any = None) -> _Lookup:
     error: BaseException | None = None
     src: Entries = {}
     dst: Entries = {}
     key: tuple = ()
     try:
-        src, src_sig = _describe(src_model, "src", group, src_rank_offset, adapter)
+        src_kind, dst_kind = _kind(src_model, adapter), _kind(dst_model, adapter)
+        src_names = adapters.hf_naming(src_model, src_kind, dst_model, dst_kind, hf_names)
+        dst_names = adapters.hf_naming(dst_model, dst_kind, src_model, src_kind, hf_names)
+        src, src_sig = _describe(src_model, "src", group, src_rank_offset, adapter, src_kind, src_names)
         if name_map is not None:
             src = apply_name_map(src, name_map)
             src_sig = _signature(src)
-        dst, dst_sig = _describe(dst_model, "dst", group, dst_rank_offset, adapter)
+        dst, dst_sig = _describe(dst_model, "dst", group, dst_rank_offset, adapter, dst_kind, dst_names)
         key = (
             _group_key(group), backend, max_batch_bytes,
             transform.cache_key() if transform is not None else None,
@@ -400,7 +428,7 @@ def _replan_round(group: Any, options: Options | None) -> float:
     it). Returns the timeout its waits used."""
     from .transports.channel import REPLAN_HERE, Session, channel_of, exchange_headers
 
-    ch = channel_of(group if group is not None else dist.group.WORLD)
+    ch = channel_of(groups.resolve(group))
     timeout_s = (options if isinstance(options, Options) else Options()).resolved_timeout("gloo")
     session = Session(0, 0, None, 0, time.monotonic() + timeout_s, timeout_s, threading.Event(), swap=REPLAN_HERE)
     ch.enter("rx.swap_model_weights")
@@ -424,9 +452,10 @@ def _get_plan(
     transform: Transform | None,
     adapter: Adapter | None,
     options: Options | None = None,
+    hf_names: Any = None,
 ) -> Any:
     look = _lookup(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset, name_map,
-                   max_batch_bytes, transform, adapter, options)
+                   max_batch_bytes, transform, adapter, options, hf_names)
     return _settle(look, group, backend, max_batch_bytes, transform, options)
 
 
@@ -443,10 +472,28 @@ def prepare_swap_model_weights(
     transform: Transform | None = None,
     adapter: Adapter | None = None,
     options: Options | None = None,
+    hf_names: Any = None,
 ) -> Any:
-    """Builds (collectively) and caches the plan that `swap_model_weights` will use."""
+    """Builds (collectively) and caches the plan that `swap_model_weights` will use.
+
+    Each side is None (this rank holds nothing of it), plan entries ``{name: (tensor,
+    rx.Layout)}``, or a module described by the adapter `rx.adapters.pick` chooses
+    (DTensor parameters, a Megatron-Core model with its ``pg_collection`` or a list of its
+    virtual-pipeline chunks, a ``transformers`` model), unless `adapter` (a function
+    ``(model, *, group, rank_offset) -> entries``, used for both sides) is given.
+
+    src_rank_offset, dst_rank_offset: added to a side's model ranks where that model lives
+    in another world than `group`'s numbering. name_map: renames source entries to the
+    destination's names. max_batch_bytes, transform, options: as in `rx.plan`.
+    hf_names: describe Megatron-Core models under Hugging Face checkpoint names
+    (`rx.adapters.megatron_hf`): a family name such as ``"qwen3_moe"``, a HF config, an
+    `rx.adapters.hf_names.HFNames`, True (family inferred from the TransformerConfig) or
+    False (never). Default: when the other side on this rank is a module that is not a
+    Megatron model (family from its config). A rank that holds only the Megatron side
+    cannot see the other: pass the same `hf_names` on every rank then.
+    """
     return _get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
-                     name_map, max_batch_bytes, transform, adapter, options)
+                     name_map, max_batch_bytes, transform, adapter, options, hf_names)
 
 
 def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str = "auto", group: Any = None,
@@ -454,17 +501,25 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
     """Copies every destination tensor from the source model, in place. Collective over `group`.
 
     `options` are those of `prepare_swap_model_weights` (rank offsets, name_map renaming
-    source names to the destination's, max_batch_bytes, transform, options (rx.Options), adapter overriding the
-    model description: default DTensor parameters -> rx.adapters.dtensor, otherwise
-    rx.adapters.megatron). A warm call reuses the cached plan: no metadata exchange.
+    source names to the destination's, max_batch_bytes, transform, options (rx.Options),
+    adapter overriding the model description, hf_names). Each side is a module, a list
+    of Megatron VPP chunks, plan entries or None; modules are described by
+    `rx.adapters.pick`'s choice: DTensor parameters -> rx.adapters.dtensor (a
+    ``transformers`` model: rx.adapters.hf_model), a ``pg_collection`` ->
+    rx.adapters.megatron (under Hugging Face names, rx.adapters.megatron_hf, when the
+    other side is not a Megatron model or `hf_names` says so), a callable
+    ``load_weights`` (vLLM, SGLang) -> rx.adapters.engine (its entries' finish() runs
+    after every transfer), a ``transformers`` PreTrainedModel -> rx.adapters.hf_model;
+    any other module raises saying what to pass. A warm call reuses the cached plan: no
+    metadata exchange.
     """
     from . import execute
 
-    src_off, dst_off, name_map, max_batch_bytes, transform, adapter, opts = _swap_args(**options)
+    src_off, dst_off, name_map, max_batch_bytes, transform, adapter, opts, hf_names = _swap_args(**options)
     look = _lookup(src_model, dst_model, backend, group, src_off, dst_off, name_map, max_batch_bytes, transform,
-                   adapter, opts)
+                   adapter, opts, hf_names)
     timeout_s = None
-    if len(_group_key(group)[1]) <= HEADER_AGREEMENT_RANKS:
+    if groups.size(group) <= HEADER_AGREEMENT_RANKS:
         if look.clean:
             cached = look.cached
             assert cached is not None  # clean
@@ -472,6 +527,7 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
                 cached.entries = (look.src, look.dst)
             try:
                 cached.plan.execute(swap=cached.generation)  # the swap round: every rank's flags in the headers
+                _finish(look.dst)
                 return
             except SwapReplan:
                 timeout_s = cached.plan.options.resolved_timeout("gloo")
@@ -479,13 +535,21 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
             timeout_s = _replan_round(group, opts)
     # Every rank is here together: the one agreement, then planning or rebinding where needed.
     execute(_settle(look, group, backend, max_batch_bytes, transform, opts, timeout_s))
+    _finish(look.dst)
+
+
+def _finish(dst: Entries) -> None:
+    """An engine destination's step after the transfer (its safe-path tensors through its
+    own loader: reshard_ext.engines)."""
+    if isinstance(dst, EngineEntries):
+        dst.finish()
 
 
 def _swap_args(src_rank_offset: int = 0, dst_rank_offset: int = 0, name_map: NameMap | None = None,
                max_batch_bytes: int | None = None, transform: Transform | None = None,
-               adapter: Adapter | None = None, options: Options | None = None) -> tuple:
+               adapter: Adapter | None = None, options: Options | None = None, hf_names: Any = None) -> tuple:
     """swap_model_weights' options (those of prepare_swap_model_weights), in _lookup's order."""
-    return src_rank_offset, dst_rank_offset, name_map, max_batch_bytes, transform, adapter, options
+    return src_rank_offset, dst_rank_offset, name_map, max_batch_bytes, transform, adapter, options, hf_names
 
 
 __all__ = ["swap_model_weights", "prepare_swap_model_weights", "clear_caches"]

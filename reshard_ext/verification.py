@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import groups
 from .collectives import first_failed_rank, wait
 from .errors import ReshardError
 from .transports.channel import HEADER_LEN, Session
@@ -48,7 +49,7 @@ class Ops:
 
     def __init__(self, rank_plan: Any, dst_names: Any, group: Any, timeout_s: float, channel: Any = None,
                  plan_id: int = 0):
-        self.rank = dist.get_rank(group)
+        self.rank = groups.rank(group)
         self.channel = channel  # the group's host channel (its mailboxes), where the transport has one
         self.plan_id = plan_id
         self.names = dst_names
@@ -58,8 +59,7 @@ class Ops:
         self.send_peers = np.array([op.peer for op in self.sends], dtype=np.int64)
         self.recv_peers = np.array([op.peer for op in self.recvs], dtype=np.int64)
         self.p2p = P2PExchange(group, timeout_s)
-        nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = groups.collective_device(group)
         self._side: Any = None  # read_back's stream and pinned buffer, made by its first call
         self._pinned: Any = None
 
@@ -117,10 +117,10 @@ def _exchange(ops: Ops, send: np.ndarray) -> np.ndarray:
     p2p_ops, landed = [], []
     for peer, idx in _groups(ops.send_peers):
         t = torch.from_numpy(send[idx].view(np.int64)).to(ops.device)
-        p2p_ops.append(dist.P2POp(dist.isend, t, ops.p2p.global_rank(peer), ops.p2p.group))
+        p2p_ops.append(groups.p2p_op("send", t, ops.p2p.group, peer))
     for peer, idx in _groups(ops.recv_peers):
         t = torch.empty(idx.size, dtype=torch.int64, device=ops.device)
-        p2p_ops.append(dist.P2POp(dist.irecv, t, ops.p2p.global_rank(peer), ops.p2p.group))
+        p2p_ops.append(groups.p2p_op("recv", t, ops.p2p.group, peer))
         landed.append((idx, t))
     ops.p2p.run(p2p_ops)
     theirs = empty(len(ops.recvs))
@@ -211,7 +211,7 @@ def check(ops: Ops, digests: Digests, what: str, copies: tuple[np.ndarray, np.nd
                           f"{int(copies[0][c]):016x}, the destination's {int(copies[1][c]):016x}")
     if first_failed_rank(ops.p2p.group, bool(errors), what, ops.p2p.timeout_s) < 0:
         return
-    reports: list[Any] = [None] * dist.get_world_size(ops.p2p.group)
+    reports: list[Any] = [None] * groups.size(ops.p2p.group)
     dist.all_gather_object(reports, (len(errors), errors[:_MAX_LISTED]), group=ops.p2p.group)
     shown = [e for _, listed in reports for e in listed][:_MAX_LISTED]
     total = sum(n for n, _ in reports)

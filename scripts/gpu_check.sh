@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -281,6 +281,49 @@ stage_ab() {
       (cd "$tree" && PYTHONPATH="$PWD" timeout 200 torchrun --standalone --nproc-per-node 2 benchmarks/host_overhead.py 2>&1 \
         | grep host_overhead) | tee -a "$OUT/ab.log"
     done
+  done
+}
+stage_mxdirect() {
+  # issue 38 item 6: a sender-side quantized refit against the BF16 refit of the same model, same run,
+  # on the direct backend, non-collocated TP1->TP1 (the link is the bottleneck): the "time ratio"
+  # column (target <= 0.6 for MXFP8). RX_STAGING_BYTES: ring sizes to try (RESHARD_EXT_DIRECT_STAGING_BYTES;
+  # 0 = the box kernel stores the codec boxes into the peer, as before the staging ring).
+  gpus 2 mxdirect || return 0
+  step "mxdirect: correctness of codec boxes over the direct transport (2 GPUs)"
+  (cd tests && timeout 400 python3 -m pytest -q -p no:warnings -rs test_mxfp8_refit.py -k "cuda and (direct or staging)" \
+      2>&1 | tee "$OUT/mxdirect_tests.log" | tail -4)
+  (cd tests && timeout 200 python3 -m pytest -q -p no:warnings -rs test_direct.py -k "staged or staging or mxfp8" \
+      2>&1 | tee -a "$OUT/mxdirect_tests.log" | tail -4)
+  (cd tests && timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+      python3 -m pytest -q -p no:warnings -x test_mxfp8_refit.py -k "(test_refit_matrix_cuda and sender and 2d and direct) or (staging_ring and 2d)" \
+      2>&1 | tee "$OUT/mxdirect_sanitizer.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -4)
+  export RESHARD_EXT_DIRECT_TIMEOUT=120
+  for bytes in ${RX_STAGING_BYTES:-256M 0}; do
+    for side in sender receiver; do
+      [ "$bytes" != 0 ] || [ "$side" = sender ] || continue  # staging only changes the sender side
+      step "mxdirect: refit_bench noncolo-tp1-tp1, direct, MXFP8 $side side, swizzled, RESHARD_EXT_DIRECT_STAGING_BYTES=$bytes"
+      RESHARD_EXT_DIRECT_STAGING_BYTES=$bytes timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+        --case noncolo-tp1-tp1 --backend direct --no-baseline --mxfp8 "$side" ${RX_MXDIRECT_ARGS:-} 2>&1 \
+        | grep -v "^W\|^\[W" | tee -a "$OUT/mxdirect.log" | tail -8
+    done
+  done
+  step "mxdirect: the same, sender side, 2-D scales, verify=True column"
+  timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case noncolo-tp1-tp1 --backend direct \
+    --no-baseline --mxfp8 sender --scale-layout 2d --verify 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/mxdirect.log" | tail -8
+}
+stage_engines() {
+  # issue 36: rx.connect across separately launched jobs (1+1 and 2+2 GPUs), the traced engine on GPUs,
+  # and engine_refit_bench: reshard_ext through the traced record against gather + broadcast +
+  # load_weights (the engines' own path), non-collocated 2 trainers -> a TP2 engine
+  gpus 2 engines || return 0
+  step "engines: rx.connect on GPUs, traced engine refits"
+  (cd tests && timeout 400 python3 -m pytest -q -p no:warnings -rs test_connect_gpu.py test_engine_trace.py -k "gpu" \
+      2>&1 | tee "$OUT/engines_tests.log" | tail -8)
+  gpus 4 engine_bench || return 0
+  for tp in ${RX_ENGINE_TPS:-2}; do
+    step "engine_refit_bench: 2 trainers -> TP$tp engine (4 GPUs)"
+    timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/engine_refit_bench.py --trainers 2 --engine-tp "$tp" \
+      ${RX_ENGINE_ARGS:-} 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/engine_bench.log" | tail -20
   done
 }
 for s in $stages; do

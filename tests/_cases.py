@@ -252,11 +252,12 @@ def poison(shape, dtype, device) -> torch.Tensor:
 
 
 def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_bytes=None, backend: str = "auto",
-             options=None, inspect=None, alloc=poison):
+             options=None, inspect=None, alloc=poison, group=None):
     """Refits the case twice (sources changed in place between) and checks every dst
     piece bit for bit against Layout.local_part of the logical tensor. Returns the plan's
     num_ops, or inspect(plan) when given. alloc(shape, dtype, device) makes each
-    destination, filled with a value the refit must overwrite."""
+    destination, filled with a value the refit must overwrite. group: the refit's group
+    (default WORLD; rank and world are this rank's and its size)."""
     specs = CASES[case](world)
     src, dst, expect = {}, {}, {}
     for i, (name, (shape, sdt, sl, ddt, dl)) in enumerate(sorted(specs.items())):
@@ -267,7 +268,7 @@ def run_case(rank: int, world: int, case: str, device: str = "cpu", max_batch_by
         if rank in dl.mesh:
             dst[name] = (alloc(dl.local_shape(rank), ddt, device), dl)
             expect[name] = g
-    p = rx.plan(src, dst, backend=backend, max_batch_bytes=max_batch_bytes, options=options)
+    p = rx.plan(src, dst, group=group, backend=backend, max_batch_bytes=max_batch_bytes, options=options)
     for step in range(2):
         rx.execute(p)
         if device == "cuda":

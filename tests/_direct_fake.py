@@ -4,7 +4,8 @@ process groups on machines without GPUs:
   - "CUDA IPC" is a file in /dev/shm mapped by both processes (torch.from_file(shared=True));
     tensors not made by `shared_poison` cannot be exported, like memory from a cuMem pool;
   - the per-execute steps exchange gloo messages for the ready and done signals and run
-    the boxes with the CPU twin (copy-engine copies as row memmoves);
+    the boxes with the CPU twin (copy-engine copies as row memmoves), a sender's staged codec
+    boxes through the staging script's emulation (_direct_sim.StagedRun);
   - the pairs that are not direct use the CPU (gloo) transport.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from reshard_ext.transports.cpu import CpuTransport
 
 _SHARED: dict[str, torch.Tensor] = {}  # path -> its tensor (bytes), in this process
 _READY, _DONE = 71, 72  # gloo tags of the two signals
+STAGING_POLICY: str | int = "pack"  # the order the staged codec boxes run in (_direct_sim.StagedRun)
 
 
 def shared_poison(shape: tuple, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
@@ -74,17 +76,27 @@ class _Exec:
     landing execute: one more per landing group, tag _DONE + 1 + group)."""
 
     def __init__(self, boxes: Any, local: Any, options: Any, receivers: list[int], senders: list[int],
-                 timeout: float, box_groups: list[int], groups: int):
+                 timeout: float, box_groups: list[int], groups: int, stageable: list[int], slot_bytes: int):
         import numpy as np
+        from _direct_sim import StagedRun
 
         self.timeout = datetime.timedelta(seconds=timeout)
+        # the staged codec boxes, for a plain and a landing execute (each run builds a fresh one)
+        every, every_group = boxes, list(box_groups)
+        self.staged = lambda landing: StagedRun(every, every_group, stageable, slot_bytes, groups if landing else 0,
+                                                policy=STAGING_POLICY)
+        probe = self.staged(False)
+        self.staging_bytes, self.num_staged_chunks = probe.plan.ring_bytes, probe.plan.num_chunks
+        self.num_staged_boxes = len(box_groups) - len(probe.rest)
+        boxes = probe.rest_boxes(boxes)
+        box_groups = [box_groups[i] for i in probe.rest]
         self.engine, self.kernel = _C.split_engines(boxes, options.resolved_direct_engine_bytes())
         self.streams = _C.spread_engines(self.engine, options.resolved_direct_engine_streams())
         records = np.frombuffer(boxes, dtype=np.uint8).reshape(-1, _C.BOX_BYTES)
         where = np.asarray(box_groups, dtype=np.int64)
         # per landing group: (copy-engine copies, kernel boxes), as DirectExec cuts them
         self.groups = [_C.split_engines(records[where == k].copy(), options.resolved_direct_engine_bytes())
-                       for k in range(groups)] if len(records) else []
+                       for k in range(groups)] if len(probe.rest) + self.num_staged_boxes else []
         self.local_engine, self.local_kernel = _C.split_engines(local, options.resolved_direct_local_engine_bytes())
         self.receivers, self.senders = receivers, senders
         self.token = torch.zeros(1)
@@ -115,14 +127,19 @@ class _Exec:
         _C.copy_boxes_cpu(self.local_kernel)
         self._signal(self.senders, self.receivers, _READY)  # my destinations are free; wait for theirs
         if landing and self.groups:
+            signals = self.staged(True).run()
             for k, (engine, kernel) in enumerate(self.groups):
                 run_engine(engine)
                 _C.copy_boxes_cpu(kernel)
+                if self.num_staged_chunks:
+                    assert next(signals) == k, "staged signals out of order"
                 self.posted += self._post(self.receivers, [], _DONE + 1 + k)  # waited for in end()
+            assert next(signals, None) is None, "a staged signal past the last landing group"
             return
         for part in self.streams:
             run_engine(part)
         _C.copy_boxes_cpu(self.kernel)
+        self.staged(False).run_all()
 
     def wait_landed(self, stream: int, k: int) -> None:
         self._wait(self._post([], self.senders, _DONE + 1 + k))
@@ -160,8 +177,10 @@ class FakeDevice:
         return _Mapping(handle)
 
     def executor(self, signals: Any, boxes: Any, local: Any, options: Any, receivers: list[int],
-                 senders: list[int], timeout: float, box_groups: list[int], groups: int) -> tuple[Any, Any]:
-        return _Exec(boxes, local, options, receivers, senders, timeout, box_groups, groups), None
+                 senders: list[int], timeout: float, box_groups: list[int], groups: int, stageable: list[int],
+                 slot_bytes: int) -> tuple[Any, Any]:
+        return _Exec(boxes, local, options, receivers, senders, timeout, box_groups, groups, stageable,
+                     slot_bytes), None
 
     def transport(self, group: Any, options: Any, register: bool, nccl: bool) -> Any:
         return CpuTransport(group, options)

@@ -5,7 +5,8 @@ the peer mapping is the identity); copy-engine copies run as row memmoves, kerne
 through the CPU twin; NCCL pairs pack, exchange their messages by memmove and unpack.
 What it checks is everything the transport decides on the host: which ops each side
 keeps, the batch layout both ends of an NCCL pair share, the geometry of every direct
-box and copy-engine copy, and the casts and MX modes they carry."""
+box and copy-engine copy, and the casts and MX modes they carry; a sender's staged codec
+boxes run through StagedRun, the CPU emulation of their staging script."""
 from __future__ import annotations
 
 import ctypes
@@ -35,9 +36,121 @@ def run_engine(copies: list[tuple]) -> tuple[int, int]:
     return len(runs), len(pitched)
 
 
+_PACK, _COPY, _WAIT, _RECORD = 0, 1, 2, 3  # StageOp (core/direct.h)
+_SIGNAL = -1  # the executor's signal stream in the emulation
+
+
+class StagedRun:
+    """A sender's staged codec boxes (core/direct.h: plan_staging, stage_script), run on the
+    CPU as DirectExec queues them: the script's actions go to their streams in host order,
+    then each stream runs its actions in order, a wait holding its stream until the event's
+    latest record queued before it has run (CUDA's rule); which ready stream runs next is
+    chosen by `policy` ("pack": the pack stream whenever it can, "copy": the copy streams
+    first, else a seeded random choice), so a wait the script lacks shows as a slot packed
+    before it was copied out or as a chunk missing when its group is signalled. Packs run
+    through the CPU twin into a poisoned ring, copies as row memmoves.
+
+    `landing` (the landing groups, 0: one part) also runs the executor's signal: after part k
+    a signal stream waits for every copy stream's group-end event, then records
+    kStageLanded; `run()` yields k when that signal runs, every chunk of groups <= k copied."""
+
+    def __init__(self, boxes: Any, groups: list[int], stageable: list[int], slot_bytes: int, landing: int = 0,
+                 policy: str | int = 0, edit: Any = None):
+        import random
+
+        self.plan, self.rest = _C.plan_staging(boxes, groups, stageable, slot_bytes)
+        self.landing = landing
+        self.ring = torch.full((max(1, self.plan.ring_bytes),), 0xA5, dtype=torch.uint8)
+        self.plan.relocate(self.ring.data_ptr())
+        self.chunks = [self.plan.chunk(c) for c in range(self.plan.num_chunks)]
+        self.policy = policy
+        self.edit = edit  # tests: a function of the script (streams, events, prefill, parts) that breaks it
+        self.rng = random.Random(policy if isinstance(policy, int) else 0)
+        self.packs = self.copies = 0
+        self.max_ahead = 0  # the most chunks packed and not yet copied out at once
+
+    def rest_boxes(self, boxes: Any) -> Any:
+        """The boxes the staging left to the kernel and the copy engines (a table)."""
+        import numpy as np
+
+        records = np.frombuffer(boxes, dtype=np.uint8).reshape(-1, _C.BOX_BYTES)
+        return records[np.asarray(self.rest, dtype=np.int64)].copy() if len(records) else records
+
+    def _queue(self) -> tuple[dict, dict]:
+        """Every stream's actions in host order, each wait with the record count it waits for."""
+        script = self.plan.script(self.landing)
+        streams, _, prefill, parts = self.edit(*script) if self.edit else script
+        queued = {_C.STAGE_START: 1}  # the execute's start is recorded before anything
+        q: dict[int, list] = {}
+
+        def put(op: int, stream: int, arg: int, tag: int = 0) -> None:
+            # a wait: the records queued so far; a record: its tag (the part a signal ends)
+            q.setdefault(stream, []).append((op, arg, queued.get(arg, 0) if op == _WAIT else tag))
+            if op == _RECORD:
+                queued[arg] = queued.get(arg, 0) + 1
+
+        for a in prefill:
+            put(*a)
+        for k, part in enumerate(parts):
+            for a in part:
+                put(*a)
+            if self.plan.num_chunks:  # the executor: wait for every copy stream's group end, then signal
+                for e in range(streams):
+                    put(_WAIT, _SIGNAL, 2 * self.plan.slots + e)
+                put(_RECORD, _SIGNAL, _C.STAGE_LANDED, k)
+        return q
+
+    def run(self) -> Any:
+        """Runs every action; yields the part k of each signal as it runs."""
+        from collections import deque
+
+        queues = {s: deque(a) for s, a in self._queue().items()}
+        done = {_C.STAGE_START: 1}  # records run, by event
+        held: dict[int, int] = {}  # slot -> the chunk packed into it and not copied out yet
+        copied: set[int] = set()
+        while any(queues.values()):
+            ready = [s for s, a in queues.items() if a and (a[0][0] != _WAIT or done.get(a[0][1], 0) >= a[0][2])]
+            assert ready, f"staging script deadlocks: stream heads {[(s, a[0]) for s, a in queues.items() if a]}"
+            if self.policy == "pack" and 0 in ready:
+                s = 0
+            elif self.policy == "copy" and [r for r in ready if r > 0]:
+                s = min(r for r in ready if r > 0)
+            else:
+                s = self.rng.choice(sorted(ready))
+            op, arg, want = queues[s].popleft()
+            if op == _RECORD:
+                done[arg] = done.get(arg, 0) + 1
+                if s == _SIGNAL:  # every chunk of the groups signalled so far must be out
+                    k = want
+                    due = [c for c, ch in enumerate(self.chunks) if not self.landing or ch[0] <= k]
+                    late = [c for c in due if c not in copied]
+                    assert not late, f"part {k} signalled before chunks {late} were copied out"
+                    yield k
+            elif op == _PACK:
+                _, slot, _, pack, _, _ = self.chunks[arg]
+                assert slot not in held, f"chunk {arg} packed into slot {slot} before chunk {held[slot]} left it"
+                _C.copy_boxes_cpu(pack)
+                held[slot] = arg
+                self.packs += 1
+                self.max_ahead = max(self.max_ahead, len(held))
+            elif op == _COPY:
+                _, slot, _, _, copies, _ = self.chunks[arg]
+                assert held.get(slot) == arg, f"chunk {arg} copied out of slot {slot} holding {held.get(slot)}"
+                run_engine(copies)
+                del held[slot]
+                copied.add(arg)
+                self.copies += 1
+        assert self.packs == self.copies == len(self.chunks) == len(copied), (self.packs, self.copies, len(self.chunks))
+
+    def run_all(self) -> None:
+        for _ in self.run():
+            pass
+
+
 def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], engine_bytes: int = 1 << 20,
              max_batch_bytes: int = 0, transform: Any = None, stats: dict | None = None,
-             local_engine_bytes: int | None = None, engine_streams: int = 1, landing: bool = False) -> None:
+             local_engine_bytes: int | None = None, engine_streams: int = 1, landing: bool = False,
+             stage_bytes: int = 0, policy: str | int = 0) -> None:
     """Runs one refit of per-rank entries {name: (tensor, layout)} (CPU tensors) with the
     pairs in `direct` (as (low, high) rank pairs) direct and the others over "NCCL".
     local_engine_bytes: the same-rank copies of ranks without "NCCL" pairs are split as
@@ -45,7 +158,9 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
     engine_streams: the copy-engine copies are spread over that many streams first.
     landing: the direct writes run group by group (a verified execute's landing groups);
     each receiver digests the ops it expects in group k once every sender wrote group k,
-    and each of those digests must equal the op's digest after the whole refit."""
+    and each of those digests must equal the op's digest after the whole refit.
+    stage_bytes: the slot of the ring a sender's codec boxes are staged in (StagedRun, run
+    in `policy`'s order; 0: none staged, the kernel writes them as before)."""
     world = len(src)
     rewritten = [(_rewrite(transform, "src", src[r]), _rewrite(transform, "dst", dst[r])) for r in range(world)]
     src_w = [s for (s, _), _ in rewritten]
@@ -83,11 +198,18 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             for peer, pos in tables[q].direct_recv_pieces():
                 if peer == r:
                     pieces.append(_C.PeerPiece(q, int(tables[q].dst_used[pos]), refs[q][1][pos]))
-        tables[r].bind_direct(refs[r][0], pieces)
+        tables[r].bind_direct(refs[r][0], pieces, stage_bytes)
+    groups = LANDING_GROUPS if landing else 0
+    staged = [StagedRun(t.direct_boxes(), t.direct_landing_groups(max(groups, 1)), t.direct_stageable(), stage_bytes,
+                        groups, policy) for t in tables]
     if stats is not None:
         stats.update(batches=k, staging=[t.send_buffer_bytes + t.recv_buffer_bytes for t in tables],
                      direct_ops=[tuple(t.num_direct_ops) for t in tables], ops=[tuple(t.num_ops) for t in tables],
-                     engine=0, kernel=0, runs=0, pitched=0, local_engine=0, local_kernel=0)
+                     engine=0, kernel=0, runs=0, pitched=0, local_engine=0, local_kernel=0,
+                     direct_boxes=sum(len(t.direct_boxes()) for t in tables),
+                     staged=sum(len(t.direct_boxes()) - len(s.rest) for t, s in zip(tables, staged)),
+                     chunks=sum(s.plan.num_chunks for s in staged), ring=[s.plan.ring_bytes for s in staged],
+                     slot=[s.plan.slot_bytes for s in staged])
     for (_, src_steps), (_, dst_steps) in rewritten:  # steps: (before, after)
         for step in src_steps[0] + dst_steps[0]:
             step()
@@ -104,7 +226,8 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
                 stats["local_kernel"] += len(kernel)
         if landing:
             continue
-        copies, kernel = _C.split_engines(t.direct_boxes(), engine_bytes)
+        copies, kernel = _C.split_engines(staged[r].rest_boxes(t.direct_boxes()), engine_bytes)
+        staged[r].run_all()
         runs = pitched = 0
         for part in _C.spread_engines(copies, engine_streams):
             n_runs, n_pitched = run_engine(part)
@@ -115,7 +238,7 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             stats["kernel"] += len(kernel)
             stats["runs"] += runs
             stats["pitched"] += pitched
-    check = _land(plans, splits, tables, refs, engine_bytes) if landing else None
+    check = _land(plans, splits, tables, refs, engine_bytes, staged) if landing else None
     for b in range(k):
         for r in range(world):
             tables[r].run_pack_cpu(b)
@@ -134,6 +257,8 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             tables[r].run_unpack_cpu(b)
     if check is not None:
         check()
+    if stats is not None:
+        stats["max_ahead"] = max((s.max_ahead for s in staged), default=0)
     for (_, src_steps), (_, dst_steps) in rewritten:
         for step in src_steps[1] + dst_steps[1]:
             step()
@@ -153,25 +278,31 @@ def _recv_digests(plan: Any, bound: Any, refs: tuple) -> Any:
     return out[1]
 
 
-def _land(plans: list, splits: list, tables: list, refs: list, engine_bytes: int) -> Any:
-    """Runs every direct write in landing groups; returns the check to call after the refit."""
+def _land(plans: list, splits: list, tables: list, refs: list, engine_bytes: int, staged: list) -> Any:
+    """Runs every direct write in landing groups, each sender's staged chunks up to its
+    signal of the group; returns the check to call after the refit."""
     import numpy as np
 
     world, groups = len(plans), LANDING_GROUPS
     senders = [sorted({op.peer for op in splits[q].direct_recvs()}) for q in range(world)]
     runs = [_C.ExecTables(plans[q]).landing_runs(senders[q], groups) for q in range(world)]
     seen = [np.zeros(len(plans[q].recvs()), dtype=np.uint64) for q in range(world)]
+    signals = [s.run() for s in staged]
     for g in range(groups):
         for r in range(world):
-            records = np.frombuffer(tables[r].direct_boxes(), dtype=np.uint8).reshape(-1, _C.BOX_BYTES)
-            group = records[np.asarray(tables[r].direct_landing_groups(groups), dtype=np.int64) == g].copy()
-            copies, kernel = _C.split_engines(group, engine_bytes)
+            rest = staged[r].rest_boxes(tables[r].direct_boxes())
+            of_rest = np.asarray(tables[r].direct_landing_groups(groups), dtype=np.int64)[staged[r].rest]
+            copies, kernel = _C.split_engines(rest[of_rest == g].copy(), engine_bytes)
             run_engine(copies)
             _C.copy_boxes_cpu(kernel)
+            if staged[r].plan.num_chunks:
+                assert next(signals[r]) == g, f"rank {r}: staged signals out of order"
         for q in range(world):
             now = _recv_digests(plans[q], tables[q], refs[q])
             for a, b in runs[q][g]:
                 seen[q][a:b] = now[a:b]
+    for r, signal in enumerate(signals):
+        assert next(signal, None) is None, f"rank {r}: a staged signal past the last landing group"
 
     def check() -> None:
         for q in range(world):

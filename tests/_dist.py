@@ -136,17 +136,22 @@ class Pool:
         return self._collect(timeout)
 
     def close(self) -> None:
-        for q in self.inqs:
-            try:
-                q.put(None)
-            except Exception:
-                pass
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        stop_workers(self.inqs, self.procs)
         if _POOLS.get((self.world, self.backend)) is self:
             del _POOLS[(self.world, self.backend)]
+
+
+def stop_workers(inqs, procs) -> None:
+    """Asks each worker to end (None on its queue); kills those still alive after 5 s."""
+    for q in inqs:
+        try:
+            q.put(None)
+        except Exception:
+            pass
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
 
 
 _POOLS: dict[tuple[int, str], Pool] = {}

@@ -2,7 +2,8 @@
 
 CPU: the pair selection, and every table the transport builds, run in one process by
 _direct_sim (direct pairs, NCCL pairs and mixes of both, copy engines and kernel, casts
-and MXFP8) against the logical tensors, bit for bit.
+and MXFP8, a sender's codec boxes through the staging ring in every order its script
+allows) against the logical tensors, bit for bit.
 GPU (2 or 4 GPUs, skipped elsewhere): the refit matrix through backend="direct", pairs
 falling back to NCCL, a peer that never executes, rebinding (MXFP8 over direct pairs:
 test_mxfp8_refit.py::test_refit_matrix_cuda).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from _cases import CASES, bits_equal, run_case
@@ -194,6 +196,97 @@ def test_engine_streams_follow_the_number_of_copies_by_default():
     assert rx.Options(direct_engine_streams=3).resolved_direct_engine_streams() == 3
 
 
+def _ring_boxes(n: int, size: int) -> tuple:
+    """(table, src, dst, expected dst): n contiguous uint8 boxes of `size` bytes, then a box of
+    4 rows of 600 B into rows 1000 B apart (a pitched copy once staged)."""
+    from _boxes import table
+
+    u8 = code_of(torch.uint8)
+    src = torch.randint(0, 256, (n * size + 4 * 600,), dtype=torch.uint8)
+    dst = torch.zeros(n * size + 4 * 1000, dtype=torch.uint8)
+    rows = [(src.data_ptr() + i * size, dst.data_ptr() + i * size, (size,), (1,), (1,), u8, u8) for i in range(n)]
+    rows.append((src.data_ptr() + n * size, dst.data_ptr() + n * size, (4, 600), (600, 1), (1000, 1), u8, u8))
+    want = dst.clone()
+    want[:n * size] = src[:n * size]
+    want[n * size:].view(4, 1000)[:, :600] = src[n * size:].view(4, 600)
+    return table(rows), src, dst, want
+
+
+def test_plan_staging_fills_slots_group_by_group():
+    """plan_staging: stageable boxes whose destination is one copy-engine copy and that fit a
+    slot, chunked in landing-group order, each box at an aligned offset of its slot, row-major;
+    the rest (not stageable, rows under 512 B, dims that do not fold, too big) left in order."""
+    from _boxes import table
+
+    u8, f32 = code_of(torch.uint8), code_of(torch.float32)
+    boxes = table([
+        (1 << 20, 9 << 20, (1000,), (1,), (1,), u8, u8),                # 0: group 1, a run
+        (2 << 20, 10 << 20, (4, 150), (150, 1), (250, 1), f32, f32),     # 1: group 0, rows of 600 B, pitch 1000
+        (3 << 20, 11 << 20, (4, 100), (100, 1), (200, 1), u8, u8),       # 2: rows of 100 B: no
+        (4 << 20, 12 << 20, (1000,), (1,), (1,), u8, u8),                # 3: not stageable
+        (5 << 20, 13 << 20, (5000,), (1,), (1,), u8, u8),                # 4: over a slot
+        (6 << 20, 14 << 20, (2, 3, 512), (1536, 512, 1), (4096, 1024, 1), u8, u8),  # 5: three dims in dst
+        (7 << 20, 15 << 20, (3000,), (1,), (1,), u8, u8),                # 6: group 0, a second chunk
+    ])
+    plan, rest = _C.plan_staging(boxes, [1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 1, 1, 1], 4096)
+    assert rest == [2, 3, 4, 5], rest
+    chunks = [plan.chunk(c) for c in range(plan.num_chunks)]
+    assert [(g, slot, nbytes, ids) for g, slot, nbytes, _, _, ids in chunks] == [
+        (0, 0, 2560, [1]), (0, 1, 3072, [6]), (1, 2, 1024, [0])], chunks
+    assert plan.slots == 3 and plan.slot_bytes == 3072 and plan.ring_bytes == 9216
+    plan.relocate(1 << 30)
+    _, _, _, pack, copies, _ = plan.chunk(0)
+    assert copies == [(10 << 20, 1000, 1 << 30, 600, 600, 4)]  # (dst, dpitch, src, spitch, width, height)
+    assert plan.chunk(2)[4] == [(9 << 20, 1000, (1 << 30) + 2 * 3072, 1000, 1000, 1)]
+    from _boxes import BOX
+
+    rec = np.frombuffer(pack, dtype=BOX)[0]
+    assert rec["dst"] == 1 << 30 and list(rec["dst_stride"][:2]) == [150, 1] and rec["src"] == 2 << 20
+    assert _C.plan_staging(boxes, [], [1] * 7, 0)[1] == list(range(7))  # no slot: nothing staged
+
+
+@pytest.mark.parametrize("landing", [0, 3])
+@pytest.mark.parametrize("policy", ["pack", "copy", 0, 1, 2])
+def test_staging_script_runs_the_ring_in_any_allowed_order(policy, landing):
+    """A ring of 4 slots for 12 chunks: each chunk packed into a free slot and copied out
+    once, whatever order the streams run in; each landing group whole when signalled."""
+    from _direct_sim import StagedRun
+
+    boxes, _, dst, want = _ring_boxes(30, 700)
+    run = StagedRun(boxes, [min(i // 11, 2) for i in range(31)], [1] * 31, 2560, landing, policy)
+    assert run.plan.num_chunks == 12 and run.plan.slots == _C.STAGE_SLOTS and run.rest == []
+    parts = list(run.run()) if landing else (run.run_all() or [0])
+    assert parts == (list(range(landing)) if landing else [0]), parts
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("broken,policy,landing,error", [
+    ("slot", "pack", 0, "packed into slot"),                # the pack of chunk c + 4 waits for c's copy
+    ("packed", "copy", 0, "copied out of slot"),            # a copy waits for its chunk's pack
+    ("end", "pack", 3, "signalled before chunks"),          # a signal waits for its group's copies
+])
+def test_the_staging_emulation_catches_a_script_without_its_waits(broken, policy, landing, error):
+    """The emulation is no rubber stamp: a script missing one kind of wait fails it."""
+    from _direct_sim import _RECORD, _WAIT, StagedRun
+
+    def edit(streams, events, prefill, parts):
+        slots = (events - streams) // 2
+
+        def keep(a):
+            op, stream, arg = a
+            if broken == "slot":
+                return not (op == _WAIT and stream == 0 and slots <= arg < 2 * slots)
+            if broken == "packed":
+                return not (op == _WAIT and stream > 0 and 0 <= arg < slots)
+            return not (op == _RECORD and arg >= 2 * slots)
+        return streams, events, [a for a in prefill if keep(a)], [[a for a in p if keep(a)] for p in parts]
+
+    boxes, *_ = _ring_boxes(30, 700)
+    run = StagedRun(boxes, [min(i // 11, 2) for i in range(31)], [1] * 31, 2560, landing, policy, edit)
+    with pytest.raises(AssertionError, match=error):
+        run.run_all()
+
+
 def _carved(entries: list[dict]) -> list[dict]:
     """The same entries, each rank's tensors moved (values kept) into one buffer in name
     order, as a caching allocator places tensors allocated one after another."""
@@ -233,20 +326,25 @@ def test_many_boxes_every_path_is_exact(world, engine_bytes, local_engine_bytes,
         assert stats["runs"] < stats["engine"] - stats["pitched"], stats
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
-@pytest.mark.parametrize("where", ["receiver", "sender"])
-@pytest.mark.parametrize("mode", ["all", "mixed"])
-def test_mxfp8_through_direct_boxes(mode, where, layout_kind, world):
-    """MXFP8 on the direct path, byte for byte: the sender's boxes quantize while they
-    write into the receiver (sender side), or write BF16-read blocks straight into the
-    receiver's (data, scale) buffers (receiver side; an FP32 source is staged)."""
+def _wide_rows(world: int) -> dict:
+    """MXFP8 cases whose direct boxes write FP8 rows of >= 512 B with a pitch (a TP column
+    slice into a wider destination: a pitched copy-engine copy once staged) or one run."""
+    ranks = list(range(world))
+    return {"wide.col": (Layout((24, 2048), BF16, Mesh(ranks), [Shard(1)]),
+                         Layout((24, 2048), BF16, Mesh(ranks[::-1]), [Replicate()])),
+            "wide.row": (Layout((40, 1024), BF16, Mesh(ranks), [Shard(0)]),
+                         Layout((40, 1024), BF16, Mesh(ranks[1:] + ranks[:1]), [Shard(0)]))}
+
+
+def _mxfp8_direct(mode: str, where: str, layout_kind: str, world: int, wide: bool = False, **sim: object) -> dict:
+    """MXFP8 refit of the test_mxfp8_refit cases (and _wide_rows) through simulate: checks every
+    destination byte against quantizing the logical tensor; returns simulate's stats."""
     from test_mxfp8_kernels import assert_bytes_equal, ref_mxfp8, ref_swizzle
     from test_mxfp8_refit import _global, _poison, cases
 
     from reshard_ext.mxfp8 import MXFP8, data_layout, scale_layout
 
-    specs = cases(world, where)
+    specs = cases(world, where) | (_wide_rows(world) if wide else {})
     names = sorted(specs)
     transform = MXFP8(params=names, scale_layout=layout_kind, where=where)
     logical = {n: _global(n, specs[n][0].shape, 0) for n in names}
@@ -264,7 +362,8 @@ def test_mxfp8_through_direct_boxes(mode, where, layout_kind, world):
                 scale = (_poison(math.prod(local[:-1]) * scols, n).view(local[:-1] + (scols,)) if layout_kind == "2d"
                          else _poison(_scale_numel(local), n))
                 dst[r][n] = ((data, scale), dl)
-    simulate(src, dst, _pairs(mode, world), engine_bytes=1, transform=transform)
+    stats: dict = {}
+    simulate(src, dst, _pairs(mode, world), engine_bytes=1, transform=transform, stats=stats, **sim)  # type: ignore[arg-type]
     for r in range(world):
         for n, ((data, scale), dl) in dst[r].items():
             want_d, want_s = ref_mxfp8(logical[n], "ceil", "2d")
@@ -274,6 +373,59 @@ def test_mxfp8_through_direct_boxes(mode, where, layout_kind, world):
             if layout_kind == "swizzled":
                 piece = ref_swizzle(piece.reshape(-1, piece.shape[-1]))
             assert_bytes_equal(scale, piece, f"rank {r} {n} scale")
+    return stats
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+@pytest.mark.parametrize("mode", ["all", "mixed"])
+def test_mxfp8_through_direct_boxes(mode, where, layout_kind, world):
+    """MXFP8 on the direct path, byte for byte: the sender's boxes quantize while they
+    write into the receiver (sender side, staging off), or write BF16-read blocks straight
+    into the receiver's (data, scale) buffers (receiver side; an FP32 source is staged)."""
+    stats = _mxfp8_direct(mode, where, layout_kind, world)
+    assert stats["staged"] == 0, stats
+
+
+@pytest.mark.parametrize("stage_bytes,landing,policy", [(256, False, "pack"), (256, True, "pack"), (256, False, "copy"),
+                                                       (256, True, 5), (2048, True, "copy"), (1 << 20, False, 5)])
+@pytest.mark.parametrize("layout_kind,world", [("2d", 2), ("swizzled", 4)])
+def test_mxfp8_sender_staged_through_the_ring(layout_kind, world, stage_bytes, landing, policy):
+    """Sender-side MXFP8 on the direct path with a staging ring: the sender's codec boxes
+    quantize into slots and the copy engines carry them on, chunk by chunk, in any order the
+    staging script allows (StagedRun's policies), each landing group whole when signalled:
+    byte for byte as quantizing the logical tensor, every slot within stage_bytes, ops cut
+    to fit small slots, pitched and contiguous destinations alike."""
+    stats = _mxfp8_direct("all", "sender", layout_kind, world, wide=True, stage_bytes=stage_bytes, landing=landing,
+                          policy=policy)
+    assert stats["staged"] > 0 and all(s <= stage_bytes for s in stats["slot"]), stats
+    assert all(r <= _C.STAGE_SLOTS * stage_bytes for r in stats["ring"]), stats
+    if stage_bytes == 256:  # many chunks: the ring wraps, and the pack runs ahead by every slot
+        assert stats["chunks"] > 4 * _C.STAGE_SLOTS and stats["direct_boxes"] > stats["staged"] // 2, stats
+        if policy == "pack":
+            assert stats["max_ahead"] == _C.STAGE_SLOTS, stats
+
+
+def test_staging_slots_stay_within_max_batch_bytes():
+    """The ring (4 aligned slots) takes rx.Options.direct_staging_bytes, or what max_batch_bytes
+    leaves beside the NCCL pairs' batches when that is less; too little for 4 slots: none."""
+    from reshard_ext.transports.direct import stage_slot_bytes
+
+    assert _C.STAGE_SLOTS == 4 and _C.STAGE_ALIGN == 256
+    assert stage_slot_bytes(256 << 20, None, 1 << 30) == 64 << 20
+    assert stage_slot_bytes(256 << 20, 1 << 20, 0) == 256 << 10
+    assert stage_slot_bytes(256 << 20, 10_000, 2000) == 1792  # 8000 B left: 2000 per slot, aligned down
+    assert stage_slot_bytes(256 << 20, 1 << 20, (1 << 20) - 1000) == 0
+    assert stage_slot_bytes(256 << 20, 1000, 2000) == 0 and stage_slot_bytes(0, None, 0) == 0
+    assert rx.Options().resolved_direct_staging_bytes() == 256 << 20
+
+
+def test_receiver_side_codec_boxes_are_never_staged():
+    """A receiver-side conversion writes its scales through a side buffer: its direct boxes
+    are not stageable and keep writing into the peer (same bytes either way)."""
+    stats = _mxfp8_direct("all", "receiver", "swizzled", 2, wide=True, stage_bytes=1 << 20)
+    assert stats["staged"] == 0 and stats["ring"] == [0, 0], stats
 
 
 def _scale_numel(local: tuple) -> int:

@@ -32,6 +32,8 @@ def _entries(kind: str, rank: int, world: int):
         src_l = Layout(shape, F32, Mesh([0, 1]), [Shard(0, stride=3)])
     elif kind == "blocks_wrong_sum":
         src_l = Layout(shape, F32, Mesh([0, 1]), [Shard(0, blocks=(4, 2))])
+    elif kind == "sizes_wrong_sum":
+        src_l = Layout(shape, F32, Mesh([0, 1]), [Shard(0, sizes=(6, 3))])
     elif kind == "rank_outside_group":
         src_l = Layout(shape, F32, Mesh([0, world + 3]), [Shard(0)])
     elif kind == "disagree":
@@ -65,7 +67,7 @@ def _entries(kind: str, rank: int, world: int):
 
 
 KINDS = [
-    "unknown_name", "shape_mismatch", "float_int_cast", "strided_not_divisible", "blocks_wrong_sum",
+    "unknown_name", "shape_mismatch", "float_int_cast", "strided_not_divisible", "blocks_wrong_sum", "sizes_wrong_sum",
     "rank_outside_group", "disagree", "mesh_rank_passes_nothing", "not_in_mesh", "local_shape", "local_dtype",
     "shard_dim_out_of_range", "fp8_cast", "mesh_beyond_group",
 ]
@@ -74,6 +76,7 @@ KINDS = [
 EXPLAINED = {
     "shard_dim_out_of_range": "Shard(-3) of a 2-d tensor (dims are -2 to 1)",
     "fp8_cast": "conversions exist only among float16, bfloat16, float32 and float64",
+    "sizes_wrong_sum": "shard sizes sum to 9 but dim 0 has length 8",
     "mesh_beyond_group": "its mesh names ranks [4] outside the process group (group ranks are 0..3",
 }
 

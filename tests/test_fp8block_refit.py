@@ -55,6 +55,9 @@ def cases(world: int) -> dict[str, tuple[Layout, Layout]]:
         # DP2 x TP2 replicas of 96-row shards (cut) -> every rank a replica
         c["dp_tp"] = (_L((192, 256), [[0, 1], [2, 3]], [Replicate(), Shard(0)]),
                       _L((192, 256), [0, 1, 2, 3], [Replicate()]))
+        # uneven shard sizes (an engine's split): 64 | 136 rows (cut) -> 128 | 72 (whole blocks)
+        c["sizes"] = (_L((200, 256), [0, 1], [Shard(0, sizes=(64, 136))]),
+                      _L((200, 256), [2, 3], [Shard(0, sizes=(128, 72))]))
         # TP4 of 64 rows -> TP2 of 128
         c["tp4_tp2"] = (_L((256, 384), [0, 1, 2, 3], [Shard(0)]), _L((256, 384), [2, 3], [Shard(0)]))
         # per-expert tensors EP2 -> EP4

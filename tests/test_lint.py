@@ -23,7 +23,7 @@ def _run(tool: str, *args: str) -> None:
 
 
 def test_ruff() -> None:
-    _run("ruff", "check", "--no-cache", "reshard_ext", "tests", "benchmarks")
+    _run("ruff", "check", "--no-cache", "reshard_ext", "tests", "benchmarks", "examples")
 
 
 def test_mypy() -> None:

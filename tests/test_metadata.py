@@ -25,10 +25,12 @@ def _cases() -> list[tuple[int, str, Layout]]:
         Layout((0, 3), torch.uint8, Mesh(shuffled), [Shard(0)]),
         Layout((2**40, 3), torch.float64, Mesh([1, 2]), [Shard(0)]),
         Layout((10,), torch.float32, Mesh([[0, 1]]), [Shard(0), Shard(0)]),
+        Layout((1000, 8), torch.bfloat16, Mesh([[0, 1, 2], [3, 4, 5]]), [Replicate(), Shard(0, sizes=(512, 488, 0))]),
         # invalid: the error must come out the same on the other side
         Layout((5,), torch.float32, Mesh([0, 1]), [Shard(0, stride=2)]),
         Layout((6,), torch.float32, Mesh([0, 1]), [Shard(0, blocks=(1, 2))]),
         Layout((4, 4), torch.float32, Mesh([0, 1]), [Shard(3)]),
+        Layout((9, 4), torch.float32, Mesh([0, 1]), [Shard(0, sizes=(8, 2))]),
     ]
     names = ["decoder.layers.10.mlp.experts.linear_fc1.weight7", "decoder.layers.10.mlp.experts.linear_fc1.weight71",
              "decoder.layers.1.x", "a", "", "é.ü", "decoder.layers.10.mlp"]

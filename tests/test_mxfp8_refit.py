@@ -113,10 +113,12 @@ def _global(name: str, shape, step: int) -> torch.Tensor:
 
 
 def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: str, device: str = "cpu",
-                 direct_bytes: int = 0, backend: str = "auto", shared: bool = False) -> dict:
+                 direct_bytes: int = 0, backend: str = "auto", shared: bool = False, verify: bool = False,
+                 options: dict | None = None) -> dict:
     """shared: the destinations live in memory other processes can map (the CPU stand-in of
     the direct transport, tests/_direct_fake.py), and only the cases whose receiver pieces
-    are fused run (a staged piece's staging is private memory)."""
+    are fused run (a staged piece's staging is private memory). verify: every execute
+    verified, then rx.verify. options: more rx.Options fields."""
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     specs = cases(world, where)
     if shared:
@@ -156,7 +158,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
 
     # small direct_bytes: ops travel straight from/into tensors
     plan = rx.plan(src, dst, transform=transform, backend=backend,
-                   options=rx.Options(direct_bytes=direct_bytes or None))
+                   options=rx.Options(direct_bytes=direct_bytes or None, **(options or {})))
     side = "src" if where == "sender" else "dst"
     for n in names:
         if rank in specs[n][side == "dst"].mesh:
@@ -177,7 +179,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
             for n, (t, sl) in src.items():
                 if n != "bias":
                     t.copy_(sl.local_part(globals_[n], rank))  # in place, as an optimizer does
-        rx.execute(plan)
+        rx.execute(plan, verify=verify)
         for n, ((data, scale), dl) in converted.items():
             want_d, want_s = ref_mxfp8(globals_[n], rounding, "2d")
             assert (data.data_ptr(), scale.data_ptr()) == ptrs[n], f"{n}: buffers moved"
@@ -188,7 +190,10 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
                 piece = ref_swizzle(piece.reshape(-1, piece.shape[-1]))
             assert_bytes_equal(scale, piece, f"{n} scale step {step}")
         assert torch.equal(bias_out.cpu(), bl_dst.local_part(bias_global, rank))
-    return {"sent": plan.bytes_sent, "paths": dict(mxfp8.PATHS),
+    if verify:
+        rx.verify(plan)
+    return {"sent": plan.bytes_sent, "paths": dict(mxfp8.PATHS), "routes": plan.routes,
+            "staging": plan.staging_bytes,
             "direct_peers": plan.transport.direct_peers if plan.backend == "direct" else []}
 
 
@@ -206,12 +211,14 @@ def test_refit_direct_messages(where):
     run_ranks(WORLD, refit_worker, where, "2d", "ceil", "cpu", 1)
 
 
-def _fake_direct_worker(rank: int, world: int, layout_kind: str) -> dict:
+def _fake_direct_worker(rank: int, world: int, layout_kind: str, where: str = "receiver", verify: bool = False,
+                        options: dict | None = None) -> dict:
     from _direct_fake import release_shared, use_fake_device
 
     use_fake_device()
     try:
-        return refit_worker(rank, world, "receiver", layout_kind, "ceil", backend="direct", shared=True)
+        return refit_worker(rank, world, where, layout_kind, "ceil", backend="direct", shared=True, verify=verify,
+                            options=options)
     finally:
         release_shared()
 
@@ -223,6 +230,17 @@ def test_refit_fused_receiver_over_direct_transport(layout_kind):
     whose addresses each receiver sent in its TensorRefs (ptr and side, translated)."""
     got = run_ranks(WORLD, _fake_direct_worker, layout_kind)
     assert all(r["direct_peers"] == [p for p in range(WORLD) if p != rank] for rank, r in enumerate(got)), got
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_refit_sender_side_over_direct_transport_stages_its_boxes(verify):
+    """backend "direct" on the CPU stand-in, sender side: each sender quantizes its boxes into
+    a staging ring of 4 KiB (ops cut to fit its 1 KiB slots) and copies them on into the
+    receivers' mapped buffers, verified or not, twice, byte for byte."""
+    got = run_ranks(WORLD, _fake_direct_worker, "2d", "sender", verify, {"direct_staging_bytes": 4096})
+    assert all(r["direct_peers"] == [p for p in range(WORLD) if p != rank] for rank, r in enumerate(got)), got
+    staged = [r for r in got if "codec boxes staged" in r["routes"]]
+    assert staged and all(0 < r["staging"] <= 4096 for r in staged), [(r["routes"], r["staging"]) for r in got]
 
 
 def bytes_worker(rank: int, world: int, where: str) -> int:
@@ -315,3 +333,15 @@ def test_refit_matrix_cuda(where, layout_kind, world, backend):
         pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):
         run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", 0, backend, backend="nccl")
+
+
+@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
+def test_sender_side_through_a_small_staging_ring_cuda(layout_kind, verify):
+    """backend "direct" on 2 GPUs with a 4 KiB staging ring: the senders' codec boxes cut to
+    its 1 KiB slots, the ring wrapping many times per execute, verified or not."""
+    got = run_ranks(2, refit_worker, "sender", layout_kind, "ceil", "cuda", 0, "direct", False, verify,
+                    {"direct_staging_bytes": 4096}, backend="nccl")
+    assert all(r["direct_peers"] == [1 - rank] for rank, r in enumerate(got)), got
+    assert any("codec boxes staged" in r["routes"] for r in got), [r["routes"] for r in got]

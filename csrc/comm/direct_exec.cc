@@ -198,33 +198,48 @@ uint64_t DirectSignals::peer_ready(int peer) const {
   return __atomic_load_n(const_cast<const uint64_t*>(peers_.at(peer).page->words()), __ATOMIC_ACQUIRE);
 }
 
-DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
+DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& all_boxes,
                        const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
-                       std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& box_groups)
+                       std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& all_groups,
+                       const std::vector<uint8_t>& box_stageable)
     : sig_(std::move(signals)),
       config_(config),
       receivers_(std::move(receivers)),
       senders_(std::move(senders)),
       timeout_s_(timeout_s) {
   RX_HOST_ASSERT(sig_ != nullptr, "DirectExec: no signals");
+  RX_HOST_ASSERT(config_.landing_groups >= 1 && config_.landing_groups <= kMaxLandingGroups,
+                 "DirectExec: ", config_.landing_groups, " landing groups");
+  RX_HOST_ASSERT(all_groups.empty() || all_groups.size() == all_boxes.size(), "DirectExec: ", all_groups.size(),
+                 " landing groups for ", all_boxes.size(), " boxes");
+  for (int32_t k : all_groups) RX_HOST_ASSERT(k >= 0 && k < config_.landing_groups, "DirectExec: landing group ", k);
+  // The sender's codec boxes that can go through the staging ring, and the rest.
+  std::vector<int32_t> rest;
+  staging_ = plan_staging(all_boxes, all_groups,
+                          box_stageable.empty() ? std::vector<uint8_t>(all_boxes.size(), 0) : box_stageable,
+                          config_.stage_slot_bytes, &rest);
+  for (const StagedChunk& c : staging_.chunks) stage_tables_.emplace_back(c.pack);  // sizes; rebuilt at upload
+  plain_script_ = stage_script(staging_, 0);
+  landing_script_ = stage_script(staging_, config_.landing_groups);
+  std::vector<rx_box> boxes;
+  std::vector<int32_t> box_groups;
+  for (int32_t i : rest) {
+    boxes.push_back(all_boxes[static_cast<size_t>(i)]);
+    if (!all_groups.empty()) box_groups.push_back(all_groups[static_cast<size_t>(i)]);
+  }
   std::vector<EngineCopy> engine, local_engine;
   table_ = DeviceBoxTable(kernel_boxes(boxes, config_.engine_bytes, &engine));
   local_table_ = DeviceBoxTable(kernel_boxes(local, config_.local_engine_bytes, &local_engine));
   for (const std::vector<EngineCopy>& part : spread_engines(engine, config_.engine_streams))
     engines_.emplace_back(part, config_.batch);
   local_engine_ = EngineQueue(local_engine, config_.batch);
-  RX_HOST_ASSERT(config_.landing_groups >= 1 && config_.landing_groups <= kMaxLandingGroups,
-                 "DirectExec: ", config_.landing_groups, " landing groups");
-  RX_HOST_ASSERT(box_groups.empty() || box_groups.size() == boxes.size(), "DirectExec: ", box_groups.size(),
-                 " landing groups for ", boxes.size(), " boxes");
-  if (!boxes.empty()) {
+  if (!all_boxes.empty()) {
     // Each group spreads over the streams its own copies call for (auto_engine_streams),
     // at most the whole's: a small late group spread over every stream would be cut into
     // many small copies, and the link would wait for each one's setup.
     std::vector<std::vector<rx_box>> by_group(static_cast<size_t>(config_.landing_groups));
     for (size_t i = 0; i < boxes.size(); ++i) {
       const int32_t k = box_groups.empty() ? 0 : box_groups[i];
-      RX_HOST_ASSERT(k >= 0 && k < config_.landing_groups, "DirectExec: landing group ", k);
       by_group[static_cast<size_t>(k)].push_back(boxes[i]);
     }
     for (const std::vector<rx_box>& part : by_group) {
@@ -242,7 +257,7 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
     done_words_.push_back(sig_->peer_flag(r));
   }
   for (int32_t s : senders_) wait_words_.push_back(sig_->own_flag(s));
-  RX_HOST_ASSERT(boxes.empty() || !receivers_.empty(), "DirectExec: boxes without a receiver");
+  RX_HOST_ASSERT(all_boxes.empty() || !receivers_.empty(), "DirectExec: boxes without a receiver");
   DeviceGuard guard(sig_->device());
   int lowest = 0, highest = 0;
   RX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
@@ -258,11 +273,24 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   RX_CUDA_CHECK(cudaStreamCreateWithFlags(&local_ce_, cudaStreamNonBlocking));
   for (cudaEvent_t* e : {&start_, &sent_, &local_done_, &end_, &kernel_done_, &landed_})
     RX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  if (!staging_.chunks.empty()) {
+    stage_streams_.resize(static_cast<size_t>(1 + plain_script_.streams), nullptr);
+    for (cudaStream_t& st : stage_streams_) RX_CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, highest));
+    stage_events_.resize(static_cast<size_t>(plain_script_.events), nullptr);
+    for (cudaEvent_t& e : stage_events_) RX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+}
+
+int64_t DirectExec::num_staged_boxes() const {
+  int64_t n = 0;
+  for (const StagedChunk& c : staging_.chunks) n += static_cast<int64_t>(c.pack.size());
+  return n;
 }
 
 std::vector<const DeviceBoxTable*> DirectExec::tables() const {
   std::vector<const DeviceBoxTable*> out{&table_, &local_table_};
   for (const LandingGroup& g : groups_) out.push_back(&g.table);
+  for (const DeviceBoxTable& t : stage_tables_) out.push_back(&t);
   return out;
 }
 
@@ -278,7 +306,17 @@ int64_t DirectExec::num_engine_copies() const {
   return n;
 }
 
-void DirectExec::upload(void* dev, cudaStream_t stream) {
+void DirectExec::upload(void* dev, void* staging, cudaStream_t stream) {
+  RX_HOST_ASSERT(staging != nullptr || staging_.chunks.empty(), "DirectExec::upload: no staging ring");
+  RX_HOST_ASSERT(stage_copies_.empty(), "DirectExec::upload: called twice");
+  const int64_t planned = table_bytes();  // what the caller allocated, from the tables at ring offsets
+  relocate_staging(&staging_, reinterpret_cast<uintptr_t>(staging));
+  stage_tables_.clear();
+  for (const StagedChunk& c : staging_.chunks) {
+    stage_tables_.emplace_back(c.pack);
+    stage_copies_.emplace_back(c.copies, config_.batch);
+  }
+  RX_HOST_ASSERT(table_bytes() == planned, "DirectExec::upload: the staged tables changed size at the ring's base");
   int64_t at = 0;
   for (const DeviceBoxTable* t : tables()) {
     const_cast<DeviceBoxTable*>(t)->upload(static_cast<char*>(dev) + at, stream);
@@ -294,7 +332,11 @@ DirectExec::~DirectExec() {
     if (e != nullptr) cudaEventDestroy(e);
   for (cudaStream_t s : {sm_, local_ce_, signal_})
     if (s != nullptr) cudaStreamDestroy(s);
+  for (cudaEvent_t e : stage_events_)
+    if (e != nullptr) cudaEventDestroy(e);
   for (cudaStream_t s : ces_)
+    if (s != nullptr) cudaStreamDestroy(s);
+  for (cudaStream_t s : stage_streams_)
     if (s != nullptr) cudaStreamDestroy(s);
   cudaGetLastError();
 }
@@ -362,6 +404,7 @@ void DirectExec::begin_steps(cudaStream_t main) {
   }
   local_table_.launch(main, config_.local_blocks);
   if (receivers_.empty()) return;
+  run_stage(plain_script_.prefill);  // local writes only: before the receivers are ready
   const auto deadline = deadline_after(timeout_s_);
   Backoff backoff(50);
   for (int32_t r : receivers_) {
@@ -379,6 +422,8 @@ void DirectExec::begin_steps(cudaStream_t main) {
   if (landing_) return send_landing();
   for (size_t k = 0; k < ces_.size(); ++k) engines_[k].issue(ces_[k]);
   table_.launch(sm_, 0);
+  run_stage(plain_script_.parts.front());
+  wait_staged(sm_);
   for (size_t k = 0; k < ces_.size(); ++k) {
     RX_CUDA_CHECK(cudaEventRecord(ce_done_[k], ces_[k]));
     RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_[k], 0));
@@ -406,11 +451,44 @@ void DirectExec::send_landing() {
     g.table.launch(sm_, 0);
     RX_CUDA_CHECK(cudaEventRecord(kernel_done_, sm_));
     RX_CUDA_CHECK(cudaStreamWaitEvent(signal_, kernel_done_, 0));
+    run_stage(landing_script_.parts[static_cast<size_t>(k)]);
+    wait_staged(signal_);
     RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()),
                                        landed_word(seq_, k + 1, groups), signal_));
     RX_CUDA_CHECK(cudaEventRecord(landed_, signal_));
   }
   RX_CUDA_CHECK(cudaEventRecord(sent_, signal_));
+}
+
+cudaEvent_t DirectExec::stage_event(int32_t id) const {
+  if (id == kStageStart) return start_;
+  if (id == kStageLanded) return landed_;
+  RX_HOST_ASSERT(id >= 0 && id < static_cast<int32_t>(stage_events_.size()), "staging script: event ", id);
+  return stage_events_[static_cast<size_t>(id)];
+}
+
+void DirectExec::run_stage(const std::vector<StageAction>& actions) {
+  for (const StageAction& a : actions) {
+    RX_HOST_ASSERT(a.stream >= 0 && a.stream < static_cast<int32_t>(stage_streams_.size()),
+                   "staging script: stream ", a.stream);
+    cudaStream_t s = stage_streams_[static_cast<size_t>(a.stream)];
+    switch (a.op) {
+      case kStagePack: stage_tables_[static_cast<size_t>(a.arg)].launch(s, 0); break;
+      case kStageCopy: stage_copies_[static_cast<size_t>(a.arg)].issue(s); break;
+      case kStageWait: RX_CUDA_CHECK(cudaStreamWaitEvent(s, stage_event(a.arg), 0)); break;
+      case kStageRecord:
+        RX_HOST_ASSERT(a.arg >= 0, "staging script: records the executor's event ", a.arg);
+        RX_CUDA_CHECK(cudaEventRecord(stage_event(a.arg), s));
+        break;
+      default: RX_HOST_ASSERT(false, "staging script: action ", a.op);
+    }
+  }
+}
+
+void DirectExec::wait_staged(cudaStream_t stream) {
+  if (staging_.chunks.empty()) return;
+  for (int32_t e = 0; e < plain_script_.streams; ++e)
+    RX_CUDA_CHECK(cudaStreamWaitEvent(stream, stage_event(2 * staging_.slots + e), 0));
 }
 
 void DirectExec::end_steps(cudaStream_t main) {

@@ -1,7 +1,9 @@
 // The direct transport (DESIGN section 4, "Direct path"): on one host, a sender writes
 // each box straight into the receiver's destination tensor through a CUDA IPC mapping.
 // No staging at either end, no unpack; large 2-D boxes go through the copy engines, the
-// rest through one launch of the box kernel (stores into peer memory).
+// rest through one launch of the box kernel (stores into peer memory), except a sender's
+// codec boxes: the box kernel writes them into a local staging ring and the copy engines
+// carry them on, chunk by chunk (core/direct.h, plan_staging and stage_script).
 //
 // Each execute n of a plan, on every rank that takes part in a direct pair:
 //   1. as a receiver, its stream stores "ready = n" into its own shared page: from that
@@ -123,6 +125,7 @@ struct DirectConfig {
   int32_t engine_streams = 0;      // streams the peer copy-engine copies are spread over (spread_engines; 0: auto)
   bool batch = true;               // batched copy-engine calls where available
   int32_t landing_groups = 1;      // groups a verified execute lands in (core/direct.h); alike on every rank
+  int64_t stage_slot_bytes = 0;    // staging slot of a sender's codec boxes (plan_staging; 0: none staged)
 };
 
 // One bound plan's direct work on one rank: the sends as copy-engine copies and a box
@@ -134,21 +137,29 @@ class DirectExec {
   // boxes: every direct send's box (addresses in this process); local: same-rank copies
   // to run beside them (may be empty). receivers / senders: the peers this rank writes to
   // / that write to it directly, all attached in `signals`. box_groups: the landing group
-  // of each box (landing_groups; empty: every box in group 0).
+  // of each box (landing_groups; empty: every box in group 0). box_stageable: whether each
+  // box may be staged (ExecTables::direct_stageable; empty: none).
   DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
              const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
-             std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& box_groups = {});
+             std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& box_groups = {},
+             const std::vector<uint8_t>& box_stageable = {});
   ~DirectExec();
   DirectExec(const DirectExec&) = delete;
   DirectExec& operator=(const DirectExec&) = delete;
 
   // The kernels' box tables: bytes of device memory upload() fills (16-byte aligned).
   int64_t table_bytes() const;
-  void upload(void* dev, cudaStream_t stream);
+  // Bytes of the staging ring upload() takes (0: no box is staged).
+  int64_t staging_bytes() const { return staging_.ring_bytes(); }
+  // Fills `dev` with the tables and binds the staged boxes to the ring at `staging`
+  // (staging_bytes() of device memory on this GPU, alive as long as this object).
+  void upload(void* dev, void* staging, cudaStream_t stream);
   int64_t num_engine_copies() const;
   int64_t num_kernel_boxes() const { return table_.num_boxes(); }
   int64_t num_local_engine_copies() const { return local_engine_.num_copies(); }
   int64_t num_local_kernel_boxes() const { return local_table_.num_boxes(); }
+  int64_t num_staged_chunks() const { return static_cast<int64_t>(staging_.chunks.size()); }
+  int64_t num_staged_boxes() const;
   const std::string& engine_mode() const { return engines_.front().mode(); }
 
   // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream, and the
@@ -177,6 +188,11 @@ class DirectExec {
   void end_steps(cudaStream_t main);
   void finish_steps();
   void send_landing();
+  // Queues a staging script's actions (core/direct.h, stage_script); then makes `stream`
+  // wait for every copy stream's group end.
+  void run_stage(const std::vector<StageAction>& actions);
+  void wait_staged(cudaStream_t stream);
+  cudaEvent_t stage_event(int32_t id) const;
   // The kernels' box tables in upload order, each at a 256-byte aligned offset.
   std::vector<const DeviceBoxTable*> tables() const;
 
@@ -191,6 +207,15 @@ class DirectExec {
     DeviceBoxTable table;
   };
   std::vector<LandingGroup> groups_;
+  // Staged boxes: the plan (ring offsets until upload relocates it), its scripts (plain:
+  // one part; landing: a part per group), per chunk its pack table and its copies (built at
+  // upload: they hold the ring's addresses), the streams (0: pack) and events they use.
+  StagingPlan staging_;
+  StageScript plain_script_, landing_script_;
+  std::vector<DeviceBoxTable> stage_tables_;
+  std::vector<EngineQueue> stage_copies_;
+  std::vector<cudaStream_t> stage_streams_;
+  std::vector<cudaEvent_t> stage_events_;
   bool landing_ = false;  // this execute lands group by group
   bool unfinished_ = false;  // end(main, false) queued step 3; finish() has not waited for it
   std::vector<int32_t> receivers_, senders_;

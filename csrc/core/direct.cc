@@ -39,6 +39,8 @@ RankPlan split_direct(const RankPlan& plan, const LayoutTable& src, const std::v
 
 namespace {
 
+constexpr int64_t kMaxPitch = (int64_t{1} << 31) - 1;  // wider copy-engine pitches are refused by some drivers
+
 int64_t box_bytes(const rx_box& b) {
   int64_t n = dtype_size(b.dst_dtype);
   for (int d = 0; d < b.ndim; ++d) n *= b.shape[d];
@@ -67,7 +69,6 @@ void split_engines(const std::vector<rx_box>& boxes, int64_t min_bytes, std::vec
       c.dpitch = b.ndim == 2 ? b.dst_stride[0] * elem : c.width;
       // cudaMemcpy2D wants pitches >= width (rows that do not overlap); very wide pitches
       // are refused by some drivers, so those boxes stay with the kernel.
-      constexpr int64_t kMaxPitch = (int64_t{1} << 31) - 1;
       if (c.height > 1)
         ok = c.width >= kMinEngineRow && c.spitch >= c.width && c.dpitch >= c.width && c.spitch <= kMaxPitch &&
              c.dpitch <= kMaxPitch;
@@ -140,6 +141,129 @@ std::vector<std::vector<EngineCopy>> spread_engines(const std::vector<EngineCopy
       filled = 0;
     }
   }
+  return out;
+}
+
+bool staged_copy(const rx_box& box, uint64_t src, EngineCopy* copy) {
+  const int64_t es = dtype_size(box.dst_dtype);
+  // The box's dims by the destination alone, innermost first, merged where contiguous in dst.
+  struct Dim { int64_t n, stride; };
+  std::vector<Dim> dims;
+  for (int d = box.ndim - 1; d >= 0; --d) {
+    if (box.shape[d] == 1) continue;
+    if (box.shape[d] <= 0 || box.dst_stride[d] <= 0) return false;
+    if (!dims.empty() && box.dst_stride[d] == dims.back().n * dims.back().stride) {
+      dims.back().n *= box.shape[d];
+      continue;
+    }
+    dims.push_back({box.shape[d], box.dst_stride[d]});
+  }
+  if (dims.empty()) dims.push_back({1, 1});
+  if (dims.size() > 2 || dims[0].stride != 1 || es <= 0) return false;
+  EngineCopy c;
+  c.src = src;
+  c.dst = box.dst;
+  c.width = c.spitch = c.dpitch = dims[0].n * es;
+  c.height = 1;
+  if (dims.size() == 2) {
+    c.height = dims[1].n;
+    c.dpitch = dims[1].stride * es;
+    if (c.width < kMinEngineRow || c.dpitch < c.width || c.dpitch > kMaxPitch) return false;
+  }
+  *copy = c;
+  return true;
+}
+
+StagingPlan plan_staging(const std::vector<rx_box>& boxes, const std::vector<int32_t>& groups,
+                         const std::vector<uint8_t>& stageable, int64_t slot_bytes, std::vector<int32_t>* rest) {
+  RX_HOST_ASSERT(stageable.size() == boxes.size() && (groups.empty() || groups.size() == boxes.size()),
+                 "plan_staging: ", stageable.size(), " flags and ", groups.size(), " groups for ", boxes.size(),
+                 " boxes");
+  StagingPlan plan;
+  rest->clear();
+  auto aligned = [](int64_t n) { return (n + kStageAlign - 1) / kStageAlign * kStageAlign; };
+  // (group, index) of each staged box, then in that order into chunks.
+  std::vector<std::pair<int32_t, int32_t>> staged;
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    const rx_box& b = boxes[i];
+    EngineCopy probe;
+    const int64_t bytes = box_bytes(b);
+    if (slot_bytes > 0 && stageable[i] && bytes > 0 && aligned(bytes) <= slot_bytes && staged_copy(b, 0, &probe))
+      staged.emplace_back(groups.empty() ? 0 : groups[i], static_cast<int32_t>(i));
+    else
+      rest->push_back(static_cast<int32_t>(i));
+  }
+  std::stable_sort(staged.begin(), staged.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [group, i] : staged) {
+    const rx_box& b = boxes[static_cast<size_t>(i)];
+    const int64_t bytes = aligned(box_bytes(b));
+    if (plan.chunks.empty() || plan.chunks.back().group != group || plan.chunks.back().bytes + bytes > slot_bytes) {
+      plan.chunks.emplace_back();
+      plan.chunks.back().group = group;
+    }
+    StagedChunk& c = plan.chunks.back();
+    rx_box pack = b;  // the same elements, written row-major into the slot
+    pack.dst = static_cast<uint64_t>(c.bytes);
+    int64_t stride = 1;
+    for (int d = b.ndim - 1; d >= 0; --d) {
+      pack.dst_stride[d] = stride;
+      stride *= b.shape[d];
+    }
+    EngineCopy copy;
+    RX_HOST_ASSERT(staged_copy(b, pack.dst, &copy), "plan_staging: box ", i, " lost its copy");
+    c.pack.push_back(pack);
+    c.copies.push_back(copy);
+    c.boxes.push_back(i);
+    c.bytes += bytes;
+    plan.slot_bytes = std::max(plan.slot_bytes, c.bytes);
+  }
+  plan.slots = static_cast<int32_t>(std::min<size_t>(kStageSlots, plan.chunks.size()));
+  for (size_t k = 0; k < plan.chunks.size(); ++k) plan.chunks[k].slot = static_cast<int32_t>(k) % plan.slots;
+  return plan;
+}
+
+void relocate_staging(StagingPlan* plan, uint64_t base) {
+  for (StagedChunk& c : plan->chunks) {
+    const uint64_t slot = base + static_cast<uint64_t>(c.slot) * static_cast<uint64_t>(plan->slot_bytes);
+    for (rx_box& b : c.pack) b.dst += slot;
+    for (EngineCopy& e : c.copies) e.src += slot;
+  }
+}
+
+StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams) {
+  RX_HOST_ASSERT(streams >= 1 && groups >= 0, "stage_script: ", streams, " streams, ", groups, " groups");
+  StageScript out;
+  const int32_t slots = plan.slots, n = static_cast<int32_t>(plan.chunks.size());
+  out.parts.resize(static_cast<size_t>(std::max(groups, 1)));
+  if (n == 0) return out;  // nothing staged: no action at all
+  out.streams = streams;
+  out.events = 2 * slots + streams;
+  const auto packed = [](int32_t c, int32_t s) { return c % s; };
+  auto pack = [&](std::vector<StageAction>& to, int32_t c) {
+    to.push_back({kStagePack, 0, c});
+    to.push_back({kStageRecord, 0, packed(c, slots)});
+  };
+  out.prefill.push_back({kStageWait, 0, kStageStart});
+  for (int32_t c = 0; c < slots; ++c) pack(out.prefill, c);
+  int32_t c = 0;
+  for (int32_t k = 0; k < static_cast<int32_t>(out.parts.size()); ++k) {
+    std::vector<StageAction>& part = out.parts[static_cast<size_t>(k)];
+    if (groups > 0 && k > 0)
+      for (int32_t e = 0; e < streams; ++e) part.push_back({kStageWait, 1 + e, kStageLanded});
+    for (; c < n && (groups == 0 || plan.chunks[static_cast<size_t>(c)].group == k); ++c) {
+      const int32_t stream = 1 + c % streams, slot = packed(c, slots);
+      part.push_back({kStageWait, stream, slot});
+      part.push_back({kStageCopy, stream, c});
+      part.push_back({kStageRecord, stream, slots + slot});
+      if (c + slots < n) {  // the chunk that reuses the slot, once it is copied out
+        part.push_back({kStageWait, 0, slots + slot});
+        pack(part, c + slots);
+      }
+    }
+    for (int32_t e = 0; e < streams; ++e) part.push_back({kStageRecord, 1 + e, 2 * slots + e});
+  }
+  RX_HOST_ASSERT(c == n, "stage_script: chunks out of landing-group order, or of groups past ", groups);
   return out;
 }
 

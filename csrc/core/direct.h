@@ -66,6 +66,82 @@ constexpr int kMinEngineStreams = 4, kMaxEngineStreams = 32;
 constexpr int64_t kCopiesPerEngineStream = 100;
 int auto_engine_streams(size_t num_copies);
 
+// ---- Staged codec boxes ---------------------------------------------------------------
+// A box whose codec belongs to its source (ExecTables::direct_stageable: a sender-side
+// conversion such as rx.MXFP8(where="sender"), which writes exactly its dst elements) does
+// not store into the peer from the box kernel, whose codec lanes write narrow, scattered
+// pieces (a lane per codec block) that the link carries at a fraction of its rate. The box
+// kernel runs it into a local staging ring instead, as the NCCL path's pack does, and the
+// copy engines carry the ring's bytes into the peer's destination: chunk by chunk, the pack
+// of chunk c + 1 running while the engines carry chunk c. The ring has kStageSlots slots of
+// at most the slot bytes the transport chose (within max_batch_bytes); a chunk fills one.
+constexpr int32_t kStageSlots = 4;    // the pack runs up to three chunks ahead of the engines
+constexpr int32_t kStageStreams = 2;  // copy-engine streams, chunk c on stream c % 2: two chunks in flight
+constexpr int64_t kStageAlign = 256;  // of each box in a slot (wide stores, as in NCCL's staging)
+
+// One chunk: boxes that fill one slot, all of one landing group.
+struct StagedChunk {
+  int32_t group = 0;
+  int32_t slot = 0;
+  int64_t bytes = 0;                // of its slot in use
+  std::vector<rx_box> pack;         // the boxes, writing contiguously into the slot
+  std::vector<EngineCopy> copies;   // slot -> the peer's destinations, one per box
+  std::vector<int32_t> boxes;       // the index of each box in plan_staging's input
+};
+
+// Addresses in the ring are offsets from 0 until relocate_staging adds the ring's base.
+struct StagingPlan {
+  int64_t slot_bytes = 0;  // the largest chunk's bytes, aligned
+  int32_t slots = 0;       // min(kStageSlots, chunks)
+  std::vector<StagedChunk> chunks;
+  int64_t ring_bytes() const { return slot_bytes * slots; }
+};
+
+// The copy-engine copy that moves a box's dst elements from a contiguous staging region at
+// `src` (row-major over the box's shape) into the box's destination, or false where the
+// destination is not one copy: its elements fold (dims contiguous in dst merged) to one
+// run, or to rows of at least kMinEngineRow bytes with a pitch (as split_engines wants).
+bool staged_copy(const rx_box& box, uint64_t src, EngineCopy* copy);
+
+// Stages boxes[i] where stageable[i], its destination is one copy (staged_copy) and it
+// fits `slot_bytes` (ExecTables::bind_direct cuts ops to fit); chunks group the staged
+// boxes by landing group (groups[i]; empty: all 0) in ascending group order, each group's
+// boxes in order, a chunk filled up to slot_bytes. `rest` gets the indices of the other
+// boxes, in order. slot_bytes <= 0: nothing is staged.
+StagingPlan plan_staging(const std::vector<rx_box>& boxes, const std::vector<int32_t>& groups,
+                         const std::vector<uint8_t>& stageable, int64_t slot_bytes, std::vector<int32_t>* rest);
+// Moves the plan's pack destinations and copy sources into the ring at `base`.
+void relocate_staging(StagingPlan* plan, uint64_t base);
+
+// How a staged execute is queued: actions in host order on the staging streams, the same
+// list for the CUDA executor (DirectExec) and its CPU emulation (tests/_direct_sim.py).
+// Streams: 0 runs the pack kernels, 1 + e copy-engine stream e. Events (CUDA semantics: a
+// wait waits for the latest record of the event queued before it, if any): ids [0, slots)
+// "slot s packed", [slots, 2 slots) "slot s copied out", [2 slots, 2 slots + streams) "copy
+// stream e reached the end of a group"; kStageStart: the execute's start on the caller's
+// stream (sources ready, the ring free since the previous execute's end); kStageLanded: the
+// previous landing group was signalled.
+enum StageOp : int32_t { kStagePack = 0, kStageCopy = 1, kStageWait = 2, kStageRecord = 3 };
+constexpr int32_t kStageStart = -1, kStageLanded = -2;
+struct StageAction {
+  int32_t op, stream, arg;  // arg: the chunk (pack, copy) or the event (wait, record)
+};
+struct StageScript {
+  int32_t streams = 0, events = 0;
+  // Queued before the host waits for the receivers: the pack stream waits for the start
+  // and packs the first chunks (a slot each), which write local memory only.
+  std::vector<StageAction> prefill;
+  // Then per landing group (groups > 0) or one part (groups == 0): a copy stream waits
+  // for its chunk's pack, copies and records the slot copied out; the pack stream packs
+  // the chunk that reuses that slot once it is copied out; every copy stream records its
+  // group-end event last. A landing group k > 0 first makes every copy stream wait for
+  // kStageLanded. The executor signals group k (or the whole execute) once every copy
+  // stream's group-end event of part k has completed, and records kStageLanded there.
+  // Nothing staged: every list is empty (streams and events 0).
+  std::vector<std::vector<StageAction>> parts;
+};
+StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams = kStageStreams);
+
 // Landing groups of a verified direct execute: each sender writes a pair's ops in
 // `groups` groups and signals each group as it lands, so that the receiver digests group
 // k while k + 1 is still on the link. Groups halve: an op of a peer (in plan order) is in

@@ -537,7 +537,8 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   }
 }
 
-void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces) {
+void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces,
+                             int64_t stage_bytes) {
   RX_HOST_ASSERT(src.size() == src_used_.size(), "bind_direct: wrong tensor count");
   std::unordered_map<int32_t, const TensorRef*> src_of;
   for (size_t i = 0; i < src.size(); ++i) src_of[src_used_[i]] = &src[i];
@@ -545,15 +546,32 @@ void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vecto
   std::unordered_map<int64_t, const TensorRef*> dst_of;
   for (const PeerPiece& p : pieces) dst_of[key(p.peer, p.dst_name)] = &p.ref;
   direct_.clear();
-  for (const TransferOp& op : plan_->direct_sends) {
+  direct_ops_.clear();
+  direct_stageable_.clear();
+  std::vector<TransferOp> parts;
+  for (size_t i = 0; i < plan_->direct_sends.size(); ++i) {
+    const TransferOp& op = plan_->direct_sends[i];
     const TensorRef& s = *src_of.at(op.src_name);
     auto it = dst_of.find(key(op.peer, op.dst_name));
     RX_HOST_ASSERT(it != dst_of.end(), "bind_direct: no piece of dst tensor ", op.dst_name, " from rank ", op.peer);
     const TensorRef& d = *it->second;
-    const std::vector<int64_t> ss = coord_strides(s);
-    const uint64_t at = element_addr(d, coord_strides(d), op.theirs.start), from = element_addr(s, ss, op.mine.start);
-    direct_.push_back(make_box(op.mine.size, from, ss.data(), s.dtype, at, d.strides.data(), d.dtype,
-                               box_codec(&s, &d), box_params(s, from, d, at)));
+    const bool stageable = s.codec != 0;  // box_codec: then d is plain
+    const std::vector<int64_t> ss = coord_strides(s), ds = coord_strides(d);
+    parts.clear();
+    if (stageable && stage_bytes > 0) {
+      TransferOp written = op;  // cut by the bytes it writes (d's elements)
+      written.nbytes = checked_mul(op.numel, dtype_size(d.dtype), "bytes of a box");
+      split_op(written, stage_bytes, dtype_size(d.dtype), parts);
+    } else {
+      parts.push_back(op);
+    }
+    for (const TransferOp& part : parts) {
+      const uint64_t at = element_addr(d, ds, part.theirs.start), from = element_addr(s, ss, part.mine.start);
+      direct_.push_back(make_box(part.mine.size, from, ss.data(), s.dtype, at, d.strides.data(), d.dtype,
+                                 box_codec(&s, &d), box_params(s, from, d, at)));
+      direct_ops_.push_back(static_cast<int32_t>(i));
+      direct_stageable_.push_back(stageable ? 1 : 0);
+    }
   }
 }
 

@@ -133,8 +133,17 @@ class ExecTables {
   // Direct sends (plan().direct_sends): one box per op from this rank's bound src piece
   // (src, aligned with src_used() as in bind) straight into the receiver's piece. Every
   // (peer, dst_name) of a direct send must be among `pieces`.
-  void bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces);
+  // A box whose codec belongs to its source (a sender-side conversion: its dst is a plain
+  // tensor, so the box writes exactly its dst elements) is stageable: the direct transport
+  // may run it into local staging and copy the bytes on (core/direct.h, plan_staging).
+  // stage_bytes > 0: the op of a stageable box that writes more than that many bytes is cut
+  // as the batches cut ops (split_op), one box per piece, so that each fits a staging slot.
+  void bind_direct(const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces, int64_t stage_bytes = 0);
   const std::vector<rx_box>& direct() const { return direct_; }
+  // Aligned with direct(): the plan().direct_sends op each box moves (part of), and whether
+  // the box is stageable (1) or not (0).
+  const std::vector<int32_t>& direct_ops() const { return direct_ops_; }
+  const std::vector<uint8_t>& direct_stageable() const { return direct_stageable_; }
   // (peer, position in dst_used()) of every dst piece a peer writes into directly, sorted.
   std::vector<std::pair<int32_t, int32_t>> direct_recv_pieces() const;
 
@@ -180,6 +189,8 @@ class ExecTables {
   std::vector<int32_t> src_used_, dst_used_;
   std::vector<std::vector<rx_box>> pack_, unpack_;
   std::vector<rx_box> copies_, direct_;
+  std::vector<int32_t> direct_ops_;
+  std::vector<uint8_t> direct_stageable_;
   std::vector<std::vector<Message>> send_msgs_, recv_msgs_;
   std::vector<rx_box> send_boxes_, recv_boxes_;
   std::vector<std::vector<int32_t>> pack_ops_, unpack_ops_, direct_sends_, direct_recvs_;

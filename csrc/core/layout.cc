@@ -48,6 +48,22 @@ std::string Mesh::describe() const {
 std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t len, int64_t parts, int64_t c,
                                                       const Placement& p) {
   std::vector<std::pair<int64_t, int64_t>> out;
+  if (!p.sizes.empty()) {
+    RX_USER_CHECK(p.stride == 1 && p.blocks.empty(), "Shard(", p.shard_dim,
+                  ", sizes=...) cannot be combined with stride or blocks");
+    RX_USER_CHECK(static_cast<int64_t>(p.sizes.size()) == parts, "Shard(", p.shard_dim, ", sizes=...) gives ",
+                  p.sizes.size(), " sizes for a mesh dim of ", parts);
+    int64_t start = 0, sum = 0;
+    for (size_t i = 0; i < p.sizes.size(); ++i) {
+      RX_USER_CHECK(p.sizes[i] >= 0, "negative shard size ", p.sizes[i]);
+      if (static_cast<int64_t>(i) < c) start = checked_add(start, p.sizes[i], "shard offset");
+      sum = checked_add(sum, p.sizes[i], "sum of shard sizes");
+    }
+    RX_USER_CHECK(sum == len, "shard sizes sum to ", sum, " but dim ", p.shard_dim, " has length ", len,
+                  " where this mesh dim splits it");
+    if (p.sizes[c] > 0) out.emplace_back(start, p.sizes[c]);
+    return out;
+  }
   std::vector<int64_t> blocks = p.blocks;
   if (blocks.empty()) {
     blocks.push_back(len);
@@ -155,6 +171,7 @@ std::string Layout::describe() const {
     s += detail::format("Shard(", p.shard_dim);
     if (p.stride != 1) s += detail::format(", stride=", p.stride);
     if (!p.blocks.empty()) s += ", blocks=" + py_tuple(p.blocks);
+    if (!p.sizes.empty()) s += ", sizes=" + py_tuple(p.sizes);
     s += ")";
   }
   return s + "])";

@@ -44,9 +44,12 @@ struct Placement {
   int32_t shard_dim = kReplicate;
   int64_t stride = 1;
   std::vector<int64_t> blocks;  // packed blocks of the dim as it stands before this split
+  // Uneven contiguous split: coordinate c holds sizes[c] elements after those of 0..c-1
+  // (an engine's padded vocabulary: full chunks, a short one, empty ones).
+  std::vector<int64_t> sizes;
   bool is_shard() const { return shard_dim != kReplicate; }
   bool operator==(const Placement& o) const {
-    return shard_dim == o.shard_dim && stride == o.stride && blocks == o.blocks;
+    return shard_dim == o.shard_dim && stride == o.stride && blocks == o.blocks && sizes == o.sizes;
   }
 };
 

@@ -91,7 +91,7 @@ class Reader {
 };
 
 // A layout without its mesh: dtype, shape, placements (placement 0: Replicate, else the
-// zigzagged shard dim + 1, stride, blocks).
+// zigzagged shard dim + 1, stride, blocks, sizes).
 std::string layout_body(const Layout& l) {
   Writer w;
   w.u(static_cast<uint64_t>(static_cast<uint32_t>(l.dtype())));
@@ -105,6 +105,7 @@ std::string layout_body(const Layout& l) {
     w.u(zigzag(p.shard_dim) + 1);
     w.s(p.stride);
     w.ints(p.blocks);
+    w.ints(p.sizes);
   }
   return w.take();
 }
@@ -215,6 +216,7 @@ std::vector<LayoutEntry> decode_entries(const std::vector<std::string>& blobs) {
         p.shard_dim = static_cast<int32_t>(unzigzag(code - 1));
         p.stride = r.s();
         p.blocks = r.ints();
+        p.sizes = r.ints();
       }
       auto key = std::make_pair(meshes[mesh_id].get(), std::string(body, r.pos()));
       auto it = layouts_seen.find(key);

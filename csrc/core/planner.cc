@@ -206,7 +206,8 @@ void for_each_split(std::vector<int64_t>& off, std::vector<int64_t>& size, int64
   off[d] = base;
 }
 
-// Splits an op into pieces of at most `limit` wire bytes along its outermost dims.
+}  // namespace
+
 void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<TransferOp>& out) {
   if (limit <= 0 || op.nbytes <= limit) {
     out.push_back(op);
@@ -227,6 +228,8 @@ void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<Tra
                    out.push_back(std::move(part));
                  });
 }
+
+namespace {
 
 bool op_less(const TransferOp& a, const TransferOp& b) {
   if (a.peer != b.peer) return a.peer < b.peer;

@@ -148,6 +148,12 @@ class RankPlan {
   int64_t direct_recv_total() const;
 };
 
+// Splits an op into pieces of at most `limit` bytes of `elem`-byte elements along its
+// outermost dims, appending them to `out` in order; cuts inside the last dim fall on
+// multiples of op.grain (whole codec blocks), so a piece may exceed `limit` where no finer
+// cut is allowed. The batches cut ops by it, and so does the direct transport's staging.
+void split_op(const TransferOp& op, int64_t limit, int32_t elem, std::vector<TransferOp>& out);
+
 // A set of receivers that get the same boxes from one sender, and the bytes of those
 // boxes counted once.
 struct FanOut {

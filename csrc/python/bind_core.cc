@@ -296,13 +296,15 @@ void register_core(py::module_& m) {
       .def("describe", &Mesh::describe);
 
   py::class_<Placement>(m, "Placement")
-      .def(py::init([](int32_t dim, int64_t stride, std::vector<int64_t> blocks) {
-             return Placement{dim, stride, std::move(blocks)};
+      .def(py::init([](int32_t dim, int64_t stride, std::vector<int64_t> blocks, std::vector<int64_t> sizes) {
+             return Placement{dim, stride, std::move(blocks), std::move(sizes)};
            }),
-           py::arg("shard_dim"), py::arg("stride") = 1, py::arg("blocks") = std::vector<int64_t>{})
+           py::arg("shard_dim"), py::arg("stride") = 1, py::arg("blocks") = std::vector<int64_t>{},
+           py::arg("sizes") = std::vector<int64_t>{})
       .def_readonly("shard_dim", &Placement::shard_dim)
       .def_readonly("stride", &Placement::stride)
       .def_readonly("blocks", &Placement::blocks)
+      .def_readonly("sizes", &Placement::sizes)
       .def_static("replicate", [] { return Placement{}; }, "The placement of a Replicate mesh dim.");
 
   py::class_<Layout, std::shared_ptr<Layout>>(m, "Layout")
@@ -525,17 +527,25 @@ void register_core(py::module_& m) {
       }, py::arg("parts"), "copy_boxes cut into `parts` tables of about equal bytes, in order")
       .def(
           "bind_direct",
-          [](ExecTables& t, const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces) {
-            t.bind_direct(src, pieces);
+          [](ExecTables& t, const std::vector<TensorRef>& src, const std::vector<PeerPiece>& pieces,
+             int64_t stage_bytes) {
+            t.bind_direct(src, pieces, stage_bytes);
             check_codec_boxes(t.direct());
           },
-          py::arg("src"), py::arg("pieces"),
+          py::arg("src"), py::arg("pieces"), py::arg("stage_bytes") = 0,
           "src: as for bind; pieces: the PeerPiece of every receiver piece this rank writes into directly, its ref "
-          "in this process's addresses")
+          "in this process's addresses; stage_bytes > 0: ops of stageable boxes cut to write at most that much each")
       .def("direct_boxes", [](const ExecTables& t) { return box_table(t.direct()); })
+      .def("direct_stageable", [](const ExecTables& t) { return t.direct_stageable(); },
+           "Whether each direct box (aligned with direct_boxes) may be staged: its codec belongs to its source")
       .def("direct_landing_groups",
-           [](const ExecTables& t, int32_t groups) { return landing_groups(t.plan().direct_sends, groups); },
-           py::arg("groups"), "The landing group of each direct send (aligned with direct_boxes; core/direct.h)")
+           [](const ExecTables& t, int32_t groups) {
+             const std::vector<int32_t> of_op = landing_groups(t.plan().direct_sends, groups);
+             std::vector<int32_t> out;
+             for (int32_t op : t.direct_ops()) out.push_back(of_op[static_cast<size_t>(op)]);
+             return out;
+           },
+           py::arg("groups"), "The landing group of each direct box (that of its send op; core/direct.h)")
       .def("landing_runs",
            [](const ExecTables& t, const std::vector<int32_t>& senders, int32_t groups) {
              return landing_runs(t.plan().recvs, senders, groups);

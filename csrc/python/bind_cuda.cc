@@ -96,6 +96,50 @@ void register_cuda(py::module_& m) {
       "split_engines' copies spread over n streams of about equal bytes (n <= 0: auto_engine_streams).");
   m.def("auto_engine_streams", &auto_engine_streams, py::arg("num_copies"),
         "The streams spread_engines uses for that many copies when n <= 0.");
+  m.attr("STAGE_SLOTS") = kStageSlots;
+  m.attr("STAGE_STREAMS") = kStageStreams;
+  m.attr("STAGE_ALIGN") = kStageAlign;
+  m.attr("STAGE_START") = kStageStart;
+  m.attr("STAGE_LANDED") = kStageLanded;
+  py::class_<StagingPlan>(m, "StagingPlan", "Staged codec boxes of a direct send (core/direct.h, plan_staging).")
+      .def_readonly("slot_bytes", &StagingPlan::slot_bytes)
+      .def_readonly("slots", &StagingPlan::slots)
+      .def_property_readonly("ring_bytes", &StagingPlan::ring_bytes)
+      .def_property_readonly("num_chunks", [](const StagingPlan& p) { return p.chunks.size(); })
+      .def(
+          "chunk",
+          [=](const StagingPlan& p, size_t c) {
+            const StagedChunk& k = p.chunks.at(c);
+            return py::make_tuple(k.group, k.slot, k.bytes, BoxTable{k.pack}, copies_out(k.copies), k.boxes);
+          },
+          py::arg("c"), "(group, slot, bytes, pack boxes, copies as split_engines gives them, box indices)")
+      .def("relocate", [](StagingPlan& p, uint64_t base) { relocate_staging(&p, base); }, py::arg("base"))
+      .def(
+          "script",
+          [](const StagingPlan& p, int32_t groups, int32_t streams) {
+            const StageScript sc = stage_script(p, groups, streams);
+            auto acts = [](const std::vector<StageAction>& v) {
+              py::list l;
+              for (const StageAction& a : v) l.append(py::make_tuple(a.op, a.stream, a.arg));
+              return l;
+            };
+            py::list parts;
+            for (const auto& part : sc.parts) parts.append(acts(part));
+            return py::make_tuple(sc.streams, sc.events, acts(sc.prefill), parts);
+          },
+          py::arg("groups"), py::arg("streams") = kStageStreams,
+          "stage_script: (streams, events, prefill, parts), actions as (op, stream, arg); op 0 pack, 1 copy, "
+          "2 wait, 3 record.");
+  m.def(
+      "plan_staging",
+      [](const py::buffer& table, const std::vector<int32_t>& groups, const std::vector<uint8_t>& stageable,
+         int64_t slot_bytes) {
+        std::vector<int32_t> rest;
+        StagingPlan p = plan_staging(boxes_from(table), groups, stageable, slot_bytes, &rest);
+        return py::make_tuple(std::move(p), rest);
+      },
+      py::arg("boxes"), py::arg("groups"), py::arg("stageable"), py::arg("slot_bytes"),
+      "The direct transport's staging of a sender's codec boxes: (StagingPlan, indices of the boxes not staged).");
   m.def(
       "dst_spans",
       [](const py::buffer& table) {

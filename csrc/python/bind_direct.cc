@@ -97,7 +97,8 @@ void register_direct(py::module_& m) {
       .def(py::init([](std::shared_ptr<DirectSignals> sig, const py::buffer& boxes, const py::buffer& local,
                        int64_t engine_bytes, int64_t local_engine_bytes, int32_t local_blocks, bool batch,
                        int32_t engine_streams, std::vector<int32_t> receivers, std::vector<int32_t> senders,
-                       double timeout_s, const std::vector<int32_t>& box_groups, int32_t landing_groups) {
+                       double timeout_s, const std::vector<int32_t>& box_groups, int32_t landing_groups,
+                       const std::vector<uint8_t>& box_stageable, int64_t stage_slot_bytes) {
              DirectConfig config;
              config.engine_bytes = engine_bytes;
              config.local_engine_bytes = local_engine_bytes;
@@ -105,16 +106,23 @@ void register_direct(py::module_& m) {
              config.batch = batch;
              config.engine_streams = engine_streams;
              config.landing_groups = landing_groups;
+             config.stage_slot_bytes = stage_slot_bytes;
              return std::make_shared<DirectExec>(std::move(sig), boxes_from(boxes), boxes_from(local), config,
-                                                 std::move(receivers), std::move(senders), timeout_s, box_groups);
+                                                 std::move(receivers), std::move(senders), timeout_s, box_groups,
+                                                 box_stageable);
            }),
            py::arg("signals"), py::arg("boxes"), py::arg("local"), py::arg("engine_bytes"),
            py::arg("local_engine_bytes"), py::arg("local_blocks"), py::arg("batch"), py::arg("engine_streams"),
            py::arg("receivers"), py::arg("senders"), py::arg("timeout_s"), py::arg("box_groups"),
-           py::arg("landing_groups"),
+           py::arg("landing_groups"), py::arg("box_stageable") = std::vector<uint8_t>{},
+           py::arg("stage_slot_bytes") = 0,
            "boxes: the direct sends; local: same-rank copies it runs beside them (an empty BoxTable for none); "
-           "box_groups: each box's landing group (ExecTables.direct_landing_groups) of landing_groups.")
+           "box_groups: each box's landing group (ExecTables.direct_landing_groups) of landing_groups; "
+           "box_stageable (ExecTables.direct_stageable) and stage_slot_bytes: the boxes it stages (plan_staging).")
       .def_property_readonly("table_bytes", &DirectExec::table_bytes)
+      .def_property_readonly("staging_bytes", &DirectExec::staging_bytes, "Bytes of the ring upload() takes.")
+      .def_property_readonly("num_staged_chunks", &DirectExec::num_staged_chunks)
+      .def_property_readonly("num_staged_boxes", &DirectExec::num_staged_boxes)
       .def_property_readonly("num_engine_copies", &DirectExec::num_engine_copies)
       .def_property_readonly("num_kernel_boxes", &DirectExec::num_kernel_boxes)
       .def_property_readonly("num_local_engine_copies", &DirectExec::num_local_engine_copies)
@@ -124,10 +132,13 @@ void register_direct(py::module_& m) {
       .def_property_readonly("error", &DirectExec::error)
       .def(
           "upload",
-          [](DirectExec& d, uint64_t dev, uint64_t stream) {
-            d.upload(reinterpret_cast<void*>(static_cast<uintptr_t>(dev)), as_stream(stream));
+          [](DirectExec& d, uint64_t dev, uint64_t staging, uint64_t stream) {
+            d.upload(reinterpret_cast<void*>(static_cast<uintptr_t>(dev)),
+                     reinterpret_cast<void*>(static_cast<uintptr_t>(staging)), as_stream(stream));
           },
-          py::arg("dev_ptr"), py::arg("stream"))
+          py::arg("dev_ptr"), py::arg("staging_ptr"), py::arg("stream"),
+          "Uploads the tables into dev_ptr (table_bytes) and binds the staged boxes to the ring at staging_ptr "
+          "(staging_bytes; 0 when that is 0).")
       .def(
           "begin", [](DirectExec& d, uint64_t stream, bool landing) { d.begin(as_stream(stream), landing); },
           py::arg("stream"), py::arg("landing") = false, py::call_guard<py::gil_scoped_release>(),

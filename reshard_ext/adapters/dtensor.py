@@ -13,15 +13,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
+from .. import groups
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Placement, Replicate, Shard
-from . import Entries
+from . import Entries, named_tensors
 
 try:  # private in torch; present since 2.4
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -42,9 +42,7 @@ def _placement(p: Any, name: str) -> Placement:
 def _to_group(r: int, group: Any, rank_offset: int) -> int:
     if rank_offset:
         return r + rank_offset
-    if group is None or group is dist.group.WORLD:
-        return r
-    g = dist.get_group_rank(group, r)
+    g = groups.group_rank(group, r)
     if g is None or g < 0:
         raise ReshardError(f"mesh rank {r} is not in the refit group")
     return g
@@ -70,14 +68,8 @@ def entries(model: Source, *, group: Any = None, rank_offset: int = 0, buffers: 
     DTensor's local shard (shared storage, so refits land in the parameter itself).
     """
     if isinstance(model, nn.Module):
-        named: Iterable[tuple[str, torch.Tensor]] = list(model.named_parameters())
-        if buffers:
-            named = list(named) + [
-                (f"{p}.{b}" if p else b, buf)
-                for p, m in model.named_modules()
-                for b, buf in m._buffers.items()
-                if buf is not None and b not in m._non_persistent_buffers_set
-            ]
+        named: Iterable[tuple[str, torch.Tensor]] = (
+            list(named_tensors(model)) if buffers else list(model.named_parameters()))
     elif isinstance(model, Mapping):
         named = model.items()
     else:

@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .. import groups as process_groups
 from ..errors import ReshardError
 from ..layout import Layout, Mesh, Replicate, Shard
-from . import Entries
+from . import Entries, named_tensors
 
 _EXPERT_INDEX = (
     re.compile(r"^(.*\.)?(weight|bias)(\d+)$"),  # TEGroupedMLP: experts.linear_fc1.weight3
@@ -55,7 +55,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def _pg_ranks(pg: Any) -> list[int]:
     """Ranks of a group in the model's own world (a seam for models in other worlds)."""
-    return dist.get_process_group_ranks(pg)
+    return list(process_groups.ranks(pg))
 
 
 class _Groups:
@@ -66,7 +66,7 @@ class _Groups:
         self.group = group
         self.offset = rank_offset
         tp = getattr(pg_collection, "tp", None)
-        self.me = _pg_ranks(tp)[dist.get_rank(tp)] if tp is not None else dist.get_rank()
+        self.me = _pg_ranks(tp)[process_groups.rank(tp)] if tp is not None else process_groups.rank()
 
     def ranks(self, *attrs: str) -> list[int]:
         """Model-world ranks of the first of `attrs` that the collection has; [me] if none."""
@@ -81,14 +81,12 @@ class _Groups:
 
     def rank_in(self, attr: str) -> int:
         pg = getattr(self.pgc, attr, None)
-        return 0 if pg is None else dist.get_rank(pg)
+        return 0 if pg is None else process_groups.rank(pg)
 
     def to_group(self, r: int) -> int:
         if self.offset:
             return r + self.offset
-        if self.group is None or self.group is dist.group.WORLD:
-            return r
-        g = dist.get_group_rank(self.group, r)
+        g = process_groups.group_rank(self.group, r)
         if g is None or g < 0:
             raise ReshardError(f"model rank {r} is not in the refit group")
         return g
@@ -115,15 +113,6 @@ def _global_layer_name(name: str, prefixes: dict[str, str]) -> str:
         if mapped is not None:
             return ".".join([mapped] + parts[i:])
     return name
-
-
-def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters, then persistent buffers (training state that must travel too)."""
-    yield from module.named_parameters()
-    for path, sub in module.named_modules():
-        for bname, buf in sub._buffers.items():
-            if buf is not None and bname not in sub._non_persistent_buffers_set:
-                yield (f"{path}.{bname}" if path else bname), buf
 
 
 def _expert_slot(name: str) -> tuple[str, int] | None:
@@ -157,7 +146,7 @@ def _layout(tensor: torch.Tensor, name: str, mesh: Mesh, tp_size: int) -> Layout
 
 def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None) -> Entries:
     prefixes = _layer_prefixes(core)
-    tensors = [(_global_layer_name(n, prefixes), t) for n, t in _named_tensors(core)]
+    tensors = [(_global_layer_name(n, prefixes), t) for n, t in named_tensors(core)]
 
     tp = groups.ranks("tp")
     dense_mesh = groups.grid(groups.ranks("dp_cp", "dp"), tp)
@@ -189,6 +178,23 @@ def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None) ->
     return out
 
 
+def _chunks(model: Model) -> list[nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [cast(nn.Module, model)]
+
+
+def _pg_collection(core: nn.Module) -> Any:
+    pgc = getattr(core, "pg_collection", None)
+    if pgc is None:
+        raise ReshardError(f"{type(core).__name__} has no pg_collection: cannot tell its process groups")
+    return pgc
+
+
+def refit_rank(model: Model, *, group: Any = None, rank_offset: int = 0) -> int:
+    """This process's rank as the entries' meshes number it (a rank of the refit `group`)."""
+    groups = _Groups(_pg_collection(unwrap(_chunks(model)[0])), group, rank_offset)
+    return groups.to_group(groups.me)
+
+
 def entries(
     model: Model,
     *,
@@ -203,13 +209,10 @@ def entries(
     tie_output_to_embedding: offer the word embeddings as ``output_layer.weight`` when the
     model ties them and holds no output weight (for source models).
     """
-    chunks: list[nn.Module] = list(model) if isinstance(model, (list, tuple)) else [cast(nn.Module, model)]
     out: Entries = {}
-    for chunk in chunks:
+    for chunk in _chunks(model):
         core = unwrap(chunk)
-        pgc = getattr(core, "pg_collection", None)
-        if pgc is None:
-            raise ReshardError(f"{type(core).__name__} has no pg_collection: cannot tell its process groups")
+        pgc = _pg_collection(core)
         config = getattr(core, "config", None)
         num_experts = getattr(config, "num_moe_experts", None)
         for name, item in _chunk_entries(core, _Groups(pgc, group, rank_offset), num_experts).items():
@@ -226,4 +229,4 @@ def entries(
     return out
 
 
-__all__ = ["entries", "unwrap", "WORD_EMBEDDINGS", "OUTPUT_LAYER"]
+__all__ = ["entries", "refit_rank", "unwrap", "WORD_EMBEDDINGS", "OUTPUT_LAYER"]

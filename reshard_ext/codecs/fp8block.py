@@ -116,6 +116,10 @@ def _scale_layout(layout: Layout) -> Layout | str:
             if any(b % BLOCK for b in p.blocks):
                 return f"packed blocks {p.blocks} of dim {p.dim % nd} are not multiples of {BLOCK}"
             p = Shard(p.dim, p.stride, tuple(b // BLOCK for b in p.blocks))
+        if isinstance(p, Shard) and p.dim % nd >= nd - 2 and p.sizes is not None:
+            # each coordinate's blocks (a piece that cuts one fails the check below)
+            ends = [sum(p.sizes[:c + 1]) for c in range(len(p.sizes))]
+            p = Shard(p.dim, sizes=tuple(-(-e // BLOCK) - -(-(e - n) // BLOCK) for e, n in zip(ends, p.sizes)))
         placements.append(p)
     scale = Layout(scale_shape(layout.shape), torch.float32, layout.mesh, placements)
     for rank in sorted(set(layout.mesh.ranks)):

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..errors import ReshardError
 from ..options import env_default, scoped_external_env
 
@@ -160,13 +160,14 @@ class Channel:
 
     def __init__(self, group: Any):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.rank = groups.rank(group)
+        self.size = groups.size(group)
+        self.ranks = groups.ranks(group)
+        self.key = groups.key(group)
         self.others = [r for r in range(self.size) if r != self.rank]  # a swap round's header ranks
         key = "-".join(map(str, self.ranks)) if len(self.ranks) <= 16 else f"{hash(self.ranks) & 0xFFFFFFFF:x}"
         self._prefix = f"reshard_ext/channel/{self.size}/{key}/"
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = groups.store(group)
         self._contexts: dict[int, Any] = {}
         self._gen: dict[int, int] = {}  # peer -> generation of our pair (worker thread only)
         self._met: set[tuple[int, int]] = set()  # (peer, generation) on which both ends post
@@ -185,7 +186,9 @@ class Channel:
         self._ring_made = False
         self._ring_peers: dict[int, bool] = {}  # peer -> whether our data goes through the rings
         self._ring_lock = threading.Lock()
-        threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True).start()
+        self.closed = False  # its group was closed (rx.connect's ConnectedGroup.close())
+        self._worker = threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True)
+        self._worker.start()
 
     # --- headers through shared memory (same host) --------------------------------------
     def _mailbox_key(self, rank: int) -> str:
@@ -352,6 +355,9 @@ class Channel:
 
     # --- one execute at a time -------------------------------------------------------
     def enter(self, what: str = "rx.execute") -> None:
+        if self.closed:
+            raise ReshardError(f"{what}: the group made by rx.connect was closed; plans made over it cannot run "
+                               f"(connect again and plan again)")
         if not self._busy.acquire(blocking=False):
             raise ReshardError(
                 f"{what}: an execute on the process group of ranks {list(self.ranks)} is running in this process "
@@ -363,10 +369,23 @@ class Channel:
         self.owner = None
         self._busy.release()
 
+    def close(self) -> None:
+        """Ends the channel of a group that closes: later executes raise, the worker
+        stops once its jobs are done, and the shared-memory segments and gloo contexts
+        go with the last reference."""
+        self.closed = True
+        self._jobs.put(None)  # type: ignore[arg-type]  # the worker's end
+        self._worker.join(timeout=_POLL_S * 20)  # it holds the channel (and so the group's store) while it runs
+        self._mailbox = None
+        self._ring = None
+        self._contexts.clear()
+
     # --- the worker --------------------------------------------------------------------
     def _work(self) -> None:
         while True:
             task = self._jobs.get()
+            if task is None:
+                return
             try:
                 task.result = task.fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -669,7 +688,7 @@ def _host_key() -> str:
         return f"{socket.gethostname()}:{os.getuid()}"
 
 
-_CHANNELS: dict[tuple[int, ...], Channel] = {}
+_CHANNELS: dict[tuple, Channel] = {}  # groups.key -> its channel
 _CHANNELS_LOCK = threading.Lock()
 
 
@@ -682,12 +701,22 @@ def _close_mailboxes() -> None:
         ch._ring = None  # a worker still polling it holds its own reference
 
 
+def _close_group(group: groups.Standalone) -> None:
+    with _CHANNELS_LOCK:
+        ch = _CHANNELS.pop(group.key, None)
+    if ch is not None:
+        ch.close()
+
+
+groups.on_close(_close_group)
+
+
 def channel_of(group: Any) -> Channel:
     """The channel of `group`'s ranks (created once per process, locally: no collective)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
+    key = groups.key(group)
     with _CHANNELS_LOCK:
-        ch = _CHANNELS.get(ranks)
+        ch = _CHANNELS.get(key)
         # A process group created again (destroy_process_group, init again) has a new store.
-        if ch is None or ch.store is not dist.distributed_c10d._get_default_store():
-            ch = _CHANNELS[ranks] = Channel(group)
+        if ch is None or ch.store is not groups.store(group):
+            ch = _CHANNELS[key] = Channel(group)
         return ch

@@ -323,7 +323,7 @@ class CudaTransport:
         if session.verdict is None:
             self.channel.drain(session)
             if self.nccl:
-                session.epoch = nccl_lib.epoch(self.group, self.channel.ranks)
+                session.epoch = nccl_lib.epoch(self.group, self.channel.key)
                 session.comm_unusable = not self.comm.usable
             ok = session.status == 0
             exchange_headers(self.channel, self.peers, session, tables.num_batches, pack0 if ok else None)

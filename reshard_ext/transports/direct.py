@@ -5,7 +5,10 @@ destination tensor through a CUDA IPC mapping of the receiver's memory: no stagi
 either end, no pack, no unpack. Large boxes with contiguous rows go through the copy
 engines (batched calls), the rest through one launch of the box kernel; same-rank copies
 run beside them (on a rank without NCCL pairs: a copy engine for large ones, the kernel
-for the rest, issued before the host waits for the receivers).
+for the rest, issued before the host waits for the receivers). A sender-side codec's boxes
+(rx.MXFP8(where="sender"), ...) are the exception: the box kernel quantizes them into a
+local staging ring, chunk by chunk, and the copy engines carry each chunk into the peer
+while the next one is quantized (rx.Options.direct_staging_bytes; core/direct.h).
 Completion reaches the receiver on the GPU (csrc/comm/direct_exec.h has the protocol).
 
 A pair of ranks goes direct when both are on one host in different processes, both are
@@ -42,9 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..collectives import all_gather_objects
 from ..errors import ReshardError
 from ..options import Options
@@ -84,6 +86,16 @@ class RankInfo:
     page: str = ""                 # path of its shared page
     why: str = ""                  # why it takes no direct pair
     groups: int = 1                # rx.Options.direct_verify_groups (every rank must agree)
+
+
+def stage_slot_bytes(ring: int, max_batch_bytes: int | None, other_staging: int) -> int:
+    """Bytes of one slot of the ring a sender's codec boxes are staged in (core/direct.h,
+    plan_staging): the ring of `ring` bytes (rx.Options.direct_staging_bytes), within
+    max_batch_bytes beside the `other_staging` bytes of the NCCL pairs' batches, in
+    _C.STAGE_SLOTS aligned slots; 0: nothing is staged."""
+    if max_batch_bytes is not None:
+        ring = min(ring, max(0, max_batch_bytes - other_staging))
+    return ring // _C.STAGE_SLOTS // _C.STAGE_ALIGN * _C.STAGE_ALIGN
 
 
 def candidate_pairs(infos: Sequence[RankInfo]) -> set[Pair]:
@@ -181,20 +193,24 @@ class CudaDevice:
         return _C.IpcMapping(handle)
 
     def executor(self, signals: Any, boxes: _C.BoxTable, local: _C.BoxTable, options: Options, receivers: list[int],
-                 senders: list[int], timeout: float, box_groups: list[int], groups: int) -> tuple[Any, Any]:
-        """(the per-execute steps, the device memory of its kernel tables); box_groups: the
-        landing group of each box, of `groups`."""
+                 senders: list[int], timeout: float, box_groups: list[int], groups: int, stageable: list[int],
+                 slot_bytes: int) -> tuple[Any, Any]:
+        """(the per-execute steps, the device memory it keeps: its kernel tables and staging
+        ring); box_groups: the landing group of each box, of `groups`; stageable and
+        slot_bytes: the boxes it may stage and the size of a staging slot (core/direct.h)."""
         blocks = options.resolved_direct_local_blocks()
         if blocks is None:  # uncapped, the same-rank kernel takes HBM from the copy engines' peer writes
             blocks = torch.cuda.get_device_properties(self.index).multi_processor_count // 2
         ex = _C.DirectExec(signals, boxes, local, options.resolved_direct_engine_bytes(),
                            options.resolved_direct_local_engine_bytes(), blocks,
                            options.resolved_direct_engine_batch(), options.resolved_direct_engine_streams(),
-                           receivers, senders, timeout, box_groups, groups)
+                           receivers, senders, timeout, box_groups, groups, stageable, slot_bytes)
         table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
-        ex.upload(table.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        ring = torch.empty(ex.staging_bytes, dtype=torch.uint8, device=self.index)
+        ex.upload(table.data_ptr(), ring.data_ptr() if ex.staging_bytes else 0,
+                  torch.cuda.current_stream().cuda_stream)
         torch.cuda.current_stream().synchronize()  # execute may run on another stream
-        return ex, table
+        return ex, (table, ring)
 
     def transport(self, group: Any, options: Options, register: bool, nccl: bool) -> Any:
         """The transport of the pairs that are not direct (and of same-rank copies)."""
@@ -242,8 +258,8 @@ class DirectTransport:
         self.group = group
         self.options = options
         self.register = register
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank = groups.rank(group)
+        self.world = groups.size(group)
         self.timeout = options.resolved_timeout("direct")
         self.groups = options.resolved_direct_verify_groups()  # landing groups of a verified execute
         self.gather_timeout = options.resolved_timeout("gloo")  # rx.plan's own collectives use it too
@@ -261,7 +277,7 @@ class DirectTransport:
         self.nccl_peers: list[int] = []         # peers this rank moves bytes with over NCCL
         self.inner: Any = None
         self.exec: Any = None
-        self._table: torch.Tensor | None = None
+        self._memory: Any = None  # the executor's device memory (kernel tables, staging ring)
         # receiver -> (its mappings open here, its PeerPieces at them, their [base, end) ranges)
         self._mapped: dict[int, tuple[list, list, list]] = {}
         self._receivers: list[int] = []  # peers this rank writes into directly
@@ -451,7 +467,7 @@ class DirectTransport:
         senders = self._senders = sorted({p for p, _ in tables.direct_recv_pieces()})
         self._given, self._news = {p: exports.get(p) for p in senders}, {}
         self.nccl_peers = sorted({op.peer for op in split.sends()} | {op.peer for op in split.recvs()})
-        self.staging_bytes = self.inner.staging_bytes  # of the NCCL pairs, every pipelined copy
+        self.staging_bytes = self.inner.staging_bytes  # of the NCCL pairs; _direct adds its staging ring
         self.peers = sorted(set(receivers) | set(senders) | set(self.inner.peers))
         self._broken = ""
         # Without NCCL pairs nothing else runs beside the direct writes: the executor takes
@@ -462,9 +478,11 @@ class DirectTransport:
     def _direct(self, plan: Any, src_refs: list) -> None:
         """Builds this rank's per-execute direct work from its bound tables, the sources
         `src_refs` and the receivers' destinations as mapped here."""
-        self.exec, self._table = None, None  # its writes may use mappings closed since
+        self.exec, self._memory = None, None  # its writes may use mappings closed since
         tables = plan.tables
-        tables.bind_direct(src_refs, [p for _, pieces, _ in self._mapped.values() for p in pieces])
+        slot = stage_slot_bytes(self.options.resolved_direct_staging_bytes(), getattr(plan, "max_batch_bytes", None),
+                                self.inner.staging_bytes)
+        tables.bind_direct(src_refs, [p for _, pieces, _ in self._mapped.values() for p in pieces], slot)
         boxes = tables.direct_boxes()
         mapped = sorted({r for _, _, ranges in self._mapped.values() for r in ranges})
         for lo, hi in _C.dst_spans(boxes):
@@ -474,9 +492,12 @@ class DirectTransport:
         self._plan, self._reader = weakref.ref(plan), None
         if self._receivers or self._senders:
             local = tables.copy_boxes() if self.owns_copies else _C.BoxTable()
-            self.exec, self._table = self.device.executor(self.signals, boxes, local, self.options, self._receivers,
-                                                          self._senders, self.timeout,
-                                                          tables.direct_landing_groups(self.groups), self.groups)
+            self.exec, self._memory = self.device.executor(self.signals, boxes, local, self.options, self._receivers,
+                                                           self._senders, self.timeout,
+                                                           tables.direct_landing_groups(self.groups), self.groups,
+                                                           tables.direct_stageable(), slot)
+        # of the NCCL pairs' batches, every pipelined copy, and the staging ring
+        self.staging_bytes = self.inner.staging_bytes + (self.exec.staging_bytes if self.exec is not None else 0)
 
     def rebind_plan(self, plan: Any) -> None:
         """plan.rebind on this rank alone (the pairs stay): binds the plan's new tensors
@@ -502,9 +523,11 @@ class DirectTransport:
         ex = self.exec
         how = ""
         if ex is not None:
+            staged = (f", {ex.num_staged_boxes} codec boxes staged in {ex.num_staged_chunks} chunks "
+                      f"({ex.staging_bytes} B ring)" if ex.num_staged_boxes else "")
             how = (f" ({ex.num_engine_copies} copy-engine copies {getattr(ex, 'engine_mode', '')}, "
-                   f"{ex.num_kernel_boxes} kernel boxes; same-rank here: {ex.num_local_engine_copies} copy-engine, "
-                   f"{ex.num_local_kernel_boxes} kernel)")
+                   f"{ex.num_kernel_boxes} kernel boxes{staged}; same-rank here: {ex.num_local_engine_copies} "
+                   f"copy-engine, {ex.num_local_kernel_boxes} kernel)")
         return f"direct with ranks {d or 'none'}{how}; {via} with ranks {n or 'none'}"
 
     # --- every execute ------------------------------------------------------------------
@@ -545,7 +568,7 @@ class DirectTransport:
         # direct writes land in the peers' tensors, so every pair must agree before them.
         self.channel.drain(session)
         if getattr(self.inner, "comm", None) is not None:
-            session.epoch = nccl_lib.epoch(self.group, self.channel.ranks)
+            session.epoch = nccl_lib.epoch(self.group, self.channel.key)
             session.comm_unusable = not self.inner.comm.usable
         outbox = self._outbox() if session.status == 0 else {}
         if session.verdict is None:  # else Plan exchanged them (a swap round of a rank without peers)

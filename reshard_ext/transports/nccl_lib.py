@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..errors import ReshardError
 from ..options import env_default, skip_nccl_check
 from . import libfiles
@@ -23,8 +23,8 @@ _SKIP_LIB_CHECK_ENV = "RESHARD_EXT_SKIP_NCCL_CHECK"
 
 Transfer = tuple[int, int, int]  # (peer group rank, device pointer, bytes)
 
-_COMMS: dict[tuple[tuple[int, ...], int], _C.NcclComm] = {}
-_EPOCHS: dict[tuple[tuple[int, ...], int], int] = {}
+_COMMS: dict[tuple[tuple, int], _C.NcclComm] = {}  # (groups.key, device) -> its communicator
+_EPOCHS: dict[tuple[tuple, int], int] = {}
 _LIB_CHECKED = False
 
 
@@ -134,16 +134,16 @@ def check_nccl_library() -> None:
 
 # --- communicators -----------------------------------------------------------------------
 
-def epoch(group: dist.ProcessGroup | None = None, ranks: tuple[int, ...] | None = None) -> int:
+def epoch(group: Any = None, key: tuple | None = None) -> int:
     """How many communicators of `group` (on the current device) this process created:
-    ranks that created them together agree on it. ranks: the group's, where the caller
-    has them (an execute asks every time)."""
-    if ranks is None:
-        ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    return _EPOCHS.get((ranks, torch.cuda.current_device()), 0)
+    ranks that created them together agree on it. key: the group's groups.key, where the
+    caller has it (an execute asks every time)."""
+    if key is None:
+        key = groups.key(group)
+    return _EPOCHS.get((key, torch.cuda.current_device()), 0)
 
 
-def communicator(group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
+def communicator(group: Any = None, timeout_s: float | None = None,
                  fresh: bool = False) -> _C.NcclComm:
     """The NCCL communicator of `group` (default WORLD) on the current CUDA device.
 
@@ -162,19 +162,18 @@ def communicator(group: dist.ProcessGroup | None = None, timeout_s: float | None
     if not torch.cuda.is_available():
         raise ReshardError("the NCCL transport needs a CUDA device, and torch.cuda.is_available() is False; "
                            "use backend='torch' on CPU")
-    if not dist.is_initialized():
-        raise ReshardError("the NCCL transport needs torch.distributed to be initialized")
-    group = group if group is not None else dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(group))
+    groups.require(group, "the NCCL transport")
+    group = groups.resolve(group)
+    ranks = groups.ranks(group)
     device = torch.cuda.current_device()
-    key = (ranks, device)
+    key = (groups.key(group), device)
     comm = _COMMS.get(key)
     if comm is not None and comm.usable and not fresh:
         return comm
     _COMMS.pop(key, None)
     check_nccl_library()
     timeout = float(env_default("RESHARD_EXT_NCCL_TIMEOUT")) if timeout_s is None else float(timeout_s)
-    rank = dist.get_rank(group)
+    rank = groups.rank(group)
     if rank < 0:
         raise ReshardError(f"communicator(): this process is not a member of the group (ranks {list(ranks)})")
     from ..collectives import all_gather_objects
@@ -204,6 +203,15 @@ def side_stream(comm: _C.NcclComm) -> torch.cuda.ExternalStream:
     """The communicator's stream as a torch stream: `t.record_stream(side_stream(comm))`
     for a buffer freed while a transfer may still read or write it."""
     return torch.cuda.ExternalStream(comm.side_stream, device=torch.device("cuda", comm.device))
+
+
+def _close_group(group: groups.Standalone) -> None:
+    """Closes the communicators of a standalone group that closes (on every member)."""
+    for key in [k for k in _COMMS if k[0] == group.key]:
+        _COMMS.pop(key).close(10.0)
+
+
+groups.on_close(_close_group)
 
 
 def clear_communicators(timeout_s: float = 10.0) -> None:

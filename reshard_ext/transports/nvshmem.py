@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..errors import InternalError
 from ..options import Options
 from ..planning import _raise, first_failed_rank
@@ -82,7 +82,7 @@ class NvshmemTransport(CudaTransport):
     def bind_plan(self, plan: Any, errors: list[str]) -> None:
         tables = plan.tables
         need = (tables.send_buffer_bytes, tables.recv_buffer_bytes, STAGING_SLOTS if tables.num_batches > 1 else 1)
-        votes: list[Any] = [None] * dist.get_world_size(self.group)
+        votes: list[Any] = [None] * groups.size(self.group)
         dist.all_gather_object(votes, (errors, need, nvshmem_lib.free_regions()), group=self.group)
         agreed = [e for v in votes for e in v[0]]
         if agreed:
@@ -147,7 +147,7 @@ class NvshmemTransport(CudaTransport):
         return out
 
     def _set_batches(self, tables: Any, offsets: list[dict]) -> None:
-        me = dist.get_rank(self.group)
+        me = groups.rank(self.group)
         check_one_message_per_pair(tables, me)
         base = self._layout[0]
         sends: list[list[tuple]] = [[] for _ in range(tables.num_batches)]

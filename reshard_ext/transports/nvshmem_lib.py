@@ -12,13 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..errors import ReshardError
 from ..options import set_process_env_default
 from . import libfiles
 
 _SONAME = "libnvshmem_host.so.3"
-_WORLD: tuple[int, ...] | None = None  # global ranks of the NVSHMEM world, in PE order
+_WORLD: tuple | None = None  # its processes (groups.processes) of the NVSHMEM world, in PE order
 
 
 def available() -> bool:
@@ -70,7 +70,7 @@ def local_problem() -> str | None:
 def check_group(group: Any) -> list[Any]:
     """Raises ReshardError on every rank of `group` (collective) when any rank cannot run
     the transport, naming the ranks and what they miss; else returns each rank's world."""
-    votes: list[Any] = [None] * dist.get_world_size(group)
+    votes: list[Any] = [None] * groups.size(group)
     dist.all_gather_object(votes, (local_problem(), _WORLD), group=group)
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(votes) if p]
     if problems:
@@ -84,12 +84,12 @@ def world(group: Any, batch_bytes: int = 512 << 20) -> list[int]:
     NVSHMEM has one world per process, and its allocations are collective over all of it.
     batch_bytes (a plan's staging bound) sizes the symmetric heap unless the user set it."""
     global _WORLD
-    ranks = tuple(dist.get_process_group_ranks(group))
+    ranks = groups.processes(group)
     each = check_group(group)
     worlds = set(each)
     if worlds != {None}:
         if len(worlds) != 1 or set(next(iter(worlds)) or ()) != set(ranks):
-            raise ReshardError(f"backend 'nvshmem': this process's NVSHMEM world is the global ranks "
+            raise ReshardError(f"backend 'nvshmem': this process's NVSHMEM world is the processes "
                                f"{sorted(_WORLD or ())}, and a plan must span exactly those processes "
                                f"(this group: {sorted(ranks)}; the world of each rank: {each})")
         return [_WORLD.index(g) for g in ranks]  # type: ignore[union-attr]
@@ -98,12 +98,12 @@ def world(group: Any, batch_bytes: int = 512 << 20) -> list[int]:
     # Room for two plans' double-buffered staging (each rank's region is as big as the
     # largest send plus the largest receive slot of any rank) and the signal words.
     set_process_env_default("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, 8 * batch_bytes + (64 << 20))))
-    rank = dist.get_rank(group)
+    rank, size = groups.rank(group), groups.size(group)
     box = [_C.nvshmem_unique_id() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=ranks[0], group=group)
-    _C.nvshmem_init(rank, len(ranks), box[0], torch.cuda.current_device())
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    _C.nvshmem_init(rank, size, box[0], torch.cuda.current_device())
     _WORLD = ranks
-    return list(range(len(ranks)))
+    return list(range(size))
 
 
 # --- symmetric regions ------------------------------------------------------------------

@@ -6,9 +6,8 @@ import datetime
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import _C
+from .. import _C, groups
 from ..errors import ReshardError
 
 
@@ -43,24 +42,19 @@ class P2PExchange:
     def global_rank(self, group_rank: int) -> int:
         g = self._global.get(group_rank)
         if g is None:
-            g = self._global[group_rank] = dist.get_global_rank(self.group, group_rank)
+            g = self._global[group_rank] = groups.global_rank(self.group, group_rank)
         return g
 
     def views(self, messages: tuple[list[_C.Message], list[_C.Message]], buffers: list[torch.Tensor]) -> list[Any]:
         """Turns a batch's messages (ExecTables.messages) into P2P ops once, at bind time."""
         sends, recvs = messages
-        return [
-            dist.P2POp(dist.isend, byte_view(m.ptr, m.bytes, buffers), self.global_rank(m.peer), self.group)
-            for m in sends
-        ] + [
-            dist.P2POp(dist.irecv, byte_view(m.ptr, m.bytes, buffers), self.global_rank(m.peer), self.group)
-            for m in recvs
-        ]
+        return [groups.p2p_op("send", byte_view(m.ptr, m.bytes, buffers), self.group, m.peer) for m in sends] + \
+            [groups.p2p_op("recv", byte_view(m.ptr, m.bytes, buffers), self.group, m.peer) for m in recvs]
 
     @staticmethod
     def start(ops: list[Any]) -> list[Any]:
         """Posts every message; returns the requests to wait on."""
-        return dist.batch_isend_irecv(ops) if ops else []
+        return groups.batch_isend_irecv(ops)
 
     def finish(self, reqs: list[Any], ops: list[Any], timeout_s: float | None = None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s

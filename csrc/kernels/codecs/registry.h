@@ -16,6 +16,10 @@
 //     case per id in codec_geom and codec_items, and in codec_digest_items for an id with
 //     a receiver digest;
 //   - CMakeLists.txt (its sources), python/register.h + python_api.cpp (its bindings).
+// A sender-side box (its codec on the source TensorRef) writes its dst elements where dst and
+// dst_stride put them and nothing else, whatever those strides are: the direct transport runs
+// such boxes into contiguous staging and lets the copy engines carry the bytes into the peer
+// (core/direct.h, plan_staging), so every codec's sender side moves at the link's rate.
 #pragma once
 
 #include <stdint.h>

@@ -1,0 +1,264 @@
+"""A Megatron-Core GPTModel described under Hugging Face checkpoint names.
+
+`entries` takes the Megatron adapter's description (global layer and expert indices,
+every TP/PP/EP/ETP/VPP layout read from the model, see `adapters.megatron`) and renames
+and cuts it into the tensors of the family's HF checkpoint (`adapters.hf_names`), as
+views of the local shards — nothing is gathered or copied:
+
+==============================================  =============================================
+Megatron-Core (global names)                    Hugging Face checkpoint
+==============================================  =============================================
+embedding.word_embeddings.weight                model.embed_tokens.weight
+output_layer.weight (tied: the embeddings)      lm_head.weight
+decoder.final_layernorm.*                       model.norm.*
+layers.i.input_layernorm.* /                    model.layers.i.input_layernorm.*
+  self_attention.linear_qkv.layer_norm_* (TE)
+layers.i.pre_mlp_layernorm.* /                  model.layers.i.post_attention_layernorm.*
+  mlp.linear_fc1.layer_norm_* (TE)
+self_attention.linear_qkv.{weight,bias}         self_attn.{q,k,v}_proj.* (grouped shapes)
+self_attention.{q,k}_layernorm.weight           self_attn.{q,k}_norm.weight
+self_attention.linear_proj.*                    self_attn.o_proj.*
+mlp.linear_fc1.* (gated: [gate_r; up_r]/rank)   mlp.gate_proj.*, mlp.up_proj.* (else up_proj)
+mlp.linear_fc2.*                                mlp.down_proj.*
+MLA linear_q_proj / linear_q_down_proj /        self_attn.q_proj / q_a_proj / q_b_proj,
+  linear_q_up_proj (+ .layer_norm_weight),        q_a_layernorm (also from q_layernorm),
+  linear_kv_down_proj / linear_kv_up_proj        kv_a_proj_with_mqa / kv_b_proj,
+  (+ .layer_norm_weight), linear_qkv_down_proj    kv_a_layernorm (also from kv_layernorm),
+  (fused: rows [q_a; kv_a])                       q_a_proj + kv_a_proj_with_mqa
+mlp.router.weight / .expert_bias                {moe}.{router}.weight / .{expert_bias}
+mlp.experts.linear_fc1.weightK,                 {moe}.experts.K.{gate,up} (Mixtral w1, w3)
+  mlp.experts.local_experts.K.linear_fc1.weight
+mlp.experts.*fc2* (both forms)                  {moe}.experts.K.{down} (Mixtral w2)
+mlp.shared_experts.linear_fc1/linear_fc2        {moe}.{shared}.gate_proj, up_proj / down_proj
+mlp.shared_experts.gate_weight                  {moe}.shared_expert_gate.weight (Qwen2-MoE)
+==============================================  =============================================
+
+``layers.i`` is ``decoder.layers.i`` / ``model.layers.i`` with the global layer index
+(PP stages and VPP chunks included); expert K is the global expert index (EP). Gated
+``linear_fc1`` shards hold ``[gate_r; up_r]`` on every TP (or expert-TP) rank whatever
+``partition_stride`` says, so gate and up are the two halves of each local shard. A
+DeepSeek-V3 model's dense-first layers (``first_k_dense_replace``) are the layers with a
+plain ``mlp.linear_fc1``; Megatron's persistent ``expert_bias`` becomes
+``mlp.gate.e_score_correction_bias``. Multi-token-prediction layers (``mtp.*``) and
+Mamba/hybrid layers have no entry here: a parameter the table does not know raises,
+naming it (an unmapped tensor is never dropped silently).
+
+Experts are offered one by one, under the checkpoint's per-expert names: Megatron-Core
+holds every expert as a parameter of its own (``weightK``, ``local_experts.K``), so no
+stacked view of them exists without a copy; a stacked destination (a ``transformers`` 5
+model's ``gate_up_proj``) views its own parameter per expert instead (`hf_model`). A
+vocabulary Megatron padded beyond the checkpoint's (``make_vocab_size_divisible_by``)
+gives ``embed_tokens`` and ``lm_head`` other shapes than the checkpoint's, which
+``rx.plan`` then reports.
+
+The family (`hf_names.HFNames`) comes from `hf_names` (a family name such as
+``"qwen3_moe"``, a HF config, or an `HFNames`), else from the model's TransformerConfig:
+MLA or a router expert bias -> ``deepseek_v3``; a shared-expert gate -> ``qwen2_moe``;
+other MoE -> ``qwen3_moe``; dense -> ``llama`` (Llama, Qwen2, Qwen3 and Mistral name
+their dense tensors alike; Qwen2's q/k/v biases and Qwen3's q/k norms follow from the
+model's own parameters). Mixtral must be asked for (``hf_names="mixtral"``).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from .. import merged, views
+from ..errors import ReshardError
+from ..layout import Layout, Shard
+from . import Entries, megatron
+from .hf_names import FAMILIES, HFNames, family
+
+Item = tuple[torch.Tensor, Layout]
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_TOP = {
+    megatron.WORD_EMBEDDINGS: "model.embed_tokens.weight",
+    megatron.OUTPUT_LAYER: "lm_head.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "decoder.final_layernorm.bias": "model.norm.bias",
+}
+# Layer-relative Megatron names ("{p}": weight or bias; "{e}": a global expert index) ->
+# HF: a name, (gate, up) for a linear_fc1 cut in halves, None where the family has no such
+# tensor, or a marker for the cuts below (_QKV, _DOWN).
+_QKV, _DOWN = "grouped q/k/v", "fused MLA down projection"
+Target = str | tuple[str, str] | None
+_COMMON: dict[str, Target] = {
+    "input_layernorm.{p}": "input_layernorm.{p}",
+    "self_attention.linear_qkv.layer_norm_{p}": "input_layernorm.{p}",
+    "self_attention.linear_qkv_down_proj.layer_norm_{p}": "input_layernorm.{p}",
+    "pre_mlp_layernorm.{p}": "post_attention_layernorm.{p}",
+    "mlp.linear_fc1.layer_norm_{p}": "post_attention_layernorm.{p}",
+    "self_attention.linear_proj.{p}": "self_attn.o_proj.{p}",
+    "mlp.linear_fc1.{p}": ("mlp.gate_proj.{p}", "mlp.up_proj.{p}"),
+    "mlp.linear_fc2.{p}": "mlp.down_proj.{p}",
+}
+_GQA: dict[str, Target] = {
+    "self_attention.linear_qkv.{p}": _QKV,
+    "self_attention.q_layernorm.{p}": "self_attn.q_norm.{p}",
+    "self_attention.k_layernorm.{p}": "self_attn.k_norm.{p}",
+}
+_MLA: dict[str, Target] = {
+    "self_attention.linear_q_proj.{p}": "self_attn.q_proj.{p}",
+    "self_attention.linear_q_down_proj.{p}": "self_attn.q_a_proj.{p}",
+    "self_attention.linear_qkv_down_proj.{p}": _DOWN,
+    "self_attention.linear_q_up_proj.{p}": "self_attn.q_b_proj.{p}",
+    "self_attention.linear_q_up_proj.layer_norm_{p}": "self_attn.q_a_layernorm.{p}",
+    "self_attention.q_layernorm.{p}": "self_attn.q_a_layernorm.{p}",
+    "self_attention.linear_kv_down_proj.{p}": "self_attn.kv_a_proj_with_mqa.{p}",
+    "self_attention.linear_kv_up_proj.{p}": "self_attn.kv_b_proj.{p}",
+    "self_attention.linear_kv_up_proj.layer_norm_{p}": "self_attn.kv_a_layernorm.{p}",
+    "self_attention.kv_layernorm.{p}": "self_attn.kv_a_layernorm.{p}",
+}
+
+
+def _moe(f: HFNames) -> dict[str, Target]:
+    """The family's MoE names: routed experts in both Megatron forms, shared experts."""
+    moe, shared = f.moe_block, f"{f.moe_block}.{f.shared_experts}"
+    gate, up, down = (f"{moe}.experts.{{e}}.{proj}.{{p}}" for proj in f.expert_proj)
+    return {
+        "mlp.router.{p}": f"{moe}.{f.router}.{{p}}",
+        "mlp.router.expert_bias": f"{moe}.{f.router}.{f.expert_bias}" if f.expert_bias else None,
+        "mlp.experts.linear_fc1.{p}{e}": (gate, up),
+        "mlp.experts.local_experts.{e}.linear_fc1.{p}": (gate, up),
+        "mlp.experts.linear_fc2.{p}{e}": down,
+        "mlp.experts.local_experts.{e}.linear_fc2.{p}": down,
+        "mlp.shared_experts.linear_fc1.{p}": (f"{shared}.gate_proj.{{p}}", f"{shared}.up_proj.{{p}}"),
+        "mlp.shared_experts.linear_fc2.{p}": f"{shared}.down_proj.{{p}}",
+        "mlp.shared_experts.gate_weight": f"{moe}.{f.shared_expert_gate}.weight" if f.shared_expert_gate else None,
+    }
+
+
+def _compiled(table: dict[str, Target]) -> list[tuple[re.Pattern, Target]]:
+    return [(re.compile(re.escape(k).replace(r"\{p\}", "(?P<p>weight|bias)").replace(r"\{e\}", r"(?P<e>\d+)")), v)
+            for k, v in table.items()]
+
+
+def infer_family(config: Any) -> str:
+    """The family name a TransformerConfig most likely came from (see the module doc)."""
+    if getattr(config, "multi_latent_attention", False):
+        return "deepseek_v3"
+    if getattr(config, "num_moe_experts", None):
+        if getattr(config, "moe_router_enable_expert_bias", False):
+            return "deepseek_v3"
+        if getattr(config, "moe_shared_expert_gate", False):
+            return "qwen2_moe"
+        return "qwen3_moe"
+    return "llama"
+
+
+class _Converter:
+    """Megatron global names -> HF entries, for one model config and family."""
+
+    def __init__(self, config: Any, names: HFNames, rank: int):
+        self.config, self.rank = config, rank
+        self.gated = bool(getattr(config, "gated_linear_unit", False))
+        self.mla = bool(getattr(config, "multi_latent_attention", False))
+        self.table = _compiled({**_COMMON, **(_MLA if self.mla else _GQA), **_moe(names)})
+
+    def convert(self, name: str, item: Item) -> dict[str, Item] | None:
+        """HF entries of one Megatron entry; None: no name for it."""
+        if name in _TOP:
+            return {_TOP[name]: item}
+        m = _LAYER.match(name)
+        if not m:
+            return None
+        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+        for pattern, target in self.table:
+            hit = pattern.fullmatch(rest)
+            if hit is None:
+                continue
+            groups = hit.groupdict()
+            if target is None:
+                return None
+            if target == _QKV:
+                return merged.split_interleaved_qkv(
+                    {name: item}, name, tuple(f"{prefix}self_attn.{x}_proj.{groups['p']}" for x in "qkv"),  # type: ignore[arg-type]
+                    num_query_groups=self.config.num_query_groups or self.config.num_attention_heads,
+                    head_dim=self.config.kv_channels)
+            if target == _DOWN:
+                return self._fused_down(item, prefix, groups["p"], name)
+            if isinstance(target, tuple):
+                return self._fc1(item, prefix + target[0].format(**groups), prefix + target[1].format(**groups), name)
+            return {prefix + target.format(**groups): item}
+        return None
+
+    def _fc1(self, item: Item, gate: str, up: str, name: str) -> dict[str, Item]:
+        local, layout = item
+        if not self.gated:
+            return {up: item}
+        halves = [p for p in layout.placements if isinstance(p, Shard) and p.dim == 0]
+        if layout.shape[0] % 2 or local.shape[0] % 2 or any(p.blocks is not None for p in halves):
+            raise ReshardError(f"'{name}': a gated linear_fc1 of {layout.shape[0]} rows ({layout!r}) does not "
+                               f"halve into gate and up")
+        half = Layout((layout.shape[0] // 2, *layout.shape[1:]), layout.dtype, layout.mesh,
+                      [Shard(0) if p in halves else p for p in layout.placements])
+        n = local.shape[0] // 2
+        return {gate: (local.narrow(0, 0, n), half), up: (local.narrow(0, n, n), half)}
+
+    def _fused_down(self, item: Item, prefix: str, kind: str, name: str) -> dict[str, Item]:
+        local, layout = item
+        q_rows = int(self.config.q_lora_rank)
+        out = {}
+        for hf, start, length in (("q_a_proj", 0, q_rows), ("kv_a_proj_with_mqa", q_rows, layout.shape[0] - q_rows)):
+            piece, lay = views.narrow(local, layout, self.rank, 0, start, length, name)
+            if piece is not None:
+                out[f"{prefix}self_attn.{hf}.{kind}"] = (piece, lay)
+        return out
+
+
+def _config(model: megatron.Model) -> Any:
+    config = getattr(megatron.unwrap(megatron._chunks(model)[0]), "config", None)
+    if config is None:
+        raise ReshardError("the Megatron model has no .config (TransformerConfig): cannot tell its Hugging Face names")
+    return config
+
+
+def resolve(model: megatron.Model, hf_names: Any = None) -> HFNames:
+    """The `HFNames` to describe `model` with: `hf_names` (see `hf_names.family`; None or
+    True: inferred from the model's TransformerConfig)."""
+    if hf_names is None or hf_names is True:
+        return FAMILIES[infer_family(_config(model))]
+    return family(hf_names)
+
+
+def entries(
+    model: megatron.Model,
+    *,
+    hf_names: Any = None,
+    group: Any = None,
+    rank_offset: int = 0,
+    tie_output_to_embedding: bool = True,
+) -> Entries:
+    """Plan entries of a Megatron-Core GPTModel (or its list of VPP chunks) under Hugging
+    Face checkpoint names: views of the local shards, never gathered.
+
+    hf_names: the family (a name such as ``"qwen3_moe"``, a HF config, an
+    `hf_names.HFNames`); None: inferred from the model's TransformerConfig.
+    group, rank_offset, tie_output_to_embedding: as in `adapters.megatron.entries`.
+    Raises ReshardError naming every parameter the family's table has no name for.
+    """
+    names = resolve(model, hf_names)
+    base = megatron.entries(model, group=group, rank_offset=rank_offset,
+                            tie_output_to_embedding=tie_output_to_embedding)
+    conv = _Converter(_config(model), names, megatron.refit_rank(model, group=group, rank_offset=rank_offset))
+    out: Entries = {}
+    unknown = []
+    for name, item in base.items():
+        got = conv.convert(name, item)
+        if got is None:
+            unknown.append(name)
+            continue
+        for hf, entry in got.items():
+            if hf in out:
+                raise ReshardError(f"two Megatron tensors have the Hugging Face name '{hf}' (one is '{name}')")
+            out[hf] = entry
+    if unknown:
+        raise ReshardError(f"{len(unknown)} Megatron tensors have no Hugging Face name in family {names}: "
+                           f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''}; pass hf_names= for the right family, "
+                           f"or describe these tensors yourself (plan entries)")
+    return out
+
+
+__all__ = ["entries", "resolve", "infer_family"]

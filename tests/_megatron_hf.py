@@ -1,0 +1,203 @@
+"""Tiny Llama, Qwen3-MoE and DeepSeek-V3 as real Megatron-Core GPTModels and as the
+matching `transformers` models, configured to compute the same function (imported only
+where megatron.core and transformers are installed).
+
+Same math on both sides: RMSNorm with one epsilon, SiLU-gated MLPs, plain RoPE with one
+theta (no YaRN), no biases except where the family has them, dropout 0, fp32; MoE
+routers with the HF family's scoring (Qwen3-MoE: softmax then top-k renormalised, which
+Megatron computes as top-k then softmax; DeepSeek-V3: sigmoid, score-correction bias for
+the choice only, top-k renormalised and scaled); DeepSeek-V3's first layer dense.
+Megatron's forward runs on CPU with the shims of `_megatron_real` plus the router's (it
+moves its weight to CUDA on every call, and creates its expert-bias buffer there).
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, HIDDEN, LAYERS, THETA, EPS = 128, 8, 64, 4, 10000.0, 1e-6
+HEADS, GROUPS, FFN = 4, 2, 96
+EXPERTS, MOE_FFN, TOPK = 4, 32, 2
+FAMILIES = ("llama", "qwen3_moe", "deepseek_v3")
+
+
+@contextlib.contextmanager
+def _cuda_is_cpu() -> Any:
+    """Megatron's router allocates its expert-bias buffers, and RoPE moves its
+    frequencies, to torch.cuda.current_device() (no CUDA here): that device is the CPU
+    while a model is built or run."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved  # type: ignore[assignment]
+
+
+def cpu_forward_shims() -> None:
+    """The attention scratch-buffer and RNG shims of `_megatron_real`, and a router whose
+    gating stays on the CPU (Megatron's moves the weight to CUDA on every call)."""
+    import _megatron_real as mr
+    from megatron.core.transformer.moe import router as mrouter
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    mr._cpu_forward_shim()
+
+    def gating(self: Any, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return router_gating_linear(input, self.weight, self.bias, dtype)
+
+    mrouter.Router.gating = gating
+
+
+def _mla_core_attention() -> Any:
+    """Megatron's local DotProductAttention computes MLA's attention as it is (the softmax
+    scale is passed in; its output width is config.kv_channels = v_head_dim per head) but
+    does not take the k_channels/v_channels arguments MLA passes (TE's does): it is
+    handed them and drops them."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
+
+
+def megatron_config(family: str, tp: int, pp: int, ep: int) -> Any:
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    common = dict(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        layernorm_epsilon=EPS, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+    )
+    moe = dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=TOPK,
+               moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_router_load_balancing_type="none",
+               moe_aux_loss_coeff=0.0, expert_tensor_parallel_size=1, moe_router_dtype="fp32")
+    if family == "llama":
+        return TransformerConfig(num_query_groups=GROUPS, **common)
+    if family == "qwen3_moe":
+        return TransformerConfig(num_query_groups=GROUPS, qk_layernorm=True, kv_channels=16,
+                                 moe_router_pre_softmax=False, **moe, **common)
+    if family == "deepseek_v3":
+        return MLATransformerConfig(
+            q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, kv_channels=8,
+            rope_type="rope", rotary_base=THETA, qk_layernorm=True, moe_layer_freq=[0] + [1] * (LAYERS - 1),
+            moe_shared_expert_intermediate_size=MOE_FFN, moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_bias_update_rate=0.0,
+            **moe, **common)
+    raise ValueError(family)
+
+
+def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Any:
+    """This rank's stage of the family's GPTModel (local spec) with every parameter and
+    persistent buffer random (norms and the expert bias too, each the same on every rank
+    that holds it, drawn from its global name)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from reshard_ext.adapters import megatron
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    cfg = megatron_config(family, tp, pp, ep)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    stage, stages = pgc.pp.rank(), pgc.pp.size()
+    torch.manual_seed(seed)
+    with _cuda_is_cpu():
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
+                                          pp_rank=stage)
+        if cfg.multi_latent_attention:
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+        model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, parallel_output=True,
+                         share_embeddings_and_output_weights=False, pre_process=stage == 0,
+                         post_process=stage == stages - 1, position_embedding_type="rope", rotary_base=THETA,
+                         pg_collection=pgc)
+    prefixes = megatron._layer_prefixes(model)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.dim() == 1 and t.is_floating_point() and not name.endswith("inv_freq"):
+                g = torch.Generator().manual_seed(zlib.crc32(megatron._global_layer_name(name, prefixes).encode()))
+                t.copy_(1.0 + 0.5 * torch.randn(t.shape, generator=g))
+    return model
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def megatron_logits(model: Any) -> torch.Tensor | None:
+    """Logits [batch, seq, vocab] of the whole pipeline on the last stage's ranks (None
+    elsewhere): each stage runs its layers and hands its hidden states to the next
+    stage's rank of the same TP rank (what Megatron's pipeline schedule does, by hand)."""
+    cpu_forward_shims()
+    pgc = model.pg_collection
+    ids = tokens()
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
+    pp_ranks = dist.get_process_group_ranks(pgc.pp)
+    stage = pgc.pp.rank()
+    model.eval()
+    with torch.no_grad(), _cuda_is_cpu():
+        if stage > 0:
+            hidden = torch.empty(SEQ, 2, HIDDEN)
+            dist.recv(hidden, src=pp_ranks[stage - 1])
+            model.set_input_tensor(hidden)
+        out = model(ids, pos, mask)
+        if stage < len(pp_ranks) - 1:
+            dist.send(out.contiguous(), dst=pp_ranks[stage + 1])
+            return None
+    parts = [torch.empty_like(out) for _ in range(pgc.tp.size())]
+    dist.all_gather(parts, out.contiguous(), group=pgc.tp)
+    return torch.cat(parts, dim=-1)
+
+
+def hf_config(family: str) -> Any:
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  rms_norm_eps=EPS, max_position_embeddings=SEQ, tie_word_embeddings=False, hidden_act="silu",
+                  rope_parameters={"rope_type": "default", "rope_theta": THETA})
+    if family == "llama":
+        return transformers.LlamaConfig(intermediate_size=FFN, num_key_value_heads=GROUPS, head_dim=HIDDEN // HEADS,
+                                        attention_bias=False, mlp_bias=False, **common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=FFN, num_key_value_heads=GROUPS, head_dim=16,
+                                           num_experts=EXPERTS, moe_intermediate_size=MOE_FFN,
+                                           num_experts_per_tok=TOPK, norm_topk_prob=True, decoder_sparse_step=1,
+                                           mlp_only_layers=[], **common)
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            intermediate_size=FFN, num_key_value_heads=HEADS, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=EXPERTS, n_shared_experts=1,
+            moe_intermediate_size=MOE_FFN, num_experts_per_tok=TOPK, n_group=1, topk_group=1, first_k_dense_replace=1,
+            norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True, **common)
+    raise ValueError(family)
+
+
+def build_hf(family: str, seed: int = 5) -> Any:
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager",
+                                                          dtype=torch.float32)
+    return model.eval()
+
+
+def hf_logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens()).logits.float()
