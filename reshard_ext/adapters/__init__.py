@@ -55,3 +55,8 @@ def apply_name_map(entries: Mapping[str, tuple[torch.Tensor, Layout]], name_map:
 from . import dtensor, megatron  # noqa: E402  (submodules use the types above)
 
 __all__ = ["Entries", "NameMap", "regex_name_map", "apply_name_map", "megatron", "dtensor"]
+
+
+def __dir__() -> list[str]:
+    """The public names (tab completion, help()), not re, torch and the typing names used here."""
+    return sorted(__all__)
