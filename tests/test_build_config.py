@@ -27,8 +27,7 @@ def _load(name: str) -> ModuleType:
 def test_driver_found_by_library_or_kernel_module(monkeypatch: pytest.MonkeyPatch) -> None:
     driver = _load("cuda_driver")
     if not sys.platform.startswith("linux"):
-        assert driver.driver_found()[0] is False
-        return
+        pytest.skip("the Linux loader and kernel module files")
     loaded: list[str] = []
 
     def no_library(name: str) -> None:

@@ -19,19 +19,18 @@ _KERNEL_MODULE_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 
 def driver_found() -> tuple[bool, str]:
     """(found, why): whether an NVIDIA driver is on this machine, and how that was decided."""
-    if not sys.platform.startswith("linux"):
-        return False, f"no CUDA build on {sys.platform}"
+    # The loader's own search, as the CUDA runtime does it: the toolkit's link stub
+    # (stubs/libcuda.so) has no .so.1 name, so a toolkit alone does not count.
+    library = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
     try:
-        # The loader's own search, as the CUDA runtime does it: the toolkit's link stub
-        # (stubs/libcuda.so) has no .so.1 name, so a toolkit alone does not count.
-        ctypes.CDLL("libcuda.so.1")
-        return True, "libcuda.so.1 loads"
+        ctypes.CDLL(library)
+        return True, f"{library} loads"
     except OSError:
         pass
     for path in _KERNEL_MODULE_FILES:
         if os.path.exists(path):
             return True, f"{path} exists"
-    return False, "libcuda.so.1 does not load and no NVIDIA kernel module answers"
+    return False, f"{library} does not load and no NVIDIA kernel module answers"
 
 
 if __name__ == "__main__":
