@@ -33,11 +33,14 @@ def transport_status() -> dict[str, str]:
     from .transports import nccl_lib, nvshmem_lib
 
     built = build_info()
-    no_cuda = f"no CUDA kernels in this build ({built.get('cuda_skipped') or 'built without CUDA'})"
+    no_cuda = str(built.get("cuda_skipped") or "built without CUDA")  # why this build has no CUDA kernels
     gpu = "" if torch.cuda.is_available() else "torch sees no GPU"
     status = {"cpu": ""}
     for name in ("direct", "nccl", "nvshmem", "torch"):
-        status[name] = no_cuda if name not in built["transports"] else gpu
+        if name in built["transports"]:
+            status[name] = gpu
+        else:  # a CUDA build leaves out only the NCCL transport, where nccl.h was not found
+            status[name] = "not built (no nccl.h at build time)" if built["cuda"] else no_cuda
     if not status["nccl"]:
         nccl = nccl_lib.runtime_status()
         status["nccl"] = f"libnccl {nccl}" if nccl.startswith("not") else ""
