@@ -2,7 +2,29 @@
 set(RX_HAVE_CUDA OFF)
 set(RX_HAVE_NCCL OFF)
 
-if(NOT RESHARD_EXT_CUDA STREQUAL "OFF")
+string(TOUPPER "${RESHARD_EXT_CUDA}" RESHARD_EXT_CUDA)
+if(NOT RESHARD_EXT_CUDA MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "RESHARD_EXT_CUDA=${RESHARD_EXT_CUDA}: expected AUTO, ON or OFF")
+endif()
+# Why the CUDA parts are not built ('' when they are; no semicolons, it becomes a C string):
+# rx.build_info()["cuda_skipped"].
+set(RX_CUDA_SKIPPED "")
+if(RESHARD_EXT_CUDA STREQUAL "OFF")
+  set(RX_CUDA_SKIPPED "RESHARD_EXT_CUDA=OFF")
+elseif(RESHARD_EXT_CUDA STREQUAL "AUTO")
+  # AUTO compiles kernels only where a driver can run them (tools/cuda_driver.py says how
+  # it decides): the kernels take minutes to compile. Decided before check_language, which
+  # compiles a CUDA test program.
+  execute_process(COMMAND "${Python_EXECUTABLE}" "${CMAKE_CURRENT_SOURCE_DIR}/tools/cuda_driver.py"
+                  OUTPUT_VARIABLE _rx_driver OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(NOT _rx_driver MATCHES "^yes")
+    set(RX_CUDA_SKIPPED "no NVIDIA driver at build time (RESHARD_EXT_CUDA=ON builds the kernels)")
+    message(STATUS "reshard_ext: no NVIDIA driver on this machine, so no CUDA kernels: the CPU parts only "
+                   "(RESHARD_EXT_CUDA=ON builds them, e.g. in a container that builds for GPU machines)")
+  endif()
+endif()
+
+if(NOT RX_CUDA_SKIPPED)
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
@@ -19,6 +41,7 @@ if(NOT RESHARD_EXT_CUDA STREQUAL "OFF")
   elseif(RESHARD_EXT_CUDA STREQUAL "ON")
     message(FATAL_ERROR "RESHARD_EXT_CUDA=ON but no CUDA compiler was found (set CUDACXX or put nvcc on PATH)")
   else()
+    set(RX_CUDA_SKIPPED "no CUDA compiler (nvcc) at build time")
     message(STATUS "reshard_ext: no CUDA compiler found; building the CPU parts only")
   endif()
 endif()

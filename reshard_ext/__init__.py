@@ -36,11 +36,17 @@ __version__: str = str(_C._build_info["version"])
 
 def build_info() -> dict[str, Any]:
     """What the compiled extension contains: version, CUDA kernels (and their arch and
-    runtime linkage), the NCCL transport (and the nccl.h it was built against), the NVSHMEM
-    transport and the libnvshmem_host it loaded ('' until a plan or `info` loads one)."""
+    runtime linkage, or why they were not built: `cuda_skipped`), the NCCL transport (and
+    the nccl.h it was built against), the NVSHMEM transport and the libnvshmem_host it
+    loaded ('' until a plan or `info` loads one), and `transports`: every transport
+    compiled in (`python -m reshard_ext info` says which ones this machine can run)."""
     from .transports import nvshmem_lib
 
-    return dict(_C._build_info, nvshmem_library=nvshmem_lib.loaded_library())
+    info = dict(_C._build_info, nvshmem_library=nvshmem_lib.loaded_library())
+    info.setdefault("cuda_skipped", "" if info["cuda"] else "built without CUDA")
+    cuda = ["direct", "torch"] if info["cuda"] else []
+    info["transports"] = ["cpu", *cuda, *(["nccl"] if info["nccl"] else []), *(["nvshmem"] if info["nvshmem"] else [])]
+    return info
 
 
 __all__ = [
@@ -50,3 +56,8 @@ __all__ = [
     "adapters", "merged", "relay", "views", "swap_model_weights", "prepare_swap_model_weights", "clear_caches",
     "__version__",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names (tab completion, help()), not the modules and names used to build them."""
+    return sorted(__all__)

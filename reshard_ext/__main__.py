@@ -16,6 +16,53 @@ def _package_version() -> str:
     return str(_C._build_info["version"])
 
 
+TRANSPORT_WORDS = {  # every transport `info` names, in the order it names them
+    "cpu": "C++ kernels; shared-memory rings within a host, gloo between hosts",
+    "direct": "CUDA IPC writes straight into peers' tensors on one host, other pairs over nccl",
+    "nccl": "CUDA kernels, C++ NCCL send/recv",
+    "nvshmem": "CUDA kernels, NVSHMEM put-with-signal (experimental)",
+    "torch": "CUDA kernels, torch.distributed point-to-point (for comparison)",
+}
+
+
+def transport_status() -> dict[str, str]:
+    """Every transport -> '' where this process can use it, else why not."""
+    import torch
+
+    from . import build_info
+    from .transports import nccl_lib, nvshmem_lib
+
+    built = build_info()
+    no_cuda = str(built.get("cuda_skipped") or "built without CUDA")  # why this build has no CUDA kernels
+    gpu = "" if torch.cuda.is_available() else "torch sees no GPU"
+    status = {"cpu": ""}
+    for name in ("direct", "nccl", "nvshmem", "torch"):
+        if name in built["transports"]:
+            status[name] = gpu
+        else:  # a CUDA build leaves out only the NCCL transport, where nccl.h was not found
+            status[name] = "not built (no nccl.h at build time)" if built["cuda"] else no_cuda
+    if not status["nccl"]:
+        nccl = nccl_lib.runtime_status()
+        status["nccl"] = f"libnccl {nccl}" if nccl.startswith("not") else ""
+    if not status["nvshmem"]:
+        nvshmem = nvshmem_lib.runtime_status()
+        status["nvshmem"] = f"libnvshmem_host {nvshmem}" if nvshmem.startswith("not") else ""
+    return status
+
+
+def _auto_choice(status: dict[str, str]) -> str:
+    """What backend="auto" picks here (execution._make_transport)."""
+    if status["torch"]:  # no CUDA here: nothing to say about CUDA tensors
+        return "cpu"
+    from .options import Options
+
+    if not status["direct"] and Options().resolved_auto_direct():
+        cuda = "direct (pairs on one host; other pairs nccl)" if not status["nccl"] else "direct (pairs on one host)"
+    else:
+        cuda = "nccl" if not status["nccl"] else "torch"
+    return f"cpu for CPU tensors, {cuda} for CUDA tensors"
+
+
 def info_rows() -> list[tuple[str, str]]:
     """(what, value) rows of `info`: what was built, what this process can load and use."""
     import torch
@@ -26,34 +73,29 @@ def info_rows() -> list[tuple[str, str]]:
     built = build_info()
     cuda_ok = torch.cuda.is_available()
     devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda_ok else ""
-    nccl_runtime = nccl_lib.runtime_status() if built["nccl"] else "not built"
-    nccl_usable = built["nccl"] and cuda_ok and not nccl_runtime.startswith("not")
-    transports = ["cpu (C++ kernels; shared-memory rings within a host, gloo between hosts)"]
-    if built["cuda"] and cuda_ok:
-        transports.append("torch (CUDA kernels, torch.distributed p2p)")
-    if nccl_usable:
-        transports.append("nccl (CUDA kernels, C++ NCCL)")
-    nvshmem_runtime = nvshmem_lib.runtime_status() if built["nvshmem"] else "not built"
-    if built["nvshmem"] and cuda_ok and not nvshmem_runtime.startswith("not"):
-        transports.append("nvshmem (CUDA kernels, NVSHMEM put-with-signal)")
-    unusable = []
-    if built["cuda"] and not cuda_ok:
-        unusable.append("CUDA transports: torch sees no GPU")
-    if nvshmem_runtime.startswith("not"):
-        unusable.append(f"nvshmem: libnvshmem_host {nvshmem_runtime}")
+    status = transport_status()
+    available = [f"{name} ({TRANSPORT_WORDS[name]})" for name, why in status.items() if not why]
+    # Grouped by reason: on a machine without CUDA that is one line naming them all, not a
+    # list of libraries to go and install.
+    reasons: dict[str, list[str]] = {}
+    for name, why in status.items():
+        if why:
+            reasons.setdefault(why, []).append(name)
     return [
         ("reshard_ext", str(built["version"])),
         ("python", f"{platform.python_version()} ({sys.executable})"),
         ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
         ("CUDA kernels (build)",
-         f"yes, arch {built['cuda_arch']}, cudart {built['cudart']}" if built["cuda"] else "no"),
+         f"yes, arch {built['cuda_arch']}, cudart {built['cudart']}" if built["cuda"]
+         else f"no: {built.get('cuda_skipped') or 'built without CUDA'}"),
         ("CUDA devices (run time)", devices or "none"),
         ("NCCL transport (build)", f"yes, nccl.h {built['nccl_headers']}" if built["nccl"] else "no"),
-        ("NCCL library (run time)", nccl_runtime),
+        ("NCCL library (run time)", nccl_lib.runtime_status()),
         ("NVSHMEM transport (build)", "yes, host API (no headers or device library)" if built["nvshmem"] else "no"),
-        ("NVSHMEM library (run time)", nvshmem_runtime),
-        ("transports available", "; ".join(transports)),
-        ("not available", "; ".join(unusable)),
+        ("NVSHMEM library (run time)", nvshmem_lib.runtime_status()),
+        ("transports available", "; ".join(available)),
+        ("not available", "; ".join(f"{', '.join(names)}: {why}" for why, names in reasons.items())),
+        ("backend='auto' uses", _auto_choice(status)),
     ]
 
 

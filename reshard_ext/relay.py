@@ -323,3 +323,6 @@ class RelayPlan(Plan):
         # Each stage's check covers its scatter (sources -> shares) and forwarding (shares -> whole pieces).
         for p in self.phases:
             p.verify()  # each phase holds the group's channel while it reads
+
+
+__all__ = ["Phases", "RelayPlan", "auto_stages", "plan_phases"]

@@ -215,7 +215,8 @@ def _port_loads(world: int, link: LinkModel, src: torch.Tensor, dst: torch.Tenso
 
 
 def direct_phases(planned: PlannedRanks, link: LinkModel) -> list[Phase]:
-    """The planner's schedule: every pair's bytes in one phase, same-rank copies beside them."""
+    """Without relays (rx.Options(relay=False)): every pair's bytes in one phase, same-rank
+    copies beside them."""
     i64 = torch.int64
     load = _port_loads(planned.world, link, torch.tensor(planned.flow_src, dtype=i64),
                        torch.tensor(planned.flow_dst, dtype=i64), torch.tensor(planned.flow_bytes, dtype=torch.float64))
@@ -362,6 +363,7 @@ def simulate(
             "with_relays": {**_phase_report(relay, link), "modelled": True,
                             "note": "one stage: scatter to the receivers, then forward among them"},
             "with_relays_pipelined": {**_phase_report(pipelined, link), "modelled": True, "stages": stages,
+                                      "auto": not relay_stages,
                                       "note": "the same bytes in G stages: each scatters one group while the "
                                               "replicas forward the previous one"},
         },
@@ -378,6 +380,22 @@ def simulate(
     if keep_phases:
         report["_phases"] = {"without_relays": direct, "with_relays": relay}
     return report
+
+
+SCHEDULES = (  # (report key, label): the three schedules the report predicts
+    ("without_relays", "without relays (relay=False)"),
+    ("with_relays", "with relays in one stage (relay_stages=1)"),
+    ("with_relays_pipelined", "with relays in G stages"),
+)
+
+
+def _schedule_label(rep: dict[str, Any], key: str) -> str:
+    """The words for one schedule; the pipelined one names its stage count and says whether
+    it is what rx.plan picks by itself."""
+    if key != "with_relays_pipelined":
+        return dict(SCHEDULES)[key]
+    p = rep["prediction"][key]
+    return f"with relays in {p['stages']} stages" + (" (as rx.plan stages them)" if p.get("auto", True) else "")
 
 
 def _gb(x: float) -> str:
@@ -413,18 +431,16 @@ def format_report(rep: dict[str, Any]) -> str:
     for b in rep["busiest_ports"]:
         lines.append(f"  rank {b['rank']:>6} (node {b['node']:>4}) {b['port']:12} {_gb(b['bytes']):>12} "
                      f"{b['seconds']:8.3f} s")
-    lines += ["", "predicted transfer time (links only: no latency, kernels or HBM contention)"]
-    for key, label in (("without_relays", "without relays (the planner today)"),
-                       ("with_relays", "with relays (modelled: scatter, then forward)"),
-                       ("with_relays_pipelined",
-                        f"with relays in {rep['prediction']['with_relays_pipelined']['stages']} stages (modelled)")):
-        p = rep["prediction"][key]
+    lines += ["", "predicted transfer time (links only: no latency, kernels or HBM contention; "
+              "relays modelled from the planner's fan-out)"]
+    for key, _ in SCHEDULES:
+        p, label = rep["prediction"][key], _schedule_label(rep, key)
         parts = ", ".join(f"{ph['name']} {ph['seconds']:.3f} s" +
                           (f" (rank {ph['busiest']['rank']} {ph['busiest']['port']})" if ph["seconds"] else "")
                           for ph in p["phases"])
         lines.append(f"  {label:48} {p['seconds']:8.3f} s   [{parts}]")
         if key != "without_relays" and not p["faster"]:
-            lines.append(f"  {'':48} (no faster here: a planner would not relay)")
+            lines.append(f"  {'':48} (not faster here: rx.plan would not relay these tensors)")
     if "reference" in rep:
         ref = rep["reference"]
         lines.append(f"  {'published: ' + ref['label']:48}\n"
@@ -432,8 +448,16 @@ def format_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(rep: dict[str, Any], path: str) -> None:
-    """PNG: link load per rank for each schedule, and the predicted time per phase."""
+def plot_paths(path: str) -> tuple[str, str]:
+    """The two PNGs of `--plot PATH`: PATH (predicted time per schedule and phase) and
+    PATH's stem + "-ports.png" (bytes per rank and port)."""
+    stem = path[:-4] if path.lower().endswith(".png") else path
+    return path, stem + "-ports.png"
+
+
+def plot(rep: dict[str, Any], path: str) -> tuple[str, str]:
+    """Two PNGs, one question each (plot_paths): how long each schedule takes and which phase
+    costs what; how the bytes spread over the ranks' ports. Returns their paths."""
     try:
         import matplotlib
 
@@ -441,39 +465,83 @@ def plot(rep: dict[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ReshardError("--plot needs matplotlib: pip install matplotlib") from None
-    phases = rep["_phases"]
+    time_png, ports_png = plot_paths(path)
     link = LinkModel(**rep["link_model"])
-    fig, axes = plt.subplots(3, 1, figsize=(11, 11), constrained_layout=True)
-    for ax, key, title in ((axes[0], "without_relays", "without relays (planned)"),
-                           (axes[1], "with_relays", "with relays (modelled: scatter + forward)")):
-        world = rep["world"]
+    title = f"{rep['model']['name']}: {rep['src']['spec']} -> {rep['dst']['spec']}"
+
+    # 1. How long does the refit take? One bar per schedule, one segment per phase, a
+    # colour per kind of phase (the staged relay's phases carry their group, "1/G").
+    kinds = {"direct": "pull from the sources", "scatter": "scatter (sources to receivers)",
+             "forward": "forward (among receivers)", "both": "scatter + forward at once"}
+    colors = dict(zip(kinds, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    fig, ax = plt.subplots(figsize=(10, 3.8), constrained_layout=True)
+    labels, shown = [], set()
+    for i, (key, _) in enumerate(SCHEDULES):
+        pred, left = rep["prediction"][key], 0.0
+        for ph in pred["phases"]:
+            name = ph["name"]
+            kind = ("both" if "scatter" in name and "forward" in name else
+                    "scatter" if "scatter" in name else "forward" if "forward" in name else "direct")
+            if ph["seconds"] > 0:
+                ax.barh(i, ph["seconds"], left=left, color=colors[kind], edgecolor="white",
+                        label=None if kind in shown else kinds[kind])
+                shown.add(kind)
+            left += ph["seconds"]
+        ax.annotate(f"{pred['seconds']:.3f} s", (left, i), xytext=(4, 0), textcoords="offset points", va="center")
+        labels.append(_schedule_label(rep, key))
+    if "reference" in rep:
+        lo, hi = rep["reference"]["seconds"]
+        ax.axvspan(lo, hi, color="grey", alpha=0.25, label=f"published: {rep['reference']['label']}")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()  # the table's order, top to bottom
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.12)  # room for the totals
+    ax.set_xlabel(f"predicted seconds (links only; per GPU and direction: NVLink {link.nvlink_gbps:g} GB/s, "
+                  f"network {link.network_gbps:g} GB/s)")
+    ax.set_title(f"{title}\npredicted transfer time per phase", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3, fontsize=8, frameon=False)
+    fig.savefig(time_png, dpi=110)
+    plt.close(fig)
+
+    # 2. Where do the bytes go? Bytes per rank and port, without relays and with them
+    # (the staged relay moves the same bytes as the one-stage one).
+    from matplotlib.ticker import MaxNLocator
+
+    phases = rep["_phases"]
+    world = rep["world"]
+    styles = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)))  # ports that carry equal bytes stay apart
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, sharey=True, constrained_layout=True)
+    top = 0.0
+    for ax, key in zip(axes, ("without_relays", "with_relays")):
         for p, port in enumerate(PORTS):
             series = [sum(ph.load[r][p] for ph in phases[key]) / GB for r in range(world)]
             if any(series):
-                ax.plot(range(world), series, label=port.replace("_", " "), lw=0.8)
-        ax.set_title(f"bytes per rank and port, {title}")
-        ax.set_xlabel("rank")
+                ax.plot(range(world), series, drawstyle="steps-mid", ls=styles[p], lw=1.2,
+                        marker="o" if world <= 64 else None, ms=3, label=port.replace("_", " "))
+                top = max(top, *series)
+        ax.set_title("without relays (relay=False)" if key == "without_relays"
+                     else "with relays (the default; modelled)", fontsize=10)
         ax.set_ylabel("GB")
-        ax.legend(loc="upper right", fontsize=8)
-    ax = axes[2]
-    labels, lefts = [], []
-    for i, key in enumerate(("without_relays", "with_relays")):
-        left = 0.0
-        for ph in rep["prediction"][key]["phases"]:
-            ax.barh(i, ph["seconds"], left=left, label=f"{key.replace('_', ' ')}: {ph['name']}")
-            left += ph["seconds"]
-        labels.append(key.replace("_", " "))
-        lefts.append(left)
-    if "reference" in rep:
-        lo, hi = rep["reference"]["seconds"]
-        ax.axvspan(lo, hi, color="grey", alpha=0.3, label=rep["reference"]["label"])
-    ax.set_yticks(range(len(labels)), labels)
-    ax.set_xlabel(f"predicted seconds (links: NVLink {link.nvlink_gbps:g}, network {link.network_gbps:g} GB/s per GPU)")
-    ax.set_title("predicted time per phase")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle(f"{rep['model']['name']}: {rep['src']['spec']} -> {rep['dst']['spec']}")
-    fig.savefig(path, dpi=110)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")  # no "+8.03" offset
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylim(0, top * 1.1 or 1.0)  # from zero, so equal loads look equal
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[-1].set_xlabel("rank")
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.suptitle(f"{title}\nbytes per rank and port", fontsize=10)
+    fig.savefig(ports_png, dpi=110)
     plt.close(fig)
+    return time_png, ports_png
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where there is a value to show and the help has not
+    already said what the default is (a flag's False, an option the preset decides)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -486,15 +554,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Model: each GPU has an NVLink port (peers on its node) and a network port (other nodes), each "
         "with a bandwidth per direction, and copies same-rank bytes at --copy-gbps. A phase lasts as long as "
         "its busiest port (bytes / bandwidth); the refit lasts the sum of its phases. Latency, pack/unpack "
-        "kernels and HBM contention are not modelled. 'Without relays' is the planner's schedule (each "
-        "receiver pulls from a source rank); 'with relays' models rx.plan's relay fan-out: bytes several "
-        "receivers need from one sender are scattered over them, then forwarded among them (in one stage, "
-        "and pipelined in --relay-stages stages). Parallel specs: "
+        "kernels and HBM contention are not modelled. 'Without relays' is rx.Options(relay=False) (each "
+        "receiver pulls from a source rank); 'with relays' models rx.plan's relay fan-out, on by default: "
+        "bytes several receivers need from one sender are scattered over them, then forwarded among them "
+        "(in one stage, and pipelined in --relay-stages stages as rx.plan runs it). Parallel specs: "
         "tp, pp, dp, ep (Megatron rank order: tp fastest, then dp, then pp); dp defaults to --gpus/(tp*pp); "
         "for MoE models ep defaults to tp (each replica spreads its experts over its TP ranks). "
         f"Presets: {', '.join(PRESETS)}."
     )
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = _HelpFormatter
     parser.add_argument("--model", default="deepseek-v3",
                         help="a preset name or a Hugging Face config.json (file or folder)")
     parser.add_argument("--src", help="source (training) spec, e.g. tp=1,pp=16,ep=16 (default: the preset's)")
@@ -518,7 +586,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stages of the pipelined relay prediction (rx.Options.relay_stages; 0: as rx.plan picks)")
     parser.add_argument("--top", type=int, default=5, help="how many of the busiest ports to list")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
-    parser.add_argument("--plot", metavar="PNG", help="write link load per rank and time per phase to this PNG")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="write the predicted time per phase to this PNG, and the bytes per rank and port to "
+                             "PNG's name + '-ports.png'")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -541,15 +611,14 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
         rep = simulate(shape, src, dst, link, _DTYPES[args.dtype], args.batch_mb << 20, name, args.top,
                        progress=not args.no_progress, keep_phases=bool(args.plot), relay_stages=args.relay_stages)
-        if args.plot:
-            plot(rep, args.plot)
+        pngs = plot(rep, args.plot) if args.plot else ()
         rep.pop("_phases", None)
     except ReshardError as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
-    if args.plot and not args.json:
-        print(f"\nplot written to {args.plot}")
+    if pngs and not args.json:
+        print(f"\nplots written to {' and '.join(pngs)}")
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -62,3 +63,38 @@ def test_demo_fails_fast_with_the_workers_error() -> None:
     r = _cli("demo", "--fail-rank", "2", "--timeout", "3000", timeout=240)
     assert r.returncode == 1
     assert "rank 2" in r.stderr and "injected failure on rank 2" in r.stderr, r.stderr
+
+
+def test_info_and_build_info_name_every_transport() -> None:
+    from reshard_ext.execution import BACKENDS
+
+    transports = [b for b in BACKENDS if b != "auto"]
+    built = rx.build_info()
+    assert "cpu" in built["transports"] and set(built["transports"]) <= set(transports), built
+    assert ("direct" in built["transports"]) == built["cuda"]
+    assert ("nccl" in built["transports"]) == built["nccl"]
+    assert bool(built["cuda_skipped"]) != built["cuda"], built
+    from reshard_ext.__main__ import transport_status
+
+    status = transport_status()
+    assert sorted(status) == sorted(transports)
+    rows = json.loads(_cli("info", "--json").stdout)
+    for name, why in status.items():  # each one named, in the row that matches its status
+        row = rows["not available" if why else "transports available"]
+        assert re.search(rf"(^|[ ;,]){name}\b", row), (name, rows)
+    assert "backend='auto' uses" in rows
+
+
+def test_info_on_a_machine_without_cuda_suggests_no_cuda_backend() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has CUDA")
+    rows = json.loads(_cli("info", "--json").stdout)
+    assert rows["transports available"].split(" (")[0] == "cpu" and rows["transports available"].count(" (") == 1
+    assert rows["backend='auto' uses"] == "cpu"
+    # the CUDA transports are named once, with the one reason, not each with a library to install
+    assert rows["not available"].startswith("direct, nccl, nvshmem, torch: "), rows["not available"]
+    assert "libnvshmem" not in rows["not available"] and "libnccl" not in rows["not available"]

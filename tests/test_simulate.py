@@ -302,3 +302,58 @@ def test_llama_at_2048_ranks():
     assert rep["totals"]["sent"] == rep["totals"]["received"]
     # one node of 8 GPUs swaps within itself: NVLink only
     assert rep["per_rank"]["network_in"]["max"] == 0 and rep["prediction"]["without_relays"]["seconds"] > 0
+
+
+def test_help_says_each_default_once():
+    text = _parser().format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text, text
+    for line in " ".join(text.split()).split(" --"):
+        assert line.count("default") <= 1, line
+
+
+def test_table_names_the_schedules_as_rx_plan_runs_them(capsys):
+    code, out, _ = _run(["--model", "llama-3-8b", "--gpus", "2"], capsys)
+    assert code == 0
+    assert "the planner today" not in out  # rx.plan relays by default
+    assert "without relays (relay=False)" in out and "with relays in one stage (relay_stages=1)" in out
+    assert "stages (as rx.plan stages them)" in out
+    code, out, _ = _run(["--model", "llama-3-8b", "--gpus", "2", "--relay-stages", "3"], capsys)
+    assert "with relays in 3 stages" in out and "as rx.plan stages them" not in out
+
+
+def test_plots_one_question_each_without_offset_axes(tmp_path, capsys, monkeypatch):
+    """Two PNGs (time per phase; bytes per rank and port). Every rank carries the same bytes
+    here, which matplotlib would print as an offset ("+8.03") over ticks that make equal
+    values look different: the axis starts at zero, with plain ticks, and the legends sit
+    outside the data."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    figures: list = []
+    save = Figure.savefig
+
+    def keep(fig, path, *a, **k):
+        fig.canvas.draw()
+        figures.append(fig)
+        return save(fig, path, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    png = tmp_path / "refit.png"
+    code, out, _ = _run(["--model", "llama-3-8b", "--gpus", "4", "--gpus-per-node", "2", "--plot", str(png)], capsys)
+    assert code == 0
+    ports = tmp_path / "refit-ports.png"
+    for path in (png, ports):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(ports) in out
+    assert len(figures) == 2
+    for fig in figures:
+        for ax in fig.axes:
+            assert ax.yaxis.get_major_formatter().get_offset() == "", ax.get_title()
+            assert ax.xaxis.get_major_formatter().get_offset() == "", ax.get_title()
+    load_axes = figures[1].axes
+    assert all(ax.get_ylim()[0] == 0 for ax in load_axes)
+    for fig in figures:
+        for legend in [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
+            box = legend.get_window_extent()
+            for ax in fig.axes:  # the legend box leaves every plotting area free
+                assert not box.overlaps(ax.get_window_extent()), ax.get_title()

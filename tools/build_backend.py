@@ -1,10 +1,11 @@
 """PEP 517 build backend: scikit-build-core, plus the NCCL headers a CUDA build needs.
 
 pip builds in an isolated environment that cannot see the user's packages. When the CUDA
-parts will be built (nvcc found, RESHARD_EXT_CUDA and RESHARD_EXT_NCCL not OFF, no
-NCCL_HOME), this asks pip for the nvidia-nccl-cu<N> wheel of nvcc's CUDA major, whose
-nccl.h CMake then finds. Only the header is used: libnccl is loaded at run time, the one
-torch already loaded first (csrc/comm/nccl_loader.cc).
+parts will be built (nvcc found; RESHARD_EXT_CUDA=ON, or AUTO on a machine with an NVIDIA
+driver, as cmake/cuda.cmake decides it; RESHARD_EXT_NCCL not OFF; no NCCL_HOME), this asks
+pip for the nvidia-nccl-cu<N> wheel of nvcc's CUDA major, whose nccl.h CMake then finds.
+Only the header is used: libnccl is loaded at run time, the one torch already loaded first
+(csrc/comm/nccl_loader.cc).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from typing import Any, Optional
 
+from cuda_driver import driver_found  # tools/, this backend's own folder
 from scikit_build_core import build as _skbuild
 from scikit_build_core.build import *  # noqa: F401,F403  (the hooks this module does not change)
 
@@ -49,7 +51,10 @@ def nccl_requirement(config_settings: Optional[dict[str, Any]] = None) -> list[s
     """The NCCL header wheel this build needs, or nothing."""
     if not sys.platform.startswith("linux") or os.environ.get("NCCL_HOME"):
         return []
-    if _option("RESHARD_EXT_CUDA", config_settings) == "OFF" or _option("RESHARD_EXT_NCCL", config_settings) == "OFF":
+    cuda = _option("RESHARD_EXT_CUDA", config_settings)
+    if cuda == "OFF" or _option("RESHARD_EXT_NCCL", config_settings) == "OFF":
+        return []
+    if cuda == "AUTO" and not driver_found()[0]:
         return []
     nvcc = _nvcc()
     major = _cuda_major(nvcc) if nvcc else None

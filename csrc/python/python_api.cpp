@@ -42,6 +42,7 @@ PYBIND11_MODULE(_C, m) {
   info["cuda"] = false;
   info["cuda_arch"] = "";
 #endif
+  info["cuda_skipped"] = RX_CUDA_SKIPPED_INFO;  // why no CUDA kernels ('' when built)
 #ifdef RX_WITH_CUDA
   info["cudart"] = RX_CUDART_INFO;
   info["nvshmem"] = true;  // host API, libnvshmem_host loaded at run time

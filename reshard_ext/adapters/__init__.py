@@ -144,3 +144,8 @@ def describe(model: Any, kind: str, *, side: str, group: Any = None, rank_offset
 
 __all__ = ["Entries", "NameMap", "regex_name_map", "apply_name_map", "named_tensors", "pick", "describe",
            "hf_naming", "megatron", "megatron_hf", "hf_model", "hf_names", "dtensor", "engine"]
+
+
+def __dir__() -> list[str]:
+    """The public names (tab completion, help()), not re, torch and the typing names used here."""
+    return sorted(__all__)
