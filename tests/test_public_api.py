@@ -26,7 +26,7 @@ def _defined_here(value: object) -> bool:
     """Defined by reshard_ext: its modules, classes, functions; constants and type aliases."""
     if isinstance(value, types.ModuleType):
         return value.__name__.startswith("reshard_ext")
-    if isinstance(value, (int, float, str, bytes, tuple, frozenset, types.GenericAlias, types.UnionType)):
+    if isinstance(value, (int, float, str, bytes, tuple, frozenset, dict, types.GenericAlias, types.UnionType)):
         return True
     return str(getattr(value, "__module__", "")).startswith("reshard_ext")
 
