@@ -3,12 +3,14 @@
 #include "kernels/codecs/registry.h"
 
 #include "kernels/codecs/mxfp8.h"
+#include "kernels/codecs/nvfp4.h"
 
 namespace rx::codecs {
 
 namespace {
 const Traits* const kTable[] = {
     &mx::kDataTraits, &mx::kScalesTraits,  // codecs/mxfp8_cpu.cc
+    &nv::kDataTraits, &nv::kScalesTraits,  // codecs/nvfp4_cpu.cc
 };
 }  // namespace
 
