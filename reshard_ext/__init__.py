@@ -24,6 +24,7 @@ from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
+from .nvfp4 import NVFP4
 from .options import Options
 from .planning import RankPlan, TransferOp, local_plan
 from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
@@ -45,5 +46,6 @@ __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
     "MXFP8",
+    "NVFP4",
     "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
 ]

@@ -1,0 +1,269 @@
+"""rx.NVFP4: BF16 -> NVFP4 during a refit, byte-identical to torchao's NVFP4 reference.
+
+A converted destination is a triple of persistent buffers ``(data, scale, tensor_scale)``:
+
+- ``data``: ``uint8`` (or ``float4_e2m1fn_x2``) of the local shape ``[..., K/2]``: E2M1
+  values packed two per byte, element 2i in the low nibble (torchao's ``qdata``; vLLM
+  ModelOpt NVFP4's ``weight``);
+- ``scale``: ``float8_e4m3fn`` (or ``uint8``), one E4M3 scale per 16 elements along the
+  last dim, row-major ``[M, K/16]`` (``scale_layout="2d"``, M = product of the leading
+  dims; the checkpoint layout of ModelOpt's ``weight_scale``) or the swizzled 128x4-tile
+  layout Blackwell block-scaled GEMMs read (``"swizzled"``, padded to 128 rows and 4
+  scale columns, padding 0: what torchao's ``is_swizzled_scales=True`` and vLLM's
+  ``swizzle_blockscale`` hold);
+- ``tensor_scale``: one ``float32`` (0-d or ``[1]``): the per-tensor scale
+  ``amax / (448 * 6)`` of the GLOBAL tensor (torchao's ``per_tensor_scale`` from
+  ``per_tensor_amax_to_scale(max |x|)``; ModelOpt's ``weight_scale_2``). Dequantized,
+  ``x ~= e2m1 * float(scale) * tensor_scale``.
+
+K must be a multiple of 16 (torchao asserts the same); every piece's last-dim runs must
+be whole 16-element blocks of the logical tensor. Sources are quantized as BF16 (other
+floating sources are cast to BF16 first, as Tensor.to rounds).
+
+- ``where="receiver"``: BF16 on the wire; the receiver quantizes its piece once it has
+  landed (``after``), into the three buffers.
+- ``where="sender"``: the wire carries ``name::nv.data`` (packed bytes),
+  ``name::nv.scale`` (E4M3 bytes, 2-D) and ``name::nv.tscale`` (the float32): 1/2 + 1/16
+  bytes per element plus 4 per tensor (28.1% of BF16), landing directly in the
+  destination buffers (swizzled scales land in a 2-D staging and are swizzled after).
+  The sender quantizes its source piece at the start of every execute (``before``).
+
+The per-tensor scale needs the amax of the whole tensor before any block is quantized.
+Until the global amax reduction over ranks exists, the rank that quantizes must hold
+the whole tensor: every source piece for ``"sender"``, every destination piece for
+``"receiver"``; other layouts raise ReshardError naming the tensor.
+
+Element policy (csrc/kernels/codecs/nvfp4.h): torchao's FP32 math step for step, with
+x86 torch's NaN results: a NaN anywhere makes every scale 0x7f and every byte 0x33; an
+all-zero tensor gets scales 0xff and bytes 0xcc (0/0 in the reference); blocks of a
+tensor holding +-Inf get 0xff/0xcc where they hold an Inf, scale 0x08 and +-0 elsewhere.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import _C
+from .codecs.mxfp8 import rows_view, swizzle
+from .codecs.nvfp4 import BLOCK, SCALE_LAYOUTS, amax_into, quantize, scale_numel
+from .errors import ReshardError
+from .layout import Layout, Replicate, Shard
+from .transforms import Rewrite, Transform
+
+DATA_SUFFIX = "::nv.data"
+SCALE_SUFFIX = "::nv.scale"
+TSCALE_SUFFIX = "::nv.tscale"
+_DATA_DTYPES = tuple(d for d in (torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+_SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+# ---- layouts of the wire tensors ---------------------------------------------------
+
+@functools.lru_cache(maxsize=4096)
+def _coarse_layout_or_error(layout: Layout, per: int, dtype: torch.dtype) -> Layout | str:
+    """The layout of a tensor whose last-dim coordinate covers `per` elements of
+    `layout`'s (2: packed data; 16: block scales), checked on every rank of the mesh
+    (rank-independent, so sender and receiver agree), or why there is none."""
+    nd = len(layout.shape)
+    if nd == 0:
+        return "a 0-d tensor has no last dim to quantize along"
+    last, k = nd - 1, layout.shape[-1]
+    placements = []
+    for p in layout.placements:
+        if isinstance(p, Shard) and p.dim % nd == last and p.blocks is not None:
+            if any(b % BLOCK for b in p.blocks):
+                return f"packed blocks {p.blocks} of the last dim are not multiples of {BLOCK}"
+            p = Shard(p.dim, p.stride, tuple(b // per for b in p.blocks))
+        placements.append(p)
+    coarse = Layout(layout.shape[:-1] + (k // per,), dtype, layout.mesh, placements)
+    for rank in sorted(set(layout.mesh.ranks)):
+        runs = layout.runs(rank)
+        assert runs is not None  # rank is in the mesh
+        crun = _C.nvfp4_coarse_runs(runs[-1], k, per)
+        if isinstance(crun, str):
+            return f"rank {rank}: {crun}"
+        cruns = coarse.runs(rank) if not coarse.error else None
+        if cruns is None or [list(map(tuple, r)) for r in cruns] != [list(map(tuple, r)) for r in runs[:-1]] + [crun]:
+            return f"rank {rank}: the blocks of its piece do not form a shard of the packed tensor"
+    return coarse
+
+
+def coarse_layout(name: str, layout: Layout, per: int, dtype: torch.dtype) -> Layout:
+    """The packed (per=2) or scale (per=16) layout of `name`, or ReshardError naming it."""
+    got = _coarse_layout_or_error(layout, per, dtype)
+    if isinstance(got, str):
+        raise ReshardError(
+            f"NVFP4 cannot convert {name!r} with layout {layout!r}: {got}; quantizing that piece alone "
+            f"would differ from quantizing the logical tensor (shard the last dim in whole {BLOCK}-element "
+            f"blocks)")
+    return got
+
+
+def tscale_layout(layout: Layout) -> Layout:
+    """The per-tensor scale: one float32 that every rank of the mesh holds."""
+    return Layout((1,), torch.float32, layout.mesh, [Replicate()] * len(layout.mesh.shape))
+
+
+def _need_whole(name: str, layout: Layout, side: str) -> None:
+    """Until the global amax reduction exists, the quantizing rank holds the whole tensor."""
+    for rank in sorted(set(layout.mesh.ranks)):
+        if layout.local_shape(rank) != tuple(layout.shape):
+            raise ReshardError(
+                f"NVFP4 converts {name!r} on the {side}: its per-tensor scale needs the amax of the whole "
+                f"tensor, but rank {rank} holds only a {layout.local_shape(rank)} piece of "
+                f"{tuple(layout.shape)} and reshard_ext cannot reduce a global amax over ranks yet; "
+                f"quantize on the side where each rank holds the whole tensor")
+
+
+# ---- the transform -----------------------------------------------------------------
+
+Params = Iterable[str] | Callable[[str], bool]
+
+
+class NVFP4(Transform):
+    """Converts the selected BF16 tensors to NVFP4 on the way (see the module doc).
+
+    params: the dst names to convert: an iterable of names or a predicate name -> bool.
+    group: the plan's process group; only used to find this rank's piece when a data
+        buffer is given flattened (fewer dims than the layout). Default WORLD.
+    """
+
+    def __init__(self, params: Params, scale_layout: str = "2d", where: str = "receiver", group: Any = None):
+        if scale_layout not in SCALE_LAYOUTS:
+            raise ReshardError(f"NVFP4 scale_layout must be one of {sorted(SCALE_LAYOUTS)}, got {scale_layout!r}")
+        if where not in ("receiver", "sender"):
+            raise ReshardError(f"NVFP4 where must be 'receiver' or 'sender', got {where!r}")
+        if callable(params):
+            self._select: Callable[[str], bool] = params
+            self._params_key: Any = ("callable", id(params))
+        else:
+            names = frozenset(params)
+            self._select = names.__contains__
+            self._params_key = names
+        self.scale_layout = scale_layout
+        self.where = where
+        self.group = group
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self._params_key, self.scale_layout, self.where)
+
+    def _rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+
+    # -- sender side: quantize the source piece into the wire tensors ------------------
+    def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Rewrite | None:
+        if self.where != "sender" or not self._select(name) or layout.error:
+            return None
+        dlayout = coarse_layout(name, layout, 2, torch.uint8)
+        slayout = coarse_layout(name, layout, BLOCK, torch.uint8)
+        _need_whole(name, layout, "sender")
+        if not tensor.dtype.is_floating_point:
+            raise ReshardError(f"NVFP4 converts {name!r}: its source must be floating point, got {tensor.dtype}")
+        shape = tuple(tensor.shape)
+        if len(shape) != len(layout.shape):
+            return None  # a malformed entry: let the planner report it
+        dev = tensor.device
+        wire_data = torch.empty(shape[:-1] + (shape[-1] // 2,), dtype=torch.uint8, device=dev)
+        wire_scale = torch.empty(shape[:-1] + (shape[-1] // BLOCK,), dtype=torch.uint8, device=dev)
+        wire_tscale = torch.empty(1, dtype=torch.float32, device=dev)
+        cell = torch.zeros(1, dtype=torch.int32, device=dev)
+        # BF16 pieces with flattenable rows are read in place; anything else goes through
+        # a persistent BF16 copy (the cast rounds as Tensor.to does).
+        stage = tensor if tensor.dtype == torch.bfloat16 and rows_view(tensor) else \
+            torch.empty(shape, dtype=torch.bfloat16, device=dev)
+
+        def before() -> None:
+            if stage is not tensor:
+                stage.copy_(tensor)
+            cell.zero_()
+            amax_into(stage, cell)
+            quantize(stage, cell, wire_data, wire_scale, wire_tscale, "2d")
+
+        return Rewrite(entries={name + DATA_SUFFIX: (wire_data, dlayout),
+                                name + SCALE_SUFFIX: (wire_scale, slayout),
+                                name + TSCALE_SUFFIX: (wire_tscale, tscale_layout(layout))},
+                       before=before)
+
+    # -- receiver side ------------------------------------------------------------------
+    def rewrite_dst(self, name: str, target: Any, layout: Layout) -> Rewrite | None:
+        if not self._select(name) or layout.error:
+            return None
+        if not (isinstance(target, (tuple, list)) and len(target) == 3
+                and all(isinstance(t, torch.Tensor) for t in target)):
+            raise ReshardError(f"NVFP4 converts {name!r}: its destination must be a (data, scale, tensor_scale) "
+                               f"triple of tensors")
+        data, scale, tscale = target
+        dlayout = coarse_layout(name, layout, 2, torch.uint8)
+        slayout = coarse_layout(name, layout, BLOCK, torch.uint8)
+        # A data buffer of the layout's rank is the packed local shape (the planner checks
+        # it against the layout); a flattened one needs this rank's piece.
+        if data.dim() == len(layout.shape):
+            local: tuple[int, ...] | None = tuple(data.shape[:-1]) + (2 * data.shape[-1],)
+        else:
+            local = layout.local_shape(self._rank())
+        if local is None:
+            raise ReshardError(f"NVFP4 converts {name!r}: this rank holds no piece of {layout!r}")
+        self._check_buffers(name, data, scale, tscale, local)
+        data_b, scale_b, tscale_f = data.view(torch.uint8), scale.view(torch.uint8), tscale.view(1)
+        packed = local[:-1] + (local[-1] // 2,)
+
+        if self.where == "receiver":
+            _need_whole(name, layout, "receiver")
+            staging = torch.empty(local, dtype=torch.bfloat16, device=data.device)
+            cell = torch.zeros(1, dtype=torch.int32, device=data.device)
+
+            def after() -> None:
+                cell.zero_()
+                amax_into(staging, cell)
+                quantize(staging, cell, data_b.view(-1), scale_b, tscale_f, self.scale_layout)
+
+            return Rewrite(entries={name: (staging, layout.with_dtype(torch.bfloat16))}, after=after)
+
+        entries = {name + DATA_SUFFIX: (data_b.view(packed), dlayout),
+                   name + TSCALE_SUFFIX: (tscale_f, tscale_layout(layout))}
+        slocal = local[:-1] + (local[-1] // BLOCK,)
+        if self.scale_layout == "2d":
+            entries[name + SCALE_SUFFIX] = (scale_b.view(slocal), slayout)
+            return Rewrite(entries=entries)
+        scale2d = torch.empty(slocal, dtype=torch.uint8, device=scale.device)
+        entries[name + SCALE_SUFFIX] = (scale2d, slayout)
+
+        def after_swizzle() -> None:
+            swizzle(scale2d, scale_b)
+
+        return Rewrite(entries=entries, after=after_swizzle)
+
+    def _check_buffers(self, name: str, data: torch.Tensor, scale: torch.Tensor, tscale: torch.Tensor,
+                       local: tuple[int, ...]) -> None:
+        problems = []
+        if local[-1] % BLOCK:
+            problems.append(f"its local last dim {local[-1]} is not a multiple of {BLOCK}")
+        else:
+            want_data, want_scale = math.prod(local) // 2, scale_numel(local, self.scale_layout)
+            if data.dtype not in _DATA_DTYPES or not data.is_contiguous() or data.numel() != want_data:
+                problems.append(f"data must be a contiguous uint8 (or float4_e2m1fn_x2) tensor of {want_data} "
+                                f"elements (local shape {local}, packed two per byte), got {data.dtype} "
+                                f"{tuple(data.shape)}")
+            if scale.dtype not in _SCALE_DTYPES or not scale.is_contiguous() or scale.numel() != want_scale:
+                problems.append(f"scale ({self.scale_layout}) must be a contiguous float8_e4m3fn (or uint8) tensor "
+                                f"of {want_scale} elements, got {scale.dtype} {tuple(scale.shape)}")
+        if tscale.dtype != torch.float32 or tscale.numel() != 1:
+            problems.append(f"tensor_scale must be one float32, got {tscale.dtype} {tuple(tscale.shape)}")
+        if not data.device == scale.device == tscale.device:
+            problems.append(f"data on {data.device}, scale on {scale.device}, tensor_scale on {tscale.device}")
+        if problems:
+            raise ReshardError(f"NVFP4 destination {name!r}: " + "; ".join(problems))
+
+
+def wire_bytes_per_element(where: str) -> float:
+    """Bytes on the wire per element of a converted tensor (the per-tensor float aside)."""
+    return 2.0 if where == "receiver" else 0.5 + 1.0 / BLOCK
+
+
+__all__ = ["NVFP4", "coarse_layout", "tscale_layout", "DATA_SUFFIX", "SCALE_SUFFIX", "TSCALE_SUFFIX"]
