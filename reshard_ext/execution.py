@@ -16,7 +16,7 @@ from .errors import ReshardError
 from .layout import Layout, code_of
 from .options import Options
 from .planning import Entries, _check_local, _raise, batch_bytes_error, plan_collective
-from .transforms import Piece, Transform
+from .transforms import Piece, Prepass, Transform
 from .transports.channel import Session, SwapReplan, exchange_headers
 from .watch import Watch
 
@@ -24,7 +24,12 @@ BACKENDS = ("auto", "cpu", "torch", "nccl", "direct", "nvshmem")
 log = logging.getLogger("reshard_ext")
 
 
-Steps = tuple[list[Callable[[], None]], list[Callable[[], None]]]  # (before, after)
+# (before, after, prepass): a transform's steps around each execute (transforms.py)
+Steps = tuple[list[Callable[[], None]], list[Callable[[], None]], list[Prepass]]
+
+
+def _no_steps() -> Steps:
+    return [], [], []
 
 
 def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[dict, Steps]:
@@ -32,8 +37,9 @@ def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[
     out = dict(entries)
     before: list[Callable[[], None]] = []
     after: list[Callable[[], None]] = []
+    prepass: list[Prepass] = []
     if transform is None:
-        return out, (before, after)
+        return out, (before, after, prepass)
     rewrite = transform.rewrite_src if side == "src" else transform.rewrite_dst
     for name, (tensor, layout) in entries.items():
         rw = rewrite(name, tensor, layout)
@@ -48,7 +54,21 @@ def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[
             before.append(rw.before)
         if rw.after is not None:
             after.append(rw.after)
-    return out, (before, after)
+        if rw.prepass is not None:
+            prepass.append(rw.prepass)
+    return out, (before, after, prepass)
+
+
+def run_prepasses(items: list[Prepass], channel: Any, session: Session, problem: str) -> str:
+    """Runs the transforms' pre-passes of this rank (every class's items in one call, in
+    order of first appearance); returns `problem`, or else the first one's failure ("")."""
+    by_class: dict[type[Prepass], list[Prepass]] = {}
+    for item in items:
+        by_class.setdefault(type(item), []).append(item)
+    for cls, mine in by_class.items():
+        why = cls.run_all(mine, channel, session, problem)
+        problem = problem or why
+    return problem
 
 
 def _refs(names: list[str], entries: Mapping[str, tuple[Any, Layout]], tables: Any = None,
@@ -383,6 +403,12 @@ class Plan:
         # verify=True digests only what crosses ranks (a same-rank copy's two ends would be one
         # kernel's registers): a plan in which no rank sends has nothing to check.
         verify = verify and self._agreement.moves
+        prepass = self._steps["src"][2] + self._steps["dst"][2]
+        if prepass:  # every rank, a failed one too: its partners then learn it from it, not from their timeout
+            why = run_prepasses(prepass, self.transport.channel, session, problem)
+            if why and not problem:
+                problem = why
+                session.status, session.error, session.version = 1, why, None
         if swap is not None and not self.transport.peers:  # a swap round hears every rank, data peers or not
             self.transport.channel.drain(session)
             exchange_headers(self.transport.channel, [], session, self.tables.num_batches)
@@ -428,6 +454,13 @@ class Plan:
         channel = self.transport.channel
         channel.enter("rx.verify")
         try:
+            prepass = self._steps["src"][2] + self._steps["dst"][2]
+            if prepass:
+                limit = self.options.resolved_timeout("gloo")
+                session = Session(self.plan_id, 0, None, 0, time.monotonic() + limit, limit, threading.Event())
+                why = run_prepasses(prepass, self.transport.channel, session, "")
+                if why:
+                    raise ReshardError(f"rx.verify on rank {self.rank}: {why}")
             for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
                 step()
             send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
@@ -510,7 +543,7 @@ def plan(
         max_batch_bytes = None
     sides: dict[str, tuple[dict, Steps]] = {}
     for side, given in (("src", src), ("dst", dst)):
-        sides[side] = ({}, ([], []))
+        sides[side] = ({}, _no_steps())
         if given is not None and not isinstance(given, Mapping):
             errors.append(f"rank {rank}: {side} must be a dict {{name: (tensor, rx.Layout)}} or None, "
                           f"got {type(given).__name__}")
@@ -533,7 +566,7 @@ def plan(
 
     def bind(agreement: Any, src: Entries, dst: Entries, steps: dict[str, Steps] | None = None,
              options: Options = options) -> Plan:
-        return _bind_agreed(agreement, src, dst, steps or {"src": ([], []), "dst": ([], [])}, group, backend,
+        return _bind_agreed(agreement, src, dst, steps or {"src": _no_steps(), "dst": _no_steps()}, group, backend,
                             transform, options, max_batch_bytes)
 
     dims = relay.relayed_dims(agreement) if transform is None else {}

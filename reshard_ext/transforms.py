@@ -19,6 +19,10 @@ batches of the refit are in, so a transform always sees whole tensors.
 An entry's tensor may be a ``Piece`` instead: the transform then binds it itself when
 the plan binds (``Piece.ref``), e.g. to fuse a conversion into the box kernels. What a
 rank binds never changes the plan, so each rank may choose on its own.
+
+A rewrite may also return a ``Prepass``: a step that the ranks run *together* at the start
+of every execute, before any ``before`` step and before data moves, e.g. reducing partial
+amaxes among the source ranks that share a quantization block (reshard_ext/codecs/amax.py).
 """
 from __future__ import annotations
 
@@ -64,11 +68,29 @@ class Piece:
         return ()
 
 
+class Prepass:
+    """One entry's part in a step every rank of the plan runs together at the start of each
+    execute (and of rx.verify), before the transforms' `before` steps and before any data
+    moves. The plan gathers a side's items in entry order and hands all items of one class to
+    `run_all` in one call, so that they share their messages. Every rank runs it, also one
+    that failed a check of its own (`problem` set), so that the ranks it talks to learn of it
+    at once rather than after the timeout. What a rank exchanges must follow from the layouts
+    alone, as both ends derive it independently."""
+
+    @classmethod
+    def run_all(cls, items: list[Prepass], channel: Any, session: Any, problem: str) -> str:
+        """Runs the step for `items` (this rank's, all of this class) over the group's host
+        channel (transports/channel.py) within `session`'s deadline; returns "" or why this
+        rank cannot go on (the plan then moves no data on it and tells its peers)."""
+        raise NotImplementedError
+
+
 @dataclass
 class Rewrite:
     entries: dict[str, tuple[torch.Tensor | Piece, Layout]] = field(default_factory=dict)
     before: Callable[[], None] | None = None
     after: Callable[[], None] | None = None
+    prepass: Prepass | None = None
 
 
 class Transform:

@@ -7,7 +7,10 @@ each codec id (its Traits record in C++) reads here as `traits(name)`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from .. import _C
 
@@ -30,3 +33,29 @@ TRAITS: dict[str, Traits] = {t["name"]: Traits(**t) for t in _C.codec_traits()}
 def traits(name: str) -> Traits:
     """The record of codec `name` (e.g. "mxfp8")."""
     return TRAITS[name]
+
+
+def rows_view(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(rows, cols, row_stride) when t is [..., K] with unit last stride and leading dims
+    that flatten to one stride (the whole-piece kernels' view); None otherwise."""
+    if t.dim() == 0:
+        return None
+    cols = t.shape[-1]
+    rows = math.prod(t.shape[:-1])
+    if cols > 1 and t.stride(-1) != 1:
+        return None
+    if t.dim() == 1 or rows <= 1:
+        return rows, cols, max(cols, 1)
+    lead = [(s, st) for s, st in zip(t.shape[:-1], t.stride()[:-1]) if s != 1]
+    row_stride = lead[-1][1]
+    expect = row_stride
+    for s, st in reversed(lead):
+        if st != expect:
+            return None
+        expect = st * s
+    return rows, cols, row_stride
+
+
+def stream_of(t: torch.Tensor) -> int:
+    """The current CUDA stream of t's device, as the kernels take it."""
+    return torch.cuda.current_stream(t.device).cuda_stream

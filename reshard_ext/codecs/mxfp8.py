@@ -13,7 +13,7 @@ from .. import _C
 from ..errors import ReshardError
 from ..layout import code_of
 from ..transforms import Piece
-from . import traits
+from . import rows_view, stream_of, traits
 
 BLOCK = int(_C.MX_BLOCK)
 # The planner's cut grain of a tensor the data boxes quantize: whole blocks per box.
@@ -40,31 +40,6 @@ def scale_numel(shape: tuple[int, ...], scale_layout: str) -> int:
     return rows * scols if scale_layout == "2d" else swizzled_size(rows, scols)
 
 
-def rows_view(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(rows, cols, row_stride) when t is [..., K] with unit last stride and leading dims
-    that flatten to one stride; None otherwise."""
-    if t.dim() == 0:
-        return None
-    cols = t.shape[-1]
-    rows = math.prod(t.shape[:-1])
-    if cols > 1 and t.stride(-1) != 1:
-        return None
-    if t.dim() == 1 or rows <= 1:
-        return rows, cols, max(cols, 1)
-    lead = [(s, st) for s, st in zip(t.shape[:-1], t.stride()[:-1]) if s != 1]
-    row_stride = lead[-1][1]
-    expect = row_stride
-    for s, st in reversed(lead):
-        if st != expect:
-            return None
-        expect = st * s
-    return rows, cols, row_stride
-
-
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
-
-
 def quantize(src: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
              scale_layout: str = "2d", rounding: str = "ceil") -> None:
     """Quantizes BF16 `src` [..., K] into contiguous `data` (E4M3 bytes, same numel) and
@@ -89,7 +64,7 @@ def quantize(src: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     if src.is_cuda:
         if not hasattr(_C, "mxfp8_quantize_cuda"):
             raise ReshardError("MXFP8 on CUDA tensors needs reshard_ext built with CUDA")
-        _C.mxfp8_quantize_cuda(*args, _stream(src))
+        _C.mxfp8_quantize_cuda(*args, stream_of(src))
     else:
         _C.mxfp8_quantize_cpu(*args)
 
@@ -100,7 +75,7 @@ def swizzle(scale2d: torch.Tensor, out: torch.Tensor) -> None:
     if not (scale2d.is_contiguous() and out.is_contiguous() and out.numel() == swizzled_size(rows, scols)):
         raise ReshardError("MXFP8 swizzle: contiguous [rows, scols] input and a swizzled-size output required")
     if scale2d.is_cuda:
-        _C.mxfp8_swizzle_cuda(scale2d.data_ptr(), rows, scols, out.data_ptr(), _stream(scale2d))
+        _C.mxfp8_swizzle_cuda(scale2d.data_ptr(), rows, scols, out.data_ptr(), stream_of(scale2d))
     else:
         _C.mxfp8_swizzle_cpu(scale2d.data_ptr(), rows, scols, out.data_ptr())
 
