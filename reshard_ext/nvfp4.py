@@ -20,18 +20,19 @@ K must be a multiple of 16 (torchao asserts the same); every piece's last-dim ru
 be whole 16-element blocks of the logical tensor. Sources are quantized as BF16 (other
 floating sources are cast to BF16 first, as Tensor.to rounds).
 
-- ``where="receiver"``: BF16 on the wire; the receiver quantizes its piece once it has
-  landed (``after``), into the three buffers.
+The per-tensor scale needs the amax of the whole tensor before any block is quantized:
+at the start of every execute the source ranks reduce it over their pieces (the amax
+pre-pass, reshard_ext/codecs/amax.py: one int32 per tensor between the ranks of its
+source mesh, nothing where every source piece is whole), so every layout works.
+
+- ``where="receiver"``: BF16 on the wire, plus the tensor's amax (``name::nv.amax``, 4
+  bytes per receiving rank); the receiver quantizes its piece once it has landed
+  (``after``), into the three buffers.
 - ``where="sender"``: the wire carries ``name::nv.data`` (packed bytes),
   ``name::nv.scale`` (E4M3 bytes, 2-D) and ``name::nv.tscale`` (the float32): 1/2 + 1/16
   bytes per element plus 4 per tensor (28.1% of BF16), landing directly in the
   destination buffers (swizzled scales land in a 2-D staging and are swizzled after).
   The sender quantizes its source piece at the start of every execute (``before``).
-
-The per-tensor scale needs the amax of the whole tensor before any block is quantized.
-Until the global amax reduction over ranks exists, the rank that quantizes must hold
-the whole tensor: every source piece for ``"sender"``, every destination piece for
-``"receiver"``; other layouts raise ReshardError naming the tensor.
 
 Element policy (csrc/kernels/codecs/nvfp4.h): torchao's FP32 math step for step, with
 x86 torch's NaN results: a NaN anywhere makes every scale 0x7f and every byte 0x33; an
@@ -48,8 +49,10 @@ from typing import Any
 import torch
 
 from . import _C
-from .codecs.mxfp8 import rows_view, swizzle
-from .codecs.nvfp4 import BLOCK, SCALE_LAYOUTS, amax_into, quantize, scale_numel
+from .codecs import rows_view
+from .codecs.amax import AmaxPiece
+from .codecs.mxfp8 import swizzle
+from .codecs.nvfp4 import BLOCK, SCALE_LAYOUTS, as_bf16_amax, quantize, scale_numel
 from .errors import ReshardError
 from .layout import Layout, Replicate, Shard
 from .transforms import Rewrite, Transform
@@ -57,6 +60,7 @@ from .transforms import Rewrite, Transform
 DATA_SUFFIX = "::nv.data"
 SCALE_SUFFIX = "::nv.scale"
 TSCALE_SUFFIX = "::nv.tscale"
+AMAX_SUFFIX = "::nv.amax"
 _DATA_DTYPES = tuple(d for d in (torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
 _SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -103,20 +107,9 @@ def coarse_layout(name: str, layout: Layout, per: int, dtype: torch.dtype) -> La
     return got
 
 
-def tscale_layout(layout: Layout) -> Layout:
-    """The per-tensor scale: one float32 that every rank of the mesh holds."""
-    return Layout((1,), torch.float32, layout.mesh, [Replicate()] * len(layout.mesh.shape))
-
-
-def _need_whole(name: str, layout: Layout, side: str) -> None:
-    """Until the global amax reduction exists, the quantizing rank holds the whole tensor."""
-    for rank in sorted(set(layout.mesh.ranks)):
-        if layout.local_shape(rank) != tuple(layout.shape):
-            raise ReshardError(
-                f"NVFP4 converts {name!r} on the {side}: its per-tensor scale needs the amax of the whole "
-                f"tensor, but rank {rank} holds only a {layout.local_shape(rank)} piece of "
-                f"{tuple(layout.shape)} and reshard_ext cannot reduce a global amax over ranks yet; "
-                f"quantize on the side where each rank holds the whole tensor")
+def scalar_layout(layout: Layout, dtype: torch.dtype) -> Layout:
+    """One value per tensor (its per-tensor scale, or its amax) that every rank of the mesh holds."""
+    return Layout((1,), dtype, layout.mesh, [Replicate()] * len(layout.mesh.shape))
 
 
 # ---- the transform -----------------------------------------------------------------
@@ -128,8 +121,8 @@ class NVFP4(Transform):
     """Converts the selected BF16 tensors to NVFP4 on the way (see the module doc).
 
     params: the dst names to convert: an iterable of names or a predicate name -> bool.
-    group: the plan's process group; only used to find this rank's piece when a data
-        buffer is given flattened (fewer dims than the layout). Default WORLD.
+    group: the plan's process group (default WORLD): this rank's position in it, which the
+        amax pre-pass needs (and a data buffer given flattened, to find this rank's piece).
     """
 
     def __init__(self, params: Params, scale_layout: str = "2d", where: str = "receiver", group: Any = None):
@@ -156,23 +149,31 @@ class NVFP4(Transform):
 
         return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
 
-    # -- sender side: quantize the source piece into the wire tensors ------------------
+    # -- source side: the global amax; the sender quantizes its piece into the wire tensors --
     def rewrite_src(self, name: str, tensor: torch.Tensor, layout: Layout) -> Rewrite | None:
-        if self.where != "sender" or not self._select(name) or layout.error:
+        if not self._select(name) or layout.error:
             return None
-        dlayout = coarse_layout(name, layout, 2, torch.uint8)
-        slayout = coarse_layout(name, layout, BLOCK, torch.uint8)
-        _need_whole(name, layout, "sender")
         if not tensor.dtype.is_floating_point:
             raise ReshardError(f"NVFP4 converts {name!r}: its source must be floating point, got {tensor.dtype}")
+        if self.where == "sender":
+            dlayout = coarse_layout(name, layout, 2, torch.uint8)
+            slayout = coarse_layout(name, layout, BLOCK, torch.uint8)
         shape = tuple(tensor.shape)
-        if len(shape) != len(layout.shape):
+        if len(shape) != len(layout.shape) or shape != layout.local_shape(self._rank()):
             return None  # a malformed entry: let the planner report it
+        # The whole tensor's amax, reduced over the source pieces before any data moves; for
+        # a source read in another float type, rounded to the amax of its BF16 cast.
+        amax = AmaxPiece(name, layout, tensor, self._rank(), layout.shape, nan="propagate")
+        cell = amax.grid.view(1)
+        if self.where == "receiver":
+            return Rewrite(entries={name: (tensor, layout),
+                                    name + AMAX_SUFFIX: (cell, scalar_layout(layout, torch.int32))},
+                           before=None if tensor.dtype == torch.bfloat16 else lambda: as_bf16_amax(cell),
+                           prepass=amax)
         dev = tensor.device
         wire_data = torch.empty(shape[:-1] + (shape[-1] // 2,), dtype=torch.uint8, device=dev)
         wire_scale = torch.empty(shape[:-1] + (shape[-1] // BLOCK,), dtype=torch.uint8, device=dev)
         wire_tscale = torch.empty(1, dtype=torch.float32, device=dev)
-        cell = torch.zeros(1, dtype=torch.int32, device=dev)
         # BF16 pieces with flattenable rows are read in place; anything else goes through
         # a persistent BF16 copy (the cast rounds as Tensor.to does).
         stage = tensor if tensor.dtype == torch.bfloat16 and rows_view(tensor) else \
@@ -181,14 +182,14 @@ class NVFP4(Transform):
         def before() -> None:
             if stage is not tensor:
                 stage.copy_(tensor)
-            cell.zero_()
-            amax_into(stage, cell)
+            if tensor.dtype != torch.bfloat16:
+                as_bf16_amax(cell)
             quantize(stage, cell, wire_data, wire_scale, wire_tscale, "2d")
 
         return Rewrite(entries={name + DATA_SUFFIX: (wire_data, dlayout),
                                 name + SCALE_SUFFIX: (wire_scale, slayout),
-                                name + TSCALE_SUFFIX: (wire_tscale, tscale_layout(layout))},
-                       before=before)
+                                name + TSCALE_SUFFIX: (wire_tscale, scalar_layout(layout, torch.float32))},
+                       before=before, prepass=amax)
 
     # -- receiver side ------------------------------------------------------------------
     def rewrite_dst(self, name: str, target: Any, layout: Layout) -> Rewrite | None:
@@ -214,19 +215,17 @@ class NVFP4(Transform):
         packed = local[:-1] + (local[-1] // 2,)
 
         if self.where == "receiver":
-            _need_whole(name, layout, "receiver")
             staging = torch.empty(local, dtype=torch.bfloat16, device=data.device)
-            cell = torch.zeros(1, dtype=torch.int32, device=data.device)
+            cell = torch.zeros(1, dtype=torch.int32, device=data.device)  # the sources' amax lands here
 
             def after() -> None:
-                cell.zero_()
-                amax_into(staging, cell)
                 quantize(staging, cell, data_b.view(-1), scale_b, tscale_f, self.scale_layout)
 
-            return Rewrite(entries={name: (staging, layout.with_dtype(torch.bfloat16))}, after=after)
+            return Rewrite(entries={name: (staging, layout.with_dtype(torch.bfloat16)),
+                                    name + AMAX_SUFFIX: (cell, scalar_layout(layout, torch.int32))}, after=after)
 
         entries = {name + DATA_SUFFIX: (data_b.view(packed), dlayout),
-                   name + TSCALE_SUFFIX: (tscale_f, tscale_layout(layout))}
+                   name + TSCALE_SUFFIX: (tscale_f, scalar_layout(layout, torch.float32))}
         slocal = local[:-1] + (local[-1] // BLOCK,)
         if self.scale_layout == "2d":
             entries[name + SCALE_SUFFIX] = (scale_b.view(slocal), slayout)
@@ -266,4 +265,4 @@ def wire_bytes_per_element(where: str) -> float:
     return 2.0 if where == "receiver" else 0.5 + 1.0 / BLOCK
 
 
-__all__ = ["NVFP4", "coarse_layout", "tscale_layout", "DATA_SUFFIX", "SCALE_SUFFIX", "TSCALE_SUFFIX"]
+__all__ = ["NVFP4", "coarse_layout", "scalar_layout", "DATA_SUFFIX", "SCALE_SUFFIX", "TSCALE_SUFFIX", "AMAX_SUFFIX"]

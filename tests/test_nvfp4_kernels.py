@@ -10,19 +10,35 @@ from _nvfp4_ref import CASES, NVFP4Tensor, make_case, per_tensor_amax_to_scale, 
 import reshard_ext as rx
 from reshard_ext import _C
 from reshard_ext.codecs import nvfp4 as nv
+from reshard_ext.layout import code_of
 
 HAVE_GPU = torch.cuda.is_available() and hasattr(_C, "nvfp4_quantize_cuda")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU")])]
 SHAPES = [(1, 16), (3, 48), (130, 64), (257, 320), (2, 5, 96)]
 
 
+def amax_cell(x: torch.Tensor) -> torch.Tensor:
+    """The whole tensor's amax as the pre-pass holds it: one int32 of FP32 bits, computed
+    by the amax kernel (csrc/kernels/codecs/amax.h) over a per-tensor grid."""
+    x = x.reshape(-1, x.shape[-1])
+    cell = torch.zeros(1, dtype=torch.int32, device=x.device)
+    zeros = [torch.zeros(n, dtype=torch.int32, device=x.device) for n in x.shape]
+    args = (x.data_ptr(), code_of(x.dtype), x.shape[0], x.shape[1], x.stride(0), zeros[0].data_ptr(),
+            zeros[1].data_ptr(), int(_C.AMAX_NAN_PROPAGATE), cell.data_ptr())
+    if x.is_cuda:
+        _C.amax_partial_cuda(*args, torch.cuda.current_stream().cuda_stream)
+    else:
+        _C.amax_partial_cpu(*args)
+    return cell
+
+
 def quantize(x: torch.Tensor, layout: str, device: str = "cpu", cell: torch.Tensor | None = None):
     """(data, scale, per-tensor scale bits) from the codec's kernels on `device`, into
-    poisoned buffers; the amax from amax_into unless a cell is given."""
+    poisoned buffers; the amax from the amax kernel unless a cell is given."""
     x = x.to(device)
     if cell is None:
-        cell = torch.zeros(1, dtype=torch.int32, device=device)
-        nv.amax_into(x, cell)
+        cell = amax_cell(x.contiguous())
+    cell = cell.to(device)
     rows = x.numel() // x.shape[-1]
     data = torch.full((rows, x.shape[-1] // 2), 0xA5, dtype=torch.uint8, device=device)
     scale = torch.full((nv.scale_numel(tuple(x.shape), layout),), 0x5A, dtype=torch.uint8, device=device)
@@ -104,47 +120,32 @@ def test_three_dim_reference_is_the_flattened_one():
         assert torch.equal(t.scale.view(torch.uint8).reshape(-1), s.reshape(-1))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_amax_of_pieces_is_the_global_amax(device):
-    """amax_into max-accumulates: over the row pieces of a tensor it ends at the whole
-    tensor's amax bits, which are torch.max(|x|)'s (NaN: torch's NaN, whatever the payload)."""
-    for kind in ("normal", "wide", "inf", "nan", "all_zero"):
-        x = make_case(kind, (96, 48), kind)
-        if kind == "nan":
-            x.view(torch.int16)[5, 5] = 0x7F81  # a signalling payload: the cell holds torch's NaN all the same
-        cell = torch.zeros(1, dtype=torch.int32, device=device)
-        for piece in x.to(device).split([40, 1, 55]):
-            nv.amax_into(piece, cell)
-        want = torch.max(torch.abs(x)).float().view(torch.int32)
-        assert cell.cpu().item() == want.item(), kind
-
-
-def test_per_tensor_scale_alone():
+def test_per_tensor_scale():
+    """per_tensor_amax_to_scale's bits, for any NaN payload the amax cell may hold."""
     for amax in (0.0, 1.5, 3.0e38, float("inf"), float("nan"), 2.0 ** -133):
-        cell = torch.tensor([amax], dtype=torch.bfloat16).float().view(torch.int32)
-        out = torch.empty(1)
-        nv.tensor_scale_into(cell, out)
+        bits = torch.tensor([amax], dtype=torch.bfloat16).float().view(torch.int32).item()
         want = per_tensor_amax_to_scale(torch.tensor(amax, dtype=torch.bfloat16)).view(torch.int32).item()
-        assert out.view(torch.int32).item() == want == _C.nvfp4_tensor_scale_bits(cell.item() & 0xFFFFFFFF), amax
+        assert _C.nvfp4_tensor_scale_bits(bits) == want, amax
+    assert _C.nvfp4_tensor_scale_bits(0x7F812345) == _C.nvfp4_tensor_scale_bits(0x7FC00000) == 0x7FC00000
 
 
 def test_bad_arguments_are_refused():
     x = make_case("normal", (4, 40), 0)  # K = 40: not whole 16-element blocks
     cell = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(rx.ReshardError, match="multiple of 16"):
-        nv.amax_into(x, cell)
+        nv.quantize(x, cell, torch.empty(80, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8), None)
     y = make_case("normal", (4, 32), 0)
     with pytest.raises(rx.ReshardError, match="data must be"):
         nv.quantize(y, cell, torch.empty(4 * 32, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8), None)
     with pytest.raises(rx.ReshardError, match="scale must be"):
         nv.quantize(y, cell, torch.empty(64, dtype=torch.uint8), torch.empty(7, dtype=torch.uint8), None)
     with pytest.raises(rx.ReshardError, match="bfloat16"):
-        nv.amax_into(y.float(), cell)
+        nv.quantize(y.float(), cell, torch.empty(64, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8), None)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU")
-def test_cuda_matches_the_twin_on_strided_and_large_inputs():
+def test_cuda_kernel_on_strided_and_large_inputs():
     """Rows with a stride (a column window of a wider tensor: the 16-byte loads off),
     more blocks than one grid covers, and the swizzled padding written as 0."""
     base = make_case("wide", (300, 4096 + 48), 11)

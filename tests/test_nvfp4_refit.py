@@ -16,8 +16,10 @@ from reshard_ext.codecs.nvfp4 import scale_numel
 from reshard_ext.nvfp4 import NVFP4, coarse_layout
 
 BF16, F32 = torch.bfloat16, torch.float32
+CPU = torch.device("cpu")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = 4
-KINDS = ("normal", "wide", "zero_blocks", "inf", "bits", "tiny")
+KINDS = ("normal", "wide", "zero_blocks", "inf", "bits", "tiny", "nan", "all_zero")
 
 
 def _L(shape, mesh, placements, dtype=BF16) -> Layout:
@@ -25,38 +27,42 @@ def _L(shape, mesh, placements, dtype=BF16) -> Layout:
 
 
 def cases(where: str, world: int = WORLD) -> dict[str, tuple[Layout, Layout]]:
-    """name -> (src layout, dst layout). The rank that quantizes holds the whole tensor
-    (every source piece for "sender", every destination piece for "receiver"); the other
-    side is sharded every way: TP rows and columns, EP, strided, uneven, 3-D, DP."""
-    last = world - 1
+    """name -> (src layout, dst layout) on 4 ranks (or 2): TP rows and columns both ways,
+    TP2 -> TP4, strided (fused gate/up), uneven rows, DP replicas, EP per-expert and
+    stacked, 3-D, an fp32 source. Sources sharded every way, so the per-tensor scale must
+    come from the global amax. where="receiver" adds sources cut inside 16-blocks (BF16 on
+    the wire: only the receivers' pieces must be whole blocks)."""
+    if world == 2:
+        c = {
+            "tp2_tp1.col": (_L((130, 256), [0, 1], [Shard(0)]), _L((130, 256), [1], [Replicate()])),
+            "tp2_tp1.row": (_L((64, 256), [0, 1], [Shard(1)]), _L((64, 256), [0], [Replicate()])),
+            "tp1_tp2.row": (_L((40, 256), [1], [Replicate()]), _L((40, 256), [0, 1], [Shard(1)])),
+            "strided": (_L((48, 256), [0, 1], [Shard(1, stride=2)]), _L((48, 256), [1, 0], [Shard(1)])),
+            "uneven": (_L((33, 80), [0, 1], [Shard(0)]), _L((33, 80), [1, 0], [Shard(0)])),
+            "experts.w13": (_L((4, 32, 128), [0, 1], [Shard(0)]), _L((4, 32, 128), [1, 0], [Shard(0)])),
+            "fp32": (_L((64, 128), [0, 1], [Shard(0)], F32), _L((64, 128), [1], [Replicate()])),
+        }
+        if where == "receiver":
+            c["ragged_src"] = (_L((8, 96), [0, 1], [Shard(1)]), _L((8, 96), [1], [Replicate()]))  # 48: 3 blocks
+        return c
     every = list(range(world))
-    whole = {  # layouts that hold the whole tensor on each of their ranks
-        "tp": _L((130, 256), [0], [Replicate()]),
-        "tp_row": _L((64, 256), [last], [Replicate()]),
-        "strided": _L((48, 256), [1], [Replicate()]),
-        "uneven": _L((33, 80), [last], [Replicate()]),
-        "dp": _L((4, 40, 64), every, [Replicate()]),
-        "experts.w13": _L((4, 32, 128), [1], [Replicate()]),
-        "fp32": _L((64, 128), [0], [Replicate()], F32),
+    c = {
+        "tp2_tp1.col": (_L((130, 256), [0, 1], [Shard(0)]), _L((130, 256), [2], [Replicate()])),
+        "tp2_tp1.row": (_L((64, 256), [0, 1], [Shard(1)]), _L((64, 256), [3], [Replicate()])),
+        "tp1_tp2.col": (_L((96, 160), [0], [Replicate()]), _L((96, 160), [2, 3], [Shard(0)])),
+        "tp1_tp2.row": (_L((40, 256), [1], [Replicate()]), _L((40, 256), [2, 3], [Shard(1)])),
+        "tp2_tp4": (_L((128, 128), [2, 3], [Shard(0)]), _L((128, 128), every, [Shard(1)])),
+        "strided": (_L((48, 256), [0, 1], [Shard(1, stride=2)]), _L((48, 256), [2, 3], [Shard(1)])),
+        "uneven": (_L((33, 80), [0, 1, 2], [Shard(0)]), _L((33, 80), every, [Shard(0)])),  # 11 rows; 9, 9, 9, 6
+        "dp": (_L((4, 40, 64), [[0, 1], [2, 3]], [Replicate(), Shard(1)]), _L((4, 40, 64), every, [Replicate()])),
+        "experts.w13": (_L((4, 32, 128), [0, 1], [Shard(0)]), _L((4, 32, 128), every, [Shard(0)])),
+        "fp32": (_L((64, 128), [0, 1], [Shard(0)], F32), _L((64, 128), [3], [Replicate()])),
     }
-    sharded = {
-        "tp": _L((130, 256), [0, 1], [Shard(0)]),
-        "tp_row": _L((64, 256), [1, 2] if world > 2 else [1, 0], [Shard(1)]),  # columns in whole blocks
-        "strided": _L((48, 256), [2, 3] if world > 2 else [1, 0], [Shard(1, stride=2)]),  # fused gate/up
-        "uneven": _L((33, 80), every, [Shard(0)]),                 # rows 9, 9, 9, 6
-        "dp": _L((4, 40, 64), [[0, 1], [2, 3]] if world > 2 else [[0], [1]], [Replicate(), Shard(1)]),
-        "experts.w13": _L((4, 32, 128), every, [Shard(0)]),       # stacked experts, EP
-        "fp32": _L((64, 128), every, [Shard(0)]),
-    }
-    for e in range(world):  # per-expert tensors moving between EP ranks
-        whole[f"experts.weight{e}"] = _L((64, 96), [e % world], [Replicate()])
-        sharded[f"experts.weight{e}"] = _L((64, 96), [(e + 1) % world], [Replicate()])
-    if where == "receiver":  # BF16 on the wire: sources may cut blocks
-        whole["ragged_src"] = _L((8, 96), [1], [Replicate()])
-        sharded["ragged_src"] = _L((8, 96), every, [Shard(1)])    # 24 columns each
-        return {n: (sharded[n].with_dtype(whole[n].dtype if n == "fp32" else BF16), whole[n].with_dtype(BF16))
-                for n in whole}
-    return {n: (whole[n], sharded[n].with_dtype(BF16)) for n in whole}
+    for e in range(4):  # per-expert tensors, EP2 -> EP4
+        c[f"experts.weight{e}"] = (_L((64, 96), [e // 2], [Replicate()]), _L((64, 96), [e], [Replicate()]))
+    if where == "receiver":
+        c["ragged_src"] = (_L((8, 96), every, [Shard(1)]), _L((8, 96), [1], [Replicate()]))  # 24 columns each
+    return c
 
 
 def _global(name: str, layout: Layout, step: int) -> torch.Tensor:
@@ -77,7 +83,7 @@ def _to_blocked(scale2d: torch.Tensor) -> torch.Tensor:
     return to_blocked(scale2d).view(torch.uint8)
 
 
-def destination(name: str, layout: Layout, rank: int, scale_layout: str):
+def destination(name: str, layout: Layout, rank: int, scale_layout: str, dev: torch.device = CPU):
     """Poisoned (data, scale, tensor_scale) buffers of this rank's piece."""
     local = layout.local_shape(rank)
     data = _poison(math.prod(local) // 2, name + "d").view(local[:-1] + (local[-1] // 2,))
@@ -85,11 +91,11 @@ def destination(name: str, layout: Layout, rank: int, scale_layout: str):
     scale = _poison(n, name + "s").view(torch.float8_e4m3fn)
     if scale_layout == "2d":
         scale = scale.view(local[:-1] + (local[-1] // 16,))
-    return data, scale, torch.tensor(float("nan"))
+    return data.to(dev), scale.to(dev), torch.tensor(float("nan"), device=dev)
 
 
 def check(name: str, layout: Layout, rank: int, got, want, scale_layout: str, what: str) -> None:
-    data, scale, tscale = got
+    data, scale, tscale = (t.cpu() for t in got)
     want_d, want_s, want_p = want
     shape = tuple(layout.shape)
     packed = coarse_layout(name, layout, 2, torch.uint8).local_part(want_d.view(shape[:-1] + (-1,)), rank)
@@ -101,7 +107,9 @@ def check(name: str, layout: Layout, rank: int, got, want, scale_layout: str, wh
     assert tscale.view(torch.int32).item() == want_p.item(), f"{what}: {name} tensor scale"
 
 
-def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: bool = False) -> int:
+def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: bool = False,
+                 device: str = "cpu") -> int:
+    dev = torch.device("cuda", rank) if device == "cuda" else CPU
     specs = cases(where, world)
     names = sorted(specs)
     globals_ = {n: _global(n, specs[n][0], 0) for n in names}
@@ -109,14 +117,14 @@ def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: b
     for n in names:
         sl, dl = specs[n]
         if rank in sl.mesh:
-            src[n] = (sl.local_part(globals_[n], rank), sl)
+            src[n] = (sl.local_part(globals_[n], rank).to(dev), sl)
         if rank in dl.mesh:
-            dst[n] = (destination(n, dl, rank, scale_layout), dl)
+            dst[n] = (destination(n, dl, rank, scale_layout, dev), dl)
     bias_src, bias_dst = _L((12,), [0], [Replicate()], F32), _L((12,), list(range(world)), [Shard(0)], F32)
     bias = torch.arange(12, dtype=F32)
     if rank == 0:
-        src["bias"] = (bias.clone(), bias_src)  # an unconverted tensor passes through untouched
-    bias_out = torch.empty(bias_dst.local_shape(rank), dtype=F32)
+        src["bias"] = (bias.clone().to(dev), bias_src)  # an unconverted tensor passes through untouched
+    bias_out = torch.empty(bias_dst.local_shape(rank), dtype=F32, device=dev)
     dst["bias"] = (bias_out, bias_dst)
     plan = rx.plan(src, dst, transform=NVFP4(names, scale_layout=scale_layout, where=where))
     ptrs = {n: tuple(t.data_ptr() for t in bufs) for n, (bufs, _) in dst.items() if n != "bias"}
@@ -125,7 +133,7 @@ def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: b
             globals_ = {n: _global(n, specs[n][0], step) for n in names}
             for n, (t, sl) in src.items():
                 if n != "bias":
-                    t.copy_(sl.local_part(globals_[n], rank))
+                    t.copy_(sl.local_part(globals_[n], rank).to(dev))
         rx.execute(plan, verify=verify)
         for n, (bufs, dl) in dst.items():
             if n == "bias":
@@ -133,7 +141,7 @@ def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: b
             assert tuple(t.data_ptr() for t in bufs) == ptrs[n], f"{n}: buffers moved"
             check(n, dl, rank, bufs, ref_nvfp4(globals_[n].to(BF16)), scale_layout,
                   f"rank {rank} step {step}")
-        assert torch.equal(bias_out, bias_dst.local_part(bias, rank))
+        assert torch.equal(bias_out.cpu(), bias_dst.local_part(bias, rank))
     return plan.bytes_sent
 
 
@@ -149,6 +157,20 @@ def test_refit_two_ranks_verified(where):
     bytes, block scales and per-tensor scale the receiver holds (sender side: what the
     wire carries; receiver side: the BF16 its quantize reads)."""
     run_ranks(2, refit_worker, where, "swizzled", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scale_layout", ["2d", "swizzled"])
+@pytest.mark.parametrize("where", ["receiver", "sender"])
+def test_refit_matrix_cuda(where, scale_layout, world):
+    """CUDA tensors over NCCL ("auto": the direct transport where it applies): the CUDA amax
+    pre-pass and quantize kernels give torchao's CPU bytes; the second run verifies."""
+    if GPUS < world:
+        pytest.skip(f"needs {world} GPUs")
+    for verify in (False, True):
+        run_ranks(world, refit_worker, where, scale_layout, verify, "cuda", backend="nccl")
 
 
 def bytes_worker(rank: int, world: int, transform: bool) -> int:
@@ -179,12 +201,11 @@ def test_sender_side_wire_bytes():
 def rejected_worker(rank: int, world: int, where: str, case: str) -> str:
     """Every rank holds a piece on both sides, so every rank must see the error. The
     quantizing side (the source for "sender", the destination for "receiver") holds
-    pieces cut inside blocks (24 columns each), row shards (whole blocks, but not the
-    whole tensor), or whole tensors with K = 40."""
+    pieces cut inside blocks (24 columns each), or whole tensors with K = 40."""
     every = list(range(world))
     shape = (8, 40) if case == "k40" else (8, 96)
     whole = _L(shape, every, [Replicate()])
-    quantized = {"cut": _L(shape, every, [Shard(1)]), "sharded": _L(shape, every, [Shard(0)]), "k40": whole}[case]
+    quantized = {"cut": _L(shape, every, [Shard(1)]), "k40": whole}[case]
     sl, dl = (quantized, whole) if where == "sender" else (whole, quantized)
     g = _global("bad", sl, 0)
     local = dl.local_shape(rank)
@@ -199,12 +220,11 @@ def rejected_worker(rank: int, world: int, where: str, case: str) -> str:
 
 
 @pytest.mark.parametrize("case, words", [("cut", ["'bad'", "16-element blocks"]),
-                                          ("k40", ["'bad'", "not a multiple of the 16-element block"]),
-                                          ("sharded", ["'bad'", "amax of the whole tensor"])])
+                                          ("k40", ["'bad'", "not a multiple of the 16-element block"])])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
 def test_what_cannot_be_quantized_exactly_is_rejected(where, case, words):
     """A piece cut inside a 16-element block, K not a multiple of 16 (torchao refuses it
-    too), a quantizing side without the whole tensor: raised on every rank at plan time."""
+    too): raised on every rank at plan time."""
     for msg in run_ranks(WORLD, rejected_worker, where, case):
         assert all(w in msg for w in words), msg
 

@@ -1,4 +1,4 @@
-// The NVFP4 codec: its box codes, wire-slice math and the amax/quantize kernels. Python passes data_ptr()s
+// The NVFP4 codec: its box codes, wire-slice math and the quantize kernels. Python passes data_ptr()s
 // (ints), shapes and the CUDA stream handle; nothing here knows torch.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -49,14 +49,6 @@ void register_nvfp4(py::module_& m) {
       "FP32 bits of the per-tensor scale of an amax (its FP32 bits).");
 
   m.def(
-      "nvfp4_amax_cpu",
-      [](uintptr_t src, int64_t rows, int64_t cols, int64_t row_stride, uintptr_t amax) {
-        py::gil_scoped_release release;
-        check(rx_nvfp4_amax_cpu(ptr<const uint16_t>(src), rows, cols, row_stride, ptr<uint32_t>(amax)),
-              "rx_nvfp4_amax_cpu");
-      },
-      py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("amax"));
-  m.def(
       "nvfp4_quantize_cpu",
       [](uintptr_t src, int64_t rows, int64_t cols, int64_t row_stride, uintptr_t amax, uintptr_t data,
          uintptr_t scale, int32_t scale_layout, uintptr_t tensor_scale) {
@@ -67,22 +59,8 @@ void register_nvfp4(py::module_& m) {
       },
       py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("amax"), py::arg("data"),
       py::arg("scale"), py::arg("scale_layout"), py::arg("tensor_scale"));
-  m.def(
-      "nvfp4_tensor_scale_cpu",
-      [](uintptr_t amax, uintptr_t out) {
-        check(rx_nvfp4_tensor_scale_cpu(ptr<const uint32_t>(amax), ptr<float>(out)), "rx_nvfp4_tensor_scale_cpu");
-      },
-      py::arg("amax"), py::arg("tensor_scale"));
 
 #ifdef RX_WITH_CUDA
-  m.def(
-      "nvfp4_amax_cuda",
-      [](uintptr_t src, int64_t rows, int64_t cols, int64_t row_stride, uintptr_t amax, uintptr_t stream) {
-        check(rx_nvfp4_amax_cuda(ptr<const uint16_t>(src), rows, cols, row_stride, ptr<uint32_t>(amax),
-                                 ptr<void>(stream)),
-              "rx_nvfp4_amax_cuda");
-      },
-      py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("amax"), py::arg("stream"));
   m.def(
       "nvfp4_quantize_cuda",
       [](uintptr_t src, int64_t rows, int64_t cols, int64_t row_stride, uintptr_t amax, uintptr_t data,
@@ -94,13 +72,6 @@ void register_nvfp4(py::module_& m) {
       },
       py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("amax"), py::arg("data"),
       py::arg("scale"), py::arg("scale_layout"), py::arg("tensor_scale"), py::arg("stream"));
-  m.def(
-      "nvfp4_tensor_scale_cuda",
-      [](uintptr_t amax, uintptr_t out, uintptr_t stream) {
-        check(rx_nvfp4_tensor_scale_cuda(ptr<const uint32_t>(amax), ptr<float>(out), ptr<void>(stream)),
-              "rx_nvfp4_tensor_scale_cuda");
-      },
-      py::arg("amax"), py::arg("tensor_scale"), py::arg("stream"));
 #endif
 }
 

@@ -1,4 +1,4 @@
-// CUDA NVFP4 amax, quantize and per-tensor scale: one launch each. Bit-identical to the
+// CUDA NVFP4 whole-piece quantize: one launch. Bit-identical to the
 // CPU twin (codecs/nvfp4_cpu.cc): both run the math of codecs/nvfp4.h.
 //
 // Quantize: a thread owns one 16-element block (two 16-byte loads, 8 bytes and a scale
@@ -36,25 +36,6 @@ __device__ void load_block(const uint16_t* in, int64_t r, int64_t b, int64_t row
   for (int k = 0; k < nv::kBlockWords; ++k) w[k] = p[2 * k] | static_cast<uint32_t>(p[2 * k + 1]) << 16;
 }
 
-// Each thread max-reduces blocks, each warp its threads, one atomic per warp. Canonical
-// NaN before the atomic, so the cell is the CPU twin's bits.
-template <typename Index>
-__global__ void amax_kernel(const uint16_t* __restrict__ in, int64_t scols, int64_t row_stride, int64_t total,
-                            bool vec, uint32_t* amax) {
-  uint32_t m = 0;
-  const Index span = (Index)scols;
-  for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t w[nv::kBlockWords];
-    load_block(in, (int64_t)((Index)g / span), (int64_t)((Index)g % span), row_stride, vec, w);
-#pragma unroll
-    for (int k = 0; k < nv::kBlockWords; ++k) m = max(m, nv::word_amax(w[k]));
-  }
-  m = nv::canonical(m);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax, m);
-}
-
 template <typename Index>
 __global__ void quantize_kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t scols, int64_t row_stride,
                                 const uint32_t* __restrict__ amax, uint8_t* __restrict__ data,
@@ -77,10 +58,6 @@ __global__ void quantize_kernel(const uint16_t* __restrict__ in, int64_t rows, i
   }
 }
 
-__global__ void tensor_scale_kernel(const uint32_t* amax, float* out) {
-  *reinterpret_cast<uint32_t*>(out) = nv::tensor_scale_bits(*amax);
-}
-
 bool shape_ok(int64_t rows, int64_t cols, int64_t row_stride) {
   return rows >= 0 && cols >= 0 && cols % nv::kBlock == 0 && (rows <= 1 || row_stride >= cols);
 }
@@ -90,23 +67,6 @@ bool vec_ok(const uint16_t* in, int64_t row_stride) {
 }
 
 }  // namespace
-
-extern "C" int32_t rx_nvfp4_amax_cuda(const uint16_t* bf16, int64_t rows, int64_t cols, int64_t row_stride,
-                                      uint32_t* amax, void* stream) {
-  if (!shape_ok(rows, cols, row_stride)) return -1;
-  const int64_t scols = cols / nv::kBlock, total = rows * scols;
-  if (total == 0) return 0;
-  const int64_t grid = grid_for(total) < 1024 ? grid_for(total) : 1024;  // few atomics; grid-stride
-  const auto launch = [&](auto kernel) {
-    kernel<<<(unsigned)grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(bf16, scols, row_stride, total,
-                                                                            vec_ok(bf16, row_stride), amax);
-  };
-  if (total <= UINT32_MAX)
-    launch(amax_kernel<uint32_t>);
-  else
-    launch(amax_kernel<int64_t>);
-  return (int32_t)cudaGetLastError();
-}
 
 extern "C" int32_t rx_nvfp4_quantize_cuda(const uint16_t* bf16, int64_t rows, int64_t cols, int64_t row_stride,
                                           const uint32_t* amax, uint8_t* data, uint8_t* scale, int32_t scale_layout,
@@ -128,10 +88,5 @@ extern "C" int32_t rx_nvfp4_quantize_cuda(const uint16_t* bf16, int64_t rows, in
     launch(quantize_kernel<uint32_t>);
   else
     launch(quantize_kernel<int64_t>);
-  return (int32_t)cudaGetLastError();
-}
-
-extern "C" int32_t rx_nvfp4_tensor_scale_cuda(const uint32_t* amax, float* tensor_scale, void* stream) {
-  tensor_scale_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(amax, tensor_scale);
   return (int32_t)cudaGetLastError();
 }

@@ -25,8 +25,9 @@
 //     uint8 packed E2M1). The innermost dim has unit stride on both sides and an
 //     extent that is a multiple of 8 (kBlockWords); each run of 8 innermost words is
 //     one block (the host only builds such boxes where they lie on the logical
-//     tensor's 16-grid). param[0]: the amax cell (a uint32, the FP32 bits of the
-//     tensor's amax, amax_bits below), read by the kernel when it runs.
+//     tensor's 16-grid). param[0]: the amax cell (a uint32, the FP32 bits of the whole
+//     tensor's max |x|: a per-tensor cell of the amax pre-pass, codecs/amax.h), read by
+//     the kernel when it runs.
 //   RX_CODEC_NVFP4_SCALES: the block scales alone (src RX_I32 words, dst uint8 or
 //     E4M3): dst element j is the scale of the 8 words at src element j's address, so
 //     src strides step over whole blocks. param[0]: the amax cell, as for the data.

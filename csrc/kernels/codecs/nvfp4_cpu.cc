@@ -1,6 +1,6 @@
 // CPU twin of the NVFP4 codec: its box rows (the reference the CUDA lanes must match byte
-// for byte, and the data path of the CPU (gloo) refit), the whole-tensor amax and
-// quantize, its box checks and the wire-slice geometry. Same inline math (nvfp4.h).
+// for byte), the whole-piece quantize (the data path of the CPU (gloo) refit), its box
+// checks and the wire-slice geometry. Same inline math (nvfp4.h).
 #include <string.h>
 
 #include "common/check.h"
@@ -111,19 +111,6 @@ bool shape_ok(int64_t rows, int64_t cols, int64_t row_stride) {
 
 }  // namespace
 
-extern "C" int32_t rx_nvfp4_amax_cpu(const uint16_t* bf16, int64_t rows, int64_t cols, int64_t row_stride,
-                                     uint32_t* amax) {
-  if (rows < 0 || cols < 0 || (rows > 1 && row_stride < cols)) return -1;
-  uint32_t m = *amax;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint32_t a = nv::abs_bits(bf16[r * row_stride + c]);
-      m = a > m ? a : m;
-    }
-  *amax = nv::canonical(m);
-  return 0;
-}
-
 extern "C" int32_t rx_nvfp4_quantize_cpu(const uint16_t* bf16, int64_t rows, int64_t cols, int64_t row_stride,
                                          const uint32_t* amax, uint8_t* data, uint8_t* scale, int32_t scale_layout,
                                          float* tensor_scale) {
@@ -142,11 +129,5 @@ extern "C" int32_t rx_nvfp4_quantize_cpu(const uint16_t* bf16, int64_t rows, int
       memcpy(data + r * (cols / 2) + b * nv::kBlockWords, packed, sizeof(packed));
       scale[swz ? rx::mx::swizzled_offset(r, b, scols) : r * scols + b] = s;
     }
-  return 0;
-}
-
-extern "C" int32_t rx_nvfp4_tensor_scale_cpu(const uint32_t* amax, float* tensor_scale) {
-  const uint32_t pts = nv::tensor_scale_bits(*amax);
-  memcpy(tensor_scale, &pts, sizeof(float));
   return 0;
 }
