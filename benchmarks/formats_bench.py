@@ -1,12 +1,18 @@
-"""Refit of a small synthetic dense model with BF16 -> MXFP8 on the fly.
+"""Refits of a small synthetic dense model with BF16 -> every low-precision format on the fly,
+against the BF16 refit of the same model in the same run (_formats.py lists the formats).
 
-Every 2-D weight moves from TP=world sharded on one dim to TP=world sharded on the
-other dim (so nearly every byte crosses ranks) and, with --mxfp8, lands as E4M3 data +
-E8M0 scales. Prints the wire bytes (all ranks) and the time per refit.
+Every 2-D weight moves from TP sharded on one dim to TP sharded on the other dim (so
+nearly every byte crosses ranks): --placement swap keeps both models on all ranks
+(collocated); --placement split puts the source on the first half of the ranks and the
+destination on the second half (non-collocated: the link is the bottleneck). Per format
+and side (where=sender: quantized on the wire; receiver: BF16 on the wire, quantized after
+it lands) it prints the wire bytes (all ranks) against BF16's and the refit time against
+the BF16 refit's, both measured in this run.
 
-  python benchmarks/mxfp8_bench.py --world 2 --mxfp8 sender          # spawns ranks
-  torchrun --nproc-per-node 2 benchmarks/mxfp8_bench.py --mxfp8 receiver
-CUDA tensors and NCCL when a GPU per rank is present, else CPU tensors over gloo.
+  python benchmarks/formats_bench.py --world 2                       # spawns ranks (CPU: gloo)
+  torchrun --nproc-per-node 2 benchmarks/formats_bench.py --placement split --formats nvfp4
+  python benchmarks/formats_bench.py --world 2 --tiny                # a check of the script, seconds on a CPU
+CUDA tensors and NCCL (backend "auto") when a GPU per rank is present, else CPU tensors over gloo.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _formats import FORMATS
 
 
 def model(layers: int, hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
@@ -32,51 +39,63 @@ def model(layers: int, hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
 
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
     import reshard_ext as rx
-    from reshard_ext.mxfp8 import MXFP8, scale_numel
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     dev = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    mesh = rx.Mesh(list(range(world)))
+    half = max(world // 2, 1)
+    src_ranks = list(range(world)) if args.placement == "swap" else list(range(half))
+    dst_ranks = list(range(world)) if args.placement == "swap" else list(range(half, world)) or [0]
     shapes = model(args.layers, args.hidden, args.ffn)
-    src, dst = {}, {}
-    for name, shape in shapes.items():
-        sl = rx.Layout(shape, torch.bfloat16, mesh, [rx.Shard(0)])
-        dl = rx.Layout(shape, torch.bfloat16, mesh, [rx.Shard(1)])
-        src[name] = (torch.randn(sl.local_shape(rank), device=dev).to(torch.bfloat16), sl)
-        local = dl.local_shape(rank)
-        if args.mxfp8 == "none":
-            dst[name] = (torch.empty(local, dtype=torch.bfloat16, device=dev), dl)
-        else:
-            data = torch.empty(local, dtype=torch.float8_e4m3fn, device=dev)
-            scale = torch.empty(scale_numel(local, args.scale_layout), dtype=torch.uint8, device=dev)
-            dst[name] = ((data, scale), dl)
-    transform = None if args.mxfp8 == "none" else \
-        MXFP8(list(shapes), scale_layout=args.scale_layout, where=args.mxfp8, rounding=args.rounding)
-    plan = rx.plan(src, dst, transform=transform)
+    layouts = {n: (rx.Layout(s, torch.bfloat16, rx.Mesh(src_ranks), [rx.Shard(0)]),
+                   rx.Layout(s, torch.bfloat16, rx.Mesh(dst_ranks), [rx.Shard(1)])) for n, s in shapes.items()}
+    src = {n: (torch.randn(sl.local_shape(rank), device=dev).to(torch.bfloat16), sl)
+           for n, (sl, _) in layouts.items() if rank in sl.mesh}
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
 
-    times = []
-    for i in range(args.warmup + args.iters):
-        sync()
-        t0 = time.perf_counter()
-        rx.execute(plan)
-        sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    sent = torch.tensor([plan.bytes_sent], dtype=torch.int64, device=dev)
-    dist.all_reduce(sent)
+    def measure(fmt: str | None, where: str) -> tuple[int, float]:
+        dst = {}
+        for n, (_, dl) in layouts.items():
+            if rank not in dl.mesh:
+                continue
+            local = dl.local_shape(rank)
+            dst[n] = (torch.empty(local, dtype=torch.bfloat16, device=dev) if fmt is None else
+                      FORMATS[fmt].destination(local, args.scale_layout, dev), dl)
+        transform = None if fmt is None else FORMATS[fmt].transform(list(shapes), where, args.scale_layout)
+        plan = rx.plan(src, dst, transform=transform, backend=args.backend)
+        times = []
+        for i in range(args.warmup + args.iters):
+            sync()
+            t0 = time.perf_counter()
+            rx.execute(plan)
+            sync()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        sent = torch.tensor([plan.bytes_sent], dtype=torch.int64, device=dev)
+        dist.all_reduce(sent)
+        return int(sent.item()), statistics.median(times)
+
+    runs = [(None, "-")] + [(f, w) for f in args.formats.split(",") for w in args.where.split(",")]
+    rows = []
+    for rnd in range(args.rounds):  # BF16 first in every round: drift shows as a changing BF16 time
+        for fmt, where in runs:
+            sent, t = measure(fmt, where)
+            rows.append((rnd, fmt or "bf16", where, sent, t))
     if rank == 0:
-        bf16 = sum(a * b for a, b in shapes.values()) * 2
-        t = statistics.median(times)
-        print(f"mxfp8={args.mxfp8} scale_layout={args.scale_layout} world={world} device={dev.type} "
-              f"bf16_bytes={bf16} wire_bytes={sent.item()} wire/bf16={sent.item() / bf16:.3f} "
-              f"refit_ms={t * 1e3:.2f} logical_GBps={bf16 / t / 1e9:.2f}")
+        logical = sum(a * b for a, b in shapes.values()) * 2
+        print(f"formats_bench: world={world} placement={args.placement} device={dev.type} backend={args.backend} "
+              f"scale_layout={args.scale_layout} logical_bf16_bytes={logical}")
+        print(f"{'round':>5} {'format':>8} {'where':>8} {'wire MB':>9} {'wire/bf16':>9} {'refit ms':>9} "
+              f"{'t/bf16':>7} {'logical GB/s':>12}")
+        for rnd, fmt, where, sent, t in rows:
+            base_sent, base_t = next((s, tt) for r, f, _, s, tt in rows if r == rnd and f == "bf16")
+            print(f"{rnd:>5} {fmt:>8} {where:>8} {sent / 1e6:>9.2f} {sent / base_sent:>9.3f} {t * 1e3:>9.2f} "
+                  f"{t / base_t:>7.3f} {logical / t / 1e9:>12.2f}")
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -92,16 +111,25 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mxfp8", choices=["receiver", "sender", "none"], default="sender")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {sorted(FORMATS)}")
+    ap.add_argument("--where", default="sender,receiver", help="sender, receiver or both (comma-separated)")
+    ap.add_argument("--placement", choices=["swap", "split"], default="swap")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
-    ap.add_argument("--rounding", choices=["ceil", "floor"], default="ceil")
+    ap.add_argument("--backend", default="auto")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the whole comparison (same plans' shapes)")
+    ap.add_argument("--tiny", action="store_true", help="1 layer, hidden 128, ffn 256, 1 iteration: a quick check")
     args = ap.parse_args()
+    unknown = set(args.formats.split(",")) - set(FORMATS)
+    if unknown:
+        ap.error(f"unknown formats {sorted(unknown)}; known: {sorted(FORMATS)}")
+    if args.tiny:
+        args.layers, args.hidden, args.ffn, args.warmup, args.iters = 1, 128, 256, 1, 1
     if "RANK" in os.environ:  # torchrun
         world = int(os.environ["WORLD_SIZE"])
         rank = int(os.environ["RANK"])
