@@ -118,14 +118,22 @@ int32_t box_codec(const TensorRef* s, const TensorRef* d) {
   return (s && s->codec) ? s->codec : (d ? d->codec : 0);
 }
 
-// A dst codec's parameters for the box whose first element is at `at` (TensorRef).
-BoxParams box_params(const TensorRef& d, uint64_t at) {
-  if (d.codec == 0 || d.side == 0) return {};
+// The parameters of a codec's box whose first element is at `at` in the memory of `t`, the
+// end that carries the codec (TensorRef): a dst codec's (MXFP8's scales) or a src codec's
+// (blockwise FP8's per-block scales, read by the pack and copy boxes of its source).
+BoxParams box_params(const TensorRef& t, uint64_t at) {
+  if (t.codec == 0 || t.side == 0) return {};
   BoxParams p;
-  p.p[0] = static_cast<int64_t>(d.side);
-  p.p[1] = static_cast<int64_t>(at - d.ptr) / dtype_size(d.dtype);
-  p.p[2] = d.arg;
+  p.p[0] = static_cast<int64_t>(t.side);
+  p.p[1] = static_cast<int64_t>(at - t.ptr) / dtype_size(t.dtype);
+  p.p[2] = t.arg;
   return p;
+}
+
+// The parameters of a box between src piece `s` (first element at `from`) and dst piece `d`
+// (first element at `at`): those of the end with the codec (at most one has one).
+BoxParams box_params(const TensorRef& s, uint64_t from, const TensorRef& d, uint64_t at) {
+  return s.codec ? box_params(s, from) : box_params(d, at);
 }
 
 // Cuts one batch's ops (in canonical order, `boxes` and `index` - their plan op - aligned
@@ -484,8 +492,9 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
     const TransferOp& op = plan_->sends[i];
     const TensorRef& t = *src_of.at(op.src_name);
     const uint64_t buf = send_bufs[op.batch % send_bufs.size()] + send_regions[op.batch].at(op.peer) + op.offset;
-    rx_box box = make_box(op.mine.size, addr(t, op.mine.start), strides_of.at(&t).data(), t.dtype, buf, nullptr,
-                          op.wire_dtype, box_codec(&t, nullptr));
+    const uint64_t from = addr(t, op.mine.start);
+    rx_box box = make_box(op.mine.size, from, strides_of.at(&t).data(), t.dtype, buf, nullptr, op.wire_dtype,
+                          box_codec(&t, nullptr), box_params(t, from));
     box.digest = digest_of(op, box, op.wire_dtype, codec_receivers);
     send_boxes_.push_back(box);
     pack_[op.batch].push_back(box);
@@ -519,9 +528,9 @@ void ExecTables::bind(const std::vector<TensorRef>& src, const std::vector<Tenso
   for (const TransferOp& op : plan_->copies) {
     const TensorRef& s = *src_of.at(op.src_name);
     const TensorRef& d = *dst_of.at(op.dst_name);
-    const uint64_t at = addr(d, op.mine.start);
-    rx_box box = make_box(op.mine.size, addr(s, op.theirs.start), strides_of.at(&s).data(), s.dtype, at,
-                          d.strides.data(), d.dtype, box_codec(&s, &d), box_params(d, at));
+    const uint64_t at = addr(d, op.mine.start), from = addr(s, op.theirs.start);
+    rx_box box = make_box(op.mine.size, from, strides_of.at(&s).data(), s.dtype, at, d.strides.data(), d.dtype,
+                          box_codec(&s, &d), box_params(s, from, d, at));
     box.digest = digest_of(op, box, box.dst_dtype, codec_receivers);
     // A copy of memory onto itself (a relay replica's own share) is dropped.
     if (!same_memory(box)) copies_.push_back(box);
@@ -542,9 +551,9 @@ void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vecto
     RX_HOST_ASSERT(it != dst_of.end(), "bind_direct: no piece of dst tensor ", op.dst_name, " from rank ", op.peer);
     const TensorRef& d = *it->second;
     const std::vector<int64_t> ss = coord_strides(s);
-    const uint64_t at = element_addr(d, coord_strides(d), op.theirs.start);
-    direct_.push_back(make_box(op.mine.size, element_addr(s, ss, op.mine.start), ss.data(), s.dtype, at,
-                               d.strides.data(), d.dtype, box_codec(&s, &d), box_params(d, at)));
+    const uint64_t at = element_addr(d, coord_strides(d), op.theirs.start), from = element_addr(s, ss, op.mine.start);
+    direct_.push_back(make_box(op.mine.size, from, ss.data(), s.dtype, at, d.strides.data(), d.dtype,
+                               box_codec(&s, &d), box_params(s, from, d, at)));
   }
 }
 

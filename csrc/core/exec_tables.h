@@ -24,10 +24,11 @@ struct TensorRef {
   // Every box that touches the piece gets it; what ptr/strides/dtype then mean is the
   // codec's (kernels/codecs/), e.g. the E4M3 data buffer of an MXFP8 dst, or the BF16
   // source an MXFP8 src is read from. At most one end of a box has a codec.
-  //   side, arg: a dst codec's side buffer (e.g. MXFP8 scales; a peer's mapping of it
-  //     for a direct send) and argument (MXFP8: the data rows' length). Each box into
-  //     the piece gets param = {side, element offset of its first element from ptr,
-  //     arg} when side != 0, else all 0.
+  //   side, arg: a codec's side buffer (e.g. MXFP8 scales of a dst, a peer's mapping of
+  //     it for a direct send; the per-block scales a blockwise FP8 src reads) and argument
+  //     (MXFP8: the data rows' length). Each box into (dst) or out of (src) the piece gets
+  //     param = {side, element offset of its first element from ptr, arg} when side != 0,
+  //     else all 0.
   //   grain: elements of the tensor at ptr that one coordinate of the piece's last dim
   //     covers (a codec reading whole blocks per coordinate, e.g. an MXFP8 scale source:
   //     32); the box strides and memory checks scale the last dim by it.
