@@ -32,7 +32,10 @@ source mesh, nothing where every source piece is whole), so every layout works.
   ``name::nv.scale`` (E4M3 bytes, 2-D) and ``name::nv.tscale`` (the float32): 1/2 + 1/16
   bytes per element plus 4 per tensor (28.1% of BF16), landing directly in the
   destination buffers (swizzled scales land in a 2-D staging and are swizzled after).
-  The sender quantizes its source piece at the start of every execute (``before``).
+  Fused: for a BF16 source whose last dim has unit stride, the pack and copy boxes read
+  the source in place (as int32 words of BF16 pairs) and quantize (data) or compute the
+  block scales (scale) on the way (csrc/kernels/codecs/nvfp4.h). Otherwise each execute
+  first quantizes the source piece into persistent wire tensors (``before``).
 
 Element policy (csrc/kernels/codecs/nvfp4.h): torchao's FP32 math step for step, with
 x86 torch's NaN results: a NaN anywhere makes every scale 0x7f and every byte 0x33; an
@@ -52,7 +55,18 @@ from . import _C
 from .codecs import rows_view
 from .codecs.amax import AmaxPiece
 from .codecs.mxfp8 import swizzle
-from .codecs.nvfp4 import BLOCK, SCALE_LAYOUTS, as_bf16_amax, quantize, scale_numel
+from .codecs.nvfp4 import (
+    BLOCK,
+    GRAIN,
+    PATHS,
+    SCALE_LAYOUTS,
+    SentFromSource,
+    as_bf16_amax,
+    quantize,
+    scale_numel,
+    tensor_scale_into,
+    words,
+)
 from .errors import ReshardError
 from .layout import Layout, Replicate, Shard
 from .transforms import Rewrite, Transform
@@ -144,6 +158,13 @@ class NVFP4(Transform):
     def cache_key(self) -> tuple:
         return (type(self).__name__, self._params_key, self.scale_layout, self.where)
 
+    def last_dim_grain(self, name: str) -> int | None:
+        # The packed data wire's boxes quantize whole blocks (8 words); the scale wire's
+        # elements are whole blocks already, so it keeps the plain cut.
+        if self.where == "sender" and name.endswith(DATA_SUFFIX) and self._select(name[:-len(DATA_SUFFIX)]):
+            return GRAIN
+        return None
+
     def _rank(self) -> int:
         import torch.distributed as dist
 
@@ -171,9 +192,22 @@ class NVFP4(Transform):
                            before=None if tensor.dtype == torch.bfloat16 else lambda: as_bf16_amax(cell),
                            prepass=amax)
         dev = tensor.device
-        wire_data = torch.empty(shape[:-1] + (shape[-1] // 2,), dtype=torch.uint8, device=dev)
-        wire_scale = torch.empty(shape[:-1] + (shape[-1] // BLOCK,), dtype=torch.uint8, device=dev)
+        packed, slocal = shape[:-1] + (shape[-1] // 2,), shape[:-1] + (shape[-1] // BLOCK,)
         wire_tscale = torch.empty(1, dtype=torch.float32, device=dev)
+        tscale_entry = (wire_tscale, scalar_layout(layout, torch.float32))
+        pairs = words(tensor) if tensor.dtype == torch.bfloat16 else None
+        if pairs is not None:
+            # The pack and copy boxes read the BF16 source in place and quantize it (data)
+            # or compute its block scales (scale): no wire tensors, no extra pass.
+            PATHS[("src", name)] = "fused"
+            return Rewrite(entries={
+                name + DATA_SUFFIX: (SentFromSource(tensor, pairs, cell, packed, int(_C.BOX_NV_DATA)), dlayout),
+                name + SCALE_SUFFIX: (SentFromSource(tensor, pairs, cell, slocal, int(_C.BOX_NV_SCALE)), slayout),
+                name + TSCALE_SUFFIX: tscale_entry},
+                before=lambda: tensor_scale_into(cell, wire_tscale), prepass=amax)
+        PATHS[("src", name)] = "staged"
+        wire_data = torch.empty(packed, dtype=torch.uint8, device=dev)
+        wire_scale = torch.empty(slocal, dtype=torch.uint8, device=dev)
         # BF16 pieces with flattenable rows are read in place; anything else goes through
         # a persistent BF16 copy (the cast rounds as Tensor.to does).
         stage = tensor if tensor.dtype == torch.bfloat16 and rows_view(tensor) else \
@@ -186,9 +220,8 @@ class NVFP4(Transform):
                 as_bf16_amax(cell)
             quantize(stage, cell, wire_data, wire_scale, wire_tscale, "2d")
 
-        return Rewrite(entries={name + DATA_SUFFIX: (wire_data, dlayout),
-                                name + SCALE_SUFFIX: (wire_scale, slayout),
-                                name + TSCALE_SUFFIX: (wire_tscale, scalar_layout(layout, torch.float32))},
+        return Rewrite(entries={name + DATA_SUFFIX: (wire_data, dlayout), name + SCALE_SUFFIX: (wire_scale, slayout),
+                                name + TSCALE_SUFFIX: tscale_entry},
                        before=before, prepass=amax)
 
     # -- receiver side ------------------------------------------------------------------

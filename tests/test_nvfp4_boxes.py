@@ -148,6 +148,7 @@ def _box(shape, ss, ds, sd, dd, codec, amax=1 << 20, p1=0, p2=0):
 
 GOOD = {
     "data": _box((4, 64), (64, 1), (64, 1), I32, U8, DATA),
+    "data with its first element": _box((4, 64), (64, 1), (64, 1), I32, U8, DATA, p1=16),  # exec tables set it
     "scales": _box((4, 8), (64, 8), (8, 1), I32, U8, SCALE),
     "e4m3 scales": _box((4, 8), (64, 8), (8, 1), I32, E4M3, SCALE),
 }
@@ -158,7 +159,7 @@ BAD = {
     "e4m3 data": _box((4, 64), (64, 1), (64, 1), I32, E4M3, DATA),
     "no amax cell": _box((4, 64), (64, 1), (64, 1), I32, U8, DATA, amax=0),
     "a second param": _box((4, 64), (64, 1), (64, 1), I32, U8, DATA, p2=64),
-    "a first element": _box((4, 64), (64, 1), (64, 1), I32, U8, DATA, p1=16),
+    "a negative first element": _box((4, 64), (64, 1), (64, 1), I32, U8, DATA, p1=-8),
     "flags": _box((4, 64), (64, 1), (64, 1), I32, U8, DATA | 1 << 8),
     "bf16 scales": _box((4, 8), (64, 8), (8, 1), I32, BF16, SCALE),
 }

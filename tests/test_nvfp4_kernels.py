@@ -152,3 +152,10 @@ def test_cuda_kernel_on_strided_and_large_inputs():
     for x in (base[:, 16:4096 + 16], base[:, :4096].contiguous(), make_case("bits", (4097, 1024), 12)):
         for layout in ("2d", "swizzled"):
             assert_same(quantize(x, layout, "cuda"), quantize(x, layout, "cpu"), f"{tuple(x.shape)} {layout}")
+    x = make_case("normal", (64, 256), 13)  # data written off the 8-byte grid: byte stores
+    want = quantize(x, "2d")
+    cell = amax_cell(x).cuda()
+    data = torch.zeros(64 * 128 + 3, dtype=torch.uint8, device="cuda")[3:]
+    scale = torch.empty(64 * 16, dtype=torch.uint8, device="cuda")
+    nv.quantize(x.cuda(), cell, data, scale, None)
+    assert torch.equal(data.cpu().view(64, 128), want[0]) and torch.equal(scale.cpu().view(64, 16), want[1])

@@ -12,6 +12,7 @@ from _nvfp4_ref import make_case, ref_nvfp4
 
 import reshard_ext as rx
 from reshard_ext import Layout, Mesh, Replicate, Shard
+from reshard_ext.codecs import nvfp4
 from reshard_ext.codecs.nvfp4 import scale_numel
 from reshard_ext.nvfp4 import NVFP4, coarse_layout
 
@@ -126,7 +127,11 @@ def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: b
         src["bias"] = (bias.clone().to(dev), bias_src)  # an unconverted tensor passes through untouched
     bias_out = torch.empty(bias_dst.local_shape(rank), dtype=F32, device=dev)
     dst["bias"] = (bias_out, bias_dst)
+    nvfp4.PATHS.clear()
     plan = rx.plan(src, dst, transform=NVFP4(names, scale_layout=scale_layout, where=where))
+    if where == "sender":  # BF16 sources are quantized inside the pack and copy boxes; fp32 ones staged
+        assert {n: nvfp4.PATHS[("src", n)] for n in src if n != "bias"} == \
+            {n: "staged" if n == "fp32" else "fused" for n in src if n != "bias"}, nvfp4.PATHS
     ptrs = {n: tuple(t.data_ptr() for t in bufs) for n, (bufs, _) in dst.items() if n != "bias"}
     for step in range(2):
         if step:  # the sources change in place, as an optimizer's step does

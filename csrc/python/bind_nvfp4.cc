@@ -59,6 +59,12 @@ void register_nvfp4(py::module_& m) {
       },
       py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("amax"), py::arg("data"),
       py::arg("scale"), py::arg("scale_layout"), py::arg("tensor_scale"));
+  m.def(
+      "nvfp4_tensor_scale_cpu",
+      [](uintptr_t amax, uintptr_t out) {
+        check(rx_nvfp4_tensor_scale_cpu(ptr<const uint32_t>(amax), ptr<float>(out)), "rx_nvfp4_tensor_scale_cpu");
+      },
+      py::arg("amax"), py::arg("tensor_scale"));
 
 #ifdef RX_WITH_CUDA
   m.def(
@@ -72,6 +78,13 @@ void register_nvfp4(py::module_& m) {
       },
       py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("amax"), py::arg("data"),
       py::arg("scale"), py::arg("scale_layout"), py::arg("tensor_scale"), py::arg("stream"));
+  m.def(
+      "nvfp4_tensor_scale_cuda",
+      [](uintptr_t amax, uintptr_t out, uintptr_t stream) {
+        check(rx_nvfp4_tensor_scale_cuda(ptr<const uint32_t>(amax), ptr<float>(out), ptr<void>(stream)),
+              "rx_nvfp4_tensor_scale_cuda");
+      },
+      py::arg("amax"), py::arg("tensor_scale"), py::arg("stream"));
 #endif
 }
 

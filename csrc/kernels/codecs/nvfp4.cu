@@ -1,4 +1,4 @@
-// CUDA NVFP4 whole-piece quantize: one launch. Bit-identical to the
+// CUDA NVFP4 whole-piece quantize and per-tensor scale: one launch each. Bit-identical to the
 // CPU twin (codecs/nvfp4_cpu.cc): both run the math of codecs/nvfp4.h.
 //
 // Quantize: a thread owns one 16-element block (two 16-byte loads, 8 bytes and a scale
@@ -40,7 +40,7 @@ template <typename Index>
 __global__ void quantize_kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t scols, int64_t row_stride,
                                 const uint32_t* __restrict__ amax, uint8_t* __restrict__ data,
                                 uint8_t* __restrict__ scale, int64_t scols_span, int64_t total, bool swz, bool vec,
-                                float* tensor_scale) {
+                                bool vec_out, float* tensor_scale) {
   const nv::TensorScale ts = nv::tensor_scale(*amax);
   if (tensor_scale && blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<uint32_t*>(tensor_scale) = ts.pts;
   const Index span = (Index)scols_span;
@@ -53,9 +53,19 @@ __global__ void quantize_kernel(const uint16_t* __restrict__ in, int64_t rows, i
     uint32_t w[nv::kBlockWords], q[2];
     load_block(in, r, b, row_stride, vec, w);
     const uint8_t s = nv::quantize_block(w, ts, q);
-    *reinterpret_cast<uint2*>(data + (r * scols + b) * nv::kBlockWords) = make_uint2(q[0], q[1]);
+    uint8_t* out = data + (r * scols + b) * nv::kBlockWords;
+    if (vec_out) {
+      *reinterpret_cast<uint2*>(out) = make_uint2(q[0], q[1]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < nv::kBlockWords; ++k) out[k] = static_cast<uint8_t>(q[k / 4] >> (8 * (k % 4)));
+    }
     scale[swz ? rx::mx::swizzled_offset(r, b, scols) : r * scols + b] = s;
   }
+}
+
+__global__ void tensor_scale_kernel(const uint32_t* amax, float* out) {
+  *reinterpret_cast<uint32_t*>(out) = nv::tensor_scale_bits(*amax);
 }
 
 bool shape_ok(int64_t rows, int64_t cols, int64_t row_stride) {
@@ -73,7 +83,6 @@ extern "C" int32_t rx_nvfp4_quantize_cuda(const uint16_t* bf16, int64_t rows, in
                                           float* tensor_scale, void* stream) {
   if (!shape_ok(rows, cols, row_stride)) return -1;
   if (scale_layout != RX_NV_SCALE_2D && scale_layout != RX_NV_SCALE_SWIZZLED) return -1;
-  if (reinterpret_cast<uintptr_t>(data) % 8 != 0) return -1;
   const bool swz = scale_layout == RX_NV_SCALE_SWIZZLED;
   const int64_t scols = cols / nv::kBlock;
   const int64_t rows_span = swz ? rx::mx::swizzled_rows_padded(rows) : rows;
@@ -82,11 +91,16 @@ extern "C" int32_t rx_nvfp4_quantize_cuda(const uint16_t* bf16, int64_t rows, in
   const auto launch = [&](auto kernel) {
     kernel<<<(unsigned)grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         bf16, rows, scols, row_stride, amax, data, scale, scols_span, total, swz, vec_ok(bf16, row_stride),
-        tensor_scale);
+        reinterpret_cast<uintptr_t>(data) % 8 == 0, tensor_scale);
   };
   if (total <= UINT32_MAX)  // 64-bit division is a long emulated sequence on GPUs
     launch(quantize_kernel<uint32_t>);
   else
     launch(quantize_kernel<int64_t>);
+  return (int32_t)cudaGetLastError();
+}
+
+extern "C" int32_t rx_nvfp4_tensor_scale_cuda(const uint32_t* amax, float* tensor_scale, void* stream) {
+  tensor_scale_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(amax, tensor_scale);
   return (int32_t)cudaGetLastError();
 }

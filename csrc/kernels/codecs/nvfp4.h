@@ -31,7 +31,8 @@
 //   RX_CODEC_NVFP4_SCALES: the block scales alone (src RX_I32 words, dst uint8 or
 //     E4M3): dst element j is the scale of the 8 words at src element j's address, so
 //     src strides step over whole blocks. param[0]: the amax cell, as for the data.
-// Both: param[1] and param[2] are 0, no codec flags.
+// Both: param[1] is the box's first word in the source (the exec tables' element offset,
+// unused), param[2] is 0, no codec flags.
 #pragma once
 
 #include <stdint.h>

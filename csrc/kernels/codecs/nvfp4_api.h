@@ -26,12 +26,16 @@ enum { RX_NV_SCALE_2D = 0, RX_NV_SCALE_SWIZZLED = 1 };
 int32_t rx_nvfp4_quantize_cpu(const uint16_t* bf16, int64_t rows, int64_t cols, int64_t row_stride,
                               const uint32_t* amax, uint8_t* data, uint8_t* scale, int32_t scale_layout,
                               float* tensor_scale);
+// The per-tensor scale alone (what quantize writes to tensor_scale), e.g. for a sender
+// whose pack boxes quantize.
+int32_t rx_nvfp4_tensor_scale_cpu(const uint32_t* amax, float* tensor_scale);
 
 #ifdef RX_WITH_CUDA
-// One launch on `stream` (a cudaStream_t). Pointers are device pointers.
+// One launch each on `stream` (a cudaStream_t). Pointers are device pointers.
 int32_t rx_nvfp4_quantize_cuda(const uint16_t* bf16, int64_t rows, int64_t cols, int64_t row_stride,
                                const uint32_t* amax, uint8_t* data, uint8_t* scale, int32_t scale_layout,
                                float* tensor_scale, void* stream);
+int32_t rx_nvfp4_tensor_scale_cuda(const uint32_t* amax, float* tensor_scale, void* stream);
 #endif
 
 #ifdef __cplusplus

@@ -69,7 +69,7 @@ uint64_t cpu_row(const rx_box& box, int32_t pass, const char* src, char* dst, in
 bool box_valid(const rx_box& b) {
   if (b.codec == RX_CODEC_NONE) return false;  // no receiver digest
   if (RX_CODEC_FLAGS(b.codec) != 0 || RX_DIGEST_KIND(b.digest) != RX_DIGEST_AS_WRITTEN) return false;
-  if (b.param[0] == 0 || b.param[1] != 0 || b.param[2] != 0) return false;
+  if (b.param[0] == 0 || b.param[1] < 0 || b.param[2] != 0) return false;
   if (b.src_dtype != RX_I32) return false;
   const int inner = b.ndim - 1;
   if (RX_CODEC_ID(b.codec) == RX_CODEC_NVFP4_SCALES) return b.dst_dtype == RX_U8 || b.dst_dtype == RX_F8E4M3;
@@ -129,5 +129,11 @@ extern "C" int32_t rx_nvfp4_quantize_cpu(const uint16_t* bf16, int64_t rows, int
       memcpy(data + r * (cols / 2) + b * nv::kBlockWords, packed, sizeof(packed));
       scale[swz ? rx::mx::swizzled_offset(r, b, scols) : r * scols + b] = s;
     }
+  return 0;
+}
+
+extern "C" int32_t rx_nvfp4_tensor_scale_cpu(const uint32_t* amax, float* tensor_scale) {
+  const uint32_t pts = nv::tensor_scale_bits(*amax);
+  memcpy(tensor_scale, &pts, sizeof(float));
   return 0;
 }
