@@ -188,3 +188,14 @@ def test_tiles_cover_whole_blocks():
         mine = [(b, e) for box, unit, ss, ds, b, e in tiles if box == i]
         assert sum(e - b for b, e in mine) == items
         assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+
+
+def test_codec_records():
+    """The codec table's NVFP4 records: a data box's item is a block (8 words in, 32 source
+    bytes), cut on whole blocks; a scale box's item is one scale byte; no receiver digest."""
+    from reshard_ext import codecs
+
+    data, scales = codecs.traits("nvfp4"), codecs.traits("nvfp4_scales")
+    assert (data.id, scales.id) == (DATA, SCALE)
+    assert (data.grain, data.item_elems, data.item_bytes, data.digest) == (8, 8, 32, False)
+    assert (scales.grain, scales.item_elems, scales.item_bytes, scales.digest) == (1, 1, 32, False)

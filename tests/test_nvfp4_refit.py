@@ -55,6 +55,7 @@ def cases(where: str, world: int = WORLD) -> dict[str, tuple[Layout, Layout]]:
         "tp2_tp4": (_L((128, 128), [2, 3], [Shard(0)]), _L((128, 128), every, [Shard(1)])),
         "strided": (_L((48, 256), [0, 1], [Shard(1, stride=2)]), _L((48, 256), [2, 3], [Shard(1)])),
         "uneven": (_L((33, 80), [0, 1, 2], [Shard(0)]), _L((33, 80), every, [Shard(0)])),  # 11 rows; 9, 9, 9, 6
+        "empty_piece": (_L((3, 64), every, [Shard(0)]), _L((3, 64), [2], [Replicate()])),  # rank 3 holds no row
         "dp": (_L((4, 40, 64), [[0, 1], [2, 3]], [Replicate(), Shard(1)]), _L((4, 40, 64), every, [Replicate()])),
         "experts.w13": (_L((4, 32, 128), [0, 1], [Shard(0)]), _L((4, 32, 128), every, [Shard(0)])),
         "fp32": (_L((64, 128), [0, 1], [Shard(0)], F32), _L((64, 128), [3], [Replicate()])),
