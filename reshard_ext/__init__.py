@@ -22,6 +22,7 @@ except ImportError:
 from . import adapters, merged, relay
 from .errors import InternalError, ReshardError
 from .execution import Plan, execute, plan, verify
+from .fp8block import FP8Block
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
@@ -45,7 +46,6 @@ def build_info() -> dict[str, Any]:
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
-    "MXFP8",
-    "NVFP4",
+    "MXFP8", "FP8Block", "NVFP4",
     "adapters", "merged", "relay", "swap_model_weights", "prepare_swap_model_weights", "clear_caches", "__version__",
 ]

@@ -41,13 +41,13 @@ round to nearest even and saturate to +-448 (Inf too); NaN stays NaN (0x7f | sig
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from . import _C
+from .codecs import check_pair
 from .codecs.mxfp8 import (
     BLOCK,
     GRAIN,
@@ -66,12 +66,11 @@ from .codecs.mxfp8 import (
 )
 from .errors import ReshardError
 from .layout import Layout, Shard
-from .transforms import Rewrite, Transform
+from .transforms import Rewrite, Transform, name_selector
 
 DATA_SUFFIX = "::mx.data"
 SCALE_SUFFIX = "::mx.scale"
 _SCALE_DTYPES = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d is not None)
-_DATA_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 # ---- layouts of the wire tensors ---------------------------------------------------
@@ -140,13 +139,7 @@ class MXFP8(Transform):
             raise ReshardError(f"MXFP8 where must be 'receiver' or 'sender', got {where!r}")
         if rounding not in ROUNDINGS:
             raise ReshardError(f"MXFP8 rounding must be one of {sorted(ROUNDINGS)}, got {rounding!r}")
-        if callable(params):
-            self._select: Callable[[str], bool] = params
-            self._params_key: Any = ("callable", id(params))
-        else:
-            names = frozenset(params)
-            self._select = names.__contains__
-            self._params_key = names
+        self._select, self._params_key = name_selector(params)
         self.scale_layout = scale_layout
         self.where = where
         self.rounding = rounding
@@ -255,18 +248,8 @@ class MXFP8(Transform):
         return Rewrite(entries=entries, after=after_swizzle)
 
     def _check_buffers(self, name: str, data: torch.Tensor, scale: torch.Tensor, local: tuple[int, ...]) -> None:
-        want_scale = scale_numel(local, self.scale_layout)
-        problems = []
-        if data.dtype not in _DATA_DTYPES or not data.is_contiguous() or data.numel() != math.prod(local):
-            problems.append(f"data must be a contiguous float8_e4m3fn (or uint8) tensor of {math.prod(local)} "
-                            f"elements (local shape {local}), got {data.dtype} {tuple(data.shape)}")
-        if scale.dtype not in _SCALE_DTYPES or not scale.is_contiguous() or scale.numel() != want_scale:
-            problems.append(f"scale ({self.scale_layout}) must be a contiguous uint8 (or float8_e8m0fnu) tensor "
-                            f"of {want_scale} elements, got {scale.dtype} {tuple(scale.shape)}")
-        if data.device != scale.device:
-            problems.append(f"data on {data.device} but scale on {scale.device}")
-        if problems:
-            raise ReshardError(f"MXFP8 destination {name!r}: " + "; ".join(problems))
+        check_pair(f"MXFP8 destination {name!r}", data, local, scale, _SCALE_DTYPES,
+                   scale_numel(local, self.scale_layout), f"scale ({self.scale_layout})")
 
 
 def wire_bytes_per_element(where: str) -> float:

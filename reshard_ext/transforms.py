@@ -26,7 +26,7 @@ amaxes among the source ranks that share a quantization block (reshard_ext/codec
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,3 +121,12 @@ class Transform:
         last dim, the rx dtype code it reads), so that sender and receiver both digest the
         converted bytes; None otherwise. Both ends must answer alike."""
         return None
+
+
+def name_selector(params: Iterable[str] | Callable[[str], bool]) -> tuple[Callable[[str], bool], Any]:
+    """(predicate, its part of a cache key) of a transform's `params`: an iterable of names,
+    or a predicate name -> bool (keyed by identity)."""
+    if callable(params):
+        return params, ("callable", id(params))
+    names = frozenset(params)
+    return names.__contains__, names

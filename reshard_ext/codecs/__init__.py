@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _C
+from ..errors import ReshardError
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,23 @@ def rows_view(t: torch.Tensor) -> tuple[int, int, int] | None:
 def stream_of(t: torch.Tensor) -> int:
     """The current CUDA stream of t's device, as the kernels take it."""
     return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def check_pair(what: str, data: torch.Tensor, local: tuple[int, ...], scale: torch.Tensor,
+               scale_dtypes: tuple[torch.dtype, ...], scale_numel: int, scale_name: str) -> None:
+    """A block-scaled destination's (data, scale) buffers: contiguous E4M3 (or uint8) data of
+    the local shape's size, contiguous scales of `scale_numel` elements, one device; else
+    ReshardError that starts with `what` (the format and the tensor)."""
+    problems = []
+    n = math.prod(local)
+    if data.dtype not in (torch.float8_e4m3fn, torch.uint8) or not data.is_contiguous() or data.numel() != n:
+        problems.append(f"data must be a contiguous float8_e4m3fn (or uint8) tensor of {n} elements (local shape "
+                        f"{local}), got {data.dtype} {tuple(data.shape)}")
+    if scale.dtype not in scale_dtypes or not scale.is_contiguous() or scale.numel() != scale_numel:
+        kinds = " (or ".join(str(d).removeprefix("torch.") for d in scale_dtypes) + ")" * (len(scale_dtypes) - 1)
+        problems.append(f"{scale_name} must be a contiguous {kinds} tensor of {scale_numel} elements, got "
+                        f"{scale.dtype} {tuple(scale.shape)}")
+    if data.device != scale.device:
+        problems.append(f"data on {data.device} but {scale_name} on {scale.device}")
+    if problems:
+        raise ReshardError(f"{what}: " + "; ".join(problems))

@@ -160,6 +160,11 @@ class AmaxPiece(Prepass):
         self._stage = None if rows_view(tensor) else torch.empty(tensor.shape, dtype=tensor.dtype, device=dev)
 
     @property
+    def source(self) -> torch.Tensor:
+        """What `partial` read: the piece, or its contiguous copy where its rows do not flatten."""
+        return self.tensor if self._stage is None else self._stage
+
+    @property
     def amax(self) -> torch.Tensor:
         """The amax per cell as float32, shaped as the grid (a view of `grid`)."""
         return self.grid.view(torch.float32).view(self.grid_of.grid)

@@ -2,6 +2,7 @@
 // for a box with a codec (or a codec digest) instead of its copy loop. One case per id.
 #pragma once
 
+#include "kernels/codecs/fp8block_lanes.cuh"
 #include "kernels/codecs/mxfp8_lanes.cuh"
 #include "kernels/codecs/nvfp4_lanes.cuh"
 #include "kernels/codecs/registry.h"
@@ -16,6 +17,7 @@ RX_LANE void codec_geom(G& g, const rx_box& b, const rx_tile& t) {
   switch (RX_CODEC_ID(b.codec)) {
     case RX_CODEC_MXFP8:
     case RX_CODEC_MXFP8_SCALES: mx::init_geom<ND>(g, b, t); break;
+    case RX_CODEC_FP8BLOCK: fp8b::init_geom<ND>(g, b, t); break;
     case RX_CODEC_NVFP4:
     case RX_CODEC_NVFP4_SCALES: nv::init_geom<ND>(g, b, t); break;
     default: break;  // a copy: items as planned
@@ -28,6 +30,7 @@ RX_LANE void codec_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) 
   switch (RX_CODEC_ID(b.codec)) {
     case RX_CODEC_MXFP8:
     case RX_CODEC_MXFP8_SCALES: mx::box_items<P>(b, w, i, end, dg); break;
+    case RX_CODEC_FP8BLOCK: fp8b::box_items<P>(b, w, i, end, dg); break;
     case RX_CODEC_NVFP4:
     case RX_CODEC_NVFP4_SCALES: nv::box_items<P>(b, w, i, end, dg); break;
     default: break;

@@ -2,6 +2,7 @@
 // one line per codec (its records live in its own files).
 #include "kernels/codecs/registry.h"
 
+#include "kernels/codecs/fp8block.h"
 #include "kernels/codecs/mxfp8.h"
 #include "kernels/codecs/nvfp4.h"
 
@@ -10,6 +11,7 @@ namespace rx::codecs {
 namespace {
 const Traits* const kTable[] = {
     &mx::kDataTraits, &mx::kScalesTraits,  // codecs/mxfp8_cpu.cc
+    &fp8b::kTraits,                        // codecs/fp8block_cpu.cc
     &nv::kDataTraits, &nv::kScalesTraits,  // codecs/nvfp4_cpu.cc
 };
 }  // namespace
