@@ -1,5 +1,5 @@
 """Refits of a small synthetic dense model with BF16 -> every low-precision format on the fly,
-against the BF16 refit of the same model in the same run (_formats.py lists the formats).
+against the BF16 refit of the same model in the same run (reshard_ext.formats lists them).
 
 Every 2-D weight moves from TP sharded on one dim to TP sharded on the other dim (so
 nearly every byte crosses ranks): --placement swap keeps both models on all ranks
@@ -23,7 +23,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from _formats import FORMATS
+
+from reshard_ext.formats import FORMATS
 
 
 def model(layers: int, hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
@@ -58,6 +59,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         dist.barrier()
 
+    def options(fmt: str) -> dict[str, str]:  # --scale-layout where the format has one, else its defaults
+        return {"scale_layout": args.scale_layout} if "scale_layout" in FORMATS[fmt].options else {}
+
     def measure(fmt: str | None, where: str) -> tuple[int, float]:
         dst = {}
         for n, (_, dl) in layouts.items():
@@ -65,8 +69,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                 continue
             local = dl.local_shape(rank)
             dst[n] = (torch.empty(local, dtype=torch.bfloat16, device=dev) if fmt is None else
-                      FORMATS[fmt].destination(local, args.scale_layout, dev), dl)
-        transform = None if fmt is None else FORMATS[fmt].transform(list(shapes), where, args.scale_layout)
+                      FORMATS[fmt].buffers(local, dev, **options(fmt)), dl)
+        transform = None if fmt is None else FORMATS[fmt].make(list(shapes), where, **options(fmt))
         plan = rx.plan(src, dst, transform=transform, backend=args.backend)
         times = []
         for i in range(args.warmup + args.iters):
@@ -90,6 +94,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         logical = sum(a * b for a, b in shapes.values()) * 2
         print(f"formats_bench: world={world} placement={args.placement} device={dev.type} backend={args.backend} "
               f"scale_layout={args.scale_layout} logical_bf16_bytes={logical}")
+        for fmt in args.formats.split(","):
+            print(f"  {fmt}: {FORMATS[fmt].summary}; sender wire {FORMATS[fmt].wire_bytes('sender') / 2:.3f} of BF16")
         print(f"{'round':>5} {'format':>8} {'where':>8} {'wire MB':>9} {'wire/bf16':>9} {'refit ms':>9} "
               f"{'t/bf16':>7} {'logical GB/s':>12}")
         for rnd, fmt, where, sent, t in rows:
@@ -114,7 +120,8 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {sorted(FORMATS)}")
     ap.add_argument("--where", default="sender,receiver", help="sender, receiver or both (comma-separated)")
     ap.add_argument("--placement", choices=["swap", "split"], default="swap")
-    ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
+    ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled",
+                    help="for the formats with a scale layout (the others use their defaults)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     ap.add_argument("--layers", type=int, default=4)
@@ -123,13 +130,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1, help="repeat the whole comparison (same plans' shapes)")
-    ap.add_argument("--tiny", action="store_true", help="1 layer, hidden 128, ffn 256, 1 iteration: a quick check")
+    ap.add_argument("--tiny", action="store_true",
+                    help="1 layer, hidden 128 x world, ffn 256 x world, 1 iteration: a quick check")
     args = ap.parse_args()
     unknown = set(args.formats.split(",")) - set(FORMATS)
     if unknown:
         ap.error(f"unknown formats {sorted(unknown)}; known: {sorted(FORMATS)}")
-    if args.tiny:
-        args.layers, args.hidden, args.ffn, args.warmup, args.iters = 1, 128, 256, 1, 1
+    if args.tiny:  # shards of whole 128-element blocks (blockwise FP8's) on either dim
+        world = int(os.environ.get("WORLD_SIZE", args.world))
+        args.layers, args.hidden, args.ffn, args.warmup, args.iters = 1, 128 * world, 256 * world, 1, 1
     if "RANK" in os.environ:  # torchrun
         world = int(os.environ["WORLD_SIZE"])
         rank = int(os.environ["RANK"])

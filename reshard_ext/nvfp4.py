@@ -69,7 +69,7 @@ from .codecs.nvfp4 import (
 )
 from .errors import ReshardError
 from .layout import Layout, Replicate, Shard
-from .transforms import Rewrite, Transform
+from .transforms import Rewrite, Transform, name_selector
 
 DATA_SUFFIX = "::nv.data"
 SCALE_SUFFIX = "::nv.scale"
@@ -144,13 +144,7 @@ class NVFP4(Transform):
             raise ReshardError(f"NVFP4 scale_layout must be one of {sorted(SCALE_LAYOUTS)}, got {scale_layout!r}")
         if where not in ("receiver", "sender"):
             raise ReshardError(f"NVFP4 where must be 'receiver' or 'sender', got {where!r}")
-        if callable(params):
-            self._select: Callable[[str], bool] = params
-            self._params_key: Any = ("callable", id(params))
-        else:
-            names = frozenset(params)
-            self._select = names.__contains__
-            self._params_key = names
+        self._select, self._params_key = name_selector(params)
         self.scale_layout = scale_layout
         self.where = where
         self.group = group
