@@ -165,6 +165,11 @@ RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
   return (one((uint16_t)(w & 0xffffu)) | one((uint16_t)(w >> 16)) << 4) & 0xffu;
 }
 
+// The 4 packed bytes (little-endian) of 4 words (8 elements) under multiplier m.
+RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t m) {
+  return quantize_word(a, m) | quantize_word(b, m) << 8 | quantize_word(c, m) << 16 | quantize_word(d, m) << 24;
+}
+
 // The per-tensor state every block of a tensor needs, from its amax cell.
 struct TensorScale {
   uint32_t pts;  // FP32 bits of the per-tensor scale
@@ -185,8 +190,8 @@ RX_HD uint8_t quantize_block(const uint32_t* w, TensorScale t, uint32_t* packed)
   }
   const BlockScale b = block_scale(bmax, t.pts, t.rcp);
   if (packed) {
-    packed[0] = packed[1] = 0;
-    for (int i = 0; i < kBlockWords; ++i) packed[i / 4] |= quantize_word(w[i], b.mult) << (8 * (i % 4));
+    packed[0] = quantize_words4(w[0], w[1], w[2], w[3], b.mult);
+    packed[1] = quantize_words4(w[4], w[5], w[6], w[7], b.mult);
   }
   return b.scale;
 }

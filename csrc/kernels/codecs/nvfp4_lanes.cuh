@@ -23,16 +23,23 @@ RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
   }
 }
 
-// The 8 words of a block at p (4-byte aligned: words of an int32 view): two 16-byte
-// loads where 16-byte aligned, else word loads.
-RX_LANE void load_block(const char* p, uint32_t* w) {
-  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-    const uint4 a = load_item<uint4>(p), b = load_item<uint4>(p + 16);
-    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
-    return;
-  }
+// Words 4c..4c+3 of the block at p (4-byte aligned: words of an int32 view): one 16-byte
+// load where 16-byte aligned, else word loads.
+RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
+  if (wide) return load_item<uint4>(p + 16 * c);
+  return make_uint4(load_item<unsigned int>(p + 16 * c), load_item<unsigned int>(p + 16 * c + 4),
+                    load_item<unsigned int>(p + 16 * c + 8), load_item<unsigned int>(p + 16 * c + 12));
+}
+
+// The amax (abs_bits max) of the block at p.
+RX_LANE uint32_t block_amax(const char* p, bool wide) {
+  uint32_t m = 0;
 #pragma unroll
-  for (int k = 0; k < kBlockWords; ++k) w[k] = load_item<unsigned int>(p + 4 * k);
+  for (int c = 0; c < 2; ++c) {
+    const uint4 v = load_chunk(p, c, wide);
+    m = max(m, max(max(word_amax(v.x), word_amax(v.y)), max(word_amax(v.z), word_amax(v.w))));
+  }
+  return m;
 }
 
 // 8 packed bytes at p as two little-endian words: one load where 8-byte aligned.
@@ -57,9 +64,11 @@ RX_LANE void store8(char* p, const uint32_t* q) {
 }
 
 // NVFP4 boxes: one lane per item (no warp intrinsics, so the emulated run executes this
-// very code). The tensor's amax is read once per lane. A data box writes a block's 8
-// packed bytes, a scale box its scale byte. Item i is block i (its first byte has
-// ordinal 8 i) or scale byte i.
+// very code). The tensor's amax is read once per lane. A block is read twice, once for
+// its amax and once to quantize it 8 elements at a time: the second read hits L2, and a
+// lane never holds the whole block (which would spill at this kernel's 64-register
+// budget). A data box writes a block's 8 packed bytes, a scale box its scale byte. Item i
+// is block i (its first byte has ordinal 8 i) or scale byte i.
 template <int P, typename W>
 RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
   constexpr bool kStore = P == RX_PASS_NONE || P == RX_PASS_COPY;
@@ -82,13 +91,17 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
       }
       load8(to, q);
     } else {
-      uint32_t words[kBlockWords];
-      load_block(from, words);
-      const uint8_t s = quantize_block(words, ts, data ? q : nullptr);
+      const bool wide = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
+      const BlockScale bs = block_scale(block_amax(from, wide), ts.pts, ts.rcp);
       if (!data) {
-        if (kStore) store_item<unsigned char>(to, s);
-        if (P != RX_PASS_NONE) hash_element(dg, ord, s);
+        if (kStore) store_item<unsigned char>(to, bs.scale);
+        if (P != RX_PASS_NONE) hash_element(dg, ord, bs.scale);
         continue;
+      }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const uint4 v = load_chunk(from, c, wide);
+        q[c] = quantize_words4(v.x, v.y, v.z, v.w, bs.mult);
       }
       if (kStore) store8(to, q);
     }
