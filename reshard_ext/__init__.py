@@ -26,6 +26,7 @@ from .execution import Plan, execute, plan, verify
 from .fp8block import FP8Block
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
+from .nvfp4 import NVFP4
 from .options import Options
 from .planning import RankPlan, TransferOp, local_plan
 from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
@@ -52,7 +53,7 @@ def build_info() -> dict[str, Any]:
 __all__ = [
     "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
-    "MXFP8", "FP8Block", "connect", "ConnectedGroup",
+    "MXFP8", "FP8Block", "NVFP4", "connect", "ConnectedGroup",
     "adapters", "merged", "relay", "views", "swap_model_weights", "prepare_swap_model_weights", "clear_caches",
     "__version__",
 ]

@@ -45,8 +45,16 @@ def _fp8block_buffers(local: tuple[int, ...], device: Any, **_: Any) -> tuple[to
             torch.empty(scale_shape(local), dtype=torch.float32, device=device))
 
 
+def _nvfp4_buffers(local: tuple[int, ...], device: Any, scale_layout: str = "2d", **_: Any) -> tuple[torch.Tensor, ...]:
+    from .codecs.nvfp4 import scale_numel
+
+    return (torch.empty(local[:-1] + (local[-1] // 2,), dtype=torch.uint8, device=device),
+            torch.empty(scale_numel(local, scale_layout), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((), dtype=torch.float32, device=device))
+
+
 def _formats() -> dict[str, Format]:
-    from . import fp8block, mxfp8
+    from . import fp8block, mxfp8, nvfp4
 
     return {
         "mxfp8": Format("mxfp8", "E4M3 + E8M0 scale per 32 elements of the last dim (OCP MX)", ("receiver", "sender"),
@@ -55,6 +63,9 @@ def _formats() -> dict[str, Format]:
         "fp8block": Format("fp8block", "E4M3 + FP32 scale_inv per 128x128 block (DeepSeek-V3, TE blockwise)",
                            ("receiver", "sender"), {"scales": ("fp32", "pow2")}, fp8block.FP8Block,
                            _fp8block_buffers, fp8block.wire_bytes_per_element),
+        "nvfp4": Format("nvfp4", "E2M1 + E4M3 scale per 16 elements of the last dim + FP32 per tensor (NVIDIA)",
+                        ("receiver", "sender"), {"scale_layout": ("2d", "swizzled")}, nvfp4.NVFP4, _nvfp4_buffers,
+                        nvfp4.wire_bytes_per_element),
     }
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -48,7 +48,7 @@ stage_kernels() {
   step "GPU kernel tests: box copy, MXFP8 kernels, boxes and refits, verify (a short call)"
   (cd tests && timeout "${RX_KERNELS_TIMEOUT:-300}" python3 -m pytest -q -p no:warnings -rs \
       test_cuda_kernels.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py test_verify.py \
-      2>&1 | tee "$OUT/kernels.log" | tail -12)
+      test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py 2>&1 | tee "$OUT/kernels.log" | tail -12)
 }
 
 gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4-GPU ones skip below 4)
@@ -57,7 +57,7 @@ gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py \
       test_mxfp8_refit.py test_verify.py test_relay.py test_direct.py test_package.py test_trust_gpu.py test_swap.py \
       test_swap_fingerprint.py test_swap_round.py test_watch.py test_cuda_pipeline.py test_message_cuts.py test_nvshmem.py \
-      -k "not mypy" 2>&1 | tee "$OUT/$1.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -25)
+      test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py -k "not mypy" 2>&1 | tee "$OUT/$1.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -25)
 }
 
 stage_tests() {
@@ -80,7 +80,8 @@ stage_tests4() {
 stage_sanitize() {
   step "compute-sanitizer memcheck: kernel tests"
   (cd tests && timeout "${RX_SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-      python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py test_mxfp8_boxes.py -k "not big and not cpu and not emulated" \
+      python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py test_mxfp8_boxes.py test_nvfp4_boxes.py test_nvfp4_kernels.py \
+      -k "not big and not cpu and not emulated" \
       2>&1 | tee "$OUT/sanitizer.log" | tail -8)
 }
 
@@ -257,6 +258,23 @@ stage_verify() {
   timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/idle_latency.py 2>&1 | grep -v "^W\|^\[W" \
     | tee -a "$OUT/verify_bench.log" | tail -8
 }
+stage_formats() {
+  # every low-precision format against BF16 in the same run (benchmarks/_formats.py lists them):
+  # the quantizing kernels against a D2D copy of the bytes they read, then refits collocated
+  # (swap) and non-collocated (split: the link is the bottleneck), sender and receiver side.
+  step "formats: quantize and pack kernels against D2D of their source bytes (1 GPU)"
+  timeout 240 python3 benchmarks/formats_kernel_bench.py 2>&1 | tee -a "$OUT/formats.log" | tail -12
+  gpus 2 formats || return 0
+  for n in 2 4; do
+    [ "$ngpu" -ge $n ] || continue
+    for placement in split swap; do
+      step "formats: formats_bench --placement $placement on $n GPUs (BF16 and every format, 2 rounds)"
+      timeout 300 torchrun --standalone --nproc-per-node $n benchmarks/formats_bench.py --placement "$placement" \
+        --rounds 2 --layers 8 --hidden 4096 --ffn 14336 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/formats.log" | tail -12
+    done
+  done
+}
+
 stage_ab() {
   # A/B against a base tree in .ab/base (`git archive REV | tar -x -C .ab/base`; ignored: the device
   # call carries it): builds it, then runs each benchmark base / this tree alternately, same machine.

@@ -25,6 +25,7 @@ PYBIND11_MODULE(_C, m) {
   rx::python::register_mxfp8(m);
   rx::python::register_amax(m);
   rx::python::register_fp8block(m);
+  rx::python::register_nvfp4(m);
   rx::python::register_direct(m);
   rx::python::register_fingerprint(m);
   rx::python::register_nvshmem(m);

@@ -13,6 +13,7 @@ void register_comm(pybind11::module_& m);     // NCCL communicator (bind_comm.cc
 void register_mxfp8(pybind11::module_& m);    // MXFP8 scale math and quantize (bind_mxfp8.cc)
 void register_amax(pybind11::module_& m);     // partial amaxes over block grids (bind_amax.cc)
 void register_fp8block(pybind11::module_& m);  // blockwise FP8 scales and quantize (bind_fp8block.cc)
+void register_nvfp4(pybind11::module_& m);    // NVFP4 wire geometry, amax and quantize (bind_nvfp4.cc)
 void register_direct(pybind11::module_& m);   // direct transport: IPC, signals (bind_direct.cc)
 void register_fingerprint(pybind11::module_& m);  // module-tree fingerprint of a warm swap (bind_fingerprint.cc)
 void register_nvshmem(pybind11::module_& m);  // NVSHMEM transport, host API (bind_nvshmem.cc)

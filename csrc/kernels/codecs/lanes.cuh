@@ -4,6 +4,7 @@
 
 #include "kernels/codecs/fp8block_lanes.cuh"
 #include "kernels/codecs/mxfp8_lanes.cuh"
+#include "kernels/codecs/nvfp4_lanes.cuh"
 #include "kernels/codecs/registry.h"
 #include "kernels/lane.cuh"
 
@@ -17,6 +18,8 @@ RX_LANE void codec_geom(G& g, const rx_box& b, const rx_tile& t) {
     case RX_CODEC_MXFP8:
     case RX_CODEC_MXFP8_SCALES: mx::init_geom<ND>(g, b, t); break;
     case RX_CODEC_FP8BLOCK: fp8b::init_geom<ND>(g, b, t); break;
+    case RX_CODEC_NVFP4:
+    case RX_CODEC_NVFP4_SCALES: nv::init_geom<ND>(g, b, t); break;
     default: break;  // a copy: items as planned
   }
 }
@@ -28,6 +31,8 @@ RX_LANE void codec_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) 
     case RX_CODEC_MXFP8:
     case RX_CODEC_MXFP8_SCALES: mx::box_items<P>(b, w, i, end, dg); break;
     case RX_CODEC_FP8BLOCK: fp8b::box_items<P>(b, w, i, end, dg); break;
+    case RX_CODEC_NVFP4:
+    case RX_CODEC_NVFP4_SCALES: nv::box_items<P>(b, w, i, end, dg); break;
     default: break;
   }
 }

@@ -4,6 +4,7 @@
 
 #include "kernels/codecs/fp8block.h"
 #include "kernels/codecs/mxfp8.h"
+#include "kernels/codecs/nvfp4.h"
 
 namespace rx::codecs {
 
@@ -11,6 +12,7 @@ namespace {
 const Traits* const kTable[] = {
     &mx::kDataTraits, &mx::kScalesTraits,  // codecs/mxfp8_cpu.cc
     &fp8b::kTraits,                        // codecs/fp8block_cpu.cc
+    &nv::kDataTraits, &nv::kScalesTraits,  // codecs/nvfp4_cpu.cc
 };
 }  // namespace
 

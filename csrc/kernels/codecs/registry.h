@@ -36,6 +36,8 @@ enum rx_codec_id {
   RX_CODEC_MXFP8 = 1,         // BF16 -> E4M3 data (+ E8M0 scales): codecs/mxfp8.h
   RX_CODEC_MXFP8_SCALES = 2,  // BF16 -> the E8M0 scales alone: codecs/mxfp8.h
   RX_CODEC_FP8BLOCK = 3,      // BF16/FP32 -> E4M3 under per-128x128-block scales: codecs/fp8block.h
+  RX_CODEC_NVFP4 = 5,         // BF16 pairs -> packed E2M1 data: codecs/nvfp4.h
+  RX_CODEC_NVFP4_SCALES = 6,  // BF16 pairs -> the E4M3 block scales alone: codecs/nvfp4.h
 };
 
 // 1 when a box's codec fields (codec, param[], a codec digest) are well formed for its

@@ -1,0 +1,217 @@
+// The NVFP4 codec (NVIDIA's FP4: E2M1 elements packed two per byte, an E4M3 scale per 16
+// elements along the last dim, one FP32 scale per tensor): what its boxes hold and the
+// element math, shared by the CUDA kernels and the CPU twin (host/device, one code).
+//
+// The reference is torchao's NVFP4Tensor.to_nvfp4(x, per_tensor_scale=
+// per_tensor_amax_to_scale(max|x|)) as it runs on a CPU (torchao 0.18, nvfp4_quantize):
+//   pts = amax / 2688 (= 448 * 6)           the per-tensor scale, FP32
+//   per block of 16:  s  = (bmax / 6) / pts   bmax = max |x| of the block, in FP32
+//                     s8 = E4M3(clamp(s, 2^-6, 448))   the block scale (RNE)
+//                     r  = (1 / pts) / float(s8)
+//   per element:      E2M1(clamp(x * r, -6, 6))        RNE, torchao's bit recipe
+// Every step is one IEEE FP32 operation rounded to nearest, computed here by the same
+// operation (never contracted, no FTZ), so the bits match. Where torch's CPU kernels
+// meet NaN the result depends on x86 NaN rules; those are written out here (div_bits,
+// mul_bits) so the CUDA kernel gets the same bytes: a tensor holding a NaN has a NaN
+// amax, hence every scale 0x7f and every element code 3 (byte 0x33); an invalid
+// operation (0/0, inf/inf, 0*inf) is x86's default NaN 0xffc00000. Consequences: an
+// all-zero tensor gets scales 0xff and bytes 0xcc; a tensor holding +-Inf gets scales
+// 0xff and bytes 0xcc in the blocks with an Inf and scale 0x08, elements +-0 elsewhere.
+//
+// The boxes work in pair coordinates: a source is read as 4-byte words of two BF16
+// (element 2i in the low half), one word per coordinate of the packed last dim [.., K/2],
+// so one coordinate is one output byte and 8 coordinates are one 16-element block.
+//   RX_CODEC_NVFP4: quantize fused into the copy (src RX_I32 words of BF16 pairs, dst
+//     uint8 packed E2M1). The innermost dim has unit stride on both sides and an
+//     extent that is a multiple of 8 (kBlockWords); each run of 8 innermost words is
+//     one block (the host only builds such boxes where they lie on the logical
+//     tensor's 16-grid). param[0]: the amax cell (a uint32, the FP32 bits of the whole
+//     tensor's max |x|: a per-tensor cell of the amax pre-pass, codecs/amax.h), read by
+//     the kernel when it runs.
+//   RX_CODEC_NVFP4_SCALES: the block scales alone (src RX_I32 words, dst uint8 or
+//     E4M3): dst element j is the scale of the 8 words at src element j's address, so
+//     src strides step over whole blocks. param[0]: the amax cell, as for the data.
+// Both: param[1] is the box's first word in the source (the exec tables' element offset,
+// unused), param[2] is 0, no codec flags.
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+
+#include "common/host_device.h"
+#include "core/box.h"
+#include "core/runs.h"
+#include "kernels/cast.h"
+#include "kernels/codecs/registry.h"
+
+namespace rx::nv {
+
+constexpr int kBlock = 16;                // elements per E4M3 block scale
+constexpr int kBlockWords = kBlock / 2;   // 4-byte words (BF16 pairs) per block = packed bytes per block
+constexpr uint32_t kNaN = 0x7fc00000u;    // torch's NaN (its amax of a tensor holding one)
+constexpr uint32_t kIndefinite = 0xffc00000u;  // x86's default NaN: 0/0, inf/inf, 0*inf
+constexpr float kTensorDivisor = 2688.0f;      // 448 (E4M3 max) * 6 (E2M1 max)
+
+RX_HD uint64_t box_amax(const rx_box& b) { return (uint64_t)b.param[0]; }
+RX_HD bool box_is_data(const rx_box& b) { return RX_CODEC_ID(b.codec) == RX_CODEC_NVFP4; }
+
+RX_HD bool is_nan(uint32_t f) { return (f & 0x7fffffffu) > 0x7f800000u; }
+
+// One FP32 operation rounded to nearest even, never fused into another.
+RX_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+RX_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// a / b on FP32 bits as torch's CPU kernels compute it on x86: a NaN operand comes back
+// quieted, the dividend's first; 0/0 and inf/inf give the default NaN.
+RX_HD uint32_t div_bits(uint32_t a, uint32_t b) {
+  if (is_nan(a)) return a | 0x00400000u;
+  if (is_nan(b)) return b | 0x00400000u;
+  const uint32_t ma = a & 0x7fffffffu, mb = b & 0x7fffffffu;
+  if ((ma == 0 && mb == 0) || (ma == 0x7f800000u && mb == 0x7f800000u)) return kIndefinite;
+  return f32_bits(div_rn(f32_from_bits(a), f32_from_bits(b)));
+}
+
+// a * b likewise, as torch's broadcast multiply returns NaNs: the second operand's first.
+RX_HD uint32_t mul_bits(uint32_t a, uint32_t b) {
+  if (is_nan(b)) return b | 0x00400000u;
+  if (is_nan(a)) return a | 0x00400000u;
+  const uint32_t ma = a & 0x7fffffffu, mb = b & 0x7fffffffu;
+  if ((ma == 0 && mb == 0x7f800000u) || (ma == 0x7f800000u && mb == 0)) return kIndefinite;
+  return f32_bits(mul_rn(f32_from_bits(a), f32_from_bits(b)));
+}
+
+// clamp(x, lo, hi) as torch.clamp: NaN passes through unchanged.
+RX_HD uint32_t clamp_bits(uint32_t x, float lo, float hi) {
+  const float f = f32_from_bits(x);
+  return f < lo ? f32_bits(lo) : (f > hi ? f32_bits(hi) : x);
+}
+
+// |x| of a BF16 as the FP32 bits torch's amax compares: integer max over these is the
+// float max, NaN (any payload) above everything; canonical() then maps a NaN to torch's.
+RX_HD uint32_t abs_bits(uint16_t h) { return (uint32_t)(h & 0x7fffu) << 16; }
+RX_HD uint32_t canonical(uint32_t amax) { return is_nan(amax) ? kNaN : amax; }
+RX_HD uint32_t word_amax(uint32_t w) {
+  const uint32_t lo = abs_bits((uint16_t)(w & 0xffffu)), hi = abs_bits((uint16_t)(w >> 16));
+  return lo > hi ? lo : hi;
+}
+
+// The per-tensor scale (torchao per_tensor_amax_to_scale) of an amax (abs_bits max).
+RX_HD uint32_t tensor_scale_bits(uint32_t amax) { return div_bits(canonical(amax), f32_bits(kTensorDivisor)); }
+
+// E4M3 (fn) of a value in [2^-6, 448] or NaN, as c10's float -> Float8_e4m3fn does
+// (round to nearest even; NaN -> 0x7f with its sign).
+RX_HD uint8_t e4m3_of(uint32_t f) {
+  if (is_nan(f)) return (uint8_t)(0x7fu | ((f >> 24) & 0x80u));
+  return (uint8_t)((f + 0xc4000000u + 0x7ffffu + ((f >> 20) & 1u)) >> 20);  // rebias 127 -> 7, round
+}
+
+// FP32 bits of an E4M3 scale byte in [0x08, 0x7e] or a NaN, as c10 widens it (a NaN
+// becomes 0x7ff00000 with its sign).
+RX_HD uint32_t f32_of_e4m3(uint8_t s) {
+  const uint32_t sign = (uint32_t)(s & 0x80u) << 24;
+  if ((s & 0x7fu) == 0x7fu) return sign | 0x7ff00000u;
+  return sign | ((uint32_t)((s & 0x7fu) >> 3) + 120u) << 23 | (uint32_t)(s & 7u) << 20;
+}
+
+// What every element of a block is multiplied by, and the block's scale byte.
+struct BlockScale {
+  uint8_t scale;  // E4M3
+  uint32_t mult;  // FP32 bits of (1 / pts) / float(scale)
+};
+
+// The block scale of a block whose amax (abs_bits max) is `bmax`, for per-tensor scale
+// bits `pts` and rcp = 1 / pts (div_bits(1.0f, pts)).
+RX_HD BlockScale block_scale(uint32_t bmax, uint32_t pts, uint32_t rcp) {
+  const uint32_t s = div_bits(div_bits(canonical(bmax), f32_bits(6.0f)), pts);
+  const uint8_t s8 = e4m3_of(clamp_bits(s, 0.015625f, 448.0f));
+  return BlockScale{s8, div_bits(rcp, f32_of_e4m3(s8))};
+}
+
+// E2M1 code (sign << 3 | 3 bits) of FP32 bits, torchao's _f32_to_floatx_unpacked: |y| >= 6
+// saturates to 7; below 1 it rounds to a multiple of 0.5 (ties to even: codes 0, 1, 2);
+// else its exponent is rebiased with a round-to-nearest-even carry. NaN takes the last
+// path too, so its code comes from its bits.
+RX_HD uint32_t e2m1_of(uint32_t y) {
+  const uint32_t sign = y & 0x80000000u, a = y ^ sign;
+  uint32_t code;
+  if (!is_nan(a) && a >= 0x40c00000u) {  // >= 6.0
+    code = 7;
+  } else if (!is_nan(a) && a < 0x3f800000u) {  // < 1.0
+    code = a <= 0x3e800000u ? 0u : (a < 0x3f400000u ? 1u : 2u);  // 0.25 and 0.75 are ties
+  } else {
+    code = ((a + 0xc1000000u + 0x1fffffu + ((a >> 22) & 1u)) >> 22) & 0xffu;
+  }
+  return (code | (sign ? 8u : 0u)) & 0xffu;
+}
+
+// The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier m.
+RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
+  const auto one = [m](uint16_t h) {
+    return e2m1_of(clamp_bits(mul_bits((uint32_t)h << 16, m), -6.0f, 6.0f));
+  };
+  return (one((uint16_t)(w & 0xffffu)) | one((uint16_t)(w >> 16)) << 4) & 0xffu;
+}
+
+// The 4 packed bytes (little-endian) of 4 words (8 elements) under multiplier m.
+RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t m) {
+  return quantize_word(a, m) | quantize_word(b, m) << 8 | quantize_word(c, m) << 16 | quantize_word(d, m) << 24;
+}
+
+// The per-tensor state every block of a tensor needs, from its amax cell.
+struct TensorScale {
+  uint32_t pts;  // FP32 bits of the per-tensor scale
+  uint32_t rcp;  // FP32 bits of 1 / pts
+};
+RX_HD TensorScale tensor_scale(uint32_t amax) {
+  const uint32_t pts = tensor_scale_bits(amax);
+  return TensorScale{pts, div_bits(f32_bits(1.0f), pts)};
+}
+
+// One block of 8 BF16 words: its scale byte, and its 8 packed bytes (little-endian, two
+// words) when `packed` is given.
+RX_HD uint8_t quantize_block(const uint32_t* w, TensorScale t, uint32_t* packed) {
+  uint32_t bmax = 0;
+  for (int i = 0; i < kBlockWords; ++i) {
+    const uint32_t a = word_amax(w[i]);
+    bmax = a > bmax ? a : bmax;
+  }
+  const BlockScale b = block_scale(bmax, t.pts, t.rcp);
+  if (packed) {
+    packed[0] = quantize_words4(w[0], w[1], w[2], w[3], b.mult);
+    packed[1] = quantize_words4(w[4], w[5], w[6], w[7], b.mult);
+  }
+  return b.scale;
+}
+
+// ---- host only ---------------------------------------------------------------------
+
+// The codec's checks of an NVFP4 box (id RX_CODEC_NVFP4 or _SCALES), on top of rx_box_valid.
+bool box_valid(const rx_box& b);
+
+// The codec's CPU twin of one innermost row (codecs::cpu_row of registry.h).
+uint64_t cpu_row(const rx_box& b, int32_t pass, const char* src, char* dst, int64_t first, uint64_t k0, int64_t n);
+
+// Its records in the codec table (registry.cc).
+extern const codecs::Traits kDataTraits, kScalesTraits;
+
+// Maps a piece's runs along the last dim (global extent `extent`, in elements) to the
+// runs of a coarser tensor whose coordinate covers `per` elements (2: the packed data;
+// 16: the block scales). Quantizing pieces locally equals quantizing the logical tensor
+// only when every run starts on a block boundary and covers whole blocks (the extent is
+// a multiple of 16). Returns "" and fills `out`, or says why not.
+std::string coarse_runs(const Runs& runs, int64_t extent, int64_t per, Runs* out);
+
+}  // namespace rx::nv
