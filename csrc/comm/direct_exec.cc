@@ -283,7 +283,7 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   if (!staging_.chunks.empty()) {
     stage_streams_.resize(static_cast<size_t>(1 + plain_script_.streams), nullptr);
     for (cudaStream_t& st : stage_streams_) RX_CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, highest));
-    stage_events_.resize(static_cast<size_t>(plain_script_.events), nullptr);
+    stage_events_.resize(static_cast<size_t>(std::max(plain_script_.events, landing_script_.events)), nullptr);
     for (cudaEvent_t& e : stage_events_) RX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
 }

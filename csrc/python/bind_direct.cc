@@ -9,6 +9,7 @@
 #include "common/check.h"
 #include "python/box_table.h"
 #include "python/register.h"
+#include "python/trace_rows.h"
 
 #ifdef RX_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -163,16 +164,7 @@ void register_direct(py::module_& m) {
            "Whether executes record CUDA timing events around their steps (timeline).")
       .def(
           "timeline",
-          [](DirectExec& d) {
-            std::vector<TraceRow> rows;
-            {
-              py::gil_scoped_release release;
-              rows = d.timeline();
-            }
-            py::list out;
-            for (const TraceRow& r : rows) out.append(py::make_tuple(r.kind, r.batch, r.begin_ms, r.end_ms));
-            return out;
-          },
+          [](DirectExec& d) { return trace_rows([&] { return d.timeline(); }); },
           "[(kind, index, begin ms, end ms)] of the last traced execute's steps (waits for them).")
       .def(
           "wait_landed", [](DirectExec& d, uint64_t stream, int32_t k) { d.wait_landed(as_stream(stream), k); },

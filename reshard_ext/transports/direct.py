@@ -614,7 +614,7 @@ class DirectTransport:
                                                            self._senders, self.timeout,
                                                            tables.direct_landing_groups(self.groups), self.groups,
                                                            tables.direct_stageable(), slot, tables.direct_ordinals())
-            if self.trace:
+            if self._trace and hasattr(self.exec, "set_trace"):
                 self.exec.set_trace(True)
         # of the NCCL pairs' batches, every pipelined copy, and the staging ring
         self.staging_bytes = self.inner.staging_bytes + (self.exec.staging_bytes if self.exec is not None else 0)
