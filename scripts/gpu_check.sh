@@ -295,7 +295,12 @@ stage_mxdirect() {
   # The first combination also prints each rank's --timeline (the staged chunks' packs, digests and
   # copies, and a summary: link idle time, copy streams waiting for packs, packs waiting for slots),
   # plain and verified.
+  #   RX_MXDIRECT_TESTS=0 skips the correctness tests and the sanitizer (a sweep after a first full run)
   gpus 2 mxdirect || return 0
+  [ "${RX_MXDIRECT_TESTS:-1}" = 0 ] || mxdirect_tests
+  mxdirect_bench
+}
+mxdirect_tests() {
   step "mxdirect: correctness of codec boxes over the direct transport (2 GPUs)"
   (cd tests && timeout 400 python3 -m pytest -q -p no:warnings -rs test_mxfp8_refit.py -k "cuda and (direct or staging)" \
       2>&1 | tee "$OUT/mxdirect_tests.log" | tail -4)
@@ -309,6 +314,8 @@ stage_mxdirect() {
       --error-exitcode 9 python3 -m pytest -q -p no:warnings -x test_mxfp8_refit.py \
       -k "(test_refit_matrix_cuda and sender and 2d and direct) or (staging_ring and 2d)" \
       2>&1 | tee "$OUT/mxdirect_sanitizer.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -4)
+}
+mxdirect_bench() {
   export RESHARD_EXT_DIRECT_TIMEOUT=120
   local first=1
   for codec in ${RX_CODECS:-mxfp8 fp8block}; do
@@ -316,19 +323,20 @@ stage_mxdirect() {
       for slots in ${RX_STAGING_SLOTS:-4}; do
         for streams in ${RX_STAGING_STREAMS:-2}; do
           extra=""
-          [ "$first" = 1 ] && extra="--timeline --verify"
+          [ "$first" = 1 ] && [ "${RX_MXDIRECT_TIMELINE:-1}" = 1 ] && extra="--timeline --verify"
           step "mxdirect: refit_bench noncolo-tp1-tp1, direct, $codec sender side, staging $bytes, $slots slots, $streams streams $extra"
           RESHARD_EXT_DIRECT_STAGING_BYTES=$bytes RESHARD_EXT_DIRECT_STAGING_SLOTS=$slots \
           RESHARD_EXT_DIRECT_STAGING_STREAMS=$streams timeout 400 torchrun --standalone --nproc-per-node 2 \
             benchmarks/refit_bench.py --case noncolo-tp1-tp1 --backend direct --no-baseline --mxfp8 sender \
             --codec "$codec" $extra ${RX_MXDIRECT_ARGS:-} 2>&1 | grep -v "^W\|^\[W" > "$OUT/mxdirect_run.log"
           cat "$OUT/mxdirect_run.log" >> "$OUT/mxdirect.log"
-          grep -E -A4 "^-- (MXFP8|FP8BLOCK)|^ +span|^direct execute|writes \(|staged:" "$OUT/mxdirect_run.log" | head -40
+          grep -E -A4 "^-- (MXFP8|FP8BLOCK)|^-- rank" "$OUT/mxdirect_run.log" | grep -vE "^ +(chunk|engine|pack|kernel|local|signal|start|host|end|wait)" | head -60
           first=0
         done
       done
     done
   done
+  [ "${RX_MXDIRECT_TESTS:-1}" = 0 ] && return 0
   step "mxdirect: MXFP8 receiver side on direct (the sender's kernel stores quantized bytes into the peer)"
   timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case noncolo-tp1-tp1 --backend direct \
     --no-baseline --mxfp8 receiver 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/mxdirect.log" | tail -6
