@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,9 +83,16 @@ def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
 
 
 def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
-                 rank: int) -> tuple[int, int, float, float, str]:
-    """The same refit with the 2-D linear weights landing as MXFP8 (data, scale) buffers."""
+                 rank: int) -> tuple[int, int, float, float, str, str]:
+    """The same refit with the 2-D linear weights landing as quantized (data, scales) buffers:
+    MXFP8, or blockwise FP8 (--codec fp8block)."""
+    from reshard_ext.codecs.fp8block import scale_shape
     from reshard_ext.mxfp8 import scale_numel
+
+    def scales_of(local: tuple) -> torch.Tensor:
+        if args.codec == "fp8block":
+            return torch.empty(scale_shape(tuple(local)), dtype=torch.float32, device="cuda")
+        return torch.empty(scale_numel(local, args.scale_layout), dtype=torch.uint8, device="cuda")
 
     dst, names = {}, []
     for n, l in dst_l.items():
@@ -93,8 +101,7 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
         local = l.local_shape(rank)
         if ".linear_" in n and n.endswith("weight") and len(local) == 2 and l.shape[-1] % 32 == 0:
             data = torch.empty(local, dtype=torch.float8_e4m3fn, device="cuda")
-            scale = torch.empty(scale_numel(local, args.scale_layout), dtype=torch.uint8, device="cuda")
-            dst[n] = ((data, scale), l)
+            dst[n] = ((data, scales_of(local)), l)
             names.append(n)
         else:
             dst[n] = (torch.empty(local, device="cuda", dtype=l.dtype), l)
@@ -103,7 +110,8 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, names)
     converted = sorted({n for part in every for n in part})
-    transform = rx.MXFP8(params=converted, scale_layout=args.scale_layout, where=args.mxfp8)
+    transform = (rx.FP8Block(params=converted, where=args.mxfp8) if args.codec == "fp8block" else
+                 rx.MXFP8(params=converted, scale_layout=args.scale_layout, where=args.mxfp8))
     plan = rx.plan(src, dst, transform=transform, max_batch_bytes=(args.max_batch_mb << 20) or None,
                    backend=args.backend.split(",")[0])
     # BF16 bytes this rank sends of the converted tensors alone (the rest travels as is)
@@ -111,7 +119,22 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
     bf16_conv = sum(op.nbytes for op in rx.local_plan(src_l, dst_l, rank).sends
                     if op.peer != rank and op.name in chosen)
     t_verify = _time(lambda: rx.execute(plan, verify=True), args.iters) if args.verify else 0.0
-    return plan.bytes_sent, bf16_conv, _time(lambda: rx.execute(plan), args.iters), t_verify, plan.routes
+    t = _time(lambda: rx.execute(plan), args.iters)
+    return plan.bytes_sent, bf16_conv, t, t_verify, plan.routes, _timeline(args, plan)
+
+
+def _timeline(args: argparse.Namespace, plan: Any) -> str:
+    """One execute's CUDA-event timeline of `plan` (--timeline; with --verify a verified one's too)."""
+    if not args.trace or not hasattr(plan.transport, "last_timeline"):
+        return ""
+    plan.transport.trace = True
+    rx.execute(plan)
+    text = plan.transport.last_timeline
+    if args.verify:
+        rx.execute(plan, verify=True)
+        text += "\n   verify=True: " + plan.transport.last_timeline
+    plan.transport.trace = False
+    return text
 
 
 def _options(variant: str) -> rx.Options:
@@ -215,9 +238,12 @@ def main() -> None:
                          "(an empty variant = the defaults)")
     ap.add_argument("--mxfp8", choices=["receiver", "sender"],
                     help="also refit with rx.MXFP8 converting the linear weights")
+    ap.add_argument("--codec", choices=["mxfp8", "fp8block"], default="mxfp8",
+                    help="the format --mxfp8 SIDE quantizes into (fp8block: rx.FP8Block, 128x128 blocks, FP32 scales)")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
-    ap.add_argument("--trace", action="store_true",
-                    help="print one execute's CUDA-event timeline per rank (with --verify: and a verified one's)")
+    ap.add_argument("--trace", "--timeline", dest="trace", action="store_true",
+                    help="print one execute's CUDA-event timeline per rank (with --verify: and a verified one's; "
+                         "with --mxfp8: the quantized refit's too; the direct transport's shows the staged chunks)")
     ap.add_argument("--verify", action="store_true", help="also time rx.execute(plan, verify=True) (a column)")
     ap.add_argument("--transfers-only", action="store_true",
                     help="also time the plan's batched NCCL transfers alone (no pack/unpack/copy): "
@@ -255,15 +281,7 @@ def main() -> None:
         t_refits.append(_time(lambda p=p: rx.execute(p), args.iters))
     plan, t_refit = plans[0], t_refits[0]
     t_verifies = [_time(lambda p=p: rx.execute(p, verify=True), args.iters) if args.verify else 0.0 for p in plans]
-    timeline = ""
-    if args.trace and hasattr(plan.transport, "last_timeline"):
-        plan.transport.trace = True
-        rx.execute(plan)
-        timeline = plan.transport.last_timeline
-        if args.verify:  # and one verified execute's
-            rx.execute(plan, verify=True)
-            timeline += "\n   verify=True: " + plan.transport.last_timeline
-        plan.transport.trace = False
+    timeline = _timeline(args, plan)
 
     if args.transfers_only and plan.backend == "nccl":
         tr = plan.transport
@@ -342,11 +360,12 @@ def main() -> None:
                          for t, h, tv in zip(rest[-4], rest[-2], rest[-5])]
                 print(f"{r:4d} " + " ".join(cells))
         if args.mxfp8:
-            print(f"\n-- MXFP8 ({args.mxfp8} side, {args.scale_layout} scales) on the linear weights, same model:")
+            layout = "128x128 blocks, FP32 scales" if args.codec == "fp8block" else f"{args.scale_layout} scales"
+            print(f"\n-- {args.codec.upper()} ({args.mxfp8} side, {layout}) on the linear weights, same model:")
             print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
                   f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9} {'time ratio':>10}" +
                   (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv, _), _, _, _, _, _, _, _, _ in rows:  # noqa: B007
+            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv, _, _), _, _, _, _, _, _, _, _ in rows:  # noqa: B007
                 other = sent - conv_bf16  # bytes of tensors that travel unconverted
                 conv_wire = mx_sent - other
                 ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
@@ -357,9 +376,11 @@ def main() -> None:
                       f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f} {tratio}{cost}")
             print("time ratio = mxfp8 refit / bf16 refit of the same model, same backend, same run "
                   f"(routes of rank 0: {rows[0][11][4]})")
-        for r, *_, timeline, _, _, _, _, _, _, _ in rows:
+        for r, *_, mx, timeline, _, _, _, _, _, _, _ in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")
+            if mx and mx[5]:
+                print(f"\n-- rank {r}, {args.codec.upper()} {args.mxfp8} side: {mx[5]}")
     dist.destroy_process_group()
 
 

@@ -135,6 +135,11 @@ KNOBS: dict[str, Knob] = {
              "a sender's codec boxes on the direct path (rx.MXFP8(where='sender') and the like) are quantized into "
              "a local ring of this many bytes and carried by the copy engines, chunk by chunk (within "
              "max_batch_bytes; 0: the box kernel stores them into the peer)"),
+        Knob("RESHARD_EXT_DIRECT_STAGING_SLOTS", 4, _count(1, 64),
+             "slots of that ring (a chunk fills one): the box kernel quantizes up to slots - streams chunks ahead "
+             "of the copy engines"),
+        Knob("RESHARD_EXT_DIRECT_STAGING_STREAMS", 2, _count(1, 16),
+             "copy-engine streams carrying that ring's chunks (chunk c on stream c % streams)"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),

@@ -304,30 +304,60 @@ stage_ab() {
 stage_mxdirect() {
   # issue 38 item 6: a sender-side quantized refit against the BF16 refit of the same model, same run,
   # on the direct backend, non-collocated TP1->TP1 (the link is the bottleneck): the "time ratio"
-  # column (target <= 0.6 for MXFP8). RX_STAGING_BYTES: ring sizes to try (RESHARD_EXT_DIRECT_STAGING_BYTES;
-  # 0 = the box kernel stores the codec boxes into the peer, as before the staging ring).
+  # column (target <= 0.6 for MXFP8 and FP8Block). Sweeps (each a refit_bench run per codec):
+  #   RX_STAGING_BYTES  ring sizes (RESHARD_EXT_DIRECT_STAGING_BYTES; 0 = the box kernel stores the codec
+  #                     boxes into the peer, as before the staging ring); default "256M"
+  #   RX_STAGING_SLOTS  slots of the ring (RESHARD_EXT_DIRECT_STAGING_SLOTS); default "4"
+  #   RX_STAGING_STREAMS copy streams carrying the chunks (RESHARD_EXT_DIRECT_STAGING_STREAMS); default "2"
+  #   RX_CODECS         "mxfp8 fp8block"
+  # The first combination also prints each rank's --timeline (the staged chunks' packs, digests and
+  # copies, and a summary: link idle time, copy streams waiting for packs, packs waiting for slots),
+  # plain and verified.
+  #   RX_MXDIRECT_TESTS=0 skips the correctness tests and the sanitizer (a sweep after a first full run)
   gpus 2 mxdirect || return 0
+  [ "${RX_MXDIRECT_TESTS:-1}" = 0 ] || mxdirect_tests
+  mxdirect_bench
+}
+mxdirect_tests() {
   step "mxdirect: correctness of codec boxes over the direct transport (2 GPUs)"
   (cd tests && timeout 400 python3 -m pytest -q -p no:warnings -rs test_mxfp8_refit.py -k "cuda and (direct or staging)" \
       2>&1 | tee "$OUT/mxdirect_tests.log" | tail -4)
   (cd tests && timeout 200 python3 -m pytest -q -p no:warnings -rs test_direct.py -k "staged or staging or mxfp8" \
       2>&1 | tee -a "$OUT/mxdirect_tests.log" | tail -4)
-  (cd tests && timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-      python3 -m pytest -q -p no:warnings -x test_mxfp8_refit.py -k "(test_refit_matrix_cuda and sender and 2d and direct) or (staging_ring and 2d)" \
+  (cd tests && timeout 300 python3 -m pytest -q -p no:warnings -rs test_fp8block_refit.py -k "direct or cuda" \
+      2>&1 | tee -a "$OUT/mxdirect_tests.log" | tail -4)
+  # API errors are not ours: NCCL probes its kernels during torch's eager init (cudaErrorNoKernelImageForDevice);
+  # only memory errors count.
+  (cd tests && timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
+      --error-exitcode 9 python3 -m pytest -q -p no:warnings -x test_mxfp8_refit.py \
+      -k "(test_refit_matrix_cuda and sender and 2d and direct) or (staging_ring and 2d)" \
       2>&1 | tee "$OUT/mxdirect_sanitizer.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -4)
+}
+mxdirect_bench() {
   export RESHARD_EXT_DIRECT_TIMEOUT=120
-  for bytes in ${RX_STAGING_BYTES:-256M 0}; do
-    for side in sender receiver; do
-      [ "$bytes" != 0 ] || [ "$side" = sender ] || continue  # staging only changes the sender side
-      step "mxdirect: refit_bench noncolo-tp1-tp1, direct, MXFP8 $side side, swizzled, RESHARD_EXT_DIRECT_STAGING_BYTES=$bytes"
-      RESHARD_EXT_DIRECT_STAGING_BYTES=$bytes timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
-        --case noncolo-tp1-tp1 --backend direct --no-baseline --mxfp8 "$side" ${RX_MXDIRECT_ARGS:-} 2>&1 \
-        | grep -v "^W\|^\[W" | tee -a "$OUT/mxdirect.log" | tail -8
+  local first=1
+  for codec in ${RX_CODECS:-mxfp8 fp8block}; do
+    for bytes in ${RX_STAGING_BYTES:-256M}; do
+      for slots in ${RX_STAGING_SLOTS:-4}; do
+        for streams in ${RX_STAGING_STREAMS:-2}; do
+          extra=""
+          [ "$first" = 1 ] && [ "${RX_MXDIRECT_TIMELINE:-1}" = 1 ] && extra="--timeline --verify"
+          step "mxdirect: refit_bench noncolo-tp1-tp1, direct, $codec sender side, staging $bytes, $slots slots, $streams streams $extra"
+          RESHARD_EXT_DIRECT_STAGING_BYTES=$bytes RESHARD_EXT_DIRECT_STAGING_SLOTS=$slots \
+          RESHARD_EXT_DIRECT_STAGING_STREAMS=$streams timeout 400 torchrun --standalone --nproc-per-node 2 \
+            benchmarks/refit_bench.py --case noncolo-tp1-tp1 --backend direct --no-baseline --mxfp8 sender \
+            --codec "$codec" $extra ${RX_MXDIRECT_ARGS:-} 2>&1 | grep -v "^W\|^\[W" > "$OUT/mxdirect_run.log"
+          cat "$OUT/mxdirect_run.log" >> "$OUT/mxdirect.log"
+          grep -E -A4 "^-- (MXFP8|FP8BLOCK)|^-- rank" "$OUT/mxdirect_run.log" | grep -vE "^ +(chunk|engine|pack|kernel|local|signal|start|host|end|wait)" | head -60
+          first=0
+        done
+      done
     done
   done
-  step "mxdirect: the same, sender side, 2-D scales, verify=True column"
+  [ "${RX_MXDIRECT_TESTS:-1}" = 0 ] && return 0
+  step "mxdirect: MXFP8 receiver side on direct (the sender's kernel stores quantized bytes into the peer)"
   timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case noncolo-tp1-tp1 --backend direct \
-    --no-baseline --mxfp8 sender --scale-layout 2d --verify 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/mxdirect.log" | tail -8
+    --no-baseline --mxfp8 receiver 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/mxdirect.log" | tail -6
 }
 stage_engines() {
   # issue 36: rx.connect across separately launched jobs (1+1 and 2+2 GPUs), the traced engine on GPUs,

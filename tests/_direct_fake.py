@@ -76,18 +76,24 @@ class _Exec:
     landing execute: one more per landing group, tag _DONE + 1 + group)."""
 
     def __init__(self, boxes: Any, local: Any, options: Any, receivers: list[int], senders: list[int],
-                 timeout: float, box_groups: list[int], groups: int, stageable: list[int], slot_bytes: int):
+                 timeout: float, box_groups: list[int], groups: int, stageable: list[int], slot_bytes: int,
+                 ordinals: list[int]):
         import numpy as np
         from _direct_sim import StagedRun
+
+        from reshard_ext.transports.direct import staging_shape
 
         self.timeout = datetime.timedelta(seconds=timeout)
         # the staged codec boxes, for a plain and a landing execute (each run builds a fresh one)
         every, every_group = boxes, list(box_groups)
+        slots, streams = staging_shape()
         self.staged = lambda landing: StagedRun(every, every_group, stageable, slot_bytes, groups if landing else 0,
-                                                policy=STAGING_POLICY)
+                                                policy=STAGING_POLICY, ordinals=list(ordinals), slots=slots,
+                                                streams=streams)
         probe = self.staged(False)
         self.staging_bytes, self.num_staged_chunks = probe.plan.ring_bytes, probe.plan.num_chunks
         self.num_staged_boxes = len(box_groups) - len(probe.rest)
+        self.staged_boxes = [b for c in range(probe.plan.num_chunks) for b in probe.chunks[c][5]]
         boxes = probe.rest_boxes(boxes)
         box_groups = [box_groups[i] for i in probe.rest]
         self.engine, self.kernel = _C.split_engines(boxes, options.resolved_direct_engine_bytes())
@@ -120,14 +126,17 @@ class _Exec:
     def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
         self._wait(self._post(to, frm, tag))
 
-    def begin(self, stream: int, landing: bool = False) -> None:
+    def begin(self, stream: int, landing: bool = False, stage_digests: int = 0) -> None:
+        import ctypes
+
         from _direct_sim import run_engine
 
         run_engine(self.local_engine)  # the same-rank copies go first, as on the GPU
         _C.copy_boxes_cpu(self.local_kernel)
         self._signal(self.senders, self.receivers, _READY)  # my destinations are free; wait for theirs
         if landing and self.groups:
-            signals = self.staged(True).run()
+            run = self.staged(True)
+            signals = run.run()
             for k, (engine, kernel) in enumerate(self.groups):
                 run_engine(engine)
                 _C.copy_boxes_cpu(kernel)
@@ -135,6 +144,8 @@ class _Exec:
                     assert next(signals) == k, "staged signals out of order"
                 self.posted += self._post(self.receivers, [], _DONE + 1 + k)  # waited for in end()
             assert next(signals, None) is None, "a staged signal past the last landing group"
+            if stage_digests and run.digests.size:  # what DirectExec adds into the caller's zeroed buffer
+                ctypes.memmove(stage_digests, run.digests.ctypes.data, run.digests.nbytes)
             return
         for part in self.streams:
             run_engine(part)
@@ -178,9 +189,9 @@ class FakeDevice:
 
     def executor(self, signals: Any, boxes: Any, local: Any, options: Any, receivers: list[int],
                  senders: list[int], timeout: float, box_groups: list[int], groups: int, stageable: list[int],
-                 slot_bytes: int) -> tuple[Any, Any]:
+                 slot_bytes: int, ordinals: list[int]) -> tuple[Any, Any]:
         return _Exec(boxes, local, options, receivers, senders, timeout, box_groups, groups, stageable,
-                     slot_bytes), None
+                     slot_bytes, ordinals), None
 
     def transport(self, group: Any, options: Any, register: bool, nccl: bool) -> Any:
         return CpuTransport(group, options)
@@ -237,6 +248,16 @@ class _CpuReader:
         into = self.parts.setdefault(part, np.zeros_like(now))
         for a, b in runs:
             into[a:b] = now[a:b]
+
+    def fold(self, part: int, per_box: Any, rows: Any, ops: Any) -> None:
+        """digests.fold_into on the part's digests as read so far."""
+        import numpy as np
+        import torch
+
+        from reshard_ext.transports.digests import fold_into
+
+        into = self.parts.setdefault(part, np.zeros(self.tables.num_ops[part], dtype=np.uint64))
+        fold_into(torch.from_numpy(into.view(np.int64)), per_box, rows, ops)
 
     def collect(self) -> tuple:
         import numpy as np

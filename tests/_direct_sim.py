@@ -17,7 +17,7 @@ import torch
 from reshard_ext import _C
 from reshard_ext.execution import _refs, _rewrite
 from reshard_ext.options import Options
-from reshard_ext.transports.direct import peers_of
+from reshard_ext.transports.direct import peers_of, staging_shape
 
 LANDING_GROUPS = Options().resolved_direct_verify_groups()  # what a verified direct execute uses
 
@@ -36,7 +36,7 @@ def run_engine(copies: list[tuple]) -> tuple[int, int]:
     return len(runs), len(pitched)
 
 
-_PACK, _COPY, _WAIT, _RECORD = 0, 1, 2, 3  # StageOp (core/direct.h)
+_PACK, _COPY, _WAIT, _RECORD, _DIGEST = 0, 1, 2, 3, 4  # StageOp (core/direct.h)
 _SIGNAL = -1  # the executor's signal stream in the emulation
 
 
@@ -52,17 +52,29 @@ class StagedRun:
 
     `landing` (the landing groups, 0: one part) also runs the executor's signal: after part k
     a signal stream waits for every copy stream's group-end event, then records
-    kStageLanded; `run()` yields k when that signal runs, every chunk of groups <= k copied."""
+    kStageLanded; `run()` yields k when that signal runs, every chunk of groups <= k copied.
+    A landing run's script digests each chunk's slot after its pack (a verified execute): the
+    digests of the staged boxes, in staged order, land in `digests` (uint64, lane sums), each
+    read while its chunk is in its slot, all of them before the last signal."""
 
     def __init__(self, boxes: Any, groups: list[int], stageable: list[int], slot_bytes: int, landing: int = 0,
-                 policy: str | int = 0, edit: Any = None):
+                 policy: str | int = 0, edit: Any = None, ordinals: list[int] | None = None,
+                 slots: int = _C.STAGE_SLOTS, streams: int = _C.STAGE_STREAMS):
         import random
 
-        self.plan, self.rest = _C.plan_staging(boxes, groups, stageable, slot_bytes)
+        import numpy as np
+
+        self.plan, self.rest = _C.plan_staging(boxes, groups, stageable, slot_bytes, ordinals or [], slots)
+        self.streams = streams
         self.landing = landing
         self.ring = torch.full((max(1, self.plan.ring_bytes),), 0xA5, dtype=torch.uint8)
         self.plan.relocate(self.ring.data_ptr())
         self.chunks = [self.plan.chunk(c) for c in range(self.plan.num_chunks)]
+        self.first = [0]  # per chunk: its first box in staged order
+        for ch in self.chunks:
+            self.first.append(self.first[-1] + len(ch[5]))
+        self.digests = np.zeros(self.first[-1], dtype=np.uint64)
+        self.digested = 0
         self.policy = policy
         self.edit = edit  # tests: a function of the script (streams, events, prefill, parts) that breaks it
         self.rng = random.Random(policy if isinstance(policy, int) else 0)
@@ -78,8 +90,8 @@ class StagedRun:
 
     def _queue(self) -> tuple[dict, dict]:
         """Every stream's actions in host order, each wait with the record count it waits for."""
-        script = self.plan.script(self.landing)
-        streams, _, prefill, parts = self.edit(*script) if self.edit else script
+        script = self.plan.script(self.landing, self.streams, bool(self.landing))
+        streams, events, prefill, parts = self.edit(*script) if self.edit else script
         queued = {_C.STAGE_START: 1}  # the execute's start is recorded before anything
         q: dict[int, list] = {}
 
@@ -97,6 +109,8 @@ class StagedRun:
             if self.plan.num_chunks:  # the executor: wait for every copy stream's group end, then signal
                 for e in range(streams):
                     put(_WAIT, _SIGNAL, 2 * self.plan.slots + e)
+                if k + 1 == len(parts) and events > 2 * self.plan.slots + streams:  # and the last, for the digests
+                    put(_WAIT, _SIGNAL, 2 * self.plan.slots + streams)
                 put(_RECORD, _SIGNAL, _C.STAGE_LANDED, k)
         return q
 
@@ -107,6 +121,7 @@ class StagedRun:
         queues = {s: deque(a) for s, a in self._queue().items()}
         done = {_C.STAGE_START: 1}  # records run, by event
         held: dict[int, int] = {}  # slot -> the chunk packed into it and not copied out yet
+        in_slot: dict[int, int] = {}  # slot -> the chunk last packed into it (copied out or not)
         copied: set[int] = set()
         while any(queues.values()):
             ready = [s for s, a in queues.items() if a and (a[0][0] != _WAIT or done.get(a[0][1], 0) >= a[0][2])]
@@ -125,16 +140,24 @@ class StagedRun:
                     due = [c for c, ch in enumerate(self.chunks) if not self.landing or ch[0] <= k]
                     late = [c for c in due if c not in copied]
                     assert not late, f"part {k} signalled before chunks {late} were copied out"
+                    if self.landing and k + 1 == self.landing:
+                        assert self.digested == len(self.chunks), "the last signal before every chunk's digest"
                     yield k
+            elif op == _DIGEST:
+                slot, digest = self.chunks[arg][1], self.chunks[arg][6]
+                assert in_slot.get(slot) == arg, f"chunk {arg} digested from slot {slot} holding {in_slot.get(slot)}"
+                got = _C.digest_boxes_cpu(digest, _C.PASS_SRC)
+                self.digests[self.first[arg]:self.first[arg + 1]] = got
+                self.digested += 1
             elif op == _PACK:
-                _, slot, _, pack, _, _ = self.chunks[arg]
+                slot, pack = self.chunks[arg][1], self.chunks[arg][3]
                 assert slot not in held, f"chunk {arg} packed into slot {slot} before chunk {held[slot]} left it"
                 _C.copy_boxes_cpu(pack)
-                held[slot] = arg
+                held[slot] = in_slot[slot] = arg
                 self.packs += 1
                 self.max_ahead = max(self.max_ahead, len(held))
             elif op == _COPY:
-                _, slot, _, _, copies, _ = self.chunks[arg]
+                slot, copies = self.chunks[arg][1], self.chunks[arg][4]
                 assert held.get(slot) == arg, f"chunk {arg} copied out of slot {slot} holding {held.get(slot)}"
                 run_engine(copies)
                 del held[slot]
@@ -200,8 +223,9 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
                     pieces.append(_C.PeerPiece(q, int(tables[q].dst_used[pos]), refs[q][1][pos]))
         tables[r].bind_direct(refs[r][0], pieces, stage_bytes)
     groups = LANDING_GROUPS if landing else 0
+    slots, streams = staging_shape()
     staged = [StagedRun(t.direct_boxes(), t.direct_landing_groups(max(groups, 1)), t.direct_stageable(), stage_bytes,
-                        groups, policy) for t in tables]
+                        groups, policy, ordinals=t.direct_ordinals(), slots=slots, streams=streams) for t in tables]
     if stats is not None:
         stats.update(batches=k, staging=[t.send_buffer_bytes + t.recv_buffer_bytes for t in tables],
                      direct_ops=[tuple(t.num_direct_ops) for t in tables], ops=[tuple(t.num_ops) for t in tables],
@@ -257,6 +281,8 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             tables[r].run_unpack_cpu(b)
     if check is not None:
         check()
+        for r in range(world):
+            _check_staged_digests(plans[r], tables[r], refs[r], staged[r], peers_of(direct, r), stats)
     if stats is not None:
         stats["max_ahead"] = max((s.max_ahead for s in staged), default=0)
     for (_, src_steps), (_, dst_steps) in rewritten:
@@ -264,9 +290,10 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             step()
 
 
-def _recv_digests(plan: Any, bound: Any, refs: tuple) -> Any:
-    """Digests of what every recv op of a rank's whole plan finds in its destination now
-    (`refs`: the tensors as bound to `bound`, the rank's split tables)."""
+def _digests(plan: Any, bound: Any, refs: tuple) -> tuple:
+    """(send, recv) digests of a rank's whole plan now: what each send op's source would
+    send, what each recv op finds in its destination (`refs`: the tensors as bound to
+    `bound`, the rank's split tables)."""
     import numpy as np
 
     whole = _C.ExecTables(plan)
@@ -275,7 +302,36 @@ def _recv_digests(plan: Any, bound: Any, refs: tuple) -> Any:
                [1 << 44] * max(1, whole.num_batches), [1 << 44] * max(1, whole.num_batches), 0)
     out = tuple(np.zeros(n, dtype=np.uint64) for n in whole.num_ops)
     whole.read_digests_cpu(*out, np.zeros_like(out[2]))
-    return out[1]
+    return out[0], out[1]
+
+
+def _recv_digests(plan: Any, bound: Any, refs: tuple) -> Any:
+    return _digests(plan, bound, refs)[1]
+
+
+def _check_staged_digests(plan: Any, bound: Any, refs: tuple, run: StagedRun, peers: list[int],
+                          stats: dict | None) -> None:
+    """A verified execute's staged send digests (read from the ring, folded per op as the
+    transport folds them) equal the send digests of those ops read from their sources."""
+    import numpy as np
+
+    from reshard_ext.transports.digests import fold_into
+    from reshard_ext.transports.direct import staged_send_rows
+
+    order = [b for ch in run.chunks for b in ch[5]]
+    if not order:
+        return
+    box_ops = bound.direct_ops()
+    direct_sends = [i for i, op in enumerate(plan.sends()) if op.peer in set(peers)]
+    rows, ops = staged_send_rows([box_ops[b] for b in order], box_ops, direct_sends)
+    folded = np.zeros(len(plan.sends()), dtype=np.uint64)
+    fold_into(torch.from_numpy(folded.view(np.int64)), torch.from_numpy(run.digests.view(np.int64)),
+              torch.tensor(rows, dtype=torch.int64), torch.tensor(ops, dtype=torch.int64))
+    want = _digests(plan, bound, refs)[0]
+    assert ops and (folded[ops] == want[ops]).all(), (
+        f"staged send digests differ from the sources' at ops {[o for o in ops if folded[o] != want[o]]}")
+    if stats is not None:
+        stats["digested_ops"] = stats.get("digested_ops", 0) + len(ops)
 
 
 def _land(plans: list, splits: list, tables: list, refs: list, engine_bytes: int, staged: list) -> Any:

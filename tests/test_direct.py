@@ -231,17 +231,24 @@ def test_plan_staging_fills_slots_group_by_group():
     plan, rest = _C.plan_staging(boxes, [1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 1, 1, 1], 4096)
     assert rest == [2, 3, 4, 5], rest
     chunks = [plan.chunk(c) for c in range(plan.num_chunks)]
-    assert [(g, slot, nbytes, ids) for g, slot, nbytes, _, _, ids in chunks] == [
+    assert [(g, slot, nbytes, ids) for g, slot, nbytes, _, _, ids, _ in chunks] == [
         (0, 0, 2560, [1]), (0, 1, 3072, [6]), (1, 2, 1024, [0])], chunks
     assert plan.slots == 3 and plan.slot_bytes == 3072 and plan.ring_bytes == 9216
     plan.relocate(1 << 30)
-    _, _, _, pack, copies, _ = plan.chunk(0)
+    _, _, _, pack, copies, _, digest = plan.chunk(0)
     assert copies == [(10 << 20, 1000, 1 << 30, 600, 600, 4)]  # (dst, dpitch, src, spitch, width, height)
     assert plan.chunk(2)[4] == [(9 << 20, 1000, (1 << 30) + 2 * 3072, 1000, 1000, 1)]
     from _boxes import BOX
 
     rec = np.frombuffer(pack, dtype=BOX)[0]
     assert rec["dst"] == 1 << 30 and list(rec["dst_stride"][:2]) == [150, 1] and rec["src"] == 2 << 20
+    # its digest box: the slot's bytes read as a plain copy of the dst dtype, ordinals from 0 here
+    rec = np.frombuffer(digest, dtype=BOX)[0]
+    assert rec["src"] == rec["dst"] == 1 << 30 and list(rec["src_stride"][:2]) == [150, 1], rec
+    assert rec["codec"] == 0 and rec["src_dtype"] == rec["dst_dtype"] == f32 and rec["param"][0] == 0, rec
+    plan, _ = _C.plan_staging(boxes, [1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 1, 1, 1], 4096, [7, 5, 0, 0, 0, 0, 9], 2)
+    assert plan.slots == 2 and [plan.chunk(c)[1] for c in range(3)] == [0, 1, 0]  # two slots, reused
+    assert [np.frombuffer(plan.chunk(c)[6], dtype=BOX)[0]["param"][0] for c in range(3)] == [5, 9, 7]
     assert _C.plan_staging(boxes, [], [1] * 7, 0)[1] == list(range(7))  # no slot: nothing staged
 
 
@@ -264,10 +271,11 @@ def test_staging_script_runs_the_ring_in_any_allowed_order(policy, landing):
     ("slot", "pack", 0, "packed into slot"),                # the pack of chunk c + 4 waits for c's copy
     ("packed", "copy", 0, "copied out of slot"),            # a copy waits for its chunk's pack
     ("end", "pack", 3, "signalled before chunks"),          # a signal waits for its group's copies
+    ("digest", "copy", 3, "digested from slot"),            # a chunk's digest reads its slot before the next pack
 ])
 def test_the_staging_emulation_catches_a_script_without_its_waits(broken, policy, landing, error):
     """The emulation is no rubber stamp: a script missing one kind of wait fails it."""
-    from _direct_sim import _RECORD, _WAIT, StagedRun
+    from _direct_sim import _DIGEST, _RECORD, _WAIT, StagedRun
 
     def edit(streams, events, prefill, parts):
         slots = (events - streams) // 2
@@ -278,8 +286,13 @@ def test_the_staging_emulation_catches_a_script_without_its_waits(broken, policy
                 return not (op == _WAIT and stream == 0 and slots <= arg < 2 * slots)
             if broken == "packed":
                 return not (op == _WAIT and stream > 0 and 0 <= arg < slots)
-            return not (op == _RECORD and arg >= 2 * slots)
-        return streams, events, [a for a in prefill if keep(a)], [[a for a in p if keep(a)] for p in parts]
+            if broken == "digest":  # every digest moved behind the last pack
+                return op != _DIGEST
+            return not (op == _RECORD and 2 * slots <= arg < 2 * slots + streams)
+        late = [a for p in [prefill] + parts for a in p if a[0] == _DIGEST] if broken == "digest" else []
+        parts = [[a for a in p if keep(a)] for p in parts]
+        parts[-1] = late + parts[-1]
+        return streams, events, [a for a in prefill if keep(a)], parts
 
     boxes, *_ = _ring_boxes(30, 700)
     run = StagedRun(boxes, [min(i // 11, 2) for i in range(31)], [1] * 31, 2560, landing, policy, edit)
@@ -1363,3 +1376,66 @@ def test_transport_direct_pairs_exchange_headers():
         assert "version" in got[2] and got[3] is None, got
         assert "replaced or resized" in got[4] or "failed a check of its own" in got[4], got[4]
         assert got[5] is None and got[6], got
+
+
+def test_fold_into_adds_pieces_lane_by_lane():
+    """A verified execute's staged pieces fold into their ops' digests as digest::add adds:
+    two 32-bit lanes, no carry between them; a piece of row len(ops) is dropped."""
+    from reshard_ext.transports.digests import fold_into
+
+    rng = np.random.default_rng(0)
+    per = rng.integers(0, 2**64, size=50, dtype=np.uint64, endpoint=False)
+    rows = rng.integers(0, 5, size=50)
+    ops = np.array([3, 0, 7, 5])
+    into = rng.integers(0, 2**64, size=9, dtype=np.uint64, endpoint=False)
+    m = 0xFFFFFFFF
+    want = [int(x) for x in into]
+    for d, r in zip(per, rows):
+        if r < len(ops):
+            a, b = want[ops[r]], int(d)
+            want[ops[r]] = ((a + b) & m) | ((((a >> 32) + (b >> 32)) & m) << 32)
+    fold_into(torch.from_numpy(into.view(np.int64)), torch.from_numpy(per.view(np.int64)), torch.from_numpy(rows),
+              torch.from_numpy(ops))
+    assert [int(x) for x in into] == want
+
+
+def test_staged_send_rows_digest_only_wholly_staged_ops():
+    """An op whose every box is staged takes its digest from the ring (folded by send index);
+    an op with a box left to the kernel is read from its source whole: its staged pieces drop."""
+    from reshard_ext.transports.direct import staged_send_rows
+
+    box_ops = [0, 1, 1, 2, 2, 2, 3]  # direct send op of each direct box; box 5 (op 2) is not staged
+    staged = [1, 2, 3, 4, 6]
+    rows, ops = staged_send_rows([box_ops[b] for b in staged], box_ops, [10, 11, 12, 13])
+    assert ops == [11, 13] and rows == [0, 0, 2, 2, 1], (rows, ops)
+
+
+def test_direct_timeline_sums_what_the_link_waited_for():
+    """The staged path's timeline summary: writes' busy and idle time, the copy streams' waits
+    for packs (a stream free before its next chunk was packed) and the pack stream's for slots."""
+    from reshard_ext.transports.direct import direct_timeline_text
+
+    rows = [("start", 0, 0.0, 0.0), ("engine", 0, 0.0, 1.0)]
+    for c in range(4):  # packs of 1 ms back to back; copies of 1 ms, stream c % 2
+        rows.append(("pack", c, float(c), c + 1.0))
+    rows += [("copy", 0, 1.0, 2.0), ("copy", 1, 2.0, 3.0), ("copy", 2, 3.0, 4.0), ("copy", 3, 4.0, 5.0),
+             ("signal", 0, 5.0, 5.1), ("end", 0, 5.2, 5.2)]
+    text = direct_timeline_text(rows, streams=2)
+    assert "span 5.200 ms" in text and "busy 5.000 ms, idle between 0.000 ms" in text, text
+    # chunk 2's stream was free at 2.0 and its pack ended at 3.0; chunk 3's: free at 3.0, packed at 4.0
+    assert "copy streams waited 2.000 ms for packs" in text and "waited 0.000 ms for free slots" in text, text
+    assert "chunk 3" in text and "copy (stream 1)" in text, text
+
+
+def test_mxfp8_sender_staged_digests_with_other_ring_shapes(monkeypatch):
+    """A verified execute's staged send digests equal the sources' with 2 and 6 slots and 1 and
+    3 copy streams (RESHARD_EXT_DIRECT_STAGING_SLOTS / _STREAMS), bytes alike."""
+    from reshard_ext import options
+
+    for slots, streams in ((2, 1), (6, 3)):
+        monkeypatch.setenv("RESHARD_EXT_DIRECT_STAGING_SLOTS", str(slots))
+        monkeypatch.setenv("RESHARD_EXT_DIRECT_STAGING_STREAMS", str(streams))
+        options._CACHE.clear()
+        stats = _mxfp8_direct("all", "sender", "2d", 2, wide=True, stage_bytes=256, landing=True, policy=3)
+        assert stats["staged"] > 0 and stats["digested_ops"] > 0, stats
+    options._CACHE.clear()

@@ -201,7 +201,8 @@ uint64_t DirectSignals::peer_ready(int peer) const {
 DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& all_boxes,
                        const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
                        std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& all_groups,
-                       const std::vector<uint8_t>& box_stageable)
+                       const std::vector<uint8_t>& box_stageable,
+                       const std::vector<int64_t>& box_ordinals)
     : sig_(std::move(signals)),
       config_(config),
       receivers_(std::move(receivers)),
@@ -217,10 +218,16 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   std::vector<int32_t> rest;
   staging_ = plan_staging(all_boxes, all_groups,
                           box_stageable.empty() ? std::vector<uint8_t>(all_boxes.size(), 0) : box_stageable,
-                          config_.stage_slot_bytes, &rest);
-  for (const StagedChunk& c : staging_.chunks) stage_tables_.emplace_back(c.pack);  // sizes; rebuilt at upload
-  plain_script_ = stage_script(staging_, 0);
-  landing_script_ = stage_script(staging_, config_.landing_groups);
+                          config_.stage_slot_bytes, &rest, box_ordinals, config_.stage_slots);
+  int64_t first = 0;
+  for (const StagedChunk& c : staging_.chunks) {  // tables for their sizes: rebuilt at upload
+    stage_first_.push_back(first);
+    first += static_cast<int64_t>(c.pack.size());
+    stage_tables_.emplace_back(c.pack);
+    stage_digest_tables_.emplace_back(c.digest);
+  }
+  plain_script_ = stage_script(staging_, 0, config_.stage_streams);
+  landing_script_ = stage_script(staging_, config_.landing_groups, config_.stage_streams, /*digest=*/true);
   std::vector<rx_box> boxes;
   std::vector<int32_t> box_groups;
   for (int32_t i : rest) {
@@ -276,7 +283,7 @@ DirectExec::DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector
   if (!staging_.chunks.empty()) {
     stage_streams_.resize(static_cast<size_t>(1 + plain_script_.streams), nullptr);
     for (cudaStream_t& st : stage_streams_) RX_CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, highest));
-    stage_events_.resize(static_cast<size_t>(plain_script_.events), nullptr);
+    stage_events_.resize(static_cast<size_t>(std::max(plain_script_.events, landing_script_.events)), nullptr);
     for (cudaEvent_t& e : stage_events_) RX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
 }
@@ -291,6 +298,13 @@ std::vector<const DeviceBoxTable*> DirectExec::tables() const {
   std::vector<const DeviceBoxTable*> out{&table_, &local_table_};
   for (const LandingGroup& g : groups_) out.push_back(&g.table);
   for (const DeviceBoxTable& t : stage_tables_) out.push_back(&t);
+  for (const DeviceBoxTable& t : stage_digest_tables_) out.push_back(&t);
+  return out;
+}
+
+std::vector<int32_t> DirectExec::staged_boxes() const {
+  std::vector<int32_t> out;
+  for (const StagedChunk& c : staging_.chunks) out.insert(out.end(), c.boxes.begin(), c.boxes.end());
   return out;
 }
 
@@ -312,8 +326,10 @@ void DirectExec::upload(void* dev, void* staging, cudaStream_t stream) {
   const int64_t planned = table_bytes();  // what the caller allocated, from the tables at ring offsets
   relocate_staging(&staging_, reinterpret_cast<uintptr_t>(staging));
   stage_tables_.clear();
+  stage_digest_tables_.clear();
   for (const StagedChunk& c : staging_.chunks) {
     stage_tables_.emplace_back(c.pack);
+    stage_digest_tables_.emplace_back(c.digest);
     stage_copies_.emplace_back(c.copies, config_.batch);
   }
   RX_HOST_ASSERT(table_bytes() == planned, "DirectExec::upload: the staged tables changed size at the ring's base");
@@ -338,6 +354,8 @@ DirectExec::~DirectExec() {
     if (s != nullptr) cudaStreamDestroy(s);
   for (cudaStream_t s : stage_streams_)
     if (s != nullptr) cudaStreamDestroy(s);
+  for (cudaEvent_t e : trace_pool_) cudaEventDestroy(e);
+  if (trace_stream_ != nullptr) cudaStreamDestroy(trace_stream_);
   cudaGetLastError();
 }
 
@@ -357,9 +375,10 @@ void DirectExec::guarded(Steps&& steps) {
   }
 }
 
-void DirectExec::begin(cudaStream_t main, bool landing) {
+void DirectExec::begin(cudaStream_t main, bool landing, uint64_t stage_digests) {
   if (unfinished_) finish();  // an execute whose caller never waited for its end
   landing_ = landing && !groups_.empty();
+  stage_digests_ = landing_ ? reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(stage_digests)) : nullptr;
   guarded([&] { begin_steps(main); });
 }
 
@@ -369,9 +388,11 @@ void DirectExec::wait_landed(cudaStream_t main, int32_t k) {
   if (senders_.empty()) return;
   DeviceGuard guard(sig_->device());
   const double ns = std::min(timeout_s_, 1e7) * 1e9;
-  RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()),
-                                    landed_word(seq_, k + 1, config_.landing_groups), static_cast<uint64_t>(ns),
-                                    sig_->error_device(), 0, main));
+  traced("wait landed group", k, main, [&] {
+    RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()),
+                                      landed_word(seq_, k + 1, config_.landing_groups), static_cast<uint64_t>(ns),
+                                      sig_->error_device(), 0, main));
+  });
 }
 
 void DirectExec::end(cudaStream_t main, bool wait) {
@@ -390,6 +411,9 @@ void DirectExec::begin_steps(cudaStream_t main) {
   DeviceGuard guard(sig_->device());
   seq_ = sig_->next_seq();
   *sig_->error_host() = 0;  // the previous execute has ended (end() waited): no kernel writes it now
+  marks_.clear();
+  trace_used_ = 0;
+  traced("start", 0, main, [] {});  // the timeline's origin
   if (!senders_.empty()) {
     const uint64_t ready = sig_->ready_device();
     RX_CUDA_CHECK(rx_signal_store_cuda(&ready, 1, seq_, main));
@@ -399,12 +423,14 @@ void DirectExec::begin_steps(cudaStream_t main) {
   RX_CUDA_CHECK(cudaEventRecord(start_, main));
   if (local_engine_.num_copies() > 0) {
     RX_CUDA_CHECK(cudaStreamWaitEvent(local_ce_, start_, 0));
-    local_engine_.issue(local_ce_);
+    traced("local engine", 0, local_ce_, [&] { local_engine_.issue(local_ce_); });
     RX_CUDA_CHECK(cudaEventRecord(local_done_, local_ce_));
   }
-  local_table_.launch(main, config_.local_blocks);
+  if (local_table_.num_boxes() > 0)
+    traced("local kernel", 0, main, [&] { local_table_.launch(main, config_.local_blocks); });
   if (receivers_.empty()) return;
-  run_stage(plain_script_.prefill);  // local writes only: before the receivers are ready
+  const StageScript& script = landing_ ? landing_script_ : plain_script_;
+  run_stage(script.prefill);  // local writes only: before the receivers are ready
   const auto deadline = deadline_after(timeout_s_);
   Backoff backoff(50);
   for (int32_t r : receivers_) {
@@ -417,19 +443,26 @@ void DirectExec::begin_steps(cudaStream_t main) {
       backoff.pause();
     }
   }
+  if (trace_) {  // an idle stream's record completes as it is queued: when the host got here
+    if (trace_stream_ == nullptr) RX_CUDA_CHECK(cudaStreamCreateWithFlags(&trace_stream_, cudaStreamNonBlocking));
+    traced("host: receivers ready", 0, trace_stream_, [] {});
+  }
   RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, start_, 0));
   for (size_t k = 0; k < ces_.size(); ++k) RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[k], start_, 0));
   if (landing_) return send_landing();
-  for (size_t k = 0; k < ces_.size(); ++k) engines_[k].issue(ces_[k]);
-  table_.launch(sm_, 0);
+  for (size_t k = 0; k < ces_.size(); ++k)
+    traced("engine", static_cast<int32_t>(k), ces_[k], [&] { engines_[k].issue(ces_[k]); });
+  if (table_.num_boxes() > 0) traced("kernel", 0, sm_, [&] { table_.launch(sm_, 0); });
   run_stage(plain_script_.parts.front());
-  wait_staged(sm_);
+  wait_staged(sm_, true);
   for (size_t k = 0; k < ces_.size(); ++k) {
     RX_CUDA_CHECK(cudaEventRecord(ce_done_[k], ces_[k]));
     RX_CUDA_CHECK(cudaStreamWaitEvent(sm_, ce_done_[k], 0));
   }
   const uint64_t done = landed_word(seq_, 1, 1);
-  RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()), done, sm_));
+  traced("signal", 0, sm_, [&] {
+    RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()), done, sm_));
+  });
   RX_CUDA_CHECK(cudaEventRecord(sent_, sm_));
 }
 
@@ -444,17 +477,19 @@ void DirectExec::send_landing() {
     LandingGroup& g = groups_[static_cast<size_t>(k)];
     for (size_t j = 0; j < g.engines.size(); ++j) {  // the first streams (spread_engines per group)
       if (k > 0) RX_CUDA_CHECK(cudaStreamWaitEvent(ces_[j], landed_, 0));
-      g.engines[j].issue(ces_[j]);
+      traced("engine " + std::to_string(j) + " group", k, ces_[j], [&] { g.engines[j].issue(ces_[j]); });
       RX_CUDA_CHECK(cudaEventRecord(ce_done_[j], ces_[j]));
       RX_CUDA_CHECK(cudaStreamWaitEvent(signal_, ce_done_[j], 0));
     }
-    g.table.launch(sm_, 0);
+    traced("kernel group", k, sm_, [&] { g.table.launch(sm_, 0); });
     RX_CUDA_CHECK(cudaEventRecord(kernel_done_, sm_));
     RX_CUDA_CHECK(cudaStreamWaitEvent(signal_, kernel_done_, 0));
     run_stage(landing_script_.parts[static_cast<size_t>(k)]);
-    wait_staged(signal_);
-    RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()),
-                                       landed_word(seq_, k + 1, groups), signal_));
+    wait_staged(signal_, k + 1 == groups);
+    traced("signal group", k, signal_, [&] {
+      RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()),
+                                         landed_word(seq_, k + 1, groups), signal_));
+    });
     RX_CUDA_CHECK(cudaEventRecord(landed_, signal_));
   }
   RX_CUDA_CHECK(cudaEventRecord(sent_, signal_));
@@ -472,9 +507,16 @@ void DirectExec::run_stage(const std::vector<StageAction>& actions) {
     RX_HOST_ASSERT(a.stream >= 0 && a.stream < static_cast<int32_t>(stage_streams_.size()),
                    "staging script: stream ", a.stream);
     cudaStream_t s = stage_streams_[static_cast<size_t>(a.stream)];
+    const auto c = static_cast<size_t>(a.arg);
     switch (a.op) {
-      case kStagePack: stage_tables_[static_cast<size_t>(a.arg)].launch(s, 0); break;
-      case kStageCopy: stage_copies_[static_cast<size_t>(a.arg)].issue(s); break;
+      case kStagePack: traced("pack", a.arg, s, [&] { stage_tables_[c].launch(s, 0); }); break;
+      case kStageCopy: traced("copy", a.arg, s, [&] { stage_copies_[c].issue(s); }); break;
+      case kStageDigest:
+        if (stage_digests_ != nullptr)
+          traced("digest", a.arg, s, [&] {
+            stage_digest_tables_[c].launch_digest(s, 0, stage_digests_ + stage_first_[c], RX_PASS_SRC);
+          });
+        break;
       case kStageWait: RX_CUDA_CHECK(cudaStreamWaitEvent(s, stage_event(a.arg), 0)); break;
       case kStageRecord:
         RX_HOST_ASSERT(a.arg >= 0, "staging script: records the executor's event ", a.arg);
@@ -485,10 +527,51 @@ void DirectExec::run_stage(const std::vector<StageAction>& actions) {
   }
 }
 
-void DirectExec::wait_staged(cudaStream_t stream) {
+void DirectExec::wait_staged(cudaStream_t stream, bool last) {
   if (staging_.chunks.empty()) return;
-  for (int32_t e = 0; e < plain_script_.streams; ++e)
+  const StageScript& script = landing_ ? landing_script_ : plain_script_;
+  for (int32_t e = 0; e < script.streams; ++e)
     RX_CUDA_CHECK(cudaStreamWaitEvent(stream, stage_event(2 * staging_.slots + e), 0));
+  if (last && script.events > 2 * staging_.slots + script.streams)  // the digests' end (stage_script)
+    RX_CUDA_CHECK(cudaStreamWaitEvent(stream, stage_event(2 * staging_.slots + script.streams), 0));
+}
+
+cudaEvent_t DirectExec::trace_event() {
+  if (trace_used_ == trace_pool_.size()) {
+    cudaEvent_t e = nullptr;
+    RX_CUDA_CHECK(cudaEventCreate(&e));
+    trace_pool_.push_back(e);
+  }
+  return trace_pool_[trace_used_++];
+}
+
+template <class F>
+void DirectExec::traced(const std::string& kind, int32_t index, cudaStream_t s, F&& fn) {
+  if (!trace_) {
+    fn();
+    return;
+  }
+  cudaEvent_t begin = trace_event();
+  RX_CUDA_CHECK(cudaEventRecord(begin, s));
+  fn();
+  cudaEvent_t end = trace_event();
+  RX_CUDA_CHECK(cudaEventRecord(end, s));
+  marks_.push_back(Mark{kind, index, begin, end});
+}
+
+std::vector<TraceRow> DirectExec::timeline() {
+  std::vector<TraceRow> rows;
+  if (marks_.empty()) return rows;
+  DeviceGuard guard(sig_->device());
+  for (const Mark& m : marks_) RX_CUDA_CHECK(cudaEventSynchronize(m.end));
+  const cudaEvent_t t0 = marks_.front().begin;
+  auto ms = [&](cudaEvent_t e) {
+    float v = 0;
+    RX_CUDA_CHECK(cudaEventElapsedTime(&v, t0, e));
+    return static_cast<double>(v);
+  };
+  for (const Mark& m : marks_) rows.push_back(TraceRow{m.kind, m.index, ms(m.begin), ms(m.end)});
+  return rows;
 }
 
 void DirectExec::end_steps(cudaStream_t main) {
@@ -498,10 +581,13 @@ void DirectExec::end_steps(cudaStream_t main) {
   if (local_engine_.num_copies() > 0) RX_CUDA_CHECK(cudaStreamWaitEvent(main, local_done_, 0));
   if (!senders_.empty()) {
     const double ns = std::min(timeout_s_, 1e7) * 1e9;
-    RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()),
-                                      landed_word(seq_, 1, 1), static_cast<uint64_t>(ns), sig_->error_device(), 0,
-                                      main));
+    traced("wait senders", 0, main, [&] {
+      RX_CUDA_CHECK(rx_signal_wait_cuda(wait_words_.data(), static_cast<int32_t>(wait_words_.size()),
+                                        landed_word(seq_, 1, 1), static_cast<uint64_t>(ns), sig_->error_device(), 0,
+                                        main));
+    });
   }
+  traced("end", 0, main, [] {});
   RX_CUDA_CHECK(cudaEventRecord(end_, main));
 }
 

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/executor.h"
 #include "comm/peer_map.h"
 #include "core/direct.h"
 #include "kernels/device_table.h"
@@ -126,6 +127,8 @@ struct DirectConfig {
   bool batch = true;               // batched copy-engine calls where available
   int32_t landing_groups = 1;      // groups a verified execute lands in (core/direct.h); alike on every rank
   int64_t stage_slot_bytes = 0;    // staging slot of a sender's codec boxes (plan_staging; 0: none staged)
+  int32_t stage_slots = kStageSlots;    // slots of its ring (plan_staging)
+  int32_t stage_streams = kStageStreams;  // copy-engine streams carrying its chunks (stage_script)
 };
 
 // One bound plan's direct work on one rank: the sends as copy-engine copies and a box
@@ -138,11 +141,13 @@ class DirectExec {
   // to run beside them (may be empty). receivers / senders: the peers this rank writes to
   // / that write to it directly, all attached in `signals`. box_groups: the landing group
   // of each box (landing_groups; empty: every box in group 0). box_stageable: whether each
-  // box may be staged (ExecTables::direct_stageable; empty: none).
+  // box may be staged (ExecTables::direct_stageable; empty: none). box_ordinals: each box's
+  // first verify ordinal in its op (ExecTables::direct_ordinals; empty: 0), for the staged
+  // boxes' send digests.
   DirectExec(std::shared_ptr<DirectSignals> signals, const std::vector<rx_box>& boxes,
              const std::vector<rx_box>& local, const DirectConfig& config, std::vector<int32_t> receivers,
              std::vector<int32_t> senders, double timeout_s, const std::vector<int32_t>& box_groups = {},
-             const std::vector<uint8_t>& box_stageable = {});
+             const std::vector<uint8_t>& box_stageable = {}, const std::vector<int64_t>& box_ordinals = {});
   ~DirectExec();
   DirectExec(const DirectExec&) = delete;
   DirectExec& operator=(const DirectExec&) = delete;
@@ -160,13 +165,19 @@ class DirectExec {
   int64_t num_local_kernel_boxes() const { return local_table_.num_boxes(); }
   int64_t num_staged_chunks() const { return static_cast<int64_t>(staging_.chunks.size()); }
   int64_t num_staged_boxes() const;
+  // The staged boxes (their indices in the constructor's `boxes`) in the order of the
+  // digests a verified execute leaves in begin's stage_digests.
+  std::vector<int32_t> staged_boxes() const;
   const std::string& engine_mode() const { return engines_.front().mode(); }
 
   // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream, and the
   // same-rank copies. Throws ReshardError when a receiver is not ready within the timeout.
   // landing: write the boxes group by group and signal each group as it lands (a
-  // verified execute; otherwise one signal at the end).
-  void begin(cudaStream_t main, bool landing = false);
+  // verified execute; otherwise one signal at the end). stage_digests (landing only; 0:
+  // none): num_staged_boxes() zeroed uint64 on this GPU into which the execute adds each
+  // staged box's send digest (staged_boxes() order), read from the ring as it is copied out;
+  // complete when `main` passes end().
+  void begin(cudaStream_t main, bool landing = false, uint64_t stage_digests = 0);
   // Queues on `main` a wait until landing group k of every sender is in this rank (what
   // follows on `main` may read it). A wait that times out leaves the error to end().
   void wait_landed(cudaStream_t main, int32_t k);
@@ -180,6 +191,13 @@ class DirectExec {
 
   const std::string& error() const { return error_; }
 
+  // Diagnostics (refit_bench --timeline): while on, each execute records CUDA timing events
+  // around its steps (the staged chunks' packs, copies and digests, the copy-engine and
+  // kernel writes, the signals and waits); timeline() returns them, in ms from the execute's
+  // start on `main`, after waiting for the last.
+  void set_trace(bool on) { trace_ = on; }
+  std::vector<TraceRow> timeline();
+
  private:
   [[noreturn]] void fail(const std::string& msg);
   template <class Steps>
@@ -191,7 +209,11 @@ class DirectExec {
   // Queues a staging script's actions (core/direct.h, stage_script); then makes `stream`
   // wait for every copy stream's group end.
   void run_stage(const std::vector<StageAction>& actions);
-  void wait_staged(cudaStream_t stream);
+  // ... last: the execute's last signal, which waits for a verified execute's digests too.
+  void wait_staged(cudaStream_t stream, bool last);
+  template <class F>
+  void traced(const std::string& kind, int32_t index, cudaStream_t s, F&& fn);
+  cudaEvent_t trace_event();
   cudaEvent_t stage_event(int32_t id) const;
   // The kernels' box tables in upload order, each at a 256-byte aligned offset.
   std::vector<const DeviceBoxTable*> tables() const;
@@ -212,7 +234,9 @@ class DirectExec {
   // upload: they hold the ring's addresses), the streams (0: pack) and events they use.
   StagingPlan staging_;
   StageScript plain_script_, landing_script_;
-  std::vector<DeviceBoxTable> stage_tables_;
+  std::vector<DeviceBoxTable> stage_tables_, stage_digest_tables_;
+  std::vector<int64_t> stage_first_;  // per chunk: the index of its first box in staged_boxes()
+  uint64_t* stage_digests_ = nullptr;  // this execute's (begin)
   std::vector<EngineQueue> stage_copies_;
   std::vector<cudaStream_t> stage_streams_;
   std::vector<cudaEvent_t> stage_events_;
@@ -228,6 +252,17 @@ class DirectExec {
               landed_ = nullptr;
   uint64_t seq_ = 0;
   std::string error_;
+  // Tracing (set_trace): timing events, reused across executes, and this execute's marks.
+  struct Mark {
+    std::string kind;
+    int32_t index;
+    cudaEvent_t begin, end;
+  };
+  bool trace_ = false;
+  std::vector<cudaEvent_t> trace_pool_;
+  size_t trace_used_ = 0;
+  std::vector<Mark> marks_;
+  cudaStream_t trace_stream_ = nullptr;  // idle: a record there marks when the host got past a wait
 };
 
 }  // namespace rx

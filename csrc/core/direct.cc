@@ -175,10 +175,12 @@ bool staged_copy(const rx_box& box, uint64_t src, EngineCopy* copy) {
 }
 
 StagingPlan plan_staging(const std::vector<rx_box>& boxes, const std::vector<int32_t>& groups,
-                         const std::vector<uint8_t>& stageable, int64_t slot_bytes, std::vector<int32_t>* rest) {
-  RX_HOST_ASSERT(stageable.size() == boxes.size() && (groups.empty() || groups.size() == boxes.size()),
-                 "plan_staging: ", stageable.size(), " flags and ", groups.size(), " groups for ", boxes.size(),
-                 " boxes");
+                         const std::vector<uint8_t>& stageable, int64_t slot_bytes, std::vector<int32_t>* rest,
+                         const std::vector<int64_t>& ordinals, int32_t slots) {
+  RX_HOST_ASSERT(stageable.size() == boxes.size() && (groups.empty() || groups.size() == boxes.size()) &&
+                     (ordinals.empty() || ordinals.size() == boxes.size()) && slots >= 1,
+                 "plan_staging: ", stageable.size(), " flags, ", groups.size(), " groups and ", ordinals.size(),
+                 " ordinals for ", boxes.size(), " boxes, ", slots, " slots");
   StagingPlan plan;
   rest->clear();
   auto aligned = [](int64_t n) { return (n + kStageAlign - 1) / kStageAlign * kStageAlign; };
@@ -212,13 +214,22 @@ StagingPlan plan_staging(const std::vector<rx_box>& boxes, const std::vector<int
     }
     EngineCopy copy;
     RX_HOST_ASSERT(staged_copy(b, pack.dst, &copy), "plan_staging: box ", i, " lost its copy");
+    rx_box digest = pack;  // the slot's bytes as a plain copy onto themselves (a read pass writes nothing)
+    digest.src = pack.dst;
+    digest.src_dtype = b.dst_dtype;
+    std::copy(pack.dst_stride, pack.dst_stride + RX_MAX_DIMS, digest.src_stride);
+    digest.codec = RX_CODEC_NONE;
+    digest.param[0] = ordinals.empty() ? 0 : ordinals[static_cast<size_t>(i)];
+    digest.param[1] = digest.param[2] = 0;
+    digest.digest = RX_DIGEST_AS_WRITTEN;
     c.pack.push_back(pack);
+    c.digest.push_back(digest);
     c.copies.push_back(copy);
     c.boxes.push_back(i);
     c.bytes += bytes;
     plan.slot_bytes = std::max(plan.slot_bytes, c.bytes);
   }
-  plan.slots = static_cast<int32_t>(std::min<size_t>(kStageSlots, plan.chunks.size()));
+  plan.slots = static_cast<int32_t>(std::min<size_t>(static_cast<size_t>(slots), plan.chunks.size()));
   for (size_t k = 0; k < plan.chunks.size(); ++k) plan.chunks[k].slot = static_cast<int32_t>(k) % plan.slots;
   return plan;
 }
@@ -227,22 +238,24 @@ void relocate_staging(StagingPlan* plan, uint64_t base) {
   for (StagedChunk& c : plan->chunks) {
     const uint64_t slot = base + static_cast<uint64_t>(c.slot) * static_cast<uint64_t>(plan->slot_bytes);
     for (rx_box& b : c.pack) b.dst += slot;
+    for (rx_box& b : c.digest) b.src = b.dst = b.src + slot;
     for (EngineCopy& e : c.copies) e.src += slot;
   }
 }
 
-StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams) {
+StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams, bool digest) {
   RX_HOST_ASSERT(streams >= 1 && groups >= 0, "stage_script: ", streams, " streams, ", groups, " groups");
   StageScript out;
   const int32_t slots = plan.slots, n = static_cast<int32_t>(plan.chunks.size());
   out.parts.resize(static_cast<size_t>(std::max(groups, 1)));
   if (n == 0) return out;  // nothing staged: no action at all
   out.streams = streams;
-  out.events = 2 * slots + streams;
+  out.events = 2 * slots + streams + (digest ? 1 : 0);
   const auto packed = [](int32_t c, int32_t s) { return c % s; };
   auto pack = [&](std::vector<StageAction>& to, int32_t c) {
     to.push_back({kStagePack, 0, c});
     to.push_back({kStageRecord, 0, packed(c, slots)});
+    if (digest) to.push_back({kStageDigest, 0, c});
   };
   out.prefill.push_back({kStageWait, 0, kStageStart});
   for (int32_t c = 0; c < slots; ++c) pack(out.prefill, c);
@@ -262,6 +275,7 @@ StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t stream
       }
     }
     for (int32_t e = 0; e < streams; ++e) part.push_back({kStageRecord, 1 + e, 2 * slots + e});
+    if (digest && k + 1 == static_cast<int32_t>(out.parts.size())) part.push_back({kStageRecord, 0, 2 * slots + streams});
   }
   RX_HOST_ASSERT(c == n, "stage_script: chunks out of landing-group order, or of groups past ", groups);
   return out;

@@ -87,6 +87,11 @@ struct StagedChunk {
   std::vector<rx_box> pack;         // the boxes, writing contiguously into the slot
   std::vector<EngineCopy> copies;   // slot -> the peer's destinations, one per box
   std::vector<int32_t> boxes;       // the index of each box in plan_staging's input
+  // A verified execute's send digests of the boxes: plain copies of their bytes in the slot
+  // (dst dtype, first ordinal the box's within its op), read by RX_PASS_SRC. A sender-side
+  // box's digest is that of the dst elements it writes (what its receiver's unpack hashes on
+  // the NCCL path), so this reads 1 byte per byte sent instead of running the codec again.
+  std::vector<rx_box> digest;
 };
 
 // Addresses in the ring are offsets from 0 until relocate_staging adds the ring's base.
@@ -106,10 +111,13 @@ bool staged_copy(const rx_box& box, uint64_t src, EngineCopy* copy);
 // Stages boxes[i] where stageable[i], its destination is one copy (staged_copy) and it
 // fits `slot_bytes` (ExecTables::bind_direct cuts ops to fit); chunks group the staged
 // boxes by landing group (groups[i]; empty: all 0) in ascending group order, each group's
-// boxes in order, a chunk filled up to slot_bytes. `rest` gets the indices of the other
-// boxes, in order. slot_bytes <= 0: nothing is staged.
+// boxes in order, a chunk filled up to slot_bytes, the ring of `slots` slots (at most one
+// per chunk). `rest` gets the indices of the other boxes, in order. slot_bytes <= 0:
+// nothing is staged. ordinals[i] (empty: all 0): the verify ordinal of box i's first
+// element within its op (ExecTables::direct_ordinals), for the chunks' digest boxes.
 StagingPlan plan_staging(const std::vector<rx_box>& boxes, const std::vector<int32_t>& groups,
-                         const std::vector<uint8_t>& stageable, int64_t slot_bytes, std::vector<int32_t>* rest);
+                         const std::vector<uint8_t>& stageable, int64_t slot_bytes, std::vector<int32_t>* rest,
+                         const std::vector<int64_t>& ordinals = {}, int32_t slots = kStageSlots);
 // Moves the plan's pack destinations and copy sources into the ring at `base`.
 void relocate_staging(StagingPlan* plan, uint64_t base);
 
@@ -121,7 +129,7 @@ void relocate_staging(StagingPlan* plan, uint64_t base);
 // stream e reached the end of a group"; kStageStart: the execute's start on the caller's
 // stream (sources ready, the ring free since the previous execute's end); kStageLanded: the
 // previous landing group was signalled.
-enum StageOp : int32_t { kStagePack = 0, kStageCopy = 1, kStageWait = 2, kStageRecord = 3 };
+enum StageOp : int32_t { kStagePack = 0, kStageCopy = 1, kStageWait = 2, kStageRecord = 3, kStageDigest = 4 };
 constexpr int32_t kStageStart = -1, kStageLanded = -2;
 struct StageAction {
   int32_t op, stream, arg;  // arg: the chunk (pack, copy) or the event (wait, record)
@@ -140,7 +148,7 @@ struct StageScript {
   // Nothing staged: every list is empty (streams and events 0).
   std::vector<std::vector<StageAction>> parts;
 };
-StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams = kStageStreams);
+StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams = kStageStreams, bool digest = false);
 
 // Landing groups of a verified direct execute: each sender writes a pair's ops in
 // `groups` groups and signals each group as it lands, so that the receiver digests group

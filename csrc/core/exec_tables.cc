@@ -548,6 +548,7 @@ void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vecto
   direct_.clear();
   direct_ops_.clear();
   direct_stageable_.clear();
+  direct_ordinals_.clear();
   std::vector<TransferOp> parts;
   for (size_t i = 0; i < plan_->direct_sends.size(); ++i) {
     const TransferOp& op = plan_->direct_sends[i];
@@ -565,12 +566,15 @@ void ExecTables::bind_direct(const std::vector<TensorRef>& src, const std::vecto
     } else {
       parts.push_back(op);
     }
+    int64_t ordinal = 0;  // split_op's pieces are consecutive runs of the op's row-major order
     for (const TransferOp& part : parts) {
       const uint64_t at = element_addr(d, ds, part.theirs.start), from = element_addr(s, ss, part.mine.start);
       direct_.push_back(make_box(part.mine.size, from, ss.data(), s.dtype, at, d.strides.data(), d.dtype,
                                  box_codec(&s, &d), box_params(s, from, d, at)));
       direct_ops_.push_back(static_cast<int32_t>(i));
       direct_stageable_.push_back(stageable ? 1 : 0);
+      direct_ordinals_.push_back(ordinal);
+      ordinal += part.numel;
     }
   }
 }

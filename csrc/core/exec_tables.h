@@ -144,6 +144,8 @@ class ExecTables {
   // the box is stageable (1) or not (0).
   const std::vector<int32_t>& direct_ops() const { return direct_ops_; }
   const std::vector<uint8_t>& direct_stageable() const { return direct_stageable_; }
+  // ... and the verify ordinal of the box's first element within its op (0 for a whole op).
+  const std::vector<int64_t>& direct_ordinals() const { return direct_ordinals_; }
   // (peer, position in dst_used()) of every dst piece a peer writes into directly, sorted.
   std::vector<std::pair<int32_t, int32_t>> direct_recv_pieces() const;
 
@@ -191,6 +193,7 @@ class ExecTables {
   std::vector<rx_box> copies_, direct_;
   std::vector<int32_t> direct_ops_;
   std::vector<uint8_t> direct_stageable_;
+  std::vector<int64_t> direct_ordinals_;
   std::vector<std::vector<Message>> send_msgs_, recv_msgs_;
   std::vector<rx_box> send_boxes_, recv_boxes_;
   std::vector<std::vector<int32_t>> pack_ops_, unpack_ops_, direct_sends_, direct_recvs_;

@@ -538,6 +538,10 @@ void register_core(py::module_& m) {
       .def("direct_boxes", [](const ExecTables& t) { return box_table(t.direct()); })
       .def("direct_stageable", [](const ExecTables& t) { return t.direct_stageable(); },
            "Whether each direct box (aligned with direct_boxes) may be staged: its codec belongs to its source")
+      .def("direct_ordinals", [](const ExecTables& t) { return t.direct_ordinals(); },
+           "The verify ordinal of each direct box's first element within its send op (0: a whole op)")
+      .def("direct_ops", [](const ExecTables& t) { return t.direct_ops(); },
+           "The direct send op (index into the plan's direct sends) each direct box moves (part of)")
       .def("direct_landing_groups",
            [](const ExecTables& t, int32_t groups) {
              const std::vector<int32_t> of_op = landing_groups(t.plan().direct_sends, groups);

@@ -99,6 +99,7 @@ void register_cuda(py::module_& m) {
   m.attr("STAGE_SLOTS") = kStageSlots;
   m.attr("STAGE_STREAMS") = kStageStreams;
   m.attr("STAGE_ALIGN") = kStageAlign;
+  m.attr("STAGE_DIGEST") = static_cast<int>(kStageDigest);
   m.attr("STAGE_START") = kStageStart;
   m.attr("STAGE_LANDED") = kStageLanded;
   py::class_<StagingPlan>(m, "StagingPlan", "Staged codec boxes of a direct send (core/direct.h, plan_staging).")
@@ -110,14 +111,16 @@ void register_cuda(py::module_& m) {
           "chunk",
           [=](const StagingPlan& p, size_t c) {
             const StagedChunk& k = p.chunks.at(c);
-            return py::make_tuple(k.group, k.slot, k.bytes, BoxTable{k.pack}, copies_out(k.copies), k.boxes);
+            return py::make_tuple(k.group, k.slot, k.bytes, BoxTable{k.pack}, copies_out(k.copies), k.boxes,
+                                  BoxTable{k.digest});
           },
-          py::arg("c"), "(group, slot, bytes, pack boxes, copies as split_engines gives them, box indices)")
+          py::arg("c"),
+          "(group, slot, bytes, pack boxes, copies as split_engines gives them, box indices, digest boxes)")
       .def("relocate", [](StagingPlan& p, uint64_t base) { relocate_staging(&p, base); }, py::arg("base"))
       .def(
           "script",
-          [](const StagingPlan& p, int32_t groups, int32_t streams) {
-            const StageScript sc = stage_script(p, groups, streams);
+          [](const StagingPlan& p, int32_t groups, int32_t streams, bool digest) {
+            const StageScript sc = stage_script(p, groups, streams, digest);
             auto acts = [](const std::vector<StageAction>& v) {
               py::list l;
               for (const StageAction& a : v) l.append(py::make_tuple(a.op, a.stream, a.arg));
@@ -127,19 +130,21 @@ void register_cuda(py::module_& m) {
             for (const auto& part : sc.parts) parts.append(acts(part));
             return py::make_tuple(sc.streams, sc.events, acts(sc.prefill), parts);
           },
-          py::arg("groups"), py::arg("streams") = kStageStreams,
+          py::arg("groups"), py::arg("streams") = kStageStreams, py::arg("digest") = false,
           "stage_script: (streams, events, prefill, parts), actions as (op, stream, arg); op 0 pack, 1 copy, "
-          "2 wait, 3 record.");
+          "2 wait, 3 record, 4 digest.");
   m.def(
       "plan_staging",
       [](const py::buffer& table, const std::vector<int32_t>& groups, const std::vector<uint8_t>& stageable,
-         int64_t slot_bytes) {
+         int64_t slot_bytes, const std::vector<int64_t>& ordinals, int32_t slots) {
         std::vector<int32_t> rest;
-        StagingPlan p = plan_staging(boxes_from(table), groups, stageable, slot_bytes, &rest);
+        StagingPlan p = plan_staging(boxes_from(table), groups, stageable, slot_bytes, &rest, ordinals, slots);
         return py::make_tuple(std::move(p), rest);
       },
       py::arg("boxes"), py::arg("groups"), py::arg("stageable"), py::arg("slot_bytes"),
-      "The direct transport's staging of a sender's codec boxes: (StagingPlan, indices of the boxes not staged).");
+      py::arg("ordinals") = std::vector<int64_t>{}, py::arg("slots") = kStageSlots,
+      "The direct transport's staging of a sender's codec boxes: (StagingPlan, indices of the boxes not staged); "
+      "ordinals: each box's first verify ordinal in its op (ExecTables.direct_ordinals; empty: 0).");
   m.def(
       "dst_spans",
       [](const py::buffer& table) {

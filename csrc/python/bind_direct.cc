@@ -9,6 +9,7 @@
 #include "common/check.h"
 #include "python/box_table.h"
 #include "python/register.h"
+#include "python/trace_rows.h"
 
 #ifdef RX_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -98,7 +99,8 @@ void register_direct(py::module_& m) {
                        int64_t engine_bytes, int64_t local_engine_bytes, int32_t local_blocks, bool batch,
                        int32_t engine_streams, std::vector<int32_t> receivers, std::vector<int32_t> senders,
                        double timeout_s, const std::vector<int32_t>& box_groups, int32_t landing_groups,
-                       const std::vector<uint8_t>& box_stageable, int64_t stage_slot_bytes) {
+                       const std::vector<uint8_t>& box_stageable, int64_t stage_slot_bytes,
+                       const std::vector<int64_t>& box_ordinals, int32_t stage_slots, int32_t stage_streams) {
              DirectConfig config;
              config.engine_bytes = engine_bytes;
              config.local_engine_bytes = local_engine_bytes;
@@ -107,22 +109,31 @@ void register_direct(py::module_& m) {
              config.engine_streams = engine_streams;
              config.landing_groups = landing_groups;
              config.stage_slot_bytes = stage_slot_bytes;
+             config.stage_slots = stage_slots;
+             config.stage_streams = stage_streams;
+             RX_USER_CHECK(stage_slots >= 1 && stage_streams >= 1, "direct staging: ", stage_slots, " slots and ",
+                           stage_streams, " copy streams (at least 1 each)");
              return std::make_shared<DirectExec>(std::move(sig), boxes_from(boxes), boxes_from(local), config,
                                                  std::move(receivers), std::move(senders), timeout_s, box_groups,
-                                                 box_stageable);
+                                                 box_stageable, box_ordinals);
            }),
            py::arg("signals"), py::arg("boxes"), py::arg("local"), py::arg("engine_bytes"),
            py::arg("local_engine_bytes"), py::arg("local_blocks"), py::arg("batch"), py::arg("engine_streams"),
            py::arg("receivers"), py::arg("senders"), py::arg("timeout_s"), py::arg("box_groups"),
            py::arg("landing_groups"), py::arg("box_stageable") = std::vector<uint8_t>{},
-           py::arg("stage_slot_bytes") = 0,
+           py::arg("stage_slot_bytes") = 0, py::arg("box_ordinals") = std::vector<int64_t>{},
+           py::arg("stage_slots") = kStageSlots, py::arg("stage_streams") = kStageStreams,
            "boxes: the direct sends; local: same-rank copies it runs beside them (an empty BoxTable for none); "
            "box_groups: each box's landing group (ExecTables.direct_landing_groups) of landing_groups; "
-           "box_stageable (ExecTables.direct_stageable) and stage_slot_bytes: the boxes it stages (plan_staging).")
+           "box_stageable (ExecTables.direct_stageable), stage_slot_bytes, stage_slots: the boxes it stages "
+           "(plan_staging), stage_streams the copy streams carrying them; box_ordinals "
+           "(ExecTables.direct_ordinals): their verify ordinals.")
       .def_property_readonly("table_bytes", &DirectExec::table_bytes)
       .def_property_readonly("staging_bytes", &DirectExec::staging_bytes, "Bytes of the ring upload() takes.")
       .def_property_readonly("num_staged_chunks", &DirectExec::num_staged_chunks)
       .def_property_readonly("num_staged_boxes", &DirectExec::num_staged_boxes)
+      .def_property_readonly("staged_boxes", &DirectExec::staged_boxes,
+                             "Indices (in `boxes`) of the staged boxes, in the order of begin's stage_digests.")
       .def_property_readonly("num_engine_copies", &DirectExec::num_engine_copies)
       .def_property_readonly("num_kernel_boxes", &DirectExec::num_kernel_boxes)
       .def_property_readonly("num_local_engine_copies", &DirectExec::num_local_engine_copies)
@@ -140,10 +151,21 @@ void register_direct(py::module_& m) {
           "Uploads the tables into dev_ptr (table_bytes) and binds the staged boxes to the ring at staging_ptr "
           "(staging_bytes; 0 when that is 0).")
       .def(
-          "begin", [](DirectExec& d, uint64_t stream, bool landing) { d.begin(as_stream(stream), landing); },
-          py::arg("stream"), py::arg("landing") = false, py::call_guard<py::gil_scoped_release>(),
+          "begin",
+          [](DirectExec& d, uint64_t stream, bool landing, uint64_t stage_digests) {
+            d.begin(as_stream(stream), landing, stage_digests);
+          },
+          py::arg("stream"), py::arg("landing") = false, py::arg("stage_digests") = 0,
+          py::call_guard<py::gil_scoped_release>(),
           "Signals this rank's destinations free, waits (host, bounded) for its receivers', queues its writes "
-          "(landing: group by group, each signalled).")
+          "(landing: group by group, each signalled; stage_digests: the device address of num_staged_boxes zeroed "
+          "uint64 that receive the staged boxes' send digests).")
+      .def("set_trace", &DirectExec::set_trace, py::arg("on"),
+           "Whether executes record CUDA timing events around their steps (timeline).")
+      .def(
+          "timeline",
+          [](DirectExec& d) { return trace_rows([&] { return d.timeline(); }); },
+          "[(kind, index, begin ms, end ms)] of the last traced execute's steps (waits for them).")
       .def(
           "wait_landed", [](DirectExec& d, uint64_t stream, int32_t k) { d.wait_landed(as_stream(stream), k); },
           py::arg("stream"), py::arg("k"),

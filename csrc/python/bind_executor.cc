@@ -13,6 +13,7 @@
 #include "comm/executor.h"
 #include "common/check.h"
 #include "python/register.h"
+#include "python/trace_rows.h"
 
 #ifdef RX_WITH_CUDA
 #include "comm/nvshmem_comm.h"
@@ -127,16 +128,7 @@ void register_executor(py::module_& m) {
       .def("unpack", &Executor::unpack, py::arg("batch"))
       .def(
           "timeline",
-          [](Executor& e) {
-            std::vector<TraceRow> rows;
-            {
-              py::gil_scoped_release release;
-              rows = e.timeline();
-            }
-            py::list out;
-            for (const TraceRow& r : rows) out.append(py::make_tuple(r.kind, r.batch, r.begin_ms, r.end_ms));
-            return out;
-          },
+          [](Executor& e) { return trace_rows([&] { return e.timeline(); }); },
           "[(kind, batch, begin ms, end ms)] of the steps traced since begin (waits for the last).")
       .def("abort", &Executor::abort, py::call_guard<py::gil_scoped_release>())
       .def("set_time_host", &Executor::set_time_host, py::arg("on"),

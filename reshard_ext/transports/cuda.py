@@ -15,7 +15,7 @@ from ..errors import ReshardError
 from ..options import Options, set_process_env_default
 from . import nccl_lib
 from .channel import Session, channel_of, exchange_headers
-from .digests import DeviceDigests
+from .digests import DeviceDigests, fold_into
 from .p2p import P2PExchange
 
 _ALIGN = 256
@@ -126,6 +126,11 @@ class DigestReader:
     def start(self) -> None:
         """Zeroes the digests on the current stream: the passes add into them."""
         self.buf.zero_()
+
+    def fold(self, part: int, per_box: torch.Tensor, rows: torch.Tensor, ops: torch.Tensor) -> None:
+        """Adds digests of pieces of `part`'s ops (digests.fold_into) on the current stream."""
+        at = self.offsets[part]
+        fold_into(self.buf[at:at + self.parts[part].num_boxes], per_box, rows, ops)
 
     def launch(self, parts: Sequence[int]) -> None:
         """Launches the read passes of `parts` (indices into send, recv, copy src, copy dst)

@@ -35,3 +35,15 @@ class DeviceDigests:
 
 
 Digests = tuple[np.ndarray, np.ndarray] | DeviceDigests
+
+
+def fold_into(into: torch.Tensor, per_box: torch.Tensor, rows: torch.Tensor, ops: torch.Tensor) -> None:
+    """Adds digests of pieces into their ops' digests, lane by lane (digest::add), in place
+    on their device (queued, no wait): per_box[i] (int64 views of uint64) into
+    into[ops[rows[i]]]; a row of len(ops) drops its piece. A direct sender's staged boxes
+    are digested piece by piece (the ring as each chunk leaves it) and folded so."""
+    words = torch.zeros((ops.numel() + 1, 2), dtype=torch.int64, device=into.device)
+    words.index_add_(0, rows, per_box.view(torch.int32).view(-1, 2).to(torch.int64))
+    words = words[:-1] + into[ops].view(torch.int32).view(-1, 2).to(torch.int64)
+    lo, hi = words[:, 0] & 0xFFFFFFFF, words[:, 1] & 0xFFFFFFFF
+    into[ops] = (hi - (hi >> 31) * (1 << 32)) * (1 << 32) + lo  # the high word as int32, so no int64 overflow

@@ -49,7 +49,7 @@ import torch
 from .. import _C, groups
 from ..collectives import all_gather_objects
 from ..errors import ReshardError
-from ..options import Options
+from ..options import Options, env_default
 from . import nccl_lib
 from .channel import REMAP_TAG, Session, channel_of, exchange_headers
 
@@ -88,14 +88,106 @@ class RankInfo:
     groups: int = 1                # rx.Options.direct_verify_groups (every rank must agree)
 
 
-def stage_slot_bytes(ring: int, max_batch_bytes: int | None, other_staging: int) -> int:
+def stage_slot_bytes(ring: int, max_batch_bytes: int | None, other_staging: int, slots: int = _C.STAGE_SLOTS) -> int:
     """Bytes of one slot of the ring a sender's codec boxes are staged in (core/direct.h,
     plan_staging): the ring of `ring` bytes (rx.Options.direct_staging_bytes), within
     max_batch_bytes beside the `other_staging` bytes of the NCCL pairs' batches, in
-    _C.STAGE_SLOTS aligned slots; 0: nothing is staged."""
+    `slots` aligned slots (RESHARD_EXT_DIRECT_STAGING_SLOTS); 0: nothing is staged."""
     if max_batch_bytes is not None:
         ring = min(ring, max(0, max_batch_bytes - other_staging))
-    return ring // _C.STAGE_SLOTS // _C.STAGE_ALIGN * _C.STAGE_ALIGN
+    return ring // slots // _C.STAGE_ALIGN * _C.STAGE_ALIGN
+
+
+def staging_shape() -> tuple[int, int]:
+    """(slots, copy streams) of the staging ring (RESHARD_EXT_DIRECT_STAGING_SLOTS / _STREAMS)."""
+    return int(env_default("RESHARD_EXT_DIRECT_STAGING_SLOTS")), int(env_default("RESHARD_EXT_DIRECT_STAGING_STREAMS"))
+
+
+def staged_send_rows(staged_ops: Sequence[int], box_ops: Sequence[int],
+                     direct_sends: Sequence[int]) -> tuple[list, list]:
+    """How a verified execute folds its staged boxes' digests into the plan's send digests
+    (digests.fold_into): (rows, ops). staged_ops: the direct send op of each staged box, in
+    the executor's staged order; box_ops: that of every direct box (ExecTables.direct_ops);
+    direct_sends: the plan's send op index of each direct send op. An op every box of which
+    is staged is digested from the ring (ops lists it, by send index); any other op's staged
+    pieces are dropped (row len(ops)) and the op is read from its source as a whole."""
+    boxes_of: dict[int, int] = {}
+    for op in box_ops:
+        boxes_of[op] = boxes_of.get(op, 0) + 1
+    staged_of: dict[int, int] = {}
+    for op in staged_ops:
+        staged_of[op] = staged_of.get(op, 0) + 1
+    whole = sorted(op for op, n in staged_of.items() if n == boxes_of[op])
+    row = {op: i for i, op in enumerate(whole)}
+    return [row.get(op, len(whole)) for op in staged_ops], [direct_sends[op] for op in whole]
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """[begin, end) runs of ascending indices."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def direct_timeline_text(rows: Sequence[tuple[str, int, float, float]], streams: int | None = None) -> str:
+    """DirectExec.timeline's rows (kind, index, begin ms, end ms) as the log shows them: a
+    summary (the execute's span; the link's busy and idle time between its first and last
+    write; the staged chunks' packs, the copy streams' waits for them and the pack stream's
+    waits for a free slot), then each step, a staged chunk's pack, digest and copy on one line."""
+    if not rows:
+        return ""
+    streams = streams or staging_shape()[1]
+    span = max(e for *_, e in rows)
+    by: dict[str, dict[int, tuple[float, float]]] = {}
+    for kind, i, b, e in rows:
+        by.setdefault(kind, {})[i] = (b, e)
+    pack, copy, digest = by.get("pack", {}), by.get("copy", {}), by.get("digest", {})
+    writes = [(b, e) for kind, _, b, e in rows if kind in ("copy", "kernel", "kernel group") or
+              kind.startswith("engine")]
+    lines = [f"direct execute timeline (CUDA events): span {span:.3f} ms"]
+    if writes:
+        first, last = min(b for b, _ in writes), max(e for _, e in writes)
+        busy = _union(writes)
+        lines.append(f"  writes (copy engines, kernels): first {first:.3f} ms, last end {last:.3f} ms; busy "
+                     f"{busy:.3f} ms, idle between {last - first - busy:.3f} ms; before the first {first:.3f} ms, "
+                     f"after the last {span - last:.3f} ms")
+    if pack:
+        n = len(pack)
+        busy_p = sum(e - b for b, e in pack.values())
+        # a copy stream free (chunk c - streams out) before chunk c was packed waited for that pack
+        waited = sum(copy[c][0] - copy[c - streams][1] for c in copy
+                     if c >= streams and c - streams in copy and c in pack and pack[c][1] > copy[c - streams][1])
+        # the pack stream idle between chunks: waiting for a slot to be copied out
+        slot_wait = sum(max(0.0, pack[c][0] - (digest.get(c - 1) or pack[c - 1])[1]) for c in pack if c - 1 in pack)
+        busy_c = _union(list(copy.values()))
+        lines.append(f"  staged: {n} chunks; packs {busy_p:.3f} ms in all ({busy_p / n:.3f} ms each), digests "
+                     f"{sum(e - b for b, e in digest.values()):.3f} ms; copies busy {busy_c:.3f} ms; copy streams "
+                     f"waited {waited:.3f} ms for packs; the pack stream waited {slot_wait:.3f} ms for free slots")
+    for kind, i, b, e in rows:
+        if kind in ("pack", "copy", "digest"):
+            continue
+        lines.append(f"  {kind + ' ' + str(i):>24}: {b:8.3f} -> {e:8.3f} ms")
+    for c in sorted(pack):
+        cells = [f"pack {pack[c][0]:8.3f} -> {pack[c][1]:8.3f}"]
+        if c in digest:
+            cells.append(f"digest {digest[c][0]:8.3f} -> {digest[c][1]:8.3f}")
+        if c in copy:
+            cells.append(f"copy (stream {c % streams}) {copy[c][0]:8.3f} -> {copy[c][1]:8.3f}")
+        lines.append(f"  {'chunk ' + str(c):>24}: " + ", ".join(cells) + " ms")
+    return "\n".join(lines)
 
 
 def candidate_pairs(infos: Sequence[RankInfo]) -> set[Pair]:
@@ -194,17 +286,20 @@ class CudaDevice:
 
     def executor(self, signals: Any, boxes: _C.BoxTable, local: _C.BoxTable, options: Options, receivers: list[int],
                  senders: list[int], timeout: float, box_groups: list[int], groups: int, stageable: list[int],
-                 slot_bytes: int) -> tuple[Any, Any]:
+                 slot_bytes: int, ordinals: list[int]) -> tuple[Any, Any]:
         """(the per-execute steps, the device memory it keeps: its kernel tables and staging
         ring); box_groups: the landing group of each box, of `groups`; stageable and
-        slot_bytes: the boxes it may stage and the size of a staging slot (core/direct.h)."""
+        slot_bytes: the boxes it may stage and the size of a staging slot (core/direct.h);
+        ordinals: each box's first verify ordinal in its op."""
+        slots, streams = staging_shape()
         blocks = options.resolved_direct_local_blocks()
         if blocks is None:  # uncapped, the same-rank kernel takes HBM from the copy engines' peer writes
             blocks = torch.cuda.get_device_properties(self.index).multi_processor_count // 2
         ex = _C.DirectExec(signals, boxes, local, options.resolved_direct_engine_bytes(),
                            options.resolved_direct_local_engine_bytes(), blocks,
                            options.resolved_direct_engine_batch(), options.resolved_direct_engine_streams(),
-                           receivers, senders, timeout, box_groups, groups, stageable, slot_bytes)
+                           receivers, senders, timeout, box_groups, groups, stageable, slot_bytes, ordinals, slots,
+                           streams)
         table = torch.empty(max(1, ex.table_bytes), dtype=torch.uint8, device=self.index)
         ring = torch.empty(ex.staging_bytes, dtype=torch.uint8, device=self.index)
         ex.upload(table.data_ptr(), ring.data_ptr() if ex.staging_bytes else 0,
@@ -294,6 +389,29 @@ class DirectTransport:
         self._plan: Any = None  # weakref to the bound plan (its whole tables are built for verify)
         self._reader: Any = None  # read passes over those tables, built by the first verify
         self._landing: list[int] = []  # the reader's groups: received ops per landing group, then the rest
+        self._sends = -1  # the reader's group of the send ops read from their sources (-1: all of them)
+        self._staged: Any = None  # (per staged box digests, rows, ops): digests.fold_into of the staged sends
+        self._trace = False
+
+    @property
+    def trace(self) -> bool:
+        """Diagnostics: each execute records a CUDA-event timeline of its direct steps
+        (last_timeline; synchronises, as the NCCL transport's trace)."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, on: bool) -> None:
+        self._trace = bool(on)
+        if self.exec is not None and hasattr(self.exec, "set_trace"):
+            self.exec.set_trace(self._trace)
+
+    @property
+    def last_timeline(self) -> str:
+        """The last traced execute's direct steps (DirectExec.timeline) with a summary of the
+        staged path: what the link did and what it waited for."""
+        if self.exec is None or not self._trace or not hasattr(self.exec, "timeline"):
+            return ""
+        return direct_timeline_text(self.exec.timeline())
 
     @property
     def collective_bind(self) -> bool:
@@ -481,7 +599,7 @@ class DirectTransport:
         self.exec, self._memory = None, None  # its writes may use mappings closed since
         tables = plan.tables
         slot = stage_slot_bytes(self.options.resolved_direct_staging_bytes(), getattr(plan, "max_batch_bytes", None),
-                                self.inner.staging_bytes)
+                                self.inner.staging_bytes, staging_shape()[0])
         tables.bind_direct(src_refs, [p for _, pieces, _ in self._mapped.values() for p in pieces], slot)
         boxes = tables.direct_boxes()
         mapped = sorted({r for _, _, ranges in self._mapped.values() for r in ranges})
@@ -495,7 +613,9 @@ class DirectTransport:
             self.exec, self._memory = self.device.executor(self.signals, boxes, local, self.options, self._receivers,
                                                            self._senders, self.timeout,
                                                            tables.direct_landing_groups(self.groups), self.groups,
-                                                           tables.direct_stageable(), slot)
+                                                           tables.direct_stageable(), slot, tables.direct_ordinals())
+            if self._trace and hasattr(self.exec, "set_trace"):
+                self.exec.set_trace(True)
         # of the NCCL pairs' batches, every pipelined copy, and the staging ring
         self.staging_bytes = self.inner.staging_bytes + (self.exec.staging_bytes if self.exec is not None else 0)
 
@@ -551,6 +671,20 @@ class DirectTransport:
             reader = self.device.digest_reader(whole)
             self._landing = [reader.add_runs(_RECV, runs)
                              for runs in whole.landing_runs(self._senders, self.groups)]
+            self._sends, self._staged = -1, None
+            staged = list(getattr(self.exec, "staged_boxes", []) or [])
+            if staged:  # sends whose every box is staged are digested from the ring (DirectExec.begin)
+                receivers = set(self._receivers)
+                direct_sends = [i for i, op in enumerate(plan._agreement.rank_plan.sends()) if op.peer in receivers]
+                box_ops = plan.tables.direct_ops()
+                rows, ops = staged_send_rows([box_ops[b] for b in staged], box_ops, direct_sends)
+                skip = set(ops)
+                read = [i for i in range(len(plan._agreement.rank_plan.sends())) if i not in skip]
+                self._sends = reader.add_runs(_SEND, _runs(read))
+                device = reader.buf.device if hasattr(reader, "buf") else "cpu"
+                self._staged = (torch.zeros(len(staged), dtype=torch.int64, device=device),
+                                torch.tensor(rows, dtype=torch.int64, device=device),
+                                torch.tensor(ops, dtype=torch.int64, device=device))
             self._reader = reader
         return self._reader
 
@@ -584,12 +718,19 @@ class DirectTransport:
         stream = self.device.stream()
         reader = self._digest_reader() if read_after else None
         try:
+            stage_digests = 0
             if reader is not None:
                 reader.start()
-            self.exec.begin(stream, reader is not None)
+                if self._staged is not None:
+                    self._staged[0].zero_()
+                    stage_digests = self._staged[0].data_ptr()
+            self.exec.begin(stream, reader is not None, stage_digests)
             if reader is not None:  # the sources stay put: read them beside the writes, after the same-rank copies
                 with self.device.fork():
-                    reader.launch((_SEND,))
+                    if self._sends < 0:
+                        reader.launch((_SEND,))
+                    else:
+                        reader.launch_group(self._sends)
             digests = None if self.owns_copies else self.inner.run(tables, session, verify)
             if reader is not None:
                 for k, group in enumerate(self._landing[:-1]):
@@ -600,6 +741,8 @@ class DirectTransport:
             self.exec.end(stream, reader is None)
             if reader is not None:  # after end(): the NCCL pairs' receives have landed too
                 reader.launch_group(self._landing[-1])
+                if self._staged is not None:  # end() waited for the staged digests
+                    reader.fold(_SEND, *self._staged)
                 digests = reader.digests(self._settle)
         except ReshardError as e:
             self._fail(e)
