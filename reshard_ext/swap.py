@@ -41,6 +41,7 @@ from .adapters import Entries, NameMap, apply_name_map
 from .adapters import dtensor as dtensor_adapter
 from .adapters import megatron as megatron_adapter
 from .errors import ReshardError
+from .execution import Plan
 from .layout import Layout
 from .options import Options
 from .planning import STATS
@@ -370,7 +371,7 @@ def _lookup(src_model: ModelLike, dst_model: ModelLike, backend: str, group: Any
 
 
 def _settle(look: _Lookup, group: Any, backend: str, max_batch_bytes: int | None, transform: Transform | None,
-            options: Options | None, timeout_s: float | None = None) -> Any:
+            options: Options | None, timeout_s: float | None = None) -> Plan:
     """The collective part of a lookup: every rank learns whether any failed, reuses the
     cached plan (rebinding it where needed) or plans again, together."""
     from . import plan as rx_plan  # the core API; imported late (package init order)
@@ -424,17 +425,17 @@ def _get_plan(
     transform: Transform | None,
     adapter: Adapter | None,
     options: Options | None = None,
-) -> Any:
+) -> Plan:
     look = _lookup(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset, name_map,
                    max_batch_bytes, transform, adapter, options)
     return _settle(look, group, backend, max_batch_bytes, transform, options)
 
 
 def prepare_swap_model_weights(
-    src_model: ModelLike,
-    dst_model: ModelLike,
-    backend: str = "auto",
+    src: ModelLike,
+    dst: ModelLike,
     group: Any = None,
+    backend: str = "auto",
     *,
     src_rank_offset: int = 0,
     dst_rank_offset: int = 0,
@@ -443,26 +444,44 @@ def prepare_swap_model_weights(
     transform: Transform | None = None,
     adapter: Adapter | None = None,
     options: Options | None = None,
-) -> Any:
-    """Builds (collectively) and caches the plan that `swap_model_weights` will use."""
-    return _get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
+) -> Plan:
+    """Builds (collectively) and caches the plan that `swap_model_weights` will use, and
+    returns it. The arguments are swap_model_weights'."""
+    return _get_plan(src, dst, backend, group, src_rank_offset, dst_rank_offset,
                      name_map, max_batch_bytes, transform, adapter, options)
 
 
-def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str = "auto", group: Any = None,
-                       **options: Any) -> None:
-    """Copies every destination tensor from the source model, in place. Collective over `group`.
+def swap_model_weights(
+    src: ModelLike,
+    dst: ModelLike,
+    group: Any = None,
+    backend: str = "auto",
+    *,
+    src_rank_offset: int = 0,
+    dst_rank_offset: int = 0,
+    name_map: NameMap | None = None,
+    max_batch_bytes: int | None = None,
+    transform: Transform | None = None,
+    adapter: Adapter | None = None,
+    options: Options | None = None,
+    verify: bool = False,
+    version: int | None = None,
+    timeout: float | None = None,
+) -> Plan:
+    """Copies every destination tensor from the source model, in place, and returns the plan
+    it ran. Collective over `group`; the arguments up to `backend` are rx.plan's.
 
-    `options` are those of `prepare_swap_model_weights` (rank offsets, name_map renaming
-    source names to the destination's, max_batch_bytes, transform, options (rx.Options), adapter overriding the
-    model description: default DTensor parameters -> rx.adapters.dtensor, otherwise
-    rx.adapters.megatron). A warm call reuses the cached plan: no metadata exchange.
+    src / dst: an nn.Module (or a list of virtual-pipeline chunks), ready plan entries
+    {name: (tensor, rx.Layout)}, or None on a rank that holds no such side. src_rank_offset /
+    dst_rank_offset: the group rank of the side's rank 0; name_map renames source names to
+    the destination's; adapter overrides the model description (default: DTensor
+    parameters -> rx.adapters.dtensor, otherwise rx.adapters.megatron); max_batch_bytes,
+    transform, options: as in rx.plan. verify, version, timeout: as in rx.execute (one
+    answer on every rank: it returns on every rank only if the refit landed on every rank).
+    A warm call reuses the cached plan: no metadata exchange.
     """
-    from . import execute
-
-    src_off, dst_off, name_map, max_batch_bytes, transform, adapter, opts = _swap_args(**options)
-    look = _lookup(src_model, dst_model, backend, group, src_off, dst_off, name_map, max_batch_bytes, transform,
-                   adapter, opts)
+    look = _lookup(src, dst, backend, group, src_rank_offset, dst_rank_offset, name_map, max_batch_bytes, transform,
+                   adapter, options)
     timeout_s = None
     if len(_group_key(group)[1]) <= HEADER_AGREEMENT_RANKS:
         if look.clean:
@@ -471,21 +490,17 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
             if look.bound is not None:  # new entries, same tensors: the plan keeps them bound
                 cached.entries = (look.src, look.dst)
             try:
-                cached.plan.execute(swap=cached.generation)  # the swap round: every rank's flags in the headers
-                return
+                # the swap round: every rank's flags in the headers
+                cached.plan.execute(verify, version, timeout, swap=cached.generation)
+                return cached.plan
             except SwapReplan:
                 timeout_s = cached.plan.options.resolved_timeout("gloo")
         else:
-            timeout_s = _replan_round(group, opts)
+            timeout_s = _replan_round(group, options)
     # Every rank is here together: the one agreement, then planning or rebinding where needed.
-    execute(_settle(look, group, backend, max_batch_bytes, transform, opts, timeout_s))
-
-
-def _swap_args(src_rank_offset: int = 0, dst_rank_offset: int = 0, name_map: NameMap | None = None,
-               max_batch_bytes: int | None = None, transform: Transform | None = None,
-               adapter: Adapter | None = None, options: Options | None = None) -> tuple:
-    """swap_model_weights' options (those of prepare_swap_model_weights), in _lookup's order."""
-    return src_rank_offset, dst_rank_offset, name_map, max_batch_bytes, transform, adapter, options
+    plan = _settle(look, group, backend, max_batch_bytes, transform, options, timeout_s)
+    plan.execute(verify, version, timeout)
+    return plan
 
 
 __all__ = ["swap_model_weights", "prepare_swap_model_weights", "clear_caches"]

@@ -212,7 +212,7 @@ def _degraded(good: set, writes: bool, status: int = 0) -> tuple[list[str], str,
     t._agree = lambda tables, session, pack0: (pack0() if status == 0 else None, (good, writes))[1]
     session = _session()
     session.status, session.error = status, "local check failed"
-    session.verdict = Verdict({2: "is executing another plan"}, {})
+    session.verdict = Verdict({2: "ranks 0 and 2 ran different plans"}, {})
     with pytest.raises(ReshardError) as e:
         t.run(tables, session)
     return list(log.lines), str(e.value), transport, tables
@@ -229,7 +229,7 @@ def test_degraded_rank_moves_agreeing_pairs_only_and_writes_nothing() -> None:
     direct = [(m.ptr, e.ptr) for m, e in zip(transport.received, expected) if m.ptr != e.ptr]
     assert direct and all(got >= 1 << 56 for got, _ in direct)  # the recording device's scratch
     assert lines[-1] == "main: synchronize"  # the scratch memory outlives the transfers
-    assert "rank 2: is executing another plan" in error and "wrote no destination" in error
+    assert "ranks 0 and 2 ran different plans" in error and "wrote no destination" in error
 
 
 def test_rank_with_a_local_problem_moves_nothing() -> None:

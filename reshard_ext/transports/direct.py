@@ -509,10 +509,17 @@ class DirectTransport:
 
     # --- every execute ------------------------------------------------------------------
     def abort(self) -> None:
-        """plan.abort(): stops the NCCL part at once; a direct wait in progress gives up
-        within the direct timeout (its signal protocol has no cancel)."""
+        """plan.abort() (or a peer that failed or died): stops the NCCL part and the direct
+        waits at once (host and GPU); the direct part is unusable after, as after any failure."""
         if self.inner is not None:
             self.inner.abort()
+        if self.exec is not None:
+            self.exec.abort()
+
+    def rearm(self) -> None:
+        """Takes a stop of an earlier execute back (before this one's watch starts)."""
+        if self.exec is not None:
+            self.exec.rearm()
 
     def _digest_reader(self) -> Any:
         """Read passes of (send, recv, copy src, copy dst) digests of every op of the plan

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import datetime
 from typing import Any
 
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 
 from .. import _C
 from ..errors import ReshardError
+from ..options import wait_time
 
 
 def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tensor:
@@ -64,7 +64,7 @@ class P2PExchange:
 
     def finish(self, reqs: list[Any], ops: list[Any], timeout_s: float | None = None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s
-        timeout = datetime.timedelta(seconds=limit)
+        timeout = wait_time(limit)
         for req in reqs:
             try:
                 req.wait(timeout)
