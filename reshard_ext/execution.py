@@ -432,6 +432,7 @@ class Plan:
             channel.watch.end()
         if session.verdict is not None and session.verdict.replan:
             # every rank read every rank's header: all leave the swap round together, no data moved
+            channel.end_call()
             raise SwapReplan(f"rank {self.rank}: a rank takes the swap's slow path; no data moved")
         if problem and part.status == outcome.OK:
             part = outcome.Part(outcome.FAILED, [f"rank {self.rank}: {problem}"])
@@ -442,7 +443,9 @@ class Plan:
                         step()
             except Exception as e:  # noqa: BLE001 - a transform's write-back failed here alone
                 part = outcome.Part(outcome.FAILED, [f"rank {self.rank}: writing back {type(e).__name__}: {e}"])
-        self._end(session, part, "rx.execute", left=abort.is_set() and not session.stop_reason)
+        # aborted by plan.abort() before its data landed: on one host it leaves without waiting for the others
+        aborted = part.status == outcome.FAILED and abort.is_set() and not session.stop_reason
+        self._end(session, part, "rx.execute", left=aborted)
         if checked:
             verification.check(self._ops(), digests, what="rx.execute(verify=True)", sums=self._sums)
 

@@ -62,3 +62,9 @@ def test_demo_fails_fast_with_the_workers_error() -> None:
     r = _cli("demo", "--fail-rank", "2", "--timeout", "3000", timeout=240)
     assert r.returncode == 1
     assert "rank 2" in r.stderr and "injected failure on rank 2" in r.stderr, r.stderr
+
+
+def test_demo_rejects_bad_timeouts() -> None:
+    for value in ("nan", "-1", "0", "inf", "soon"):
+        r = _cli("demo", "--timeout", value)
+        assert r.returncode == 2 and "argument --timeout" in r.stderr and "Traceback" not in r.stderr, r.stderr

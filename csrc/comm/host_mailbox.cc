@@ -176,8 +176,11 @@ void HostMailbox::raise_alarm(uint64_t token, const std::string& text, bool left
 
 void HostMailbox::begin(uint64_t token) {
   auto* head = static_cast<uint64_t*>(segment_.base());
-  __atomic_store_n(head + kAlarmWord, uint64_t{0}, __ATOMIC_RELEASE);
-  __atomic_store_n(head + kAlarmLeftWord, uint64_t{0}, __ATOMIC_RELEASE);
+  // An alarm of an earlier execute with another token stays: its peers may still read why.
+  if (load(head + kAlarmWord) == token) {
+    __atomic_store_n(head + kAlarmWord, uint64_t{0}, __ATOMIC_RELEASE);
+    __atomic_store_n(head + kAlarmLeftWord, uint64_t{0}, __ATOMIC_RELEASE);
+  }
   __atomic_store_n(head + kCurrentWord, token, __ATOMIC_RELEASE);
 }
 

@@ -62,9 +62,10 @@ class HostMailbox {
   // Sets this rank's alarm to `token` (never 0, the execute it failed in) with why, and
   // whether it left that execute without its final exchange (plan.abort()).
   void raise_alarm(uint64_t token, const std::string& text, bool left);
-  // The execute this rank is in (0: none). An execute begins by clearing the alarm, then
-  // setting this: an alarm with the token of the execute its owner is in is of that execute,
-  // not left over from an earlier one that had the same token (one that did not count).
+  // The execute this rank is in (0: none). An execute begins by clearing an alarm of its
+  // own token (left over from an earlier execute with the same number, one that did not
+  // count), then setting this: an alarm with the token of the execute its owner is in is of
+  // that execute.
   void begin(uint64_t token);
   void end();
   // The attached peers among `peers` whose alarm holds `token` and who are in that execute
