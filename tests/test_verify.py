@@ -704,35 +704,35 @@ def test_a_rank_late_to_the_check_raises_within_the_timeout():
 
 
 def _abort_in_the_check(rank, world):
-    """Rank 0 calls plan.abort() while it waits in the digest check for rank 1 (1.5 s late):
-    the data has landed, so the check runs to its end. Then both execute again, verified."""
+    """Rank 0 calls plan.abort() while it waits in the execute's outcome (which carries the
+    digest check) for rank 1 (1.5 s late): the data has landed, so the outcome runs to its
+    end. Then both execute again, verified."""
     import threading
 
-    from reshard_ext import verification
+    from reshard_ext.transports import outcome
 
     plan, out, want = _exchanging_plan(rank, world, seed=8)
-    check = verification.check
+    agree = outcome.agree
 
     def late_or_aborting(*a, **k):
         if rank == 1:
             time.sleep(1.5)
         else:
             threading.Timer(0.3, plan.abort).start()
-        return check(*a, **k)
+        return agree(*a, **k)
 
-    verification.check = late_or_aborting
+    outcome.agree = late_or_aborting
     try:
         error = _error_of(rx.execute, plan, verify=True, version=1, timeout=20)
     finally:
-        verification.check = check
+        outcome.agree = agree
     version = plan.version
     error_next = _error_of(rx.execute, plan, verify=True, version=2, timeout=20)
     return error, version, error_next, plan.version, bool(torch.equal(out, want))
 
 
 def test_abort_during_the_check_lets_it_finish():
-    # An abort that cut the check short would leave this rank's mailbox exchange open; its
-    # next execute would take the peer's header for the check's row, and hang.
+    # An abort that cut the outcome short would tell the ranks different answers.
     for rank, result in enumerate(run_ranks(2, _abort_in_the_check)):
         assert result == ("", 1, "", 2, True), (rank, result)
 

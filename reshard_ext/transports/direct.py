@@ -50,6 +50,7 @@ from ..errors import ReshardError
 from ..options import Options
 from . import nccl_lib
 from .channel import REMAP_TAG, Session, channel_of, exchange_headers
+from .outcome import SEE_RANK
 
 _log = logging.getLogger("reshard_ext")
 
@@ -127,7 +128,7 @@ _COLLECTIVE_HINT = ("a pair moves over NCCL only with every rank agreeing: call 
 def _unmappable(sender: int, receiver: int, names: Sequence[str], why: str) -> str:
     """The error of a pair whose sender cannot map the receiver's rebound destinations (alike at both ends)."""
     return (f"rank {sender} cannot map the destination tensors {sorted(set(names))} that rank {receiver} rebound "
-            f"(plan.rebind) for its direct writes: {why or 'see the error on rank ' + str(sender)}; {_COLLECTIVE_HINT}")
+            f"(plan.rebind) for its direct writes: {why or SEE_RANK[2:] + str(sender)}; {_COLLECTIVE_HINT}")
 
 
 _NOTE_BYTES = 4096  # a remapping receiver's outcome: why it takes no part in the direct writes ("" if it does)

@@ -385,5 +385,16 @@ def _split(lines: list[str], what: str, summary: str) -> list[str]:
     return [x for x in lines if not (x.startswith("ranks ") and what in x)] + [summary]
 
 
+SEE_RANK = ": see the error on rank "  # a line whose cause another rank's line gives
+
+
 def _once(lines: list[str]) -> list[str]:
-    return list(dict.fromkeys(lines))
+    """Each cause once: equal lines once, and a line that points at another rank's error
+    dropped where a line of that rank's own is there."""
+    out = list(dict.fromkeys(lines))
+
+    def explained(x: str) -> bool:
+        rank = x.split(SEE_RANK)[1].split(";")[0].split()[0]
+        return any(y.startswith((f"rank {rank}:", f"rank {rank} ")) and SEE_RANK not in y for y in out)
+
+    return [x for x in out if SEE_RANK not in x or not explained(x)]
