@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     src_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(0)])
     dst_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(1)])
     dev = "cuda" if cuda else "cpu"
-    g = torch.randn(shape)
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     dst = torch.zeros(dst_l.local_shape(rank), device=dev)
     plan = rx.plan({"w": (src_l.local_part(g, rank).to(dev), src_l)}, {"w": (dst, dst_l)}, backend=args.backend)
     real = outcome.agree

@@ -346,9 +346,9 @@ class Plan:
 
     def abort(self) -> None:
         """Stops this rank's in-flight execute, from any thread: it raises ReshardError
-        promptly and plan.version stays None. A peer raises within its timeout, unless all it
-        was to receive had already landed (then its execute completes: its data is whole).
-        A no-op when no execute is running."""
+        promptly, and so does every other rank's (its alarm stops them); plan.version stays
+        None everywhere. A no-op when no execute is running, or once this rank's data landed
+        (the execute then ends as its outcome says)."""
         if self._running:
             self._abort.set()
             self.transport.abort()
@@ -684,7 +684,9 @@ def plan(
 
 def execute(plan: Plan, *, verify: bool = False, version: int | None = None,
             timeout: float | None = None) -> None:
-    """Runs a refit: every dst tensor of `plan` is updated in place. Collective.
+    """Runs a refit: every dst tensor of `plan` is updated in place. Collective, with one
+    answer: it returns on every rank only if every rank's destinations landed, else it
+    raises ReshardError on every rank naming the ranks that failed and why.
 
     verify=True: the pack and unpack kernels digest every piece on the sender (what the
     receiver must hold) and on the receiver (what it wrote); only the digests travel,

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from _dist import run_ranks
+from test_outcome import _try as _timed
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs2 = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
@@ -38,17 +39,6 @@ def _pair(rank: int, backend: str, seed: int = 0):
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     torch.cuda.synchronize()
     return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
-
-
-def _timed(fn, *args, **kwargs):
-    import reshard_ext as rx
-
-    t0 = time.monotonic()
-    try:
-        fn(*args, **kwargs)
-        return None, time.monotonic() - t0
-    except rx.ReshardError as e:
-        return str(e), time.monotonic() - t0
 
 
 def _one_fails(rank: int, world: int, backend: str, case: str):

@@ -37,6 +37,7 @@ _MAGIC = 0x52584f43  # "RXOC"
 MAGIC, PLAN, SEQ, STATUS, VERSION, FLAGS, GAVE_UP, LO, HI, DIFFER = range(HEADER_LEN)
 HAS_SUMS = 64  # FLAGS bit: LO, HI, DIFFER are a verify check's digest sums
 OWN_PROBLEM = 128  # FLAGS bit: the rank failed a check of its own (its version and verify= do not count)
+_AGREE = [MAGIC, PLAN, STATUS, VERSION, FLAGS]  # the fields every row of an execute that landed has alike
 OK, FAILED, STOPPED, MISSING = 0, 1, 2, 3  # how a rank's part ended (MISSING: no row)
 NAMED = "-"  # why a rank is missing: another rank's cause names it already
 OTHER_PLANS = "ran different plans"
@@ -106,8 +107,11 @@ def _final_session(session: Session) -> Session:
     waited out the deadline in its data phase comes then), and an abort flag of its own (an
     abort after the data must not cut the answer short)."""
     deadline = max(session.deadline, time.monotonic()) + min(GRACE_S, session.timeout)
-    return Session(session.plan_id, session.seq, session.version, 0, deadline, session.timeout, threading.Event(),
+    return Session(session.plan_id, session.seq, session.version, 0, deadline, session.timeout, _NEVER,
                    verify=session.verify)
+
+
+_NEVER = threading.Event()  # the exchange's abort flag: nothing sets it
 
 
 def agree(channel: Channel, session: Session, part: Part) -> Outcome:
@@ -117,22 +121,22 @@ def agree(channel: Channel, session: Session, part: Part) -> Outcome:
         return _decide(channel, session, {channel.rank: _row(session, part)}, part, {}, set())
     if channel.all_local():
         mine = _row(session, part)
-        rows, missing, left = _mailbox_rows(channel, final, mine, part.gave_up)
-        if not missing and part.status == OK:
-            every = np.array(list(rows.values()))
-            # every row equal to ours in what must agree, and every part landed: the common case, at once
-            if (every[:, [MAGIC, PLAN, STATUS, VERSION, FLAGS]] == mine[[MAGIC, PLAN, STATUS, VERSION, FLAGS]]).all():
-                sums = every[:, [LO, HI, DIFFER]].sum(axis=0) if part.sums is not None else None
-                return Outcome({r: OK for r in rows}, [], int(every[:, SEQ].max()), sums)
+        rows, missing, left, taken = _mailbox_rows(channel, final, mine, part.gave_up)
+        # every row equal to ours in what must agree, and every part landed: the common case, at once
+        if not missing and part.status == OK and (taken[:, _AGREE] == mine[_AGREE]).all():
+            sums = (taken[:, [LO, HI, DIFFER]].sum(axis=0) + mine[[LO, HI, DIFFER]]) if part.sums is not None else None
+            return Outcome(dict.fromkeys(range(channel.size), OK), [], max(int(taken[:, SEQ].max()), session.seq),
+                           sums)
         return _decide(channel, session, rows, part, missing, left)
     return _doubling(channel, final, session, part)
 
 
 # --- one host: a row from every rank -------------------------------------------------------
 def _mailbox_rows(channel: Channel, session: Session, mine: np.ndarray,
-                  gave_up: int) -> tuple[dict[int, np.ndarray], dict[int, str], set[int]]:
-    """Every other rank's row (those that came), why none came from the others, and which
-    of them left the execute (plan.abort()). gave_up: a rank this one stopped waiting for."""
+                  gave_up: int) -> tuple[dict[int, np.ndarray], dict[int, str], set[int], np.ndarray]:
+    """Every rank's row (those that came), why none came from the others, which of them
+    left the execute (plan.abort()), and the other ranks' rows as one array. gave_up: a
+    rank this one stopped waiting for."""
     others = channel.others
     rows = np.zeros((len(others), HEADER_LEN), dtype=np.int64)
     skip: dict[int, str] = {gave_up: NAMED} if gave_up >= 0 else {}
@@ -160,7 +164,7 @@ def _mailbox_rows(channel: Channel, session: Session, mine: np.ndarray,
     got = {r: row for r, row in zip(others, rows) if r not in failed}
     got[channel.rank] = mine
     missing = {r: skip.get(r, "") for r in failed}
-    return got, missing, left & set(failed)
+    return got, missing, left & set(failed), rows
 
 
 # --- several hosts: recursive doubling -------------------------------------------------------
