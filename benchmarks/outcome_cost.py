@@ -6,6 +6,7 @@ the execute did before the exchange existed). Reports per rank the median host t
 rx.execute of each kind and the difference (the slowest rank's median difference too).
 
     python benchmarks/outcome_cost.py [--device cpu|cuda] [--world N] [--backend auto] [--blocks 20] [--per 50]
+    python benchmarks/outcome_cost.py --case TP2->TP1 --blocks 10 --per 1   # cpu_refit_bench.py's refit
     # 2 GPUs: python benchmarks/outcome_cost.py --device cuda --world 2 --backend nccl   (and direct, nvshmem)
 """
 from __future__ import annotations
@@ -31,13 +32,26 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
-    shape = (args.rows * world, args.cols * world)
-    src_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(0)])
-    dst_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(1)])
     dev = "cuda" if cuda else "cpu"
-    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    dst = torch.zeros(dst_l.local_shape(rank), device=dev)
-    plan = rx.plan({"w": (src_l.local_part(g, rank).to(dev), src_l)}, {"w": (dst, dst_l)}, backend=args.backend)
+    if args.case:  # benchmarks/cpu_refit_bench.py's refit: a GPT of 335M fp32 parameters
+        from cpu_refit_bench import CASES
+
+        from reshard_ext.synthetic import GPT_335M, Parallel, model_layouts
+
+        src_tp, dst_tp = CASES[args.case]
+        src_all = model_layouts(GPT_335M, Parallel(tp=src_tp, dp=world // src_tp), torch.float32)
+        dst_all = model_layouts(GPT_335M, Parallel(tp=dst_tp, dp=world // dst_tp), torch.float32)
+        src = {n: (torch.randn(l.local_shape(rank), device=dev), l) for n, l in src_all.items() if rank in l.mesh}
+        dsts = {n: (torch.zeros(l.local_shape(rank), device=dev), l) for n, l in dst_all.items() if rank in l.mesh}
+        plan = rx.plan(src, dsts, backend=args.backend)
+        dst, dst_l, g = None, None, None
+    else:
+        shape = (args.rows * world, args.cols * world)
+        src_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(0)])
+        dst_l = rx.Layout(shape, torch.float32, rx.Mesh(list(range(world))), [rx.Shard(1)])
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        dst = torch.zeros(dst_l.local_shape(rank), device=dev)
+        plan = rx.plan({"w": (src_l.local_part(g, rank).to(dev), src_l)}, {"w": (dst, dst_l)}, backend=args.backend)
     real = outcome.agree
 
     def landed(channel, session, part):  # noqa: ANN001, ANN202 - the stand-in: every rank landed, no exchange
@@ -56,7 +70,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         if cuda:
             torch.cuda.synchronize()
     outcome.agree = real
-    ok = torch.equal(dst.cpu(), dst_l.local_part(g, rank))
+    ok = dst is None or torch.equal(dst.cpu(), dst_l.local_part(g, rank))
     rows = [None] * world
     dist.all_gather_object(rows, (rank, statistics.median(times[True]), statistics.median(times[False]), ok,
                                   plan.backend))
@@ -74,6 +88,7 @@ def main() -> None:
     ap.add_argument("--per", type=int, default=50, help="executes per block")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--cols", type=int, default=64)
+    ap.add_argument("--case", choices=("TP2->TP1", "TP2->TP4"), help="cpu_refit_bench.py's refit instead (--world 4)")
     args = ap.parse_args()
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -89,7 +104,7 @@ def main() -> None:
               f"({1e6 * (on - off):+7.1f} us){'' if ok else '  WRONG DATA'}")
     slowest_on, slowest_off = max(r[1] for r in rows), max(r[2] for r in rows)
     print(f"slowest rank: {1e6 * slowest_on:.1f} vs {1e6 * slowest_off:.1f} us "
-          f"({1e6 * (slowest_on - slowest_off):+.1f} us per execute)")
+          f"({1e6 * (slowest_on - slowest_off):+.1f} us per execute, {100 * (slowest_on / slowest_off - 1):+.2f}%)")
 
 
 if __name__ == "__main__":
