@@ -244,7 +244,7 @@ def test_abort_during_the_transfers_says_so() -> None:
     transport.fail_drain = "NCCL communicator is unusable after an earlier failure: it was aborted"
     session = _session()
     session.abort.set()
-    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) during the NCCL transfers"):
+    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) while the NCCL transfers ran"):
         t.run(tables, session)
     session = _session()
     with pytest.raises(ReshardError, match="^NCCL communicator is unusable"):
@@ -283,7 +283,7 @@ def test_a_verified_execute_aborted_during_its_transfers_says_so_at_the_check() 
     session = _session()
     session.abort.set()
     digests = t.run(tables, session, verify=True)
-    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) during the NCCL transfers"):
+    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) while the NCCL transfers ran"):
         digests.settle()
     # An execute whose check never ran leaves its wait to the next begin, whose failure it
     # does not raise: that execute raised already, and the aborted communicator is rebuilt.

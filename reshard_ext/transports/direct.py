@@ -565,7 +565,7 @@ class DirectTransport:
         if self.exec is None or session.status != 0 or session.verdict.bad:
             return self.inner.run(tables, session, verify)  # raises where headers disagree
         if session.abort.is_set():
-            raise ReshardError("rx.execute was aborted (plan.abort()) before the direct writes")
+            raise ReshardError(session.stopped("before the direct writes"))
         stream = self.device.stream()
         reader = self._digest_reader() if read_after else None
         try:
