@@ -144,3 +144,28 @@ def test_nvshmem_after_auto_and_nccl_non_collocated_2gpu(batch_bytes: int | None
     for rank, report in enumerate(reports):
         for backend, used, batches, step, took, ok, error in report:
             assert ok, (rank, backend, used, batches, step, took, error)
+
+
+def _nan_refit_cuda(rank: int, world: int, dtype: torch.dtype, backend: str):
+    from test_outcome import _NANS
+
+    import reshard_ext as rx
+
+    bits = torch.tensor(_NANS * 4, dtype=torch.int64).to(torch.int32)
+    values = torch.cat([bits.view(torch.float32), torch.tensor([1.5, -0.0, float("inf"), 3e38] * 8)]).view(16, 4)
+    src_l = rx.Layout(values.shape, torch.float32, rx.Mesh([0, 1]), [rx.Shard(0)])
+    dst_l = rx.Layout(values.shape, dtype, rx.Mesh([0, 1]), [rx.Shard(1)])
+    out = torch.zeros(dst_l.local_shape(rank), dtype=dtype, device="cuda")
+    p = rx.plan({"w": (src_l.local_part(values, rank).cuda(), src_l)}, {"w": (out, dst_l)}, backend=backend)
+    rx.execute(p, verify=True)
+    want = dst_l.local_part(values, rank).cuda().to(dtype)  # Tensor.to on the GPU: the refit's promise there
+    torch.cuda.synchronize()
+    return torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@needs2
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nan_payloads_cast_as_tensor_to_on_the_gpu_2gpu(dtype: torch.dtype, backend: str) -> None:
+    assert all(run_ranks(2, _nan_refit_cuda, dtype, backend, backend="nccl"))
