@@ -30,7 +30,12 @@ fresh connection for that pair.
   makes a segment of rings, one per sender of its host (_C.HostRing), the first time it
   moves data; a pair uses them where both ranks made theirs (decided alike at both ends).
   Chunks carry the execute's token, so a ring needs no reset after an aborted execute.
-- One execute at a time per group in a process: a second thread is refused.
+- One execute at a time per group in a process: a second thread is refused; two groups
+  over the same ranks have two channels (group_identity).
+- A rank that fails an execute raises an alarm (in its mailbox; in the store where a rank
+  is on another host) that the others' PeerWatch reads while they wait (peer_watch.py),
+  and every execute ends with its outcome on every rank (outcome.py), which between hosts
+  travels on a lane of its own (outcome_lane).
 """
 from __future__ import annotations
 
