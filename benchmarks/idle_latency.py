@@ -61,7 +61,7 @@ def main() -> None:
     device_digests = DeviceDigests(digests, signs, lambda: (np.zeros(0, np.uint64),) * 2)
 
     def check() -> list[int]:
-        """The verify check's steps (verification._all_match): lane sums, a 3-int64
+        """The verify check's steps before they rode in the outcome: lane sums, a 3-int64
         all-reduce, the answer read."""
         t = torch.nn.functional.pad(device_digests.lane_difference(), (0, 1), value=0)
         work = dist.all_reduce(t, async_op=True)

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .cli_args import positive_number
+
 
 def _package_version() -> str:
     from . import _C
@@ -140,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(gloo) and checks every destination element. Exits non-zero on any mismatch, "
                                    "and within seconds with a worker's error if one fails.")
     p.add_argument("--world", type=int, default=4, choices=[4], help="number of processes (the demo's layouts need 4)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the demo gives up (default 300)")
+    p.add_argument("--timeout", type=positive_number, default=300.0,
+                   help="seconds before the demo gives up (default 300)")
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # fault injection for tests
     p.set_defaults(func=_demo)
 

@@ -8,13 +8,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+import torch.distributed as dist
+
 from . import _C, groups, verification
 from .collectives import all_gather_objects, first_failed_rank
 from .errors import ReshardError
 from .layout import Layout, code_of
-from .options import Options
+from .options import Options, defaults_for_bad_environment, environment_problems
 from .planning import Entries, _check_local, _raise, batch_bytes_error, plan_collective
 from .transforms import Piece, Prepass, Transform
+from .transports import outcome
 from .transports.channel import Session, SwapReplan, exchange_headers
 from .watch import Watch
 
@@ -198,7 +202,10 @@ class Plan:
         self.device = agreement.device
         self.plan_id = agreement.plan_id
         self.version: int | None = None  # the version that fully landed on this rank (see execute)
-        self._seq = 0  # executes of this plan whose headers every peer agreed with
+        self._seq = 0  # the number of the last execute of this plan (agreed by every rank at its end)
+        self._verifies = 0  # rx.verify calls (each its own alarm token)
+        self._stale: tuple[int, int] | None = None  # (plan, seq) of this rank's alarm of an execute that did not count
+        self._sums: Any = None  # the last outcome's digest sums (a verify check's, where every rank folded them)
         self._abort = threading.Event()
         self._running = False
         self._check_storage = options.resolved_check_storage()
@@ -295,6 +302,11 @@ class Plan:
         return self.transport.staging_bytes
 
     @property
+    def peers(self) -> list[int]:
+        """The group ranks this rank moves data with."""
+        return sorted(self.transport.peers)
+
+    @property
     def routes(self) -> str:
         """What carries this rank's bytes to and from each peer (the plan summary's words)."""
         summary = getattr(self.transport, "summary", None)
@@ -355,9 +367,9 @@ class Plan:
 
     def abort(self) -> None:
         """Stops this rank's in-flight execute, from any thread: it raises ReshardError
-        promptly and plan.version stays None. A peer raises within its timeout, unless all it
-        was to receive had already landed (then its execute completes: its data is whole).
-        A no-op when no execute is running."""
+        promptly, and so does every other rank's (its alarm stops them); plan.version stays
+        None everywhere. A no-op when no execute is running, or once this rank's data landed
+        (the execute then ends as its outcome says)."""
         if self._running:
             self._abort.set()
             self.transport.abort()
@@ -366,6 +378,7 @@ class Plan:
                 swap: int | None = None) -> None:
         """See rx.execute. swap: rx.swap_model_weights' warm call (Session.swap): its agreement
         travels in the headers; SwapReplan where some rank takes the slow path."""
+        _check_group(self.group, "rx.execute")
         channel = self.transport.channel
         channel.enter()
         try:
@@ -382,63 +395,135 @@ class Plan:
 
     def _execute(self, verify: bool, version: int | None, timeout: float | None, swap: int | None = None) -> None:
         """The body of execute, with the group's channel held (a relayed plan runs two)."""
-        self._run(verify, version, timeout, self._local_problem(version, timeout), self._abort, swap)
+        self._run(verify, version, timeout, self._local_problem(version, timeout, verify), self._abort, swap)
 
-    def _local_problem(self, version: Any, timeout: Any) -> str:
+    def _local_problem(self, version: Any, timeout: Any, verify: Any = False) -> str:
         """What is wrong on this rank alone before an execute ("" if nothing): told to the
         peers in the execute's headers, so that they raise too instead of waiting."""
-        problem = _execute_args_error(version, timeout)
+        problem = _execute_args_error(version, timeout, verify)
         if not problem and self._check_storage:
             problem = self._watch.changed(self.rank)
         return problem
 
     def _run(self, verify: bool, version: int | None, timeout: float | None, problem: str,
              abort: threading.Event, swap: int | None = None) -> None:
-        """One execute on the caller's channel (held); raises `problem` (after telling the peers)."""
+        """One execute on the caller's channel (held), ended by its outcome on every rank
+        (transports/outcome.py): returns on every rank only if every rank's part landed."""
         timeout_s = self._timeout_s if timeout is None or problem else float(timeout)
         session = Session(self.plan_id, self._seq + 1, None if problem else version, 1 if problem else 0,
                           time.monotonic() + timeout_s, timeout_s, abort, swap=swap)
-        session.error, session.verify = problem, verify
+        session.error, session.verify = problem, bool(verify) and not problem
         # verify=True digests only what crosses ranks (a same-rank copy's two ends would be one
         # kernel's registers): a plan in which no rank sends has nothing to check.
-        verify = verify and self._agreement.moves
-        prepass = self._steps["src"][2] + self._steps["dst"][2]
-        if prepass:  # every rank, a failed one too: its partners then learn it from it, not from their timeout
-            why = run_prepasses(prepass, self.transport.channel, session, problem)
-            if why and not problem:
-                problem = why
-                session.status, session.error, session.version = 1, why, None
-        if swap is not None and not self.transport.peers:  # a swap round hears every rank, data peers or not
-            self.transport.channel.drain(session)
-            exchange_headers(self.transport.channel, [], session, self.tables.num_batches)
-        if problem and not self.transport.peers and session.verdict is None:
-            raise ReshardError(problem)
+        checked = session.verify and self._agreement.moves
+        channel = self.transport.channel
+        part = outcome.Part()
+        digests: Any = None
+        # A rank of this host that aborted this execute before we came has left it: nothing
+        # to exchange but the outcome (its headers may be the next execute's already).
+        left = [r for r, (_, gone) in channel.alarms(session, channel.others, remote=False).items() if gone]
+        if left and not problem:
+            part = outcome.Part(outcome.STOPPED)
+        rearm = getattr(self.transport, "rearm", None)
+        if rearm is not None:  # a transport whose abort outlives an execute (NVSHMEM, direct)
+            rearm()
+        channel.begin_call(session, self._stale)
+        self._stale = None
+        channel.watch.start(session, self.transport.abort)
         try:
-            if not problem:
+            prepass = self._steps["src"][2] + self._steps["dst"][2]
+            if prepass and not left:  # every rank, a failed one too: its partners learn it from it, not a timeout
+                why = run_prepasses(prepass, channel, session, problem)
+                if why and not problem:
+                    problem = why
+                    session.status, session.error, session.version, session.verify = 1, why, None, False
+                    checked = False
+            if left:
+                pass
+            elif swap is not None and not self.transport.peers:  # a swap round hears every rank, data peers or not
+                channel.drain(session)
+                exchange_headers(channel, [], session, self.tables.num_batches)
+            if not problem and not left:
                 for side in ("src", "dst"):
                     for step in self._steps[side][0]:
                         step()
-            digests = self.transport.run(self.tables, session, verify)
+            if not left and not (problem and not self.transport.peers and session.verdict is None):
+                digests = self.transport.run(self.tables, session, checked)
+            if checked and not left:
+                part.sums = verification.sums_of(digests)  # waits for the transfers (they may fail)
         except ReshardError as e:
-            if session.verdict is not None and session.verdict.replan:
-                raise SwapReplan(f"rank {self.rank}: a rank takes the swap's slow path; no data moved") from e
-            raise
+            part = self._failure(session, e)
+        except Exception as e:  # noqa: BLE001 - an internal error: the other ranks must hear of it
+            log.exception("rank %d: rx.execute failed", self.rank)
+            part = outcome.Part(outcome.FAILED, [f"rank {self.rank}: internal error: {type(e).__name__}: {e}"])
         finally:
-            self._advance(session)
-        for side in ("src", "dst"):
-            for step in self._steps[side][1]:
-                step()
-        if verify:
-            verification.check(self._ops(), digests, what="rx.execute(verify=True)", seq=session.seq,
-                               timeout_s=timeout_s)
+            channel.watch.end()
+        if session.verdict is not None and session.verdict.replan:
+            # every rank read every rank's header: all leave the swap round together, no data moved
+            channel.end_call()
+            raise SwapReplan(f"rank {self.rank}: a rank takes the swap's slow path; no data moved")
+        if problem and part.status == outcome.OK:
+            part = outcome.Part(outcome.FAILED, [f"rank {self.rank}: {problem}"])
+        if part.status == outcome.OK:
+            try:
+                for side in ("src", "dst"):
+                    for step in self._steps[side][1]:
+                        step()
+            except Exception as e:  # noqa: BLE001 - a transform's write-back failed here alone
+                part = outcome.Part(outcome.FAILED, [f"rank {self.rank}: writing back {type(e).__name__}: {e}"])
+        # aborted by plan.abort() before its data landed: on one host it leaves without waiting for the others
+        aborted = part.status == outcome.FAILED and abort.is_set() and not session.stop_reason
+        self._end(session, part, "rx.execute", left=aborted)
+        if checked:
+            verification.check(self._ops(), digests, what="rx.execute(verify=True)", sums=self._sums)
 
-    def _advance(self, session: Session) -> None:
-        """The execute number of this plan, as the peers agreed (headers)."""
-        verdict = session.verdict
-        if session.status == 0 and (verdict is None or verdict.agreed):
-            self._seq = session.seq
-        elif verdict is not None and verdict.seqs:  # a peer counted differently: meet at the larger count next time
-            self._seq = max(self._seq, max(verdict.seqs.values()) - 1)
+    def _failure(self, session: Session, e: ReshardError) -> outcome.Part:
+        """This rank's part of an execute that raised `e`: its causes (header disagreements,
+        a local problem, an abort, a peer it gave up on), or none where it only stopped
+        because other ranks failed."""
+        me, verdict = self.rank, session.verdict
+        if session.status != 0:
+            return outcome.Part(outcome.FAILED, [f"rank {me}: {session.error}"])
+        lines: list[str] = []
+        if verdict is not None:
+            lines = [why for p, why in sorted(verdict.bad.items()) if p not in verdict.quiet]
+        if session.stop_cause:
+            lines.append(session.stop_cause)
+        elif session.stop_reason:
+            lines = [x for x in lines if x in (verdict.disagree if verdict is not None else ())]
+        elif session.abort.is_set():
+            lines = [f"rank {me}: rx.execute was aborted (plan.abort())"]
+        elif not lines and not (verdict is not None and verdict.quiet):
+            lines = [f"rank {me}: {e}"]
+        gave_up = -1
+        if session.remaining() <= 0 and verdict is not None and verdict.bad:
+            gave_up = min(p for p in verdict.bad if p not in verdict.quiet) if lines else -1
+        if session.stop_cause:
+            gave_up = session.stop_cause_rank
+        return outcome.Part(outcome.FAILED if lines else outcome.STOPPED, lines, gave_up)
+
+    def _end(self, session: Session, part: outcome.Part, what: str, left: bool = False) -> None:
+        """The collective end of an execute (or rx.verify): raises on every rank unless every
+        rank's part landed. A rank aborted by plan.abort() on one host leaves at once (its
+        alarm tells the others not to wait for it)."""
+        channel = self.transport.channel
+        if part.status == outcome.FAILED:
+            channel.raise_alarm(session, "\n".join(part.lines), left and channel.all_local())
+        try:
+            if left and channel.all_local():  # the others do not wait for this rank's row (its alarm says it left)
+                self._seq = max(self._seq, session.seq)
+                raise ReshardError(outcome.Outcome({self.rank: outcome.FAILED}, part.lines, session.seq).message(
+                    what) + "; this rank left at once, every other rank raises too")
+            result = outcome.agree(channel, session, part)
+        finally:
+            channel.end_call()
+        if session.seq > 0 and result.counts:  # every rank ran this call: it counts, at the largest number
+            self._seq = max(self._seq, session.seq, result.seq)
+        elif part.status == outcome.FAILED:
+            self._stale = (session.plan_id, session.seq)  # the next execute has this one's number (and token)
+        self._sums = result.sums
+        if not result.ok:
+            raise ReshardError(result.message(what))
 
     def _ops(self) -> verification.Ops:
         if self._verify_ops is None:
@@ -450,22 +535,67 @@ class Plan:
     def verify(self) -> None:
         """rx.verify: digests of what the bound sources would send and of what the bound
         destinations hold, compared across ranks; moves no weights. Collective."""
+        _check_group(self.group, "rx.verify")
         channel = self.transport.channel
         channel.enter("rx.verify")
         try:
-            prepass = self._steps["src"][2] + self._steps["dst"][2]
-            if prepass:
-                limit = self.options.resolved_timeout("gloo")
-                session = Session(self.plan_id, 0, None, 0, time.monotonic() + limit, limit, threading.Event())
-                why = run_prepasses(prepass, self.transport.channel, session, "")
+            self._verifies += 1  # each call its own token (negative: never an execute's)
+            session = Session(self.plan_id, -self._verifies, None, 0, time.monotonic() + self._timeout_s,
+                              self._timeout_s, threading.Event())
+            part = outcome.Part()
+            digests: tuple = ()
+            channel.begin_call(session)
+            try:
+                prepass = self._steps["src"][2] + self._steps["dst"][2]
+                why = run_prepasses(prepass, channel, session, "") if prepass else ""
                 if why:
-                    raise ReshardError(f"rx.verify on rank {self.rank}: {why}")
-            for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
-                step()
-            send, recv, copy_src, copy_dst = self.transport.read_digests(self.tables)
-            verification.check(self._ops(), (send, recv), what="rx.verify", copies=(copy_src, copy_dst))
+                    raise ReshardError(why)
+                for step in self._steps["src"][0]:  # a transform's sender-side wire tensors follow the sources
+                    step()
+                digests = self.transport.read_digests(self.tables)
+                part.sums = verification.sums_of(digests[:2], (digests[2], digests[3]))
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+                part = outcome.Part(outcome.FAILED, [f"rank {self.rank}: rx.verify could not read its tensors: "
+                                                     f"{type(e).__name__}: {e}"])
+            self._end(session, part, "rx.verify")
+            send, recv, copy_src, copy_dst = digests
+            verification.check(self._ops(), (send, recv), what="rx.verify", copies=(copy_src, copy_dst),
+                               sums=self._sums)
         finally:
             channel.leave()
+
+    def __repr__(self) -> str:
+        return plan_summary(self)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def plan_summary(p: Plan) -> str:
+    """What a plan does on this rank, in one line (its repr, and rx.plan's INFO log)."""
+    sends, recvs, copies = p.num_ops
+    relayed = f"; {p.relayed_tensors} tensor(s) relayed" if p.relayed_tensors else ""
+    return (f"<reshard_ext.Plan on rank {p.rank}: {sends} sends ({_size(p.bytes_sent)}) and {recvs} receives "
+            f"({_size(p.bytes_received)}) with ranks {p.peers}, {copies} same-rank copies; {p.num_batches} "
+            f"batch(es), staging {_size(p.staging_bytes)}; backend {p.backend!r}"
+            f"{'' if p.routes == p.backend else ': ' + p.routes}{relayed}; "
+            f"version {p.version}>")
+
+
+def _check_group(group: Any, what: str) -> None:
+    """Raises where the plan's process group was destroyed (its channel would still reach
+    the peers through the old store, and collectives over it raise torch's ValueError)."""
+    if groups.standalone(group) is not None:  # an rx.connect group: closed ones raise here
+        groups.require(group, what)
+        return
+    if not dist.is_initialized() or (isinstance(group, dist.ProcessGroup)
+                                     and group not in dist.distributed_c10d._world.pg_map):
+        raise ReshardError(f"{what}: the plan's process group was destroyed (torch.distributed.destroy_process_group); "
+                           f"make a new plan over the current group")
 
 
 def _timeout_kind(backend: str, transport: Any) -> str:
@@ -475,7 +605,9 @@ def _timeout_kind(backend: str, transport: Any) -> str:
     return "nccl" if getattr(transport, "comm", None) is not None else "gloo"
 
 
-def _execute_args_error(version: Any, timeout: Any) -> str:
+def _execute_args_error(version: Any, timeout: Any, verify: Any = False) -> str:
+    if not isinstance(verify, (bool, np.bool_)):
+        return f"rx.execute: verify must be True or False, got {verify!r}"
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                 or not -(1 << 63) <= version < 1 << 63):
         return f"rx.execute: version must be None or a 64-bit integer, got {version!r}"
@@ -503,6 +635,8 @@ def _bind_agreed(agreement: Any, src: Entries, dst: Entries, steps: dict[str, St
         if failure is not None:
             raise failure
         _raise([f"rank {r} failed to set up its part of the plan: {why}" for r, why in enumerate(reasons) if why])
+    # Every rank has made its channel: read their announcements now, not in an execute.
+    p.transport.channel.learn_peers(rings=bool(getattr(p.transport, "rings", False)))
     return p
 
 
@@ -528,7 +662,7 @@ def plan(
     rank = groups.rank(group)
     # Anything wrong with this rank's arguments joins the first exchange, so every rank
     # raises together instead of some waiting in a collective the others skipped.
-    errors: list[str] = []
+    errors: list[str] = [f"rank {rank}: {e}" for e in environment_problems()]
     if options is not None and not isinstance(options, Options):
         errors.append(f"rank {rank}: options must be an rx.Options, got {type(options).__name__}")
         options = None
@@ -557,8 +691,9 @@ def plan(
     def depth(device: str | None) -> int:
         return _staging_depth(backend, device)
 
-    agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options, depth,
-                                None if transform is None else transform.last_dim_grain)
+    with defaults_for_bad_environment():  # a bad variable is in `errors`: every rank raises at the first exchange
+        agreement = plan_collective(src_w, dst_w, group, max_batch_bytes, errors, options, depth,
+                                    None if transform is None else transform.last_dim_grain)
 
     from . import relay  # relay fan-out: two plans (scatter, gather) where replicas would hammer the sources
 
@@ -576,18 +711,16 @@ def plan(
     else:
         p = bind(agreement, src_w, dst_w, {"src": src_steps, "dst": dst_steps})
     if log.isEnabledFor(logging.INFO):
-        sends, recvs, copies = p.num_ops
-        log.info("rank %d: planned %d src / %d dst tensors in %.1f ms: %d sends (%.3f GB), %d receives (%.3f GB), "
-                 "%d same-rank copies, %d batch(es), backend %s (%s), %d tensor(s) relayed", p.rank, len(src_w),
-                 len(dst_w), 1e3 * (time.perf_counter() - t0), sends, p.bytes_sent / 1e9, recvs,
-                 p.bytes_received / 1e9, copies, p.num_batches, p.backend, p.routes,
-                 p.relayed_tensors)
+        log.info("planned %d src / %d dst tensors in %.1f ms: %s", len(src_w), len(dst_w),
+                 1e3 * (time.perf_counter() - t0), plan_summary(p))
     return p
 
 
 def execute(plan: Plan, *, verify: bool = False, version: int | None = None,
             timeout: float | None = None) -> None:
-    """Runs a refit: every dst tensor of `plan` is updated in place. Collective.
+    """Runs a refit: every dst tensor of `plan` is updated in place. Collective, with one
+    answer: it returns on every rank only if every rank's destinations landed, else it
+    raises ReshardError on every rank naming the ranks that failed and why.
 
     verify=True: the pack and unpack kernels digest every piece on the sender (what the
     receiver must hold) and on the receiver (what it wrote); only the digests travel,

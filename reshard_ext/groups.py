@@ -177,10 +177,15 @@ def ranks(group: Any = None) -> tuple[int, ...]:
 
 def key(group: Any = None) -> tuple:
     """What caches of per-group state (channels, communicators, plans) are keyed by: the
-    same on every member, different for groups of different processes (a default-world
-    group: its global ranks; a standalone group: its own key, never a tuple of ranks)."""
+    same on every member, different for different groups (a default-world group: its
+    global ranks and torch's name for it, so that two new_group calls over the same ranks
+    have channels and communicators of their own; a standalone group: its own key)."""
     rec = standalone(group)
-    return rec.key if rec is not None else ranks(group)
+    if rec is not None:
+        return rec.key
+    g = resolve(group)
+    name = getattr(g, "group_name", None) or dist.distributed_c10d._get_process_group_name(g)
+    return ranks(g), str(name)
 
 
 def processes(group: Any = None) -> tuple:

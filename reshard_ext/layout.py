@@ -148,7 +148,7 @@ class Shard:
 
     def __post_init__(self) -> None:
         # Type errors are local mistakes, raised here; a dim out of range for the tensor
-        # is a layout error that rx.plan reports on every rank.
+        # raises where the tensor's rank is known (rx.Layout).
         if not _is_int(self.dim):
             raise ReshardError(f"Shard(dim={self.dim!r}): dim must be an integer (negative dims count from the end)")
         if not _is_int(self.stride) or self.stride < 1:
@@ -179,8 +179,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _normalized(p: Placement, ndim: int) -> Placement:
-    """Shard(-k) counts from the last dim, as in torch DTensor; out-of-range dims stay as
-    given, for the layout's error to name."""
+    """Shard(-k) counts from the last dim, as in torch DTensor (Layout has checked the range)."""
     if isinstance(p, Shard) and -ndim <= p.dim < 0:
         return Shard(p.dim + ndim, p.stride, p.blocks, p.sizes)
     return p
@@ -194,12 +193,19 @@ class Layout:
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, mesh: Mesh, placements: Sequence[Placement]):
         if not isinstance(mesh, Mesh):
             mesh = Mesh(mesh)
+        if not isinstance(dtype, torch.dtype):
+            got = f"the string {dtype!r}" if isinstance(dtype, str) else f"{dtype!r} ({type(dtype).__name__})"
+            raise ReshardError(f"rx.Layout: dtype must be a torch.dtype such as torch.bfloat16, got {got}")
         self.shape: tuple[int, ...] = tuple(_fixed(s, "shape dim") for s in shape)
         self.dtype = dtype
         self.mesh = mesh
         for p in placements:
             if not isinstance(p, (Replicate, Shard)):
                 raise ReshardError(f"placements must be rx.Replicate() or rx.Shard(...), got {p!r}")
+            n = len(self.shape)
+            if isinstance(p, Shard) and not -n <= p.dim < n:
+                raise ReshardError(f"rx.Layout of shape {self.shape}: {p!r} of a {n}-d tensor (dims are {-n} to "
+                                   f"{n - 1})")
         self.placements: tuple[Placement, ...] = tuple(_normalized(p, len(self.shape)) for p in placements)
         self._hash = hash((self.shape, self.dtype, self.mesh, self.placements))
         cpp_placements = [

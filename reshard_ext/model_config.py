@@ -60,24 +60,36 @@ def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
     return default
 
 
-def shape_from_hf_config(cfg: dict) -> ModelShape:
+def _int(cfg: dict, *keys: str, default: int | None = None, low: int = 0) -> int:
+    """The first of `keys` present in cfg, as an integer >= low (ReshardError naming it)."""
+    value = _get(cfg, *keys, default=default)
+    if value is None:
+        raise ReshardError(f"config.json has no {keys[0]!r}: not a decoder-only language model config")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        key = next((k for k in keys if cfg.get(k) is not None), keys[0])
+        raise ReshardError(f"config.json: {key!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def shape_from_hf_config(cfg: Any) -> ModelShape:
     """A ModelShape from a Hugging Face config: Llama/Qwen/Mistral-style dense models,
     Mixtral/Qwen-MoE-style and DeepSeek-V3/Kimi-K2-style (MLA, shared experts) MoE."""
-    cfg = cfg.get("text_config") or cfg  # multimodal wrappers keep the LM in text_config
-    try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
-        vocab = int(cfg["vocab_size"])
-    except KeyError as e:
-        raise ReshardError(f"config.json has no {e.args[0]!r}: not a decoder-only language model config") from None
-    ffn = int(_get(cfg, "intermediate_size", "ffn_dim", default=4 * hidden))
-    experts = int(_get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0))
-    moe_ffn = int(_get(cfg, "moe_intermediate_size", default=ffn)) if experts else 0
-    shared = int(_get(cfg, "shared_expert_intermediate_size", default=0))
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]  # multimodal wrappers keep the LM in text_config
+    if not isinstance(cfg, dict):
+        raise ReshardError(f"config.json must hold a JSON object (a Hugging Face model config), got a "
+                           f"{type(cfg).__name__}")
+    hidden = _int(cfg, "hidden_size", low=1)
+    heads = _int(cfg, "num_attention_heads", low=1)
+    layers = _int(cfg, "num_hidden_layers", low=1)
+    vocab = _int(cfg, "vocab_size", low=1)
+    ffn = _int(cfg, "intermediate_size", "ffn_dim", default=4 * hidden, low=1)
+    experts = _int(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
+    moe_ffn = _int(cfg, "moe_intermediate_size", default=ffn, low=1) if experts else 0
+    shared = _int(cfg, "shared_expert_intermediate_size", default=0)
     if not shared and _get(cfg, "n_shared_experts"):
-        shared = int(cfg["n_shared_experts"]) * moe_ffn
-    first_dense = int(_get(cfg, "first_k_dense_replace", default=0))
+        shared = _int(cfg, "n_shared_experts") * moe_ffn
+    first_dense = _int(cfg, "first_k_dense_replace", default=0)
     mla = _get(cfg, "kv_lora_rank") is not None
     if mla and _get(cfg, "q_lora_rank") is None:
         raise ReshardError("config.json: multi-head latent attention without q_lora_rank is not modelled")
@@ -86,17 +98,17 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         hidden=hidden,
         ffn=ffn,
         heads=heads,
-        kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        kv_heads=_int(cfg, "num_key_value_heads", default=heads, low=1),
         vocab=vocab,
-        head_dim=int(_get(cfg, "qk_nope_head_dim", "head_dim", default=0)) or None,
+        head_dim=_int(cfg, "qk_nope_head_dim", "head_dim", default=0) or None,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         experts=experts,
         moe_ffn=moe_ffn,
         first_dense_layers=first_dense,
         shared_expert_ffn=shared,
-        q_lora_rank=int(cfg["q_lora_rank"]) if mla else 0,
-        kv_lora_rank=int(cfg["kv_lora_rank"]) if mla else 0,
-        rope_head_dim=int(_get(cfg, "qk_rope_head_dim", default=0)) if mla else 0,
+        q_lora_rank=_int(cfg, "q_lora_rank") if mla else 0,
+        kv_lora_rank=_int(cfg, "kv_lora_rank") if mla else 0,
+        rope_head_dim=_int(cfg, "qk_rope_head_dim", default=0) if mla else 0,
         router_bias=_get(cfg, "topk_method") == "noaux_tc",
     )
 

@@ -10,7 +10,9 @@ to these defaults.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import datetime
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -162,6 +164,9 @@ KNOBS: dict[str, Knob] = {
 }
 
 _CACHE: dict[str, Any] = {}
+# Inside rx.plan's first exchange: a bad variable reads as its default (rx.plan has already
+# put its error into that exchange, so every rank raises it there, not this rank alone).
+_STAND_IN: contextvars.ContextVar[bool] = contextvars.ContextVar("reshard_ext_stand_in", default=False)
 
 
 def env_default(name: str) -> Any:
@@ -176,10 +181,33 @@ def env_default(name: str) -> Any:
         try:
             value = knob.parse(raw)
         except ValueError as e:
+            if _STAND_IN.get():
+                return knob.default
             raise ReshardError(f"environment variable {name}={raw!r} is invalid: {e} ({knob.doc})") from None
         _log.info("reshard_ext: %s=%s (from the environment)", name, raw)
     _CACHE[name] = value
     return value
+
+
+def environment_problems() -> list[str]:
+    """What is wrong with this process's RESHARD_EXT_* variables (each read once)."""
+    problems = []
+    for name in KNOBS:
+        try:
+            env_default(name)
+        except ReshardError as e:
+            problems.append(str(e))
+    return problems
+
+
+@contextlib.contextmanager
+def defaults_for_bad_environment() -> Iterator[None]:
+    """Within the block a bad variable reads as its default (see _STAND_IN)."""
+    token = _STAND_IN.set(True)
+    try:
+        yield
+    finally:
+        _STAND_IN.reset(token)
 
 
 def reload_environment() -> None:
@@ -409,6 +437,15 @@ class Options:
         local = external_env("LOCAL_WORLD_SIZE") or "1"
         share = max(1, cores // max(1, int(local))) if local.isdigit() else 1
         return max(1, min(int(env_default("RESHARD_EXT_CHECK_THREADS")), share, 64))
+
+
+MAX_WAIT_S = 1e7  # the longest wait handed to a library (116 days): any longer timeout means "never"
+
+
+def wait_time(seconds: float) -> datetime.timedelta:
+    """`seconds` as the timedelta a library's wait takes: a timeout too big for one (1e18)
+    waits MAX_WAIT_S instead of raising OverflowError."""
+    return datetime.timedelta(seconds=min(max(float(seconds), 0.0), MAX_WAIT_S))
 
 
 def skip_nccl_check() -> bool:

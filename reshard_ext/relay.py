@@ -44,7 +44,6 @@ from .execution import Plan, rebind_errors
 from .layout import Layout, Mesh, Replicate, Shard, dtype_of
 from .options import Options
 from .planning import Entries, _raise, _table, plan_collective
-from .transports.channel import SwapReplan
 
 
 @functools.lru_cache(maxsize=4096)
@@ -267,6 +266,10 @@ class RelayPlan(Plan):
         return "; ".join(f"stage {i}: {p.routes}" for i, p in enumerate(self.phases))
 
     @property
+    def peers(self) -> list[int]:
+        return sorted({r for p in self.phases for r in p.peers})
+
+    @property
     def num_ops(self) -> tuple[int, int, int]:
         ops = [p.num_ops for p in self.phases]
         return (sum(o[0] for o in ops), sum(o[1] for o in ops), sum(o[2] for o in ops))
@@ -302,22 +305,12 @@ class RelayPlan(Plan):
         # stage) goes into every stage's headers, so the peers raise in each stage instead
         # of waiting for a forwarding this rank never starts. A stage's forwarding reads the
         # shares the previous stage landed.
-        problem = next(filter(None, (p._local_problem(version, timeout) for p in self.phases)), "")
-        first: ReshardError | None = None
+        # A problem of this rank (arguments, a replaced tensor of any stage) fails the first
+        # stage on every rank (its outcome): no later stage starts anywhere.
+        problem = next(filter(None, (p._local_problem(version, timeout, verify) for p in self.phases)), "")
         for p in self.phases:
-            if self._abort.is_set():
-                raise ReshardError("rx.execute was aborted (plan.abort()) between two stages of the relay")
-            try:
-                # the first stage's headers carry a swap's agreement (every rank leaves there together)
-                p._run(verify, version, timeout, problem, self._abort, swap if p is self.phases[0] else None)
-            except SwapReplan:
-                raise  # every rank left at the first stage: no later stage runs anywhere
-            except ReshardError as e:
-                if not problem:
-                    raise
-                first = first or e
-        if first is not None:
-            raise first
+            # the first stage's headers carry a swap's agreement (every rank leaves there together)
+            p._run(verify, version, timeout, problem, self._abort, swap if p is self.phases[0] else None)
 
     def verify(self) -> None:
         # Each stage's check covers its scatter (sources -> shares) and forwarding (shares -> whole pieces).

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from . import _C
+from .cli_args import count, positive_number
 from .errors import ReshardError
 from .model_config import PRESETS, describe_parallel, load_model, make_parallel, parse_spec
 from .options import Options
@@ -567,24 +568,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a preset name or a Hugging Face config.json (file or folder)")
     parser.add_argument("--src", help="source (training) spec, e.g. tp=1,pp=16,ep=16 (default: the preset's)")
     parser.add_argument("--dst", help="destination (inference) spec, e.g. tp=32,dp=8 (default: the preset's)")
-    parser.add_argument("--gpus", type=int,
+    parser.add_argument("--gpus", type=count(1),
                         help="GPUs per side, fixing dp where a spec omits it (default: the preset's, else 8)")
     parser.add_argument("--separate", action="store_true",
                         help="destination on its own GPUs after the source's (default: collocated on the same GPUs)")
-    parser.add_argument("--gpus-per-node", type=int, default=LinkModel.gpus_per_node,
+    parser.add_argument("--gpus-per-node", type=count(1), default=LinkModel.gpus_per_node,
                         help="GPUs sharing an NVLink domain")
-    parser.add_argument("--nvlink-gbps", type=float, default=LinkModel.nvlink_gbps,
+    parser.add_argument("--nvlink-gbps", type=positive_number, default=LinkModel.nvlink_gbps,
                         help="NVLink GB/s per GPU and direction (H100/H200 NV18, measured)")
-    parser.add_argument("--network-gbps", type=float, default=LinkModel.network_gbps,
+    parser.add_argument("--network-gbps", type=positive_number, default=LinkModel.network_gbps,
                         help="network GB/s per GPU and direction (50 = one 400 Gb/s NIC per GPU)")
-    parser.add_argument("--copy-gbps", type=float, default=LinkModel.copy_gbps,
+    parser.add_argument("--copy-gbps", type=positive_number, default=LinkModel.copy_gbps,
                         help="same-rank copy GB/s per GPU (bytes copied; H100 measured; H200 ~2100)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weight dtype on both sides")
-    parser.add_argument("--batch-mb", type=int, default=DEFAULT_BATCH_MB,
+    parser.add_argument("--batch-mb", type=count(0), default=DEFAULT_BATCH_MB,
                         help="max_batch_bytes in MiB, as rx.plan gets it (512: its GPU default; 0: one batch)")
-    parser.add_argument("--relay-stages", type=int, default=0,
+    parser.add_argument("--relay-stages", type=count(0), default=0,
                         help="stages of the pipelined relay prediction (rx.Options.relay_stages; 0: as rx.plan picks)")
-    parser.add_argument("--top", type=int, default=5, help="how many of the busiest ports to list")
+    parser.add_argument("--top", type=count(0), default=5, help="how many of the busiest ports to list")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG",
                         help="write the predicted time per phase to this PNG, and the bytes per rank and port to "
@@ -598,7 +599,7 @@ def run(args: argparse.Namespace) -> int:
         name, shape, preset = load_model(args.model)
         src_spec = parse_spec(args.src if args.src is not None else (preset.src if preset else "tp=1"))
         dst_spec = parse_spec(args.dst if args.dst is not None else (preset.dst if preset else "tp=1"))
-        gpus = args.gpus or (preset.gpus if preset else 8)
+        gpus = args.gpus if args.gpus is not None else (preset.gpus if preset else 8)
         if gpus < 1 or args.gpus_per_node < 1:
             raise ReshardError("--gpus and --gpus-per-node must be >= 1")
         src = make_parallel(src_spec, shape, gpus, 0, "--src")

@@ -41,6 +41,7 @@ from .adapters import Entries, NameMap, apply_name_map
 from .adapters import megatron as megatron_adapter
 from .engines.entries import EngineEntries
 from .errors import ReshardError
+from .execution import Plan
 from .layout import Layout
 from .options import Options
 from .planning import STATS
@@ -398,7 +399,7 @@ def _lookup(src_model: ModelLike, dst_model: ModelLike, backend: str, group: Any
 
 
 def _settle(look: _Lookup, group: Any, backend: str, max_batch_bytes: int | None, transform: Transform | None,
-            options: Options | None, timeout_s: float | None = None) -> Any:
+            options: Options | None, timeout_s: float | None = None) -> Plan:
     """The collective part of a lookup: every rank learns whether any failed, reuses the
     cached plan (rebinding it where needed) or plans again, together."""
     from . import plan as rx_plan  # the core API; imported late (package init order)
@@ -453,17 +454,17 @@ def _get_plan(
     adapter: Adapter | None,
     options: Options | None = None,
     hf_names: Any = None,
-) -> Any:
+) -> Plan:
     look = _lookup(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset, name_map,
                    max_batch_bytes, transform, adapter, options, hf_names)
     return _settle(look, group, backend, max_batch_bytes, transform, options)
 
 
 def prepare_swap_model_weights(
-    src_model: ModelLike,
-    dst_model: ModelLike,
-    backend: str = "auto",
+    src: ModelLike,
+    dst: ModelLike,
     group: Any = None,
+    backend: str = "auto",
     *,
     src_rank_offset: int = 0,
     dst_rank_offset: int = 0,
@@ -473,51 +474,59 @@ def prepare_swap_model_weights(
     adapter: Adapter | None = None,
     options: Options | None = None,
     hf_names: Any = None,
-) -> Any:
-    """Builds (collectively) and caches the plan that `swap_model_weights` will use.
-
-    Each side is None (this rank holds nothing of it), plan entries ``{name: (tensor,
-    rx.Layout)}``, or a module described by the adapter `rx.adapters.pick` chooses
-    (DTensor parameters, a Megatron-Core model with its ``pg_collection`` or a list of its
-    virtual-pipeline chunks, a ``transformers`` model), unless `adapter` (a function
-    ``(model, *, group, rank_offset) -> entries``, used for both sides) is given.
-
-    src_rank_offset, dst_rank_offset: added to a side's model ranks where that model lives
-    in another world than `group`'s numbering. name_map: renames source entries to the
-    destination's names. max_batch_bytes, transform, options: as in `rx.plan`.
-    hf_names: describe Megatron-Core models under Hugging Face checkpoint names
-    (`rx.adapters.megatron_hf`): a family name such as ``"qwen3_moe"``, a HF config, an
-    `rx.adapters.hf_names.HFNames`, True (family inferred from the TransformerConfig) or
-    False (never). Default: when the other side on this rank is a module that is not a
-    Megatron model (family from its config). A rank that holds only the Megatron side
-    cannot see the other: pass the same `hf_names` on every rank then.
-    """
-    return _get_plan(src_model, dst_model, backend, group, src_rank_offset, dst_rank_offset,
+) -> Plan:
+    """Builds (collectively) and caches the plan that `swap_model_weights` will use, and
+    returns it. The arguments are swap_model_weights' (without verify, version, timeout)."""
+    return _get_plan(src, dst, backend, group, src_rank_offset, dst_rank_offset,
                      name_map, max_batch_bytes, transform, adapter, options, hf_names)
 
 
-def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str = "auto", group: Any = None,
-                       **options: Any) -> None:
-    """Copies every destination tensor from the source model, in place. Collective over `group`.
+def swap_model_weights(
+    src: ModelLike,
+    dst: ModelLike,
+    group: Any = None,
+    backend: str = "auto",
+    *,
+    src_rank_offset: int = 0,
+    dst_rank_offset: int = 0,
+    name_map: NameMap | None = None,
+    max_batch_bytes: int | None = None,
+    transform: Transform | None = None,
+    adapter: Adapter | None = None,
+    options: Options | None = None,
+    hf_names: Any = None,
+    verify: bool = False,
+    version: int | None = None,
+    timeout: float | None = None,
+) -> Plan:
+    """Copies every destination tensor from the source model, in place, and returns the plan
+    it ran. Collective over `group`; the arguments up to `backend` are rx.plan's.
 
-    `options` are those of `prepare_swap_model_weights` (rank offsets, name_map renaming
-    source names to the destination's, max_batch_bytes, transform, options (rx.Options),
-    adapter overriding the model description, hf_names). Each side is a module, a list
-    of Megatron VPP chunks, plan entries or None; modules are described by
-    `rx.adapters.pick`'s choice: DTensor parameters -> rx.adapters.dtensor (a
-    ``transformers`` model: rx.adapters.hf_model), a ``pg_collection`` ->
-    rx.adapters.megatron (under Hugging Face names, rx.adapters.megatron_hf, when the
-    other side is not a Megatron model or `hf_names` says so), a callable
-    ``load_weights`` (vLLM, SGLang) -> rx.adapters.engine (its entries' finish() runs
-    after every transfer), a ``transformers`` PreTrainedModel -> rx.adapters.hf_model;
-    any other module raises saying what to pass. A warm call reuses the cached plan: no
-    metadata exchange.
+    src / dst: None (this rank holds nothing of that side), plan entries ``{name: (tensor,
+    rx.Layout)}``, or a module (or a list of Megatron virtual-pipeline chunks) described by
+    the adapter `rx.adapters.pick` chooses: DTensor parameters -> rx.adapters.dtensor (a
+    ``transformers`` model among them keeps its checkpoint names), a ``pg_collection`` ->
+    rx.adapters.megatron (under Hugging Face names, rx.adapters.megatron_hf, when the other
+    side is not a Megatron model or `hf_names` says so), a callable ``load_weights`` (vLLM,
+    SGLang) -> rx.adapters.engine (its safe-path tensors go through the engine's own loader
+    after every transfer), a ``transformers`` PreTrainedModel -> rx.adapters.hf_model; any
+    other module raises saying what to pass. `adapter` (a function ``(model, *, group,
+    rank_offset) -> entries``, used for both sides) overrides the choice.
+
+    src_rank_offset, dst_rank_offset: the group rank of the side's model rank 0, where that
+    model lives in another world than `group`'s numbering. name_map: renames source names
+    to the destination's. max_batch_bytes, transform, options: as in `rx.plan`.
+    hf_names: describe Megatron-Core models under Hugging Face checkpoint names: a family
+    name such as ``"qwen3_moe"``, a HF config, an `rx.adapters.hf_names.HFNames`, True
+    (family inferred from the TransformerConfig) or False (never). Default: when the other
+    side on this rank is a module that is not a Megatron model. A rank that holds only the
+    Megatron side cannot see the other: pass the same `hf_names` on every rank then.
+    verify, version, timeout: as in `rx.execute` (one answer on every rank: it returns on
+    every rank only if the refit landed on every rank). A warm call reuses the cached plan:
+    no metadata exchange.
     """
-    from . import execute
-
-    src_off, dst_off, name_map, max_batch_bytes, transform, adapter, opts, hf_names = _swap_args(**options)
-    look = _lookup(src_model, dst_model, backend, group, src_off, dst_off, name_map, max_batch_bytes, transform,
-                   adapter, opts, hf_names)
+    look = _lookup(src, dst, backend, group, src_rank_offset, dst_rank_offset, name_map, max_batch_bytes, transform,
+                   adapter, options, hf_names)
     timeout_s = None
     if groups.size(group) <= HEADER_AGREEMENT_RANKS:
         if look.clean:
@@ -526,16 +535,19 @@ def swap_model_weights(src_model: ModelLike, dst_model: ModelLike, backend: str 
             if look.bound is not None:  # new entries, same tensors: the plan keeps them bound
                 cached.entries = (look.src, look.dst)
             try:
-                cached.plan.execute(swap=cached.generation)  # the swap round: every rank's flags in the headers
+                # the swap round: every rank's flags in the headers
+                cached.plan.execute(verify, version, timeout, swap=cached.generation)
                 _finish(look.dst)
-                return
+                return cached.plan
             except SwapReplan:
                 timeout_s = cached.plan.options.resolved_timeout("gloo")
         else:
-            timeout_s = _replan_round(group, opts)
+            timeout_s = _replan_round(group, options)
     # Every rank is here together: the one agreement, then planning or rebinding where needed.
-    execute(_settle(look, group, backend, max_batch_bytes, transform, opts, timeout_s))
+    plan = _settle(look, group, backend, max_batch_bytes, transform, options, timeout_s)
+    plan.execute(verify, version, timeout)
     _finish(look.dst)
+    return plan
 
 
 def _finish(dst: Entries) -> None:
@@ -543,13 +555,6 @@ def _finish(dst: Entries) -> None:
     own loader: reshard_ext.engines)."""
     if isinstance(dst, EngineEntries):
         dst.finish()
-
-
-def _swap_args(src_rank_offset: int = 0, dst_rank_offset: int = 0, name_map: NameMap | None = None,
-               max_batch_bytes: int | None = None, transform: Transform | None = None,
-               adapter: Adapter | None = None, options: Options | None = None, hf_names: Any = None) -> tuple:
-    """swap_model_weights' options (those of prepare_swap_model_weights), in _lookup's order."""
-    return src_rank_offset, dst_rank_offset, name_map, max_batch_bytes, transform, adapter, options, hf_names
 
 
 __all__ = ["swap_model_weights", "prepare_swap_model_weights", "clear_caches"]

@@ -125,8 +125,9 @@ class Watch:
     resizing or replacing a storage moves the pointer (the old allocation is still live while
     the new one is made), except when the old storage is freed first and a new one happens to
     start at the same address, which the freed signal (a weakref callback per storage, no
-    per-execute cost) catches; a tensor resize_ that keeps the pointer stays inside memory
-    its storage owns."""
+    per-execute cost) catches. A tensor resize_ that keeps the pointer changes its numel,
+    which is compared too (where the raw layout is read, and for the tensors read through
+    Python): the plan would write past the tensor."""
 
     def __init__(self, entries: dict[str, dict], threads: int = 1):
         self.where: list[tuple[str, str]] = []
@@ -147,12 +148,15 @@ class Watch:
         self.slow = [i for i in range(len(self.tensors)) if i not in fast_set]
         self._slow_tensors = [self.tensors[i] for i in self.slow]
         self._slow_ptrs = [self.ptrs[i] for i in self.slow]
+        self._slow_numels = [self.tensors[i].numel() for i in self.slow]
 
     def changed(self, rank: int) -> str:
-        """"" when every bound tensor still has its storage, else what changed."""
+        """"" when every bound tensor still has its storage and size, else what changed (one line)."""
         bad = [self._fast_index[i] for i in self.fast.changed()] if self.fast is not None else []
-        if self.slow and list(map(_PTR, self._slow_tensors)) != self._slow_ptrs:
-            bad += [i for i, t, p in zip(self.slow, self._slow_tensors, self._slow_ptrs) if _PTR(t) != p]
+        if self.slow and (list(map(_PTR, self._slow_tensors)) != self._slow_ptrs
+                          or [t.numel() for t in self._slow_tensors] != self._slow_numels):
+            bad += [i for i, t, p, n in zip(self.slow, self._slow_tensors, self._slow_ptrs, self._slow_numels)
+                    if _PTR(t) != p or t.numel() != n]
         if self.freed:
             bad += [i for i, r in enumerate(self._refs) if r() is None]
         if not bad:
@@ -165,5 +169,5 @@ class Watch:
             lines.append(f"{self.where[i][0]} tensor '{self.where[i][1]}': data_ptr {self.ptrs[i]:#x} -> "
                          f"{_PTR(t):#x}, {self.sizes[i]} -> {t.nbytes} bytes{freed}")
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        return (f"rx.execute on rank {rank}: bound tensors were replaced or resized since rx.plan / plan.rebind{more}; "
-                f"call plan.rebind(...) with the current tensors:\n  " + "\n  ".join(lines))
+        return (f"bound tensors were replaced or resized since rx.plan / plan.rebind{more}; call plan.rebind(...) "
+                f"with the current tensors: " + "; ".join(lines))

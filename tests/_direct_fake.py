@@ -163,6 +163,12 @@ class _Exec:
     def finish(self) -> None:
         pass
 
+    def abort(self) -> None:
+        """The fake's waits are gloo's, bounded by the direct timeout: nothing to stop early."""
+
+    def rearm(self) -> None:
+        pass
+
 
 class FakeDevice:
     def __init__(self, refuse: set[int] = frozenset()):

@@ -15,6 +15,7 @@ import faulthandler
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -111,13 +112,22 @@ class Pool:
             ready.add(rank)
         return None
 
-    def _collect(self, timeout: float) -> list[Any]:
+    def _collect(self, timeout: float, dies: tuple[int, ...] = ()) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
         while len(results) + len(errors) < self.world:
+            dead = {r for r in dies if not self.procs[r].is_alive()}
+            if dead and len(results) + len(errors) + len(dead - set(results) - set(errors)) >= self.world:
+                for r in dead:
+                    results.setdefault(r, None)
+                break
             try:
-                rank, kind, payload = self.outq.get(timeout=timeout)
+                rank, kind, payload = self.outq.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.0))
+                                                    if dies else timeout)
             except queue.Empty:
+                if dies and time.monotonic() < deadline:
+                    continue
                 missing = sorted(set(range(self.world)) - set(results) - set(errors))
                 self.close()
                 raise RankFailure(f"ranks {missing} did not answer within {timeout}s (hang)") from None
@@ -130,10 +140,10 @@ class Pool:
             raise RankFailure(f"rank {first} raised:\n{errors[first]}")
         return [results[r] for r in range(self.world)]
 
-    def run(self, fn: Callable, *args, timeout: float = 300) -> list[Any]:
+    def run(self, fn: Callable, *args, timeout: float = 300, dies: tuple[int, ...] = ()) -> list[Any]:
         for q in self.inqs:
             q.put((fn, args))
-        return self._collect(timeout)
+        return self._collect(timeout, dies)
 
     def close(self) -> None:
         stop_workers(self.inqs, self.procs)
@@ -157,8 +167,10 @@ def stop_workers(inqs, procs) -> None:
 _POOLS: dict[tuple[int, str], Pool] = {}
 
 
-def run_ranks(world: int, fn: Callable, *args, backend: str = "gloo", timeout: float = 300) -> list[Any]:
-    """Runs fn(rank, world, *args) on every rank of a `world`-process group."""
+def run_ranks(world: int, fn: Callable, *args, backend: str = "gloo", timeout: float = 300,
+              dies: tuple[int, ...] = ()) -> list[Any]:
+    """Runs fn(rank, world, *args) on every rank of a `world`-process group. dies: ranks that
+    kill themselves on the way (their result is None; the pool is torn down after)."""
     key = (world, backend)
     pool = _POOLS.get(key)
     if pool is not None and not all(p.is_alive() for p in pool.procs):
@@ -166,7 +178,11 @@ def run_ranks(world: int, fn: Callable, *args, backend: str = "gloo", timeout: f
         pool = None
     if pool is None:
         pool = _POOLS[key] = Pool(world, backend)
-    return pool.run(fn, *args, timeout=timeout)
+    try:
+        return pool.run(fn, *args, timeout=timeout, dies=dies)
+    finally:
+        if dies:
+            pool.close()
 
 
 def close_pool(world: int, backend: str = "gloo") -> None:

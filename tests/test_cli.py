@@ -98,3 +98,9 @@ def test_info_on_a_machine_without_cuda_suggests_no_cuda_backend() -> None:
     # the CUDA transports are named once, with the one reason, not each with a library to install
     assert rows["not available"].startswith("direct, nccl, nvshmem, torch: "), rows["not available"]
     assert "libnvshmem" not in rows["not available"] and "libnccl" not in rows["not available"]
+
+
+def test_demo_rejects_bad_timeouts() -> None:
+    for value in ("nan", "-1", "0", "inf", "soon"):
+        r = _cli("demo", "--timeout", value)
+        assert r.returncode == 2 and "argument --timeout" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -212,7 +212,7 @@ def _degraded(good: set, writes: bool, status: int = 0) -> tuple[list[str], str,
     t._agree = lambda tables, session, pack0: (pack0() if status == 0 else None, (good, writes))[1]
     session = _session()
     session.status, session.error = status, "local check failed"
-    session.verdict = Verdict({2: "is executing another plan"}, {})
+    session.verdict = Verdict({2: "ranks 0 and 2 ran different plans"}, {})
     with pytest.raises(ReshardError) as e:
         t.run(tables, session)
     return list(log.lines), str(e.value), transport, tables
@@ -229,7 +229,7 @@ def test_degraded_rank_moves_agreeing_pairs_only_and_writes_nothing() -> None:
     direct = [(m.ptr, e.ptr) for m, e in zip(transport.received, expected) if m.ptr != e.ptr]
     assert direct and all(got >= 1 << 56 for got, _ in direct)  # the recording device's scratch
     assert lines[-1] == "main: synchronize"  # the scratch memory outlives the transfers
-    assert "rank 2: is executing another plan" in error and "wrote no destination" in error
+    assert "ranks 0 and 2 ran different plans" in error and "wrote no destination" in error
 
 
 def test_rank_with_a_local_problem_moves_nothing() -> None:
@@ -244,7 +244,7 @@ def test_abort_during_the_transfers_says_so() -> None:
     transport.fail_drain = "NCCL communicator is unusable after an earlier failure: it was aborted"
     session = _session()
     session.abort.set()
-    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) during the NCCL transfers"):
+    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) while the NCCL transfers ran"):
         t.run(tables, session)
     session = _session()
     with pytest.raises(ReshardError, match="^NCCL communicator is unusable"):
@@ -283,7 +283,7 @@ def test_a_verified_execute_aborted_during_its_transfers_says_so_at_the_check() 
     session = _session()
     session.abort.set()
     digests = t.run(tables, session, verify=True)
-    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) during the NCCL transfers"):
+    with pytest.raises(ReshardError, match="aborted \\(plan.abort\\(\\)\\) while the NCCL transfers ran"):
         digests.settle()
     # An execute whose check never ran leaves its wait to the next begin, whose failure it
     # does not raise: that execute raised already, and the aborted communicator is rebuilt.

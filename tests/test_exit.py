@@ -62,3 +62,41 @@ def test_clean_exit_after_a_caught_error(tmp_path, repeat: int) -> None:
         assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{err[-3000:]}"
         assert "terminate called" not in err, err[-3000:]
         assert f"rank {rank}: refit ok, error raised" in out, out + err[-3000:]
+
+
+REINIT = textwrap.dedent("""
+    import datetime, sys
+    import torch, torch.distributed as dist
+    import reshard_ext as rx
+    from reshard_ext import Layout, Mesh, Shard
+
+    rank, ports = int(sys.argv[1]), sys.argv[2].split(",")
+    torch.set_num_threads(1)
+    for port in ports:  # a group, destroyed, then made again
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
+        src_l = Layout((8, 4), torch.float32, Mesh([0, 1]), [Shard(0)])
+        dst_l = Layout((8, 4), torch.float32, Mesh([0, 1]), [Shard(1)])
+        g = torch.arange(32.0).view(8, 4)
+        out = torch.zeros(dst_l.local_shape(rank))
+        rx.execute(rx.plan({"w": (src_l.local_part(g, rank), src_l)}, {"w": (out, dst_l)}))
+        assert torch.equal(out, dst_l.local_part(g, rank))
+        dist.destroy_process_group()
+    print(f"rank {rank}: done", flush=True)
+""")
+
+
+def test_no_shared_memory_left_after_a_group_made_again(tmp_path) -> None:
+    """Each channel's mailbox and rings are removed at exit, those of a destroyed group too."""
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    ports = f"{free_port()},{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), ports], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    pids = {p.pid for p in procs}
+    outs = [p.communicate(timeout=300) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {rank}: done" in out, err[-3000:]
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("reshard_ext.") and int(n.split(".")[2]) in pids]
+    assert left == [], left

@@ -12,6 +12,7 @@ from reshard_ext.errors import ReshardError
 
 WORDS = 10
 DONE, POSTED_NOTHING, TOOK_NOTHING = 0, 1, 2
+KIND, OTHER_KIND = 0x52584844, 0x52584F43  # first words: what an exchange takes
 
 
 def _pair():
@@ -21,8 +22,10 @@ def _pair():
     return a, b
 
 
-def _header(base: int) -> np.ndarray:
-    return np.arange(WORDS, dtype=np.int64) + base
+def _header(base: int, kind: int = KIND) -> np.ndarray:
+    h = np.arange(WORDS, dtype=np.int64) + base
+    h[0] = kind
+    return h
 
 
 def _rows() -> np.ndarray:
@@ -56,7 +59,7 @@ def test_a_header_nobody_took_is_withdrawn_and_never_taken_later():
     b.post([0], _header(8))
     assert b.poll(0.0, rb) is False and a.poll(0.0, ra) and b.poll(0.0, rb)
     assert a.finish(ra) == [DONE] and b.finish(rb) == [DONE]
-    assert ra[0, 0] == 8 and rb[0, 0] == 1
+    assert ra[0, 1] == 9 and rb[0, 1] == 2
 
 
 def test_an_end_that_gives_up_after_its_header_was_taken_takes_the_peers_and_succeeds():
@@ -69,7 +72,7 @@ def test_an_end_that_gives_up_after_its_header_was_taken_takes_the_peers_and_suc
     assert not b.poll(0.0, rb)  # b took a's
     assert a.finish(ra) == [DONE]
     assert b.poll(0.0, rb) and b.finish(rb) == [DONE]
-    assert ra[0, 0] == 5 and rb[0, 0] == 0
+    assert ra[0, 1] == 6 and rb[0, 1] == 1
 
 
 def test_an_end_that_withdraws_before_its_header_was_taken_fails_both_ends():
@@ -96,7 +99,7 @@ def test_one_exchange_with_several_peers_reports_each_pair():
     b.post([0], _header(10))
     assert not a.poll(0.0, ra) and b.poll(0.0, rb)
     assert a.finish(ra) == [DONE, POSTED_NOTHING] and b.finish(rb) == [DONE]
-    assert ra[0, 0] == 10 and (ra[1] == 0).all() and rb[0, 0] == 0
+    assert ra[0, 1] == 11 and (ra[1] == 0).all() and rb[0, 1] == 1
     rc = _rows()
     c.post([0], _header(20))  # a's header to c was withdrawn
     assert not c.poll(0.001, rc) and c.finish(rc) == [POSTED_NOTHING]
@@ -146,3 +149,62 @@ def test_a_forked_child_leaves_its_parents_segment():
         os._exit(0)
     os.waitpid(pid, 0)
     assert os.path.exists("/dev/shm" + mine.name)
+
+
+def test_a_row_of_another_kind_of_exchange_is_left_for_it():
+    """b is already in its next kind of exchange (its outcome row) while a still waits for
+    headers: a takes nothing, and b's row stays posted for a's exchange of that kind."""
+    a, b = _pair()
+    ra, rb = _rows(), _rows()
+    b.post([0], _header(5, OTHER_KIND))
+    a.post([1], _header(0))
+    assert not a.poll(0.001, ra) and (ra == 0).all()
+    assert a.finish(ra) == [POSTED_NOTHING]
+    a.post([1], _header(1, OTHER_KIND))
+    assert not a.poll(0.0, ra) and b.poll(0.0, rb) and a.poll(0.0, ra)
+    assert a.finish(ra) == [DONE] and b.finish(rb) == [DONE]
+    assert ra[0, 1] == 6 and rb[0, 1] == 2
+
+
+def test_alarms_are_read_by_token_whole():
+    a, b = _pair()
+    assert b.alarmed([0], 7) == [] and b.read_alarm(0, 7) is None
+    a.begin(7)
+    a.raise_alarm(7, "rank 0: why\nand more", False)
+    assert b.alarmed([0], 7) == [0] and b.alarmed([0], 8) == []
+    assert b.read_alarm(0, 7) == (b"rank 0: why\nand more", False)
+    a.end()  # out of that execute: its alarm is no longer one to stop for, but still says why
+    assert b.alarmed([0], 7) == [] and b.read_alarm(0, 7) is not None
+    a.begin(9)  # a later execute: the earlier alarm stays readable
+    assert b.read_alarm(0, 7) is not None and b.alarmed([0], 9) == []
+    a.begin(7)  # the same number again (the earlier execute did not count): its old alarm is gone
+    assert b.alarmed([0], 7) == [] and b.read_alarm(0, 7) is None
+    a.raise_alarm(8, "x" * 5000, True)  # cut to the mailbox's room; left: read even outside the execute
+    text, left = b.read_alarm(0, 8)
+    assert left and text == b"x" * 1000 and b.alarmed([0], 8) == [0]
+
+
+def test_a_peer_whose_process_exited_is_gone():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from reshard_ext import _C; m = _C.HostMailbox(1, 2, 10); print(m.name, flush=True); "
+            "sys.stdin.readline(); os._exit(0)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=env)
+    name = child.stdout.readline().strip()
+    mine = _C.HostMailbox(0, 2, WORDS)
+    mine.attach(1, name)
+    assert mine.gone([1]) == []  # running
+    child.kill()  # not reaped yet: a zombie reads as gone too
+    import time
+
+    for _ in range(100):
+        if mine.gone([1]):
+            break
+        time.sleep(0.01)
+    assert mine.gone([1]) == [1]
+    child.wait()
+    assert mine.gone([1]) == [1]

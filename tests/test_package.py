@@ -144,10 +144,8 @@ def test_negative_shard_dims_count_from_the_end() -> None:
 
 @pytest.mark.parametrize("dim", [2, -3, 100])
 def test_out_of_range_shard_dim_is_an_error(dim: int) -> None:
-    lay = rx.Layout((8, 4), torch.float32, rx.Mesh([0, 1]), [rx.Shard(dim)])
-    assert f"Shard({dim}) of a 2-d tensor" in lay.error
-    with pytest.raises(rx.ReshardError, match="of a 2-d tensor"):
-        lay.local_shape(0)
+    with pytest.raises(rx.ReshardError, match=rf"Shard\({dim}\) of a 2-d tensor"):
+        rx.Layout((8, 4), torch.float32, rx.Mesh([0, 1]), [rx.Shard(dim)])
 
 
 @pytest.mark.parametrize("bad", [0.5, "0", None, True])

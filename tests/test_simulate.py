@@ -255,7 +255,7 @@ def test_hf_moe_config():
 def test_user_errors(tmp_path, capsys):
     for argv in (["--model", "no-such-model"], ["--src", "tp=0"], ["--src", "tq=2"], ["--dst", "tp=2,tp=4"],
                  ["--model", "llama-3-8b", "--src", "ep=2"], ["--model", "deepseek-v3", "--src", "ep=7"],
-                 ["--model", "llama-3-8b", "--src", "tp=3", "--gpus", "8"], ["--network-gbps", "0"]):
+                 ["--model", "llama-3-8b", "--src", "tp=3", "--gpus", "8"]):
         code, _, err = _run(argv, capsys)
         assert code == 2 and err.startswith("simulate: "), argv
     bad = tmp_path / "config.json"
@@ -265,6 +265,28 @@ def test_user_errors(tmp_path, capsys):
     bad.write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ReshardError, match="num_attention_heads"):
         load_model(str(bad))
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "0"], ["--copy-gbps", "inf"], ["--network-gbps", "0"],
+                                  ["--nvlink-gbps", "nan"], ["--batch-mb", "-1"], ["--gpus-per-node", "x"]])
+def test_bad_numbers_are_usage_errors(argv, capsys):
+    """Not a silent default (--gpus 0 planned 8 GPUs) nor a prediction of 0 s (--copy-gbps inf)."""
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(argv)
+    assert e.value.code == 2 and f"argument {argv[0]}" in capsys.readouterr().err
+
+
+_GOOD = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128}
+
+
+@pytest.mark.parametrize("config", [[], "a string", dict(_GOOD, hidden_size="abc"), dict(_GOOD, num_hidden_layers=-2),
+                                    dict(_GOOD, vocab_size=None), dict(_GOOD, intermediate_size=1.5),
+                                    dict(_GOOD, num_experts=True)], ids=str)
+def test_malformed_configs_are_errors_in_words(tmp_path, capsys, config):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, _, err = _run(["--model", str(path)], capsys)
+    assert code == 2 and err.startswith("simulate: config.json"), err
 
 
 def test_presets_resolve():

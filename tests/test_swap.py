@@ -315,3 +315,31 @@ def test_destination_restrided_in_place_is_rebound() -> None:
         assert kind == "ok", results
         assert moved["plans"] == 0 and moved["describe_reused"] == 2 - rank  # rank 1 described its dst again
         assert bad == [], f"rank {rank}: {bad}"
+
+
+# --- rx.execute's keywords: one answer on every rank ------------------------------------------
+
+
+def _versioned(rank: int, world: int) -> Any:
+    import reshard_ext as rx
+    from reshard_ext.swap import clear_caches, swap_model_weights
+
+    clear_caches()
+    src = _build(world, S(tp=2, dp=2), DENSE, seed=1)
+    dst = _build(world, S(tp=4), DENSE, seed=None)
+    plan = swap_model_weights(src, dst, None, "auto", verify=True, version=3, timeout=60.0)  # rx.plan's order
+    first = plan.version, isinstance(plan, rx.Plan), check_filled(dst, 1)
+    warm = swap_model_weights(src, dst, verify=True, version=4)  # the cached plan: the swap round
+    try:  # a rank passing another version raises on every rank, warm or not
+        swap_model_weights(src, dst, version=5 if rank != 2 else 6)
+        error = None
+    except rx.ReshardError as e:
+        error = str(e)
+    return first, warm is plan, plan.version, error, swap_model_weights(src, dst, version=7).version
+
+
+def test_swap_takes_verify_version_and_timeout_and_returns_its_plan() -> None:
+    for rank, (first, same, version, error, last) in enumerate(run_ranks(4, _versioned)):
+        assert first == (3, True, []), (rank, first)
+        assert same and version is None and last == 7, (rank, same, version, last)
+        assert error is not None and "5 on ranks [0, 1, 3], 6 on ranks [2]" in error, (rank, error)

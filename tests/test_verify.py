@@ -633,8 +633,9 @@ def _exchanging_plan(rank: int, world: int, seed: int):
 
 
 def _check_paths(rank, world):
-    """The check of a CPU group whose ranks share a host adds up the ranks' sums through the
-    mailboxes (no gloo collective); without them (another host), through gloo."""
+    """The check adds up the ranks' sums in the execute's outcome (transports/outcome.py):
+    through the mailboxes where the ranks share a host, by recursive doubling over the
+    channel's gloo pairs otherwise; no collective over the caller's group either way."""
     import torch.distributed as dist
 
     plan, out, want = _exchanging_plan(rank, world, seed=3)
@@ -665,29 +666,29 @@ def _check_paths(rank, world):
     return through_mailboxes, over_gloo, caught, bool(torch.equal(out, want))
 
 
-def test_cpu_check_goes_through_the_mailboxes():
+def test_cpu_check_rides_in_the_outcome():
     for rank, (mailboxes, gloo, caught, ok) in enumerate(run_ranks(4, _check_paths)):
-        assert mailboxes == 0 and gloo == 2, (rank, mailboxes, gloo)
+        assert mailboxes == 0 and gloo == 0, (rank, mailboxes, gloo)
         assert len(caught) == 2 and all("rx.verify" in m and "'w'" in m for m in caught), (rank, caught)
         assert ok
 
 
 def _late_to_the_check(rank, world):
-    """Rank 1 reaches the digest check 3 s late; rank 0 gives up after its 1.5 s timeout.
-    Then both execute again, verified."""
+    """Rank 1 reaches the execute's outcome (which carries the digest sums) 4 s late; rank 0
+    gives up after its 1.5 s timeout and as long a grace. Then both execute again, verified."""
     import torch.distributed as dist
 
-    from reshard_ext import verification
+    from reshard_ext.transports import outcome
 
     plan, out, want = _exchanging_plan(rank, world, seed=5)
-    check = verification.check
+    agree = outcome.agree
     if rank == 1:
-        verification.check = lambda *a, **k: (time.sleep(3.0), check(*a, **k))[1]
+        outcome.agree = lambda *a, **k: (time.sleep(4.0), agree(*a, **k))[1]
     t0 = time.monotonic()
     try:
         error = _error_of(rx.execute, plan, verify=True, timeout=1.5)
     finally:
-        verification.check = check
+        outcome.agree = agree
     elapsed = time.monotonic() - t0
     dist.barrier()
     rx.execute(plan, verify=True)
@@ -697,41 +698,41 @@ def _late_to_the_check(rank, world):
 def test_a_rank_late_to_the_check_raises_within_the_timeout():
     results = run_ranks(2, _late_to_the_check)
     for rank, (error, _, ok) in enumerate(results):
-        assert "rank(s) [" in error and "did not join the digest check within 1.5 s" in error, (rank, error)
+        assert f"rank {1 - rank} did not reach the end of the execute within 1.5 s" in error, (rank, error)
         assert ok, rank
-    assert results[0][1] < 3.0, results[0][1]
+    assert results[0][1] < 4.0, results[0][1]
 
 
 def _abort_in_the_check(rank, world):
-    """Rank 0 calls plan.abort() while it waits in the digest check for rank 1 (1.5 s late):
-    the data has landed, so the check runs to its end. Then both execute again, verified."""
+    """Rank 0 calls plan.abort() while it waits in the execute's outcome (which carries the
+    digest check) for rank 1 (1.5 s late): the data has landed, so the outcome runs to its
+    end. Then both execute again, verified."""
     import threading
 
-    from reshard_ext import verification
+    from reshard_ext.transports import outcome
 
     plan, out, want = _exchanging_plan(rank, world, seed=8)
-    check = verification.check
+    agree = outcome.agree
 
     def late_or_aborting(*a, **k):
         if rank == 1:
             time.sleep(1.5)
         else:
             threading.Timer(0.3, plan.abort).start()
-        return check(*a, **k)
+        return agree(*a, **k)
 
-    verification.check = late_or_aborting
+    outcome.agree = late_or_aborting
     try:
         error = _error_of(rx.execute, plan, verify=True, version=1, timeout=20)
     finally:
-        verification.check = check
+        outcome.agree = agree
     version = plan.version
     error_next = _error_of(rx.execute, plan, verify=True, version=2, timeout=20)
     return error, version, error_next, plan.version, bool(torch.equal(out, want))
 
 
 def test_abort_during_the_check_lets_it_finish():
-    # An abort that cut the check short would leave this rank's mailbox exchange open; its
-    # next execute would take the peer's header for the check's row, and hang.
+    # An abort that cut the outcome short would tell the ranks different answers.
     for rank, result in enumerate(run_ranks(2, _abort_in_the_check)):
         assert result == ("", 1, "", 2, True), (rank, result)
 
@@ -749,7 +750,7 @@ def _checks_of_two_plans(rank, world):
 
 def test_ranks_checking_different_plans_raise():
     for rank, error in enumerate(run_ranks(2, _checks_of_two_plans)):
-        assert f"rank(s) [{1 - rank}] posted another call's digest check" in error, (rank, error)
+        assert "the ranks ran different plans: [0] and [1]" in error, (rank, error)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

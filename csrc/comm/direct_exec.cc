@@ -14,6 +14,12 @@
 namespace rx {
 
 namespace {
+constexpr uint64_t kAbortedWord = ~uint64_t{0};  // the error word of a stopped execute (abort())
+// Once stopped, how long the host waits for the GPU's waits to return (they watch the error word).
+constexpr auto kStopGrace = std::chrono::seconds(10);
+}  // namespace
+
+namespace {
 
 std::vector<rx_box> kernel_boxes(const std::vector<rx_box>& boxes, int64_t engine_bytes,
                                  std::vector<EngineCopy>* engine) {
@@ -359,6 +365,12 @@ DirectExec::~DirectExec() {
   cudaGetLastError();
 }
 
+void DirectExec::abort() {
+  aborted_.store(true, std::memory_order_release);
+  // the GPU waits of this execute return on a non-zero error word (kernels/signal.cu)
+  __atomic_store_n(sig_->error_host(), kAbortedWord, __ATOMIC_RELEASE);
+}
+
 void DirectExec::fail(const std::string& msg) {
   if (error_.empty()) error_ = msg;
   throw ReshardError(msg + ". The plan's direct transport is unusable now (plan again on every rank).");
@@ -435,6 +447,8 @@ void DirectExec::begin_steps(cudaStream_t main) {
   Backoff backoff(50);
   for (int32_t r : receivers_) {
     while (sig_->peer_ready(r) < seq_) {
+      if (aborted_.load(std::memory_order_acquire))
+        fail(detail::format("rank ", sig_->rank(), ": execute #", seq_, " was stopped before the direct writes"));
       if (Clock::now() > deadline)
         fail(detail::format("rank ", sig_->rank(), ": rank ", r, " did not start execute #", seq_,
                             " of this plan within ", timeout_s_,
@@ -596,17 +610,27 @@ void DirectExec::finish_steps() {
   // never reaches them (work queued before the refit that does not finish).
   const double host_timeout = 2 * timeout_s_ + 30;
   const auto deadline = deadline_after(host_timeout);
+  Clock::time_point stopped{};
   Backoff backoff(50);
   while (true) {
     const cudaError_t q = cudaEventQuery(end_);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) RX_CUDA_CHECK(q);
+    // stopped: the GPU waits return on the error word; work queued before the refit may not
+    if (aborted_.load(std::memory_order_acquire)) {
+      if (stopped == Clock::time_point{}) stopped = Clock::now();
+      if (Clock::now() - stopped > kStopGrace)
+        fail(detail::format("rank ", sig_->rank(), ": execute #", seq_, " was stopped and its GPU work did not end"));
+    }
     if (Clock::now() > deadline)
       fail(detail::format("rank ", sig_->rank(), ": execute #", seq_, " of this plan did not finish on the GPU within ",
                           host_timeout, " s"));
     backoff.pause();
   }
   const uint64_t late = __atomic_load_n(const_cast<const uint64_t*>(sig_->error_host()), __ATOMIC_ACQUIRE);
+  if (late == kAbortedWord)
+    fail(detail::format("rank ", sig_->rank(), ": execute #", seq_, " was stopped while it waited for its senders; "
+                        "destinations written by ranks ", ranks_text(senders_), " may be partly updated"));
   if (late != 0) {
     const int32_t peer = late <= senders_.size() ? senders_[late - 1] : -1;
     fail(detail::format("rank ", sig_->rank(), ": rank ", peer, " did not signal within ", timeout_s_,

@@ -29,6 +29,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -188,6 +189,12 @@ class DirectExec {
   // The host wait of an end(main, false): returns once the refit is complete; throws
   // ReshardError when a sender never signalled.
   void finish();
+  // From any thread (plan.abort(), or a peer that failed or died): the host waits of this
+  // execute give up at once and raise, and its GPU waits return (they watch the error
+  // word). The transport is then unusable, as after any failure. rearm() takes it back
+  // before an execute.
+  void abort();
+  void rearm() { aborted_.store(false, std::memory_order_release); }
 
   const std::string& error() const { return error_; }
 
@@ -263,6 +270,7 @@ class DirectExec {
   size_t trace_used_ = 0;
   std::vector<Mark> marks_;
   cudaStream_t trace_stream_ = nullptr;  // idle: a record there marks when the host got past a wait
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace rx

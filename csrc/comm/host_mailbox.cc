@@ -1,9 +1,12 @@
 #include "comm/host_mailbox.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <utility>
 
+#include "comm/process_alive.h"
 #include "common/backoff.h"
 #include "common/check.h"
 
@@ -11,8 +14,17 @@ namespace rx {
 namespace {
 
 constexpr uint64_t kMagic = 0x52584d4158424f58ull;  // "RXMAXBOX"
-constexpr size_t kHead = 64;                        // segment header: magic, size, words
+constexpr size_t kHead = 128;                       // segment header: see Head
+// Words of the segment's head: the owner's process (comm/process_alive.h) and alarm word.
+enum Head {
+  kMagicWord, kSizeWord, kWordsWord, kPidWord, kPidNsWord, kStartWord, kAlarmWord, kAlarmLeftWord, kCurrentWord
+};
+// After the slots: the alarm's text, its length in the first word.
+constexpr size_t kTextBytes = 8 + HostMailbox::kMaxAlarmText;
+
 constexpr size_t kSlot = 128;                       // state word + kMaxWords header words
+
+size_t segment_bytes(int32_t size) { return kHead + static_cast<size_t>(size) * kSlot + kTextBytes; }
 constexpr uint64_t kPosted = 1, kTaken = 2, kWithdrawn = 3;
 
 // Spinning this long after a poll starts costs less than one sleep's wake-up.
@@ -28,11 +40,15 @@ bool cas(uint64_t* w, uint64_t expected, uint64_t desired) {
 HostMailbox::HostMailbox(int32_t rank, int32_t size, int32_t words) : rank_(rank), size_(size), words_(words) {
   RX_HOST_ASSERT(size >= 1 && rank >= 0 && rank < size, "HostMailbox: rank ", rank, " of ", size);
   RX_HOST_ASSERT(words >= 1 && words <= kMaxWords, "HostMailbox: ", words, " header words");
-  segment_ = ShmSegment::create(kHead + static_cast<size_t>(size) * kSlot, false, "HostMailbox");
+  segment_ = ShmSegment::create(segment_bytes(size), false, "HostMailbox");
   auto* head = static_cast<uint64_t*>(segment_.base());  // zero-filled by ftruncate: every slot idle
-  head[1] = static_cast<uint64_t>(size);
-  head[2] = static_cast<uint64_t>(words);
-  __atomic_store_n(&head[0], kMagic, __ATOMIC_RELEASE);
+  head[kSizeWord] = static_cast<uint64_t>(size);
+  head[kWordsWord] = static_cast<uint64_t>(words);
+  const ProcessId me = this_process();
+  head[kPidWord] = static_cast<uint64_t>(me.pid);
+  head[kPidNsWord] = me.pid_ns;
+  head[kStartWord] = me.start;
+  __atomic_store_n(&head[kMagicWord], kMagic, __ATOMIC_RELEASE);
   peers_.resize(static_cast<size_t>(size));
 }
 
@@ -45,8 +61,8 @@ void HostMailbox::attach(int32_t peer, const std::string& name) {
                                   "rank " + std::to_string(peer) + "'s header mailbox (from rank " +
                                       std::to_string(rank_) + ")");
   const auto* head = static_cast<const uint64_t*>(p.base());
-  RX_USER_CHECK(load(&head[0]) == kMagic && head[1] == static_cast<uint64_t>(size_) &&
-                    head[2] == static_cast<uint64_t>(words_),
+  RX_USER_CHECK(load(&head[kMagicWord]) == kMagic && head[kSizeWord] == static_cast<uint64_t>(size_) &&
+                    head[kWordsWord] == static_cast<uint64_t>(words_),
                 "HostMailbox: rank ", peer, "'s header mailbox ", name, " is not one of this group's");
   peers_[static_cast<size_t>(peer)] = std::move(p);
 }
@@ -77,6 +93,7 @@ void HostMailbox::post(const std::vector<int32_t>& peers, const int64_t* header)
     __atomic_store_n(slot, gen << 2 | kPosted, __ATOMIC_RELEASE);
     pending_.push_back(Pending{p, gen, false, false});
   }
+  kind_ = header[0];
 }
 
 bool HostMailbox::try_take(Pending& p, int64_t* row) {
@@ -85,6 +102,10 @@ bool HostMailbox::try_take(Pending& p, int64_t* row) {
   if ((state & 3) != kPosted) return false;
   for (int32_t w = 0; w < words_; ++w)
     row[w] = __atomic_load_n(reinterpret_cast<const int64_t*>(slot + 1 + w), __ATOMIC_RELAXED);
+  if (row[0] != kind_) {  // another kind of exchange's: left for it
+    std::fill(row, row + words_, int64_t{0});
+    return false;
+  }
   // Valid only if the slot still holds that post: a withdrawn and re-posted header fails the CAS.
   p.took = cas(slot, state, (state & ~uint64_t{3}) | kTaken);
   return p.took;
@@ -128,6 +149,81 @@ std::vector<int32_t> HostMailbox::finish(int64_t* rows) {
     out.push_back(p.took && p.taken ? 0 : (!p.took ? 1 : 2));
   }
   pending_.clear();
+  return out;
+}
+
+std::vector<int32_t> HostMailbox::unfinished() const {
+  std::vector<int32_t> out;
+  for (const Pending& p : pending_)
+    if (!(p.took && p.taken)) out.push_back(p.peer);
+  return out;
+}
+
+void HostMailbox::raise_alarm(uint64_t token, const std::string& text, bool left) {
+  RX_HOST_ASSERT(token != 0, "HostMailbox: alarm token 0");
+  auto* head = static_cast<uint64_t*>(segment_.base());
+  // A reader copies between two reads of the alarm word and keeps the copy only if both
+  // read its token: the word is 0 while the text changes.
+  __atomic_store_n(head + kAlarmWord, uint64_t{0}, __ATOMIC_RELEASE);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  const size_t n = std::min(text.size(), kMaxAlarmText);
+  char* area = static_cast<char*>(segment_.base()) + kHead + static_cast<size_t>(size_) * kSlot;
+  __atomic_store_n(head + kAlarmLeftWord, uint64_t{left}, __ATOMIC_RELAXED);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(area), static_cast<uint64_t>(n), __ATOMIC_RELAXED);
+  std::memcpy(area + 8, text.data(), n);
+  __atomic_store_n(head + kAlarmWord, token, __ATOMIC_RELEASE);
+}
+
+void HostMailbox::begin(uint64_t token) {
+  auto* head = static_cast<uint64_t*>(segment_.base());
+  // An alarm of an earlier execute with another token stays: its peers may still read why.
+  if (load(head + kAlarmWord) == token) {
+    __atomic_store_n(head + kAlarmWord, uint64_t{0}, __ATOMIC_RELEASE);
+    __atomic_store_n(head + kAlarmLeftWord, uint64_t{0}, __ATOMIC_RELEASE);
+  }
+  __atomic_store_n(head + kCurrentWord, token, __ATOMIC_RELEASE);
+}
+
+void HostMailbox::end() {
+  __atomic_store_n(static_cast<uint64_t*>(segment_.base()) + kCurrentWord, uint64_t{0}, __ATOMIC_RELEASE);
+}
+
+bool HostMailbox::read_alarm(int32_t peer, uint64_t token, std::string* text, bool* left) const {
+  if (!attached(peer)) return false;
+  const char* base = static_cast<const char*>(peers_[static_cast<size_t>(peer)].base());
+  const auto* head = reinterpret_cast<const uint64_t*>(base);
+  if (load(head + kAlarmWord) != token) return false;
+  const char* area = base + kHead + static_cast<size_t>(size_) * kSlot;
+  const uint64_t n = std::min<uint64_t>(load(reinterpret_cast<const uint64_t*>(area)), kMaxAlarmText);
+  std::string copy(area + 8, static_cast<size_t>(n));
+  const bool was_left = load(head + kAlarmLeftWord) != 0;
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  if (load(head + kAlarmWord) != token) return false;  // rewritten while we copied
+  *text = std::move(copy);
+  *left = was_left;
+  return true;
+}
+
+std::vector<int32_t> HostMailbox::alarmed(const std::vector<int32_t>& peers, uint64_t token) const {
+  std::vector<int32_t> out;
+  for (int32_t p : peers) {
+    if (!attached(p)) continue;
+    const auto* head = static_cast<const uint64_t*>(peers_[static_cast<size_t>(p)].base());
+    // the execute first (begin() cleared the alarm before it set it), then the alarm
+    const bool in_it = load(head + kCurrentWord) == token;
+    if (load(head + kAlarmWord) == token && (in_it || load(head + kAlarmLeftWord) != 0)) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<int32_t> HostMailbox::gone(const std::vector<int32_t>& peers) const {
+  std::vector<int32_t> out;
+  for (int32_t p : peers) {
+    if (!attached(p)) continue;
+    const auto* head = static_cast<const uint64_t*>(peers_[static_cast<size_t>(p)].base());
+    const ProcessId id{static_cast<int64_t>(head[kPidWord]), head[kPidNsWord], head[kStartWord]};
+    if (process_gone(id)) out.push_back(p);
+  }
   return out;
 }
 

@@ -10,7 +10,12 @@
 // the peer's header and the peer took its own. Both CASes on a slot race only with each
 // other, so the two ends always reach the same outcome: an end that gives up withdraws
 // its header, and a peer that took it first has posted its own, which the end then takes.
-// A dead peer never takes: the pair fails at the deadline, as with gloo.
+// A dead peer never takes: the pair fails at the deadline, as with gloo, unless the waiting
+// end asks first whether the peer's process is gone (`gone`: the segment's head names it).
+//
+// The head also holds the owner's alarm word: the token of the execute it failed in. Peers
+// read it while they wait (`alarmed`), so a failure anywhere stops the others at once
+// instead of at their timeout.
 #pragma once
 
 #include <cstdint>
@@ -42,11 +47,34 @@ class HostMailbox {
   // One exchange with `peers` (attached, distinct, not this rank): posts `header` to each.
   void post(const std::vector<int32_t>& peers, const int64_t* header);
   // Takes what the peers posted into rows (one row of `words` per peer, in post order) and
-  // waits for them to take ours, for at most `seconds`; true once every pair is done.
+  // waits for them to take ours, for at most `seconds`; true once every pair is done. Only
+  // rows whose first word is ours (the kind of exchange: execute headers, outcome rows) are
+  // taken: a peer already in the next kind of exchange keeps its row posted for it.
   bool poll(double seconds, int64_t* rows);
   // Ends the exchange: withdraws what no peer took. Returns, per peer in post order, 0
   // where the pair succeeded, 1 where the peer posted nothing, 2 where it took nothing.
   std::vector<int32_t> finish(int64_t* rows);
+  // The peers of the open exchange whose pair is not done yet.
+  std::vector<int32_t> unfinished() const;
+
+  static constexpr size_t kMaxAlarmText = 1000;  // bytes of an alarm's text (longer is cut)
+
+  // Sets this rank's alarm to `token` (never 0, the execute it failed in) with why, and
+  // whether it left that execute without its final exchange (plan.abort()).
+  void raise_alarm(uint64_t token, const std::string& text, bool left);
+  // The execute this rank is in (0: none). An execute begins by clearing an alarm of its
+  // own token (left over from an earlier execute with the same number, one that did not
+  // count), then setting this: an alarm with the token of the execute its owner is in is of
+  // that execute.
+  void begin(uint64_t token);
+  void end();
+  // The attached peers among `peers` whose alarm holds `token` and who are in that execute
+  // (or left it: plan.abort()).
+  std::vector<int32_t> alarmed(const std::vector<int32_t>& peers, uint64_t token) const;
+  // Peer's alarm text and left flag if its alarm holds `token` (a consistent copy), else false.
+  bool read_alarm(int32_t peer, uint64_t token, std::string* text, bool* left) const;
+  // The attached peers among `peers` whose process has exited (comm/process_alive.h).
+  std::vector<int32_t> gone(const std::vector<int32_t>& peers) const;
 
  private:
   struct Pending {
@@ -55,6 +83,7 @@ class HostMailbox {
     bool took;     // we took the peer's header
     bool taken;    // the peer took ours
   };
+  int64_t kind_ = 0;  // the first word of our posted rows: what we take
   uint64_t* mine(int32_t peer) const;    // our slot for peer's headers
   uint64_t* theirs(int32_t peer) const;  // peer's slot for ours
   bool try_take(Pending& p, int64_t* row);

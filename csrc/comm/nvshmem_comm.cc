@@ -242,9 +242,16 @@ void NvshmemExchange::wait_idle(cudaStream_t stream, double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
   Backoff backoff;
   cudaError_t st = cudaEventQuery(done);
-  while (st == cudaErrorNotReady && Clock::now() < deadline) {
+  while (st == cudaErrorNotReady && Clock::now() < deadline && !aborted_.load(std::memory_order_acquire)) {
     backoff.pause();
     st = cudaEventQuery(done);
+  }
+  if (st == cudaErrorNotReady && aborted_.load(std::memory_order_acquire)) {
+    fail("stopped while it waited for its peers' signals");
+    throw ReshardError(detail::format(
+        "NVSHMEM transport: PE ", me_, " stopped waiting for its peers' signals (plan.abort(), or another rank "
+        "failed or died); this plan is unusable, and the GPU streams involved may stay blocked: restart the "
+        "processes"));
   }
   if (st == cudaErrorNotReady) {
     // The event stays recorded on a stream that may never drain: leak it rather than block.

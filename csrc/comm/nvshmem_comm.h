@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -59,6 +60,11 @@ class NvshmemExchange {
   bool usable() const { return usable_; }
   std::string error() const { return error_; }
   void fail(const std::string& why);
+  // From any thread (plan.abort(), a peer that failed or died): a host wait in progress gives
+  // up at once and raises; the exchange is unusable after (its GPU-side waits cannot be
+  // cancelled). rearm() takes it back before an execute.
+  void abort() { aborted_.store(true, std::memory_order_release); }
+  void rearm() { aborted_.store(false, std::memory_order_release); }
 
  private:
   uint64_t* data_word(int pe) const;
@@ -81,6 +87,7 @@ class NvshmemExchange {
   uint64_t done_batches_ = 0;
   bool usable_ = true;
   std::string error_;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace rx

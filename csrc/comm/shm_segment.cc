@@ -14,6 +14,7 @@
 #include <random>
 #include <utility>
 
+#include "comm/process_alive.h"
 #include "common/check.h"
 
 namespace rx {
@@ -22,11 +23,6 @@ namespace {
 void* map(int fd, size_t bytes) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   return p == MAP_FAILED ? nullptr : p;
-}
-
-unsigned long long pid_namespace() {
-  struct stat st;
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0ull;
 }
 
 void sweep_dead(unsigned long long ns) {
@@ -71,7 +67,7 @@ void ShmSegment::release() {
 ShmSegment ShmSegment::create(size_t bytes, bool reserve, const char* what) {
   std::random_device rd;
   const uint64_t salt = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  const unsigned long long ns = pid_namespace();
+  const unsigned long long ns = this_pid_namespace();
   sweep_dead(ns);
   char buf[96];
   std::snprintf(buf, sizeof buf, "/reshard_ext.%llu.%d.%016llx", ns, static_cast<int>(getpid()),

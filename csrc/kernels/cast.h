@@ -28,9 +28,33 @@ RX_HD float f32_from_bits(uint32_t u) { return bit_cast<float>(u); }
 RX_HD uint64_t f64_bits(double d) { return bit_cast<uint64_t>(d); }
 RX_HD double f64_from_bits(uint64_t u) { return bit_cast<double>(u); }
 
+// A NaN comes out as torch's Tensor.to makes it on the device that casts. On the CPU,
+// ATen's vectorized conversion (AVX2/AVX-512): bfloat16 0xffff for every NaN, and for
+// float16 the F16C instruction's quiet NaN with the sign and top payload bits kept. On
+// CUDA, c10's conversions (__float2bfloat16 from sm_80, __float2half): the canonical NaN
+// 0x7fff; below sm_80 c10's bfloat16 rounding in software: 0x7fc0.
+RX_HD uint16_t bf16_nan(uint32_t) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return 0x7fff;
+#elif defined(__CUDA_ARCH__)
+  return 0x7fc0;
+#else
+  return 0xffff;
+#endif
+}
+
+RX_HD uint16_t f16_nan(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  (void)x;
+  return 0x7fff;
+#else
+  return (uint16_t)(((x >> 16) & 0x8000u) | 0x7e00u | ((x & 0x7fffffu) >> 13));
+#endif
+}
+
 RX_HD uint16_t bf16_from_f32(float f) {
   uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10 does
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_nan(u);
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -40,7 +64,7 @@ RX_HD uint16_t f16_from_f32(float f) {
   uint32_t x = f32_bits(f);
   uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
+  if (ax > 0x7f800000u) return f16_nan(x);
   if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); // overflow (incl. inf) after rounding
   if (ax < 0x38800000u) {                                   // subnormal or zero in half
     if (ax < 0x33000000u) return (uint16_t)sign;            // below half of the smallest subnormal

@@ -48,6 +48,7 @@ __global__ void wait_kernel(Words w, int n, unsigned long long value, unsigned l
   const unsigned long long start = global_ns();
   unsigned sleep_ns = 64;
   while (load_acquire_sys(word) < value) {
+    if (load_acquire_sys(error) != 0) return;  // another wait gave up, or the host stopped the execute
     if (global_ns() - start > timeout_ns) {
       store_release_sys(error, static_cast<unsigned long long>(first + i + 1));
       return;

@@ -176,7 +176,9 @@ void register_direct(py::module_& m) {
           "Queues the wait for its senders' signals and waits (host, bounded) for the refit's end on `stream` "
           "(wait=False: only queues; finish() waits).")
       .def("finish", &DirectExec::finish, py::call_guard<py::gil_scoped_release>(),
-           "The host wait of end(stream, wait=False); raises ReshardError when a sender never signalled.");
+           "The host wait of end(stream, wait=False); raises ReshardError when a sender never signalled.")
+      .def("abort", &DirectExec::abort, "From any thread: this execute's host and GPU waits give up and raise.")
+      .def("rearm", &DirectExec::rearm, "Takes an abort back before an execute.");
 #else
   (void)m;
 #endif

@@ -51,7 +51,27 @@ void register_mailbox(py::module_& m) {
           "True once every pair is done.")
       .def(
           "finish", [](HostMailbox& mb, Rows& rows) { return mb.finish(rows_of(mb, rows)); }, py::arg("rows"),
-          "Ends the exchange: per peer in post order 0 (done), 1 (it posted nothing) or 2 (it took nothing).");
+          "Ends the exchange: per peer in post order 0 (done), 1 (it posted nothing) or 2 (it took nothing).")
+      .def("unfinished", &HostMailbox::unfinished, "The peers of the open exchange whose pair is not done yet.")
+      .def("raise_alarm", &HostMailbox::raise_alarm, py::arg("token"), py::arg("text"), py::arg("left"),
+           "Sets this rank's alarm (read by the peers): the token of the execute it failed in, why, and whether it "
+           "left that execute without its final exchange.")
+      .def("begin", &HostMailbox::begin, py::arg("token"),
+           "This rank enters the execute of `token`: clears its alarm, then says which execute it is in.")
+      .def("end", &HostMailbox::end, "This rank is in no execute now.")
+      .def(
+          "read_alarm",
+          [](const HostMailbox& mb, int32_t peer, uint64_t token) -> py::object {
+            std::string text;
+            bool left = false;
+            if (!mb.read_alarm(peer, token, &text, &left)) return py::none();
+            return py::make_tuple(py::bytes(text), left);
+          },
+          py::arg("peer"), py::arg("token"), "(text, left) of peer's alarm if it holds `token`, else None.")
+      .def("alarmed", &HostMailbox::alarmed, py::arg("peers"), py::arg("token"),
+           "The attached peers among `peers` whose alarm holds `token` and who are in that execute (or left it).")
+      .def("gone", &HostMailbox::gone, py::arg("peers"),
+           "The attached peers among `peers` whose process has exited (same pid namespace only).");
 }
 
 }  // namespace rx::python

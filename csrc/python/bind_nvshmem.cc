@@ -70,7 +70,9 @@ void register_nvshmem(py::module_& m) {
           "wait_idle", [](NvshmemExchange& x, uint64_t s, double t) { x.wait_idle(as_stream(s), t); },
           py::arg("stream"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("usable", &NvshmemExchange::usable)
-      .def_property_readonly("error", &NvshmemExchange::error);
+      .def_property_readonly("error", &NvshmemExchange::error)
+      .def("abort", &NvshmemExchange::abort, "From any thread: a host wait in progress gives up and raises.")
+      .def("rearm", &NvshmemExchange::rearm, "Takes an abort back before an execute.");
 #else
   (void)m;
 #endif

@@ -172,7 +172,7 @@ class DataPtrWatch {
       Entry e{};
       e.impl = reinterpret_cast<void*>(cdata(t.ptr()));
       if (e.impl == nullptr || !shim_read(e.impl, &e.ptr)) throw py::type_error(item + " has no readable data_ptr");
-      if (raw_) snapshot(e);
+      if (raw_) snapshot(e, true);
       owned_.push_back(py::reinterpret_borrow<py::object>(t));
       entries_.push_back(e);
     }
@@ -202,10 +202,12 @@ class DataPtrWatch {
         if (same_words(e[i])) continue;
       }
       uintptr_t p = 0;
-      if (!shim_read(e[i].impl, &p) || p != e[i].ptr) {
-        out.push_back(static_cast<int64_t>(i));  // unreadable counts as changed
+      // unreadable counts as changed; so does a numel that changed in place (a resize_ that
+      // kept the storage: the plan would write past the tensor)
+      if (!shim_read(e[i].impl, &p) || p != e[i].ptr || (raw_ && word<uintptr_t>(e[i].impl, raw_->numel) != e[i].numel)) {
+        out.push_back(static_cast<int64_t>(i));
       } else if (raw_) {
-        snapshot(e[i]);  // words moved, data_ptr did not (e.g. a new storage on the same memory)
+        snapshot(e[i], false);  // words moved, data_ptr did not (e.g. a new storage on the same memory)
       }
     }
     return out;
@@ -225,7 +227,7 @@ class DataPtrWatch {
   struct Entry {
     void* impl;      // the TensorImpl; alive while owned_ holds the tensor
     uintptr_t ptr;   // its data pointer at construction
-    uintptr_t storage, storage_offset, numel, data;  // the raw words when ptr was read
+    uintptr_t storage, storage_offset, numel, data;  // the raw words when ptr was read (numel: at construction)
   };
 
   bool shim_read(void* impl, uintptr_t* p) const {
@@ -236,10 +238,11 @@ class DataPtrWatch {
     return true;
   }
 
-  void snapshot(Entry& e) const {
+  // first: at construction, the only time numel is read (later ones must equal it).
+  void snapshot(Entry& e, bool first) const {
     e.storage = word<uintptr_t>(e.impl, raw_->storage);
     e.storage_offset = word<uintptr_t>(e.impl, raw_->storage_offset);
-    e.numel = word<uintptr_t>(e.impl, raw_->numel);
+    if (first) e.numel = word<uintptr_t>(e.impl, raw_->numel);
     e.data = e.storage != 0 ? word<uintptr_t>(reinterpret_cast<const void*>(e.storage), raw_->data) : 0;
   }
 

@@ -30,17 +30,22 @@ fresh connection for that pair.
   makes a segment of rings, one per sender of its host (_C.HostRing), the first time it
   moves data; a pair uses them where both ranks made theirs (decided alike at both ends).
   Chunks carry the execute's token, so a ring needs no reset after an aborted execute.
-- One execute at a time per group in a process: a second thread is refused.
+- One execute at a time per group in a process: a second thread is refused; two groups
+  over the same ranks have two channels (groups.key holds torch's name for the group).
+- A rank that fails an execute raises an alarm (in its mailbox; in the store where a rank
+  is on another host) that the others' PeerWatch reads while they wait (peer_watch.py),
+  and every execute ends with its outcome on every rank (outcome.py), which between hosts
+  travels on a lane of its own (outcome_lane).
 """
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import queue
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +56,8 @@ import torch.distributed as dist
 
 from .. import _C, groups
 from ..errors import ReshardError
-from ..options import env_default, scoped_external_env
+from ..options import env_default, scoped_external_env, wait_time
+from .peer_watch import PeerWatch
 
 HEADER_TAG = 1
 REMAP_TAG = 0  # the direct transport's new IPC exports after a receiver's local rebind (transports/direct.py)
@@ -103,6 +109,22 @@ class Session:
     swap: int | None = None
     remap: int = 0  # bytes of the message this rank sends each direct sender after the headers (0: none)
     verify: bool = False  # rx.execute(verify=True)
+    # Why `abort` was set when not by plan.abort(): a peer failed or died (the channel's watch);
+    # stop_cause: the cause line of a peer that cannot report its own (its process is gone)
+    stop_reason: str = ""
+    stop_cause: str = ""
+    stop_cause_rank: int = -1  # the rank stop_cause is about
+
+    @property
+    def token(self) -> int:
+        """This execute's identity on every rank (never 0): alarms and ring chunks carry it."""
+        return data_token(self.plan_id, self.seq)
+
+    def stopped(self, what: str) -> str:
+        """The message of this execute stopped by its abort flag while `what`."""
+        if self.stop_reason:
+            return f"{self.stop_reason}; this rank stopped while {what}"
+        return f"rx.execute was aborted (plan.abort()) while {what}"
 
     def header(self, batches: int) -> list[int]:
         flags = ((HAS_VERSION if self.version is not None else 0) | (COMM_UNUSABLE if self.comm_unusable else 0)
@@ -158,7 +180,7 @@ class _Task:
 class Channel:
     """See the module doc. One per set of group ranks in a process (`channel_of`)."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any, lane: str = ""):
         self.group = group
         self.rank = groups.rank(group)
         self.size = groups.size(group)
@@ -166,7 +188,8 @@ class Channel:
         self.key = groups.key(group)
         self.others = [r for r in range(self.size) if r != self.rank]  # a swap round's header ranks
         key = "-".join(map(str, self.ranks)) if len(self.ranks) <= 16 else f"{hash(self.ranks) & 0xFFFFFFFF:x}"
-        self._prefix = f"reshard_ext/channel/{self.size}/{key}/"
+        # two groups over the same ranks have channels of their own (groups.key holds torch's name)
+        self._prefix = f"reshard_ext/channel/{self.size}/{key}/{_key_tag(self.key)}/{lane}"
         self.store = groups.store(group)
         self._contexts: dict[int, Any] = {}
         self._gen: dict[int, int] = {}  # peer -> generation of our pair (worker thread only)
@@ -177,18 +200,33 @@ class Channel:
         self._jobs: queue.SimpleQueue[_Task] = queue.SimpleQueue()
         self._last: _Task | None = None  # the worker runs jobs in order: when it is done, all are
         self._headers: _Headers | None = None  # see header_buffers
-        self._mailbox, self._announced = self._open_mailbox()
+        self._mailbox: Any = None
+        self._announced = "-"
+        if not lane:  # an outcome lane carries gloo messages only
+            self._mailbox, self._announced = self._open_mailbox()
+        self._lane: Channel | None = None  # see outcome_lane
         self._local: dict[int, bool] = {}  # peer -> whether our headers go through the mailboxes
         self._all_local: bool | None = None  # see all_local
         self._splits: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # see split()
-        self._mail_open: tuple[np.ndarray, Session] | None = None  # an aborted execute's header exchange
-        self._ring: Any = None  # this rank's data rings (_C.HostRing), made on first use
+        self._ring: Any = None  # this rank's data rings (_C.HostRing), made by make_ring
         self._ring_made = False
         self._ring_peers: dict[int, bool] = {}  # peer -> whether our data goes through the rings
         self._ring_lock = threading.Lock()
         self.closed = False  # its group was closed (rx.connect's ConnectedGroup.close())
+        self.watch = PeerWatch(self)  # fail fast
         self._worker = threading.Thread(target=self._work, name=f"reshard_ext channel {key}", daemon=True)
         self._worker.start()
+
+    def outcome_lane(self) -> Channel:
+        """A channel of the same ranks with pair connections and a worker of its own: the
+        outcome of an execute between hosts travels there, never queued behind this
+        channel's data messages (gloo cannot cancel those, so a stopped execute's stay
+        posted until its deadline)."""
+        if self._lane is None:
+            self._lane = Channel(self.group, lane="outcome/")
+            self._lane._local = {p: False for p in self.others}
+            self._lane._all_local = False
+        return self._lane
 
     # --- headers through shared memory (same host) --------------------------------------
     def _mailbox_key(self, rank: int) -> str:
@@ -215,11 +253,12 @@ class Channel:
         if known is None:
             key = self._mailbox_key(peer)
             limit = float(env_default("RESHARD_EXT_P2P_TIMEOUT"))
-            try:  # there since rx.plan; bounded by the reshard timeout, not the store's, all the same
-                self.store.wait([key], datetime.timedelta(seconds=limit))
-            except RuntimeError as e:
-                raise ReshardError(f"rank {self.rank}: rank {peer} announced no header channel within {limit:g} s "
-                                   f"(RESHARD_EXT_P2P_TIMEOUT): it never made a plan over this group ({e})") from e
+            try:  # there since rx.plan (learn_peers); bounded by the reshard timeout, not the store's, all the same
+                self.store.wait([key], wait_time(limit))
+            except RuntimeError:
+                raise ReshardError(f"rank {self.rank} cannot reach rank {peer} of its group: rank {peer} never made "
+                                   f"a plan over this group, or the group's store is gone (the process that hosts "
+                                   f"it exited)") from None
             mine = self._announced
             theirs = self.store.get(key).decode()
             known = mine != "-" and theirs != "-" and mine.split(" ")[0] == theirs.split(" ")[0]
@@ -236,6 +275,16 @@ class Channel:
             self._all_local = self._mailbox is not None and all(self.local(p) for p in self.others)
         return self._all_local
 
+    def learn_peers(self, rings: bool = False) -> None:
+        """Reads every rank's mailbox announcement, and makes and announces this rank's data
+        rings (rings: the plan moves its data through them), at the end of rx.plan: every
+        rank made its channel by then, and no execute waits on the store for a peer that
+        never gets that far."""
+        for p in self.others:
+            self.local(p)
+        if rings:
+            self.make_ring()
+
     def split(self, ranks: list[int]) -> tuple[list[int], list[int]]:
         """Indices into `ranks` of the peers our headers reach through the mailboxes, and of the
         others (remembered per list of ranks)."""
@@ -247,53 +296,117 @@ class Channel:
         return known
 
     def mailbox_exchange(self, peers: list[int], header: np.ndarray, rows: np.ndarray, session: Session,
-                         before_wait: Callable[[], None] | None = None) -> dict[int, str]:
+                         before_wait: Callable[[], None] | None = None,
+                         enough: Callable[[list[int]], bool] | None = None) -> dict[int, str]:
         """Our header to each of `peers` (all local) and theirs into rows (in peers' order);
         before_wait runs while they travel. Returns {peer: error} of the pairs that failed:
-        what did not arrive by the deadline is withdrawn, alike at both ends. An abort leaves
-        the exchange open until its deadline, as a gloo message stays posted: a peer's next
-        execute still pairs with this one, not with our next (drain settles it first)."""
-        self._settle_mail(session)
+        what did not arrive by the deadline, or once enough(peers not done yet) says so, is
+        withdrawn, alike at both ends. An abort withdraws at once too, so no exchange stays
+        open past its execute."""
         mailbox = self._mailbox
         mailbox.post(peers, header)
-        self._mail_open = (rows, session)
-        if before_wait is not None:
-            before_wait()
-        self._await_mail(rows, session, session, "while exchanging execute headers")
-        self._mail_open = None
-        outcome = mailbox.finish(rows)
+        try:
+            if before_wait is not None:
+                before_wait()
+            while not mailbox.poll(min(max(session.remaining(), 0.0), _POLL_S), rows):
+                if session.abort.is_set():
+                    raise ReshardError(session.stopped("exchanging execute headers"))
+                if session.remaining() <= 0 or (enough is not None and enough(list(mailbox.unfinished()))):
+                    break
+        finally:
+            outcome = mailbox.finish(rows)
         return {p: _MAILBOX_FAILURES[o] for p, o in zip(peers, outcome) if o}
 
-    def _settle_mail(self, session: Session) -> None:
-        """Waits until an aborted execute's open header exchange is done or past its deadline
-        (then withdrawn); ReshardError where `session` is aborted or runs out first."""
-        if self._mail_open is None:
-            return
-        rows, old = self._mail_open
-        self._await_mail(rows, old, session, "while an earlier execute's headers settled")
-        self._mailbox.finish(rows)
-        self._mail_open = None
+    # --- fail fast: alarms and gone processes -------------------------------------------
+    def _alarm_key(self, plan_id: int, seq: int) -> str:
+        return f"{self._prefix}alarm/{plan_id}/{seq}"
 
-    def _await_mail(self, rows: np.ndarray, owner: Session, session: Session, what: str) -> None:
-        """Polls the open exchange (of `owner`'s execute) until it is done or past owner's
-        deadline; ReshardError where `session` is aborted or a second past its own."""
-        while not self._mailbox.poll(min(max(min(owner.remaining(), session.remaining()), 0.0), _POLL_S), rows):
-            if session.abort.is_set():
-                raise ReshardError(f"rx.execute was aborted (plan.abort()) {what}")
-            if owner.remaining() <= 0:
-                return
-            if session.remaining() < -1.0:
-                raise ReshardError(f"rx.execute: an earlier execute's headers did not settle within "
-                                   f"{session.timeout:g} s")
+    def _why_key(self, rank: int) -> str:
+        return f"{self._prefix}why/{rank}"
+
+    def raise_alarm(self, session: Session, text: str, left: bool = False) -> None:
+        """Tells every other rank that this rank failed `session`'s execute, and why: in its
+        mailbox (ranks of this host read it while they wait) and, where some rank is on
+        another host, in the store. left: this rank leaves without the execute's outcome
+        round (plan.abort()), so nobody waits for its row."""
+        if self._mailbox is not None:
+            self._mailbox.raise_alarm(session.token, text, left)
+        if self.all_local():
+            return
+        try:  # the failure path only: two small writes; a store that is gone reads as no alarm
+            self.store.set(self._why_key(self.rank), f"{session.plan_id} {session.seq} {int(left)}\n{text}")
+            self.store.set(self._alarm_key(session.plan_id, session.seq), "1")
+        except RuntimeError:
+            pass
+
+    def begin_call(self, session: Session, stale: tuple[int, int] | None = None) -> None:
+        """This rank enters `session`'s execute: an alarm it raised earlier under the same
+        token (an execute that did not count: stale, its (plan, seq)) is taken back first, so
+        that the other ranks never read it as this execute's."""
+        if self._mailbox is not None:
+            self._mailbox.begin(session.token)
+        if stale is not None and not self.all_local():
+            try:
+                self.store.delete_key(self._alarm_key(*stale))
+                self.store.delete_key(self._why_key(self.rank))
+            except RuntimeError:
+                pass
+
+    def end_call(self) -> None:
+        if self._mailbox is not None:
+            self._mailbox.end()
+
+    def alarms(self, session: Session, ranks: list[int], remote: bool = True,
+               tokens: dict[int, int] | None = None) -> dict[int, tuple[str, bool]]:
+        """{rank: (why, left)} of the ranks among `ranks` that raised an alarm for `session`'s
+        execute (or, for a rank in `tokens`, for that token's): from their mailboxes, and
+        (remote) from the store for the others."""
+        found: dict[int, tuple[str, bool]] = {}
+        local = [r for r in ranks if self._local.get(r)]
+        if tokens:
+            for r in local:
+                got = self._mailbox.read_alarm(r, tokens.get(r, session.token))
+                if got is not None:
+                    found[r] = (got[0].decode(errors="replace"), bool(got[1]))
+        elif local:
+            for r in self._mailbox.alarmed(local, session.token):
+                got = self._mailbox.read_alarm(r, session.token)
+                if got is not None:
+                    found[r] = (got[0].decode(errors="replace"), bool(got[1]))
+        far = [r for r in ranks if not self._local.get(r)]
+        if far and remote:
+            try:
+                if self.store.check([self._alarm_key(session.plan_id, session.seq)]):
+                    for r in far:
+                        key = self._why_key(r)
+                        if not self.store.check([key]):
+                            continue
+                        head, _, text = self.store.get(key).decode(errors="replace").partition("\n")
+                        plan, seq, left = (int(x) for x in head.split())
+                        if (plan, seq) == (session.plan_id, session.seq):
+                            found[r] = (text, bool(left))
+            except (RuntimeError, ValueError):
+                pass
+        return found
+
+    def gone(self, ranks: list[int]) -> list[int]:
+        """The ranks among `ranks` on this host whose process has exited."""
+        local = [r for r in ranks if self._local.get(r)]
+        return list(self._mailbox.gone(local)) if local else []
 
     # --- the CPU transport's data through shared memory (same host) ---------------------
     def _ring_key(self, rank: int) -> str:
         return f"{self._prefix}ring/{rank}"
 
-    def _make_ring(self) -> None:
+    def make_ring(self) -> None:
         """This rank's rings, one per rank whose headers go through the mailboxes (the same
-        list at every rank of the host), announced in the store ("-": none). Made when a plan
-        that voted for them (rx.Options.host_ring) first moves data."""
+        list at every rank of the host), announced in the store ("-": none). Made (once) by
+        the first plan that voted for them (rx.Options.host_ring), at the end of rx.plan."""
+        with self._ring_lock:
+            if not self._ring_made:
+                self._make_ring()
+
+    def _make_ring(self) -> None:
         self._ring_made = True
         value = "-"
         if self._mailbox is not None:
@@ -310,27 +423,33 @@ class Channel:
         """Whether the CPU transport's data with `peer` goes through the rings: both ranks
         made theirs (both ends decide alike from the two announcements). The peer announces
         on its first data exchange, which pairs with ours."""
+        known = self._ring_peers.get(peer)
+        if known is not None:
+            return known
         with self._ring_lock:
-            known = self._ring_peers.get(peer)
-            if known is not None:
-                return known
             if not self._ring_made:
                 self._make_ring()
+            return self._ring_peer(peer, max(session.remaining(), 1.0))
+
+    def _ring_peer(self, peer: int, limit: float) -> bool:
+        known = self._ring_peers.get(peer)
+        if known is None:
             if self._ring is None or not self.local(peer):
                 known = False
             else:
                 key = self._ring_key(peer)
-                try:
-                    self.store.wait([key], datetime.timedelta(seconds=max(session.remaining(), 1.0)))
-                except RuntimeError as e:
-                    raise ReshardError(f"rank {self.rank}: rank {peer} announced no data rings within "
-                                       f"{session.timeout:g} s ({e})") from e
+                try:  # there since rx.plan (learn_peers)
+                    self.store.wait([key], wait_time(limit))
+                except RuntimeError:
+                    raise ReshardError(f"rank {self.rank} cannot reach rank {peer}'s data rings: rank {peer} made "
+                                       f"no plan that moves data over this group, or the group's store is gone "
+                                       f"(the process that hosts it exited)") from None
                 theirs = self.store.get(key).decode()
                 known = theirs != "-"
                 if known:
                     self._ring.attach(peer, theirs)
             self._ring_peers[peer] = known
-            return known
+        return known
 
     def _ring_exchange(self, ops: list[tuple[str, int, torch.Tensor]], token: int, session: Session,
                        hashed: tuple | None) -> dict[int, str]:
@@ -347,8 +466,8 @@ class Channel:
             while not ring.poll(min(max(session.remaining(), 0.0), _POLL_S)):
                 if session.abort.is_set() or session.remaining() <= 0:
                     break
-            late = "aborted (plan.abort())" if session.abort.is_set() else \
-                f"Timed out after {session.timeout:g} s in the shared-memory ring (the peer died, stalled or moved on)"
+            late = session.stopped("moving data through the shared-memory rings") if session.abort.is_set() else \
+                f"nothing moved for {session.timeout:g} s: it died, stalled or moved on"
             return {peer: why or late for peer, why in ring.unfinished()}
         finally:
             ring.end()
@@ -403,7 +522,7 @@ class Channel:
         busy a second past the deadline (a connection that cannot be made)."""
         while not task.latch.acquire(timeout=_POLL_S):
             if session.abort.is_set():
-                raise ReshardError(f"rx.execute was aborted (plan.abort()) while {what}")
+                raise ReshardError(session.stopped(what))
             if session.remaining() < -1.0:
                 raise ReshardError(f"rx.execute: {what} did not finish within {session.timeout:g} s")
         task.latch.release()  # open for good: a later wait on the same task returns at once
@@ -429,7 +548,6 @@ class Channel:
         abandoned execute's messages complete or time out)."""
         if self._last is not None and not self._last.done:
             self.wait(self.submit(lambda: None), session, "waiting for an earlier execute's messages to finish")
-        self._settle_mail(session)
 
     # --- messages (worker thread) -------------------------------------------------------
     def _context(self, gen: int) -> Any:
@@ -440,7 +558,7 @@ class Channel:
             # Lazy: a pair connects when it first talks, so a generation needs only the
             # two ranks of the pair that moved to it. Read at construction only. Waits
             # pass their own (the execute's) timeout; this one is gloo's default.
-            timeout = datetime.timedelta(seconds=float(env_default("RESHARD_EXT_P2P_TIMEOUT")))
+            timeout = wait_time(float(env_default("RESHARD_EXT_P2P_TIMEOUT")))
             with scoped_external_env("TORCH_GLOO_LAZY_INIT", "1"):
                 store = dist.PrefixStore(f"{self._prefix}g{gen}/", self.store)
                 ctx = ProcessGroupGloo(store, self.rank, self.size, timeout)
@@ -545,7 +663,7 @@ class Channel:
                     failed.setdefault(peer, (gen, work))
                     continue
                 try:
-                    work.wait(datetime.timedelta(seconds=max(session.remaining(), 1e-3)))
+                    work.wait(wait_time(max(session.remaining(), 1e-3)))
                 except RuntimeError as e:
                     failed.setdefault(peer, (gen, e))
             for peer, (gen, err) in failed.items():
@@ -572,16 +690,20 @@ class SwapReplan(ReshardError):
 class Verdict:
     """What the header exchange of an execute found, pair by pair."""
 
-    bad: dict[int, str]  # peer -> why no data moves with it
+    bad: dict[int, str]  # peer -> why no data moves with it (a line in words, naming both ranks)
     seqs: dict[int, int]  # peer -> the execute number its header carried (same plan only)
+    # peers of bad whose line is no cause: they failed a check of their own (their error says
+    # why), or the deadline went by before any data moved
+    quiet: set[int] = field(default_factory=set)
+    disagree: set[str] = field(default_factory=set)  # the lines of bad that are the two headers disagreeing
     rebuild: bool = False  # GPU: some peer's NCCL communicator needs a rebuild (or a newer one exists)
     agreed: bool = False  # every peer's header matched (data failures later do not change it)
     replan: bool = False  # a swap round in which some rank takes the slow path: no data moves anywhere
     remaps: dict[int, int] = field(default_factory=dict)  # agreed peer -> bytes of its message after the headers
 
     def message(self, rank: int) -> str:
-        lines = [f"rank {p}: {why}" for p, why in sorted(self.bad.items())]
-        return f"rx.execute on rank {rank}: no data moved with ranks {sorted(self.bad)}:\n  " + "\n  ".join(lines)
+        return f"rx.execute on rank {rank}: no data moved with ranks {sorted(self.bad)}:\n  " + "\n  ".join(
+            why for _, why in sorted(self.bad.items()))
 
 
 def exchange_headers(channel: Channel, peers: list[int], session: Session, batches: int,
@@ -624,45 +746,58 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     # a header equal to ours agrees in every check below and asks for no rebuild and no
     # remap, unless ours does
     same_ok = ours[STATUS] == 0 and not ours[FLAGS] & (COMM_UNUSABLE | REPLAN) and not ours[REMAP]
+    me = channel.rank
     for p, h in zip(ranks, bufs.received_np.tolist()):  # a row is read only where its receive completed
         if same_ok and h == ours and p not in errors:
             continue
         if p in errors:
-            verdict.bad[p] = (f"no header within {session.timeout:g} s: it did not call rx.execute for this plan, "
-                              f"stalled or died ({errors[p]})")
+            verdict.bad[p] = (f"rank {p} sent no execute header within {session.timeout:g} s: it did not call "
+                              f"rx.execute for this plan, stalled or died")
             continue
         why = ""
+        pair = _Pair(me, p, ours, h)
         if h[MAGIC] != _MAGIC:
-            why = "sent something other than an execute header"
+            why = f"rank {p} sent rank {me} something other than an execute header (the ranks made different calls)"
         elif bool(h[FLAGS] & IN_SWAP) != swap:
-            why = ("runs rx.swap_model_weights and this rank rx.execute" if not swap else
-                   "runs rx.execute (or another collective) and this rank rx.swap_model_weights")
+            why = pair.differ("made different calls", lambda x: "rx.swap_model_weights" if x[FLAGS] & IN_SWAP else
+                              "rx.execute (or another collective)")
         elif swap and (h[FLAGS] & REPLAN or h[SWAP_GEN] != session.swap):
             replan = True  # its models changed, it failed to describe them, or it holds another plan
         elif data is not None and p not in data:
             pass  # no data with it: only its swap fields matter
         elif h[STATUS] != 0:
-            why = "failed a check of its own before moving data (see its error)"
+            why = f"rank {p} failed a check of its own before moving data (see its error)"
+            verdict.quiet.add(p)
         elif h[PLAN] != session.plan_id:
-            why = "is executing another plan (ranks execute plans in different orders, or one skipped one)"
+            why = pair.same("ran different plans (ranks call rx.execute on plans in different orders, or one "
+                            "skipped one)")
         elif h[SEQ] != session.seq:
             verdict.seqs[p] = h[SEQ]
-            why = (f"is at execute #{h[SEQ]} of this plan and this rank at #{session.seq}: an earlier execute ran on "
-                   f"one of them only (the next execute resynchronises)")
+            why = pair.differ("are at different executes of this plan", lambda x: f"#{x[SEQ]}",
+                              "an earlier execute ran on one of them only; the next execute resynchronises")
         elif (h[FLAGS] & HAS_VERSION, h[VERSION]) != (ours[FLAGS] & HAS_VERSION, ours[VERSION]):
-            why = (f"executes version {h[VERSION] if h[FLAGS] & HAS_VERSION else None} and this rank version "
-                   f"{session.version}")
+            why = pair.differ(VERSION_SPLIT,
+                              lambda x: str(x[VERSION]) if x[FLAGS] & HAS_VERSION else "None",
+                              "every rank must pass the same")
         elif h[BATCHES] != batches:
-            why = f"has {h[BATCHES]} batches in this plan and this rank {batches}"
+            why = pair.differ("have different batch counts in this plan", lambda x: str(x[BATCHES]))
         elif bool(h[FLAGS] & VERIFIES) != session.verify:
-            why = f"runs rx.execute with verify={bool(h[FLAGS] & VERIFIES)} and this rank verify={session.verify}"
+            why = pair.differ(VERIFY_SPLIT, lambda x: str(bool(x[FLAGS] & VERIFIES)),
+                              "every rank must pass the same")
         if (h[MAGIC] == _MAGIC and (data is None or p in data)
                 and (h[FLAGS] & COMM_UNUSABLE or h[EPOCH] != session.epoch)):
             verdict.rebuild = True
         if why:
             verdict.bad[p] = why
+            if p not in verdict.quiet:
+                verdict.disagree.add(why)
         elif h[REMAP] and (data is None or p in data):
             verdict.remaps[p] = h[REMAP]
+    if errors and session.remaining() <= 0:  # the deadline went by waiting: no time is left to move data
+        for p in peers:
+            if p not in verdict.bad:
+                verdict.bad[p] = f"rank {me} ran out of time before moving data"
+                verdict.quiet.add(p)
     if replan:
         # Every rank saw the same headers: all leave together (no rebuild, a collective, either).
         verdict.replan, verdict.rebuild, verdict.seqs, verdict.remaps = True, False, {}, {}
@@ -673,7 +808,23 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     return verdict
 
 
-_MAILBOX_FAILURES = {1: "it posted no execute header in time", 2: "it did not take this rank's execute header in time"}
+class _Pair:
+    """Two ranks' headers, for a line that reads alike at both ends (the lower rank first)."""
+
+    def __init__(self, me: int, peer: int, mine: list[int], theirs: list[int]):
+        (self.a, self.ha), (self.b, self.hb) = sorted(((me, mine), (peer, theirs)), key=lambda x: x[0])
+
+    def same(self, what: str) -> str:
+        return f"ranks {self.a} and {self.b} {what}"
+
+    def differ(self, what: str, show: Callable[[list[int]], str], hint: str = "") -> str:
+        return (f"ranks {self.a} and {self.b} {what}: {show(self.ha)} on rank {self.a}, {show(self.hb)} on rank "
+                f"{self.b}" + (f" ({hint})" if hint else ""))
+
+
+# the words of a pair's disagreement on the version or verify= (the outcome says it for the group)
+VERSION_SPLIT, VERIFY_SPLIT = "passed different versions to rx.execute", "passed different verify= to rx.execute"
+_MAILBOX_FAILURES = {1: "it posted nothing in time", 2: "it did not take this rank's message in time"}
 
 
 def _host_key() -> str:
@@ -689,14 +840,16 @@ def _host_key() -> str:
 
 
 _CHANNELS: dict[tuple, Channel] = {}  # groups.key -> its channel
+_MADE: list[Channel] = []  # every channel this process made (their worker threads keep them alive)
 _CHANNELS_LOCK = threading.Lock()
 
 
 @atexit.register
 def _close_mailboxes() -> None:
     """Removes this process's header mailboxes and data rings from /dev/shm (a killed process
-    leaves its own; the next segment made on the host removes them)."""
-    for ch in list(_CHANNELS.values()):
+    leaves its own; the next segment made on the host removes them), those of channels of
+    destroyed process groups too."""
+    for ch in list(_MADE):
         ch._mailbox = None  # a forked child's copy leaves the parent's segment (the destructor checks)
         ch._ring = None  # a worker still polling it holds its own reference
 
@@ -711,12 +864,18 @@ def _close_group(group: groups.Standalone) -> None:
 groups.on_close(_close_group)
 
 
+def _key_tag(key: tuple) -> str:
+    """A store-key-safe tag of a groups.key, alike on every member."""
+    return f"{zlib.crc32(repr(key).encode()):08x}"
+
+
 def channel_of(group: Any) -> Channel:
-    """The channel of `group`'s ranks (created once per process, locally: no collective)."""
+    """The channel of `group` (created once per process, locally: no collective)."""
     key = groups.key(group)
     with _CHANNELS_LOCK:
         ch = _CHANNELS.get(key)
         # A process group created again (destroy_process_group, init again) has a new store.
         if ch is None or ch.store is not groups.store(group):
             ch = _CHANNELS[key] = Channel(group)
+            _MADE.append(ch)
         return ch

@@ -142,7 +142,7 @@ class CpuTransport:
                     tables.run_unpack_cpu(b)
                 wrote = True
         for peer, why in failed.items():
-            verdict.bad[peer] = f"the transfer failed ({why})"
+            verdict.bad[peer] = f"rank {self.rank}: the data exchange with rank {peer} failed ({why})"
         if session.status != 0:
             raise ReshardError(session.error)
         if verdict.bad:

@@ -375,7 +375,7 @@ class CudaTransport:
                     ex.pack(b)
                 ex.digest_direct_sends(b)
                 if session.abort.is_set():
-                    raise ReshardError("rx.execute was aborted (plan.abort()) between batches")
+                    raise ReshardError(session.stopped("between batches"))
                 p2p.run([op for op in self._p2p_ops[b] if op.peer in group_of], session.timeout)
                 if writes:
                     ex.unpack(b)
@@ -392,8 +392,8 @@ class CudaTransport:
                 wait()
             except ReshardError as e:
                 if session.abort.is_set():
-                    raise ReshardError("rx.execute was aborted (plan.abort()) during the NCCL transfers; "
-                                       "the communicator is rebuilt by the next execute") from e
+                    raise ReshardError(session.stopped("the NCCL transfers ran (the next execute rebuilds the "
+                                                       "communicator)")) from e
                 raise
 
         try:

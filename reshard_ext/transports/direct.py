@@ -52,6 +52,7 @@ from ..errors import ReshardError
 from ..options import Options, env_default
 from . import nccl_lib
 from .channel import REMAP_TAG, Session, channel_of, exchange_headers
+from .outcome import SEE_RANK
 
 _log = logging.getLogger("reshard_ext")
 
@@ -231,7 +232,7 @@ _COLLECTIVE_HINT = ("a pair moves over NCCL only with every rank agreeing: call 
 def _unmappable(sender: int, receiver: int, names: Sequence[str], why: str) -> str:
     """The error of a pair whose sender cannot map the receiver's rebound destinations (alike at both ends)."""
     return (f"rank {sender} cannot map the destination tensors {sorted(set(names))} that rank {receiver} rebound "
-            f"(plan.rebind) for its direct writes: {why or 'see the error on rank ' + str(sender)}; {_COLLECTIVE_HINT}")
+            f"(plan.rebind) for its direct writes: {why or SEE_RANK[2:] + str(sender)}; {_COLLECTIVE_HINT}")
 
 
 _NOTE_BYTES = 4096  # a remapping receiver's outcome: why it takes no part in the direct writes ("" if it does)
@@ -652,10 +653,17 @@ class DirectTransport:
 
     # --- every execute ------------------------------------------------------------------
     def abort(self) -> None:
-        """plan.abort(): stops the NCCL part at once; a direct wait in progress gives up
-        within the direct timeout (its signal protocol has no cancel)."""
+        """plan.abort() (or a peer that failed or died): stops the NCCL part and the direct
+        waits at once (host and GPU); the direct part is unusable after, as after any failure."""
         if self.inner is not None:
             self.inner.abort()
+        if self.exec is not None:
+            self.exec.abort()
+
+    def rearm(self) -> None:
+        """Takes a stop of an earlier execute back (before this one's watch starts)."""
+        if self.exec is not None:
+            self.exec.rearm()
 
     def _digest_reader(self) -> Any:
         """Read passes of (send, recv, copy src, copy dst) digests of every op of the plan
@@ -714,7 +722,7 @@ class DirectTransport:
         if self.exec is None or session.status != 0 or session.verdict.bad:
             return self.inner.run(tables, session, verify)  # raises where headers disagree
         if session.abort.is_set():
-            raise ReshardError("rx.execute was aborted (plan.abort()) before the direct writes")
+            raise ReshardError(session.stopped("before the direct writes"))
         stream = self.device.stream()
         reader = self._digest_reader() if read_after else None
         try:

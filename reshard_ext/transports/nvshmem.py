@@ -60,9 +60,13 @@ class _Puts:
 
     usable = True
     timeout = 0.0
+    exchange: Any = None  # the plan's _C.NvshmemExchange, once bound
 
     def abort(self) -> None:
-        pass  # NVSHMEM's stream waits cannot be cancelled; they end at RESHARD_EXT_NVSHMEM_TIMEOUT
+        # The host wait gives up at once; NVSHMEM's stream waits cannot be cancelled (they end
+        # when the signals come, or never: the plan is unusable after).
+        if self.exchange is not None:
+            self.exchange.abort()
 
 
 class NvshmemTransport(CudaTransport):
@@ -77,6 +81,11 @@ class NvshmemTransport(CudaTransport):
         self.puts: Any = None
         self._region = -1
         self._layout: tuple[int, int, int, int] = (0, 0, 0, 0)  # (base, slots, slot bytes, this rank's recv bytes)
+
+    def rearm(self) -> None:
+        """Takes a stop of an earlier execute back (before this one's watch starts)."""
+        if self.puts is not None:
+            self.puts.rearm()
 
     # --- binding ---------------------------------------------------------------------
     def bind_plan(self, plan: Any, errors: list[str]) -> None:
@@ -99,6 +108,7 @@ class NvshmemTransport(CudaTransport):
         # The counters restart with this plan: its signal words are zeroed (in the constructor)
         # on every rank before any peer can signal.
         self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device())
+        self.comm.exchange = self.puts
         self.executor.set_transport(_C.nvshmem_transport(self.puts))
         _C.nvshmem_barrier()
         failure = None

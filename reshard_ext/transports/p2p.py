@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import ctypes
-import datetime
 from typing import Any
 
 import torch
 
 from .. import _C, groups
 from ..errors import ReshardError
+from ..options import wait_time
 
 
 def byte_view(ptr: int, nbytes: int, buffers: list[torch.Tensor]) -> torch.Tensor:
@@ -58,7 +58,7 @@ class P2PExchange:
 
     def finish(self, reqs: list[Any], ops: list[Any], timeout_s: float | None = None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s
-        timeout = datetime.timedelta(seconds=limit)
+        timeout = wait_time(limit)
         for req in reqs:
             try:
                 req.wait(timeout)

@@ -1,0 +1,85 @@
+"""Fail fast: a rank that fails an execute, or dies, stops its peers within a fraction of
+a second instead of at their timeout.
+
+A rank that fails raises an alarm (Channel.raise_alarm: the execute's token and why, in
+its shared-memory mailbox for the ranks of its host, in the store for the others). While
+an execute runs, one thread per channel looks every _TICK_S at the other ranks' alarms
+and, every _ALIVE_S, whether the process of a rank of this host is gone; the store (ranks
+on other hosts) every _REMOTE_S. On either it stops the execute the way plan.abort()
+does: the session's abort flag, which every wait of the transports polls, and the
+transport's abort (NCCL's communicator, the direct and NVSHMEM host waits). An execute
+shorter than one tick is never looked at.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_TICK_S = 0.05
+_ALIVE_S = 0.25
+_REMOTE_S = 0.5
+
+
+class PeerWatch:
+    def __init__(self, channel: Any):
+        self._channel = channel
+        self._cv = threading.Condition()
+        self._current: tuple[Any, Callable[[], None]] | None = None  # (session, the transport's abort)
+        self._thread: threading.Thread | None = None
+
+    def start(self, session: Any, stop: Callable[[], None]) -> None:
+        """Watches `session` until end(); stop() aborts its transport."""
+        with self._cv:
+            self._current = (session, stop)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="reshard_ext peer watch", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def end(self) -> None:
+        """Stops watching: once this returns, the watch stops nothing of the session."""
+        with self._cv:
+            self._current = None
+
+    def _run(self) -> None:
+        handled: Any = None
+        while True:
+            with self._cv:
+                while self._current is None or self._current[0] is handled:
+                    self._cv.wait(_TICK_S if self._current is not None else None)
+                session, _ = self._current
+            handled = session if self._watch(session) else None
+
+    def _watch(self, session: Any) -> bool:
+        """Looks at the peers until the execute ends (False) or one failed or died (True:
+        the execute is stopped)."""
+        ch = self._channel
+        ticks = 0
+        alive_every, remote_every = round(_ALIVE_S / _TICK_S), round(_REMOTE_S / _TICK_S)
+        while True:
+            with self._cv:
+                self._cv.wait(_TICK_S)
+                if self._current is None or self._current[0] is not session:
+                    return False
+            ticks += 1
+            cause, reason = "", ""
+            alarms = ch.alarms(session, ch.others, remote=ticks % remote_every == 0)
+            if alarms:
+                r = min(alarms)
+                reason = f"rank {r} failed this execute"
+            elif ticks % alive_every == 0:
+                gone = ch.gone(ch.others)
+                if gone:
+                    cause = f"rank {gone[0]}: its process exited during the execute (killed or crashed)"
+                    reason = cause
+                    session.stop_cause_rank = gone[0]
+            if not reason:
+                continue
+            with self._cv:
+                if self._current is None or self._current[0] is not session:
+                    return False
+                session.stop_reason, session.stop_cause = reason, cause
+                session.abort.set()
+                self._current[1]()
+            return True
