@@ -493,6 +493,9 @@ class Channel:
         stops once its jobs are done, and the shared-memory segments and gloo contexts
         go with the last reference."""
         self.closed = True
+        self.watch.close()
+        if self._lane is not None:
+            self._lane.close()
         self._jobs.put(None)  # type: ignore[arg-type]  # the worker's end
         self._worker.join(timeout=_POLL_S * 20)  # it holds the channel (and so the group's store) while it runs
         self._mailbox = None
@@ -857,6 +860,8 @@ def _close_mailboxes() -> None:
 def _close_group(group: groups.Standalone) -> None:
     with _CHANNELS_LOCK:
         ch = _CHANNELS.pop(group.key, None)
+        if ch is not None:
+            _MADE[:] = [c for c in _MADE if c is not ch]
     if ch is not None:
         ch.close()
 

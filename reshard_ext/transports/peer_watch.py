@@ -27,6 +27,7 @@ class PeerWatch:
         self._cv = threading.Condition()
         self._current: tuple[Any, Callable[[], None]] | None = None  # (session, the transport's abort)
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def start(self, session: Any, stop: Callable[[], None]) -> None:
         """Watches `session` until end(); stop() aborts its transport."""
@@ -42,12 +43,21 @@ class PeerWatch:
         with self._cv:
             self._current = None
 
+    def close(self) -> None:
+        """Ends the watch's thread (the channel's group closed): it holds the channel, and so
+        the group's store, while it runs."""
+        with self._cv:
+            self._closed, self._current = True, None
+            self._cv.notify()
+
     def _run(self) -> None:
         handled: Any = None
         while True:
             with self._cv:
-                while self._current is None or self._current[0] is handled:
+                while not self._closed and (self._current is None or self._current[0] is handled):
                     self._cv.wait(_TICK_S if self._current is not None else None)
+                if self._closed:
+                    return
                 session, _ = self._current
             handled = session if self._watch(session) else None
 
