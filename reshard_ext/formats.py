@@ -26,6 +26,8 @@ class Format:
     buffers: Callable[..., tuple[torch.Tensor, ...]] = tuple
     # wire_bytes(where): bytes on the wire per element of a BF16 tensor of whole blocks
     wire_bytes: Callable[[str], float] = float
+    # bytes per tensor and destination rank besides its elements (NVFP4's float32 tensor scale)
+    tensor_bytes: int = 0
 
     def make(self, params: Iterable[str] | Callable[[str], bool], where: str, **options: Any) -> Transform:
         return self.transform(params, where=where, **options)
@@ -65,7 +67,7 @@ def _formats() -> dict[str, Format]:
                            _fp8block_buffers, fp8block.wire_bytes_per_element),
         "nvfp4": Format("nvfp4", "E2M1 + E4M3 scale per 16 elements of the last dim + FP32 per tensor (NVIDIA)",
                         ("receiver", "sender"), {"scale_layout": ("2d", "swizzled")}, nvfp4.NVFP4, _nvfp4_buffers,
-                        nvfp4.wire_bytes_per_element),
+                        nvfp4.wire_bytes_per_element, tensor_bytes=4),
     }
 
 

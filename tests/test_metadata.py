@@ -29,7 +29,6 @@ def _cases() -> list[tuple[int, str, Layout]]:
         # invalid: the error must come out the same on the other side
         Layout((5,), torch.float32, Mesh([0, 1]), [Shard(0, stride=2)]),
         Layout((6,), torch.float32, Mesh([0, 1]), [Shard(0, blocks=(1, 2))]),
-        Layout((4, 4), torch.float32, Mesh([0, 1]), [Shard(3)]),
         Layout((9, 4), torch.float32, Mesh([0, 1]), [Shard(0, sizes=(8, 2))]),
     ]
     names = ["decoder.layers.10.mlp.experts.linear_fc1.weight7", "decoder.layers.10.mlp.experts.linear_fc1.weight71",

@@ -56,9 +56,9 @@ class PeerWatch:
             with self._cv:
                 while not self._closed and (self._current is None or self._current[0] is handled):
                     self._cv.wait(_TICK_S if self._current is not None else None)
-                if self._closed:
+                if self._closed or self._current is None:
                     return
-                session, _ = self._current
+                session = self._current[0]
             handled = session if self._watch(session) else None
 
     def _watch(self, session: Any) -> bool:

@@ -26,7 +26,7 @@ RX_LANE void codec_geom(G& g, const rx_box& b, const rx_tile& t) {
 
 // The codec box's items [i, end) of this lane, stepping by a warp (or verify pass P).
 template <int P, typename W>
-RX_LANE void codec_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
+RX_LANE void codec_items_inline(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
   switch (RX_CODEC_ID(b.codec)) {
     case RX_CODEC_MXFP8:
     case RX_CODEC_MXFP8_SCALES: mx::box_items<P>(b, w, i, end, dg); break;
@@ -35,6 +35,19 @@ RX_LANE void codec_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) 
     case RX_CODEC_NVFP4_SCALES: nv::box_items<P>(b, w, i, end, dg); break;
     default: break;
   }
+}
+
+// The hashing copy pass runs at 80 registers: codec boxes there are called, not inlined,
+// so that their registers do not make the plain copy loop spill.
+template <int P, typename W>
+__host__ __device__ __noinline__ void codec_items_called(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
+  codec_items_inline<P>(b, w, i, end, dg);
+}
+
+template <int P, typename W>
+RX_LANE void codec_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
+  if constexpr (P == RX_PASS_COPY) codec_items_called<P>(b, w, i, end, dg);
+  else codec_items_inline<P>(b, w, i, end, dg);
 }
 
 // Verify pass P of a copy box with a codec digest (RX_DIGEST_CODEC) over this lane's items.
