@@ -48,7 +48,8 @@ stage_kernels() {
   step "GPU kernel tests: box copy, MXFP8 kernels, boxes and refits, verify (a short call)"
   (cd tests && timeout "${RX_KERNELS_TIMEOUT:-300}" python3 -m pytest -q -p no:warnings -rs \
       test_cuda_kernels.py test_mxfp8_kernels.py test_mxfp8_boxes.py test_mxfp8_refit.py test_verify.py \
-      test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py 2>&1 | tee "$OUT/kernels.log" | tail -12)
+      test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py test_fp8block_kernels.py test_fp8block_boxes.py \
+      test_fp8block_refit.py test_amax.py 2>&1 | tee "$OUT/kernels.log" | tail -12)
 }
 
 gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4-GPU ones skip below 4)
@@ -57,7 +58,8 @@ gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py \
       test_mxfp8_refit.py test_verify.py test_relay.py test_direct.py test_package.py test_trust_gpu.py test_swap.py \
       test_swap_fingerprint.py test_swap_round.py test_watch.py test_cuda_pipeline.py test_message_cuts.py test_nvshmem.py \
-      test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py -k "not mypy" 2>&1 | tee "$OUT/$1.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -25)
+      test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py test_fp8block_kernels.py test_fp8block_boxes.py \
+      test_fp8block_refit.py test_amax.py test_outcome_gpu.py test_connect_gpu.py test_engine_trace.py -k "not mypy" 2>&1 | tee "$OUT/$1.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -25)
 }
 
 stage_tests() {
@@ -81,6 +83,7 @@ stage_sanitize() {
   step "compute-sanitizer memcheck: kernel tests"
   (cd tests && timeout "${RX_SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 -m pytest -q -p no:warnings -x test_cuda_kernels.py test_mxfp8_boxes.py test_nvfp4_boxes.py test_nvfp4_kernels.py \
+      test_fp8block_boxes.py test_fp8block_kernels.py test_amax.py \
       -k "not big and not cpu and not emulated" \
       2>&1 | tee "$OUT/sanitizer.log" | tail -8)
 }
