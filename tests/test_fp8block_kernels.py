@@ -26,11 +26,17 @@ def _padded_blocks(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return padded.view(pm // 128, 128, pn // 128, 128), m, n
 
 
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """torch's float8_e4m3fn cast, saturating: torch 2.13 saturates Inf and overflow to 448
+    itself, older versions (2.11) make them NaN; both keep NaN's sign."""
+    return x.float().clamp(-448.0, 448.0).to(E4M3)
+
+
 def ref_deepseek_2d(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepGEMM's per_block_cast_to_fp8 (DeepSeek-V3's weight format), as it is written."""
     x_view, m, n = _padded_blocks(x)
     x_amax = x_view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    x_scaled = (x_view * (448.0 / x_amax)).to(E4M3)
+    x_scaled = to_e4m3(x_view * (448.0 / x_amax))
     data = x_scaled.reshape(x_view.size(0) * 128, -1)[:m, :n].contiguous()
     return data.view(torch.uint8), (x_amax / 448.0).view(x_view.size(0), x_view.size(2))
 
@@ -48,7 +54,7 @@ def ref_te_pow2_2d(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (scale.view(torch.int32) & -(1 << 23)).view(F32)  # 0xFF800000: sign and exponent
     scale = torch.where((amax == 0) | torch.isinf(amax), torch.ones_like(scale), scale)
     scale_inv = torch.div(torch.ones_like(scale), scale)
-    q = (x_view.float() * scale).to(E4M3).view(torch.uint8)
+    q = to_e4m3(x_view.float() * scale).view(torch.uint8)
     q = torch.where(torch.isnan(x_view.float()), torch.full_like(q, 0x7F), q)
     data = q.reshape(x_view.size(0) * 128, -1)[:m, :n].contiguous()
     return data, scale_inv.view(x_view.size(0), x_view.size(2))
@@ -178,7 +184,7 @@ def test_e4m3_cast_of_every_bf16_and_many_fp32(dtype):
     x[:, 0] = float("inf")  # every block (128 rows) holds an Inf: scale 1
     data, scale = quantize_whole(x, "pow2")
     assert torch.all(scale == 1.0)
-    want = x.float().to(E4M3).view(torch.uint8)
+    want = to_e4m3(x).view(torch.uint8)
     want = torch.where(torch.isnan(x.float()), torch.full_like(want, 0x7F), want)
     assert_bytes(data, want, f"cast {dtype}")
 
