@@ -188,7 +188,7 @@ def test_environment_values_parse(monkeypatch, fresh_env) -> None:
     assert o.resolved_timeout("gloo") == 2.5
     assert o.resolved_nccl_register() is False
     assert o.resolved_max_blocks() is None
-    assert rx.Options(timeout=7, max_blocks=0).resolved_timeout("nccl") == 7.0  # explicit fields win
+    assert rx.Options(timeout=7, tuning=rx.Tuning(max_blocks=0)).resolved_timeout("nccl") == 7.0  # explicit fields win
 
 
 def test_every_knob_is_documented_in_the_readme() -> None:
@@ -207,7 +207,7 @@ def test_check_threads_default_is_capped_by_the_cores_per_local_rank(monkeypatch
     assert rx.Options().resolved_check_threads() == min(64, cores)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 2))  # more ranks than cores: the caller alone
     assert rx.Options().resolved_check_threads() == 1
-    assert rx.Options(check_threads=6).resolved_check_threads() == 6  # an explicit value is taken as it is
+    assert rx.Options(tuning=rx.Tuning(check_threads=6)).resolved_check_threads() == 6  # an explicit value is kept
 
 
 def test_auto_direct_default_leaves_the_stages_of_relayed_plans_to_nccl(monkeypatch, fresh_env) -> None:
