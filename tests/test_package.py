@@ -164,7 +164,7 @@ def fresh_env():
 
 
 @pytest.mark.parametrize("name,value,why", [
-    ("RESHARD_EXT_P2P_TIMEOUT", "10m", "expected a number of seconds"),
+    ("RESHARD_EXT_TIMEOUT", "10m", "expected a number of seconds"),
     ("RESHARD_EXT_NCCL_TIMEOUT", "-1", "> 0"),
     ("RESHARD_EXT_CUDA_BATCH_BYTES", "lots", "expected an integer"),
     ("RESHARD_EXT_CUDA_DIRECT_BYTES", "-5", "at least 0"),
@@ -180,7 +180,7 @@ def test_bad_environment_values_name_the_variable(monkeypatch, fresh_env, name: 
 
 def test_environment_values_parse(monkeypatch, fresh_env) -> None:
     monkeypatch.setenv("RESHARD_EXT_CUDA_BATCH_BYTES", "256M")
-    monkeypatch.setenv("RESHARD_EXT_P2P_TIMEOUT", "2.5")
+    monkeypatch.setenv("RESHARD_EXT_TIMEOUT", "2.5")
     monkeypatch.setenv("RESHARD_EXT_NCCL_REGISTER", "0")
     monkeypatch.setenv("RESHARD_EXT_CUDA_MAX_BLOCKS", "auto")
     o = rx.Options()
@@ -217,13 +217,6 @@ def test_auto_direct_default_leaves_the_stages_of_relayed_plans_to_nccl(monkeypa
     monkeypatch.setenv("RESHARD_EXT_AUTO_DIRECT", "1")
     rx.options.reload_environment()
     assert rx.Options().resolved_auto_direct(relayed=True)
-
-
-@pytest.mark.parametrize("kwargs", [{"timeout": 0}, {"timeout": "10"}, {"batch_bytes": -1}, {"trace": 1},
-                                    {"max_blocks": 1.5}, {"check_threads": 0}, {"check_threads": 65}])
-def test_bad_options_raise(kwargs: dict) -> None:
-    with pytest.raises(rx.ReshardError, match="rx.Options"):
-        rx.Options(**kwargs)
 
 
 def test_license_ships_with_the_distribution() -> None:
