@@ -253,7 +253,7 @@ _BOOL: _Check = (bool, lambda v: True, "a bool")
 _AT_LEAST_0: _Check = (int, lambda v: v >= 0, "an integer >= 0")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Tuning:
     """Expert knobs: most users never set them. Their defaults were measured (benchmarks/RESULTS.md
     has the runs); pass one as `rx.Options(tuning=rx.Tuning(...))` only to reproduce or beat a
@@ -352,7 +352,7 @@ class Tuning:
 _NO_TUNING = Tuning()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
     """The knobs of one plan a user sets. None: the environment variable's value, else its default.
 

@@ -82,6 +82,14 @@ def test_a_tuning_value_is_what_the_plan_resolves(name: str, fresh_env) -> None:
         assert getattr(o.with_tuning(**{name: value}).tuning, name) == value
 
 
+def test_fields_are_keywords_only() -> None:
+    # a positional value was batch_bytes before the split: it must not silently become a timeout
+    with pytest.raises(TypeError):
+        rx.Options(1 << 20)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        rx.Tuning(1 << 20)  # type: ignore[misc]
+
+
 def test_options_with_tuning_survive_pickling_and_compare_by_value() -> None:
     o = rx.Options(timeout=3.0, relay=False, tuning=rx.Tuning(batch_bytes=1 << 20, host_ring=False))
     assert pickle.loads(pickle.dumps(o)) == o
