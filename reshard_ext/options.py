@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -512,6 +513,12 @@ class Options:
         local = external_env("LOCAL_WORLD_SIZE") or "1"
         share = max(1, cores // max(1, int(local))) if local.isdigit() else 1
         return max(1, min(int(env_default("RESHARD_EXT_CHECK_THREADS")), share, 64))
+
+
+# help(), IDEs and inspect show the fields, not the catch-all of __new__ (which inspect prefers)
+_fields_signature = inspect.signature(Options.__init__)
+Options.__signature__ = _fields_signature.replace(  # type: ignore[attr-defined]
+    parameters=list(_fields_signature.parameters.values())[1:])
 
 
 def default_timeout(transport: str) -> float:

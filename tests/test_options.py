@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import logging
 import pickle
 import re
@@ -40,6 +41,7 @@ def test_options_keep_the_user_fields_and_tuning_the_rest() -> None:
     assert len(USER_FIELDS) <= 8
     assert [f.name for f in dataclasses.fields(rx.Tuning)] == TUNING_FIELDS
     assert "Tuning" in rx.__all__ and rx.Tuning is options.Tuning
+    assert list(inspect.signature(rx.Options).parameters) == USER_FIELDS  # what help() and IDEs show
 
 
 @pytest.mark.parametrize("name", TUNING_FIELDS)
