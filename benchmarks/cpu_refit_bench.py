@@ -9,7 +9,7 @@ refit with rx.execute(plan, verify=True), timed in the same processes (alternati
 the plain refit), and its cost relative to the plain one.
 
 --link gloo moves the bytes between the processes over gloo instead of the shared-memory
-rings (rx.Options(host_ring=False)).
+rings (rx.Tuning(host_ring=False)).
 
 --phases (with --verify): where each rank's time goes, plain against verified: wall ms per
 execute (medians) in the steps of the CPU transport (pack, unpack, same-rank copies; the
@@ -93,7 +93,8 @@ def _worker(rank: int, port: int, case: str, iters: int, max_batch: int, verify:
     base_rss = _rss_bytes()
     dist.barrier()  # plan time should not include waiting for a slower rank's model setup
     t0 = time.perf_counter()
-    plan = rx.plan(src, dst, max_batch_bytes=max_batch or None, options=rx.Options(host_ring=link == "rings"))
+    options = rx.Options(tuning=rx.Tuning(host_ring=link == "rings"))
+    plan = rx.plan(src, dst, max_batch_bytes=max_batch or None, options=options)
     plan_s = time.perf_counter() - t0
     steps = _Steps()
     if phases:

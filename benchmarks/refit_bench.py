@@ -12,7 +12,7 @@ batch_isend_irecv op per slice, slices made contiguous in Python) as a baseline.
     torchrun --nproc-per-node 4 benchmarks/refit_bench.py --case relay-1to3 [--relay-stages G]  (relay off / on)
 Cases (world = GPUs): see CASES below. Times are medians of --iters after warm-up.
 --backend takes one backend or a comma list (an A/B in one run, same tensors); --variants
-adds rx.Options variants to that A/B (e.g. the direct transport's knobs).
+adds rx.Options / rx.Tuning variants to that A/B (e.g. the direct transport's knobs).
 --verify adds a column: the same refit with rx.execute(plan, verify=True) (digests in
 the kernels, their exchange and the agreement included), timed in the same run, and its
 cost relative to the plain refit.
@@ -138,7 +138,8 @@ def _timeline(args: argparse.Namespace, plan: Any) -> str:
 
 
 def _options(variant: str) -> rx.Options:
-    """rx.Options from 'field=value,...' (true/false for flags, integers with K/M/G)."""
+    """rx.Options from 'field=value,...' of rx.Options and rx.Tuning fields (true/false for flags,
+    integers with K/M/G)."""
     kw: dict = {}
     for item in filter(None, variant.split(",")):
         name, value = item.split("=", 1)
@@ -148,7 +149,8 @@ def _options(variant: str) -> rx.Options:
         else:
             scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(low[-1:], 1)
             kw[name.strip()] = int(low[:-1] if scale > 1 else low) * scale
-    return rx.Options(**kw)
+    tuned = {name: kw.pop(name) for name in list(kw) if name in rx.Tuning.__dataclass_fields__}
+    return rx.Options(**kw, tuning=rx.Tuning(**tuned) if tuned else None)
 
 
 def _pieces(layouts: dict, rank: int, random: bool = False) -> dict:
@@ -181,8 +183,9 @@ def _relay_bench(args: argparse.Namespace, rank: int, world: int) -> None:
     src_l = model_layouts(LLAMA3_8B, Parallel(tp=1))
     dst_l = model_layouts(LLAMA3_8B, Parallel(tp=1, dp=3, offset=1))
     src = _pieces(src_l, rank, random=True)
-    opts = {"off": rx.Options(relay=False), "1 stage": rx.Options(relay=True, relay_stages=1),
-            "staged": rx.Options(relay=True, relay_stages=args.relay_stages)}
+    opts = {"off": rx.Options(relay=False),
+            "1 stage": rx.Options(relay=True, tuning=rx.Tuning(relay_stages=1)),
+            "staged": rx.Options(relay=True, tuning=rx.Tuning(relay_stages=args.relay_stages))}
     dst = {key: _pieces(dst_l, rank) for key in opts}
     batch = (args.max_batch_mb << 20) or None
     plans = {key: rx.plan(src, dst[key], max_batch_bytes=batch, options=o) for key, o in opts.items()}
@@ -225,7 +228,7 @@ def main() -> None:
     ap.add_argument("--case", choices=sorted(CASES) + [RELAY_CASE], required=True)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-batch-mb", type=int, default=0)
-    ap.add_argument("--relay-stages", type=int, default=0, help=f"{RELAY_CASE}: rx.Options(relay_stages) of the "
+    ap.add_argument("--relay-stages", type=int, default=0, help=f"{RELAY_CASE}: rx.Tuning(relay_stages) of the "
                     "staged relay (0: auto)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--backend", default="auto",

@@ -27,7 +27,7 @@ from .fp8block import FP8Block
 from .layout import Layout, Mesh, Replicate, Shard
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
-from .options import Options
+from .options import Options, Tuning
 from .planning import RankPlan, TransferOp, local_plan
 from .swap import clear_caches, prepare_swap_model_weights, swap_model_weights
 from .transforms import Rewrite, Transform
@@ -51,7 +51,7 @@ def build_info() -> dict[str, Any]:
 
 
 __all__ = [
-    "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options",
+    "Layout", "Mesh", "Replicate", "Shard", "ReshardError", "InternalError", "Options", "Tuning",
     "Rewrite", "Transform", "build_info", "plan", "execute", "verify", "Plan", "local_plan", "RankPlan", "TransferOp",
     "MXFP8", "FP8Block", "NVFP4", "connect", "ConnectedGroup",
     "adapters", "merged", "relay", "views", "swap_model_weights", "prepare_swap_model_weights", "clear_caches",

@@ -4,7 +4,7 @@
 never calls `rx.plan` must not keep the others waiting for the process group's own
 timeout (30 minutes by default): every wait here polls the work and raises
 ReshardError after the reshard timeout (rx.Options.timeout, default
-RESHARD_EXT_P2P_TIMEOUT). Polling works for gloo and NCCL
+RESHARD_EXT_TIMEOUT). Polling works for gloo and NCCL
 collectives alike, and a collective given up on still completes in the background if
 the late rank joins it, so the group's order of collectives is kept.
 """
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import groups
 from .errors import ReshardError
-from .options import env_default
+from .options import default_timeout
 
 _SPIN_S = 1e-3  # how long wait() polls before it sleeps between polls
 # The longest sleep between polls: a wait sees its completion at most this late. Ranks that
@@ -30,8 +30,8 @@ _MAX_PAUSE_S = 5e-4
 
 def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
     """Waits for an async collective; ReshardError after the timeout (default
-    RESHARD_EXT_P2P_TIMEOUT) or when the collective fails (a peer died)."""
-    limit = float(env_default("RESHARD_EXT_P2P_TIMEOUT")) if timeout_s is None else timeout_s
+    RESHARD_EXT_TIMEOUT) or when the collective fails (a peer died)."""
+    limit = default_timeout("gloo") if timeout_s is None else timeout_s
     start = time.monotonic()
     deadline = start + limit
     pause = 1e-5
@@ -44,7 +44,7 @@ def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
             if now > deadline:
                 raise ReshardError(
                     f"{what}: not every rank of the group joined within {limit:g} s (rx.Options.timeout, default "
-                    f"RESHARD_EXT_P2P_TIMEOUT); "
+                    f"RESHARD_EXT_TIMEOUT); "
                     f"a rank stalled, died or did not make the same call")
             time.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE_S)

@@ -198,7 +198,7 @@ class Plan:
         self.transform = transform
         self._agreement = agreement
         self.max_batch_bytes = max_batch_bytes  # the transports' staging stays within it
-        self.options = options = options.replace(host_ring=agreement.host_ring)  # the vote decides
+        self.options = options = options.with_tuning(host_ring=agreement.host_ring)  # the vote decides
         self.device = agreement.device
         self.plan_id = agreement.plan_id
         self.version: int | None = None  # the version that fully landed on this rank (see execute)
@@ -731,8 +731,7 @@ def execute(plan: Plan, *, verify: bool = False, version: int | None = None,
     after one that failed or was aborted. Every rank must pass the same version
     (checked with its peers, in the execute's headers).
     timeout: seconds before a missing or stalled peer makes this execute raise
-    (default rx.Options.timeout, else RESHARD_EXT_P2P_TIMEOUT / RESHARD_EXT_NCCL_TIMEOUT /
-    RESHARD_EXT_DIRECT_TIMEOUT by transport).
+    (default rx.Options.timeout, else RESHARD_EXT_TIMEOUT).
     One execute at a time per process group in a process: a concurrent one (another
     thread) raises ReshardError.
     """

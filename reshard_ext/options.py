@@ -1,11 +1,12 @@
-"""Typed knobs (`rx.Options`) and the environment variables that are their defaults.
+"""Typed knobs and the environment variables that are their defaults: `rx.Options`, the few
+a user sets, and `rx.Tuning` (`rx.Options(tuning=...)`), the expert ones with measured defaults.
 
 Every `RESHARD_EXT_*` variable is declared here, once, with its type, default, check and
 meaning; nothing else in the package reads the environment. A variable is read and
 validated the first time a default is needed (a bad value raises `ReshardError` naming
-it), cached for the process, and logged at INFO when set. `rx.plan(options=...)` and
-`rx.swap_model_weights(options=...)` take an `Options`; fields left as None fall back
-to these defaults.
+it), cached for the process, and logged at INFO when set (a deprecated one: a warning
+naming its replacement). `rx.plan(options=...)` and `rx.swap_model_weights(options=...)`
+take an `Options`; fields left as None fall back to these defaults.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -26,12 +28,15 @@ _log = logging.getLogger("reshard_ext")
 
 @dataclass(frozen=True)
 class Knob:
-    """One environment variable: its parser (which raises ValueError with the reason) and meaning."""
+    """One environment variable: its parser (which raises ValueError with the reason) and meaning.
+    deprecated_by: the variable that replaces this one; this one is still read for one release
+    (unset, it reads as None) and, when set, logged once as a warning naming its replacement."""
 
     env: str
     default: Any
     parse: Callable[[str], Any]
     doc: str
+    deprecated_by: str = ""
 
 
 def _flag(text: str) -> bool:
@@ -87,7 +92,8 @@ KNOBS: dict[str, Knob] = {
     k.env: k
     for k in (
         Knob("RESHARD_EXT_CUDA_BATCH_BYTES", 512 << 20, _count(1),
-             "batch size on GPUs when max_batch_bytes=None (bigger: faster, more staging memory)"),
+             "the batch size on GPUs when rx.plan has no max_batch_bytes (that argument is the plan's cap on a "
+             "rank's staging memory; this is a size, not a cap: bigger is faster and takes more staging memory)"),
         Knob("RESHARD_EXT_CUDA_DIRECT_BYTES", 64 << 20, _count(0),
              "GPU ops at least this big go straight from/into their tensor when contiguous"),
         Knob("RESHARD_EXT_CPU_DIRECT_BYTES", 1 << 20, _count(0), "the same for the CPU (gloo) transport"),
@@ -97,10 +103,15 @@ KNOBS: dict[str, Knob] = {
         Knob("RESHARD_EXT_HOST_RING", True, _flag,
              "the CPU transport's data between processes of one host goes through shared-memory rings (0: over "
              "gloo; a pair uses the rings only where both ranks allow it)"),
-        Knob("RESHARD_EXT_P2P_TIMEOUT", 600.0, _seconds,
-             "seconds before a stuck gloo / torch point-to-point transfer (or plan exchange) raises"),
-        Knob("RESHARD_EXT_NCCL_TIMEOUT", 600.0, _seconds,
-             "seconds before a stuck NCCL transfer aborts the communicator and raises"),
+        Knob("RESHARD_EXT_TIMEOUT", 600.0, _seconds,
+             "seconds before a missing or stuck peer makes a plan exchange or a transfer raise, on every "
+             "transport (gloo / torch point-to-point, NCCL, direct, NVSHMEM); rx.execute(timeout=) overrides it "
+             "per call"),
+        Knob("RESHARD_EXT_P2P_TIMEOUT", None, _seconds,
+             "the timeout of plan exchanges and gloo / torch point-to-point transfers alone",
+             deprecated_by="RESHARD_EXT_TIMEOUT"),
+        Knob("RESHARD_EXT_NCCL_TIMEOUT", None, _seconds,
+             "the timeout of NCCL transfers alone", deprecated_by="RESHARD_EXT_TIMEOUT"),
         Knob("RESHARD_EXT_NCCL_REGISTER", True, _flag,
              "0: no NCCL buffer registration (transfers go through NCCL's FIFOs)"),
         Knob("RESHARD_EXT_SKIP_NCCL_CHECK", False, _flag,
@@ -119,10 +130,10 @@ KNOBS: dict[str, Knob] = {
              "stages of a relayed refit: each moves one group's scatter with the previous group's forwarding "
              "(0: auto, one per two batches of the relayed bytes, 1 to 8; 1: scatter, then forward; "
              "alike on every rank)"),
-        Knob("RESHARD_EXT_DIRECT_TIMEOUT", 600.0, _seconds,
-             "seconds before a direct (peer-mapped) refit gives up on a peer that does not signal and raises"),
-        Knob("RESHARD_EXT_NVSHMEM_TIMEOUT", 600.0, _seconds,
-             "seconds before an NVSHMEM refit raises on a peer that does not signal (never executes, died)"),
+        Knob("RESHARD_EXT_DIRECT_TIMEOUT", None, _seconds,
+             "the timeout of direct (peer-mapped) refits alone", deprecated_by="RESHARD_EXT_TIMEOUT"),
+        Knob("RESHARD_EXT_NVSHMEM_TIMEOUT", None, _seconds,
+             "the timeout of NVSHMEM refits alone", deprecated_by="RESHARD_EXT_TIMEOUT"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_BYTES", 1 << 20, _count(0),
              "direct boxes at least this big with contiguous rows go through the copy engines (0: the kernel only)"),
         Knob("RESHARD_EXT_DIRECT_ENGINE_BATCH", True, _flag,
@@ -163,6 +174,10 @@ KNOBS: dict[str, Knob] = {
     )
 }
 
+# The transports whose timeouts had a variable of their own (deprecated; the rest read RESHARD_EXT_P2P_TIMEOUT).
+DEPRECATED_TIMEOUTS = {"nccl": "RESHARD_EXT_NCCL_TIMEOUT", "direct": "RESHARD_EXT_DIRECT_TIMEOUT",
+                       "nvshmem": "RESHARD_EXT_NVSHMEM_TIMEOUT"}
+
 _CACHE: dict[str, Any] = {}
 # Inside rx.plan's first exchange: a bad variable reads as its default (rx.plan has already
 # put its error into that exchange, so every rank raises it there, not this rank alone).
@@ -184,7 +199,11 @@ def env_default(name: str) -> Any:
             if _STAND_IN.get():
                 return knob.default
             raise ReshardError(f"environment variable {name}={raw!r} is invalid: {e} ({knob.doc})") from None
-        _log.info("reshard_ext: %s=%s (from the environment)", name, raw)
+        if knob.deprecated_by:
+            _log.warning("reshard_ext: %s=%s is deprecated and will be removed in the next release: set %s "
+                         "instead", name, raw, knob.deprecated_by)
+        else:
+            _log.info("reshard_ext: %s=%s (from the environment)", name, raw)
     _CACHE[name] = value
     return value
 
@@ -215,22 +234,44 @@ def reload_environment() -> None:
     _CACHE.clear()
 
 
-@dataclass(frozen=True)
-class Options:
-    """Knobs of one plan. None: the environment variable's value, else its default.
+_Check = tuple[type, Callable[[Any], bool], str]
 
-    - batch_bytes: GPU batch size when `max_batch_bytes` is None (RESHARD_EXT_CUDA_BATCH_BYTES).
+
+def _check_fields(owner: str, obj: Any, checks: dict[str, _Check]) -> None:
+    """Raises ReshardError naming the first field (of rx.Options or rx.Tuning) of the wrong type or range."""
+    for name, (kind, ok, what) in checks.items():
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        typed = isinstance(value, kind) or (kind is float and isinstance(value, int))
+        if isinstance(value, bool) and kind is not bool:
+            typed = False
+        if not typed or not ok(value):
+            raise ReshardError(f"{owner}({name}={value!r}): expected {what}")
+
+
+_BOOL: _Check = (bool, lambda v: True, "a bool")
+_AT_LEAST_0: _Check = (int, lambda v: v >= 0, "an integer >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """Expert knobs: most users never set them. Their defaults were measured (benchmarks/RESULTS.md
+    has the runs); pass one as `rx.Options(tuning=rx.Tuning(...))` only to reproduce or beat a
+    measurement on your hardware. None: the environment variable's value, else its default
+    (docs/reference/knobs.md lists them).
+
+    - batch_bytes: the batch size on GPUs when the plan has no `max_batch_bytes`
+      (RESHARD_EXT_CUDA_BATCH_BYTES). Not a bound: `rx.plan(max_batch_bytes=...)` is the
+      plan's cap on a rank's staging memory, and where it is given this knob is not used.
     - direct_bytes: ops at least this big are their own message, straight from/into a
-      contiguous tensor (RESHARD_EXT_CUDA_DIRECT_BYTES on GPUs, RESHARD_EXT_CPU_DIRECT_BYTES on CPUs).
-    - timeout: seconds before a stuck transfer or plan exchange raises (RESHARD_EXT_P2P_TIMEOUT
-      for gloo / torch point-to-point, RESHARD_EXT_NCCL_TIMEOUT for NCCL).
+      contiguous tensor (RESHARD_EXT_CUDA_DIRECT_BYTES on GPUs, RESHARD_EXT_CPU_DIRECT_BYTES on
+      CPUs; alike on every rank, rx.plan checks).
     - nccl_register: NCCL buffer registration (RESHARD_EXT_NCCL_REGISTER; every rank votes).
     - max_blocks: grid cap beside transfers, 0 for none (RESHARD_EXT_CUDA_MAX_BLOCKS; None: by workload,
       and none in verified executes, whose hashing kernels would otherwise set the pace).
     - split_copies: same-rank copies sliced under the transfers (RESHARD_EXT_CUDA_SPLIT_COPIES).
     - batch_taper: half-size first and last batches (RESHARD_EXT_BATCH_TAPER; alike on every rank).
-    - trace: log a CUDA-event timeline of every GPU execute (RESHARD_EXT_TRACE).
-    - relay: relay fan-out to replicas (RESHARD_EXT_RELAY; alike on every rank, rx.plan checks).
     - relay_stages: stages of a relayed refit, 0 = auto (RESHARD_EXT_RELAY_STAGES; alike on every
       rank, rx.plan checks): the relayed tensors split into groups by bytes, and stage s moves
       group s from the sources together with group s - 1 among the replicas.
@@ -258,18 +299,10 @@ class Options:
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
     - direct_local_blocks: grid cap of that same-rank kernel, 0 for none (RESHARD_EXT_DIRECT_LOCAL_BLOCKS;
       None: half the SMs, so the copy engines' peer writes keep their share of HBM).
-    - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
-      (RESHARD_EXT_DIRECT_IPC).
-    - auto_direct: backend "auto" uses the direct transport (direct pairs where it can, NCCL
-      elsewhere) unless a rank says False (RESHARD_EXT_AUTO_DIRECT). None: the direct
-      transport, except for the stages of a relayed plan (rx.Options.relay), which run on
-      NCCL: its staged fan-out is faster than the copy engines' there (benchmarks/RESULTS.md).
-    - check_storage: every execute first checks that no bound tensor's storage was
-      replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; one data_ptr read per
-      bound tensor, in C++ where torch allows).
-    - check_threads: threads that run that check at once on plans with >= 4,096 bound
-      pieces: the caller and helper threads asleep between executes (RESHARD_EXT_CHECK_THREADS,
-      default 4 but at most this process's share of the cores; 1: the caller alone).
+    - check_threads: threads that run the storage check (rx.Options.check_storage) at once on
+      plans with >= 4,096 bound pieces: the caller and helper threads asleep between executes
+      (RESHARD_EXT_CHECK_THREADS, default 4 but at most this process's share of the cores; 1:
+      the caller alone).
     - host_ring: the CPU transport's data between processes of one host goes through
       shared-memory rings, not gloo (RESHARD_EXT_HOST_RING; used only where every rank
       says so: rx.plan takes the vote).
@@ -277,13 +310,10 @@ class Options:
 
     batch_bytes: int | None = None
     direct_bytes: int | None = None
-    timeout: float | None = None
     nccl_register: bool | None = None
     max_blocks: int | None = None
     split_copies: bool | None = None
     batch_taper: bool | None = None
-    trace: bool | None = None
-    relay: bool | None = None
     relay_stages: int | None = None
     direct_engine_bytes: int | None = None
     direct_engine_batch: bool | None = None
@@ -292,151 +322,208 @@ class Options:
     direct_staging_bytes: int | None = None
     direct_local_engine_bytes: int | None = None
     direct_local_blocks: int | None = None
-    direct_ipc: bool | None = None
-    auto_direct: bool | None = None
-    check_storage: bool | None = None
     check_threads: int | None = None
     host_ring: bool | None = None
 
     def __post_init__(self) -> None:
-        checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
+        _check_fields("rx.Tuning", self, {
             "batch_bytes": (int, lambda v: v >= 1, "an integer >= 1"),
-            "direct_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
-            "timeout": (float, lambda v: 0 < v < float("inf"), "a finite number of seconds > 0"),
-            "nccl_register": (bool, lambda v: True, "a bool"),
-            "max_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
-            "split_copies": (bool, lambda v: True, "a bool"),
-            "batch_taper": (bool, lambda v: True, "a bool"),
-            "trace": (bool, lambda v: True, "a bool"),
-            "relay": (bool, lambda v: True, "a bool"),
+            "direct_bytes": _AT_LEAST_0,
+            "nccl_register": _BOOL,
+            "max_blocks": _AT_LEAST_0,
+            "split_copies": _BOOL,
+            "batch_taper": _BOOL,
             "relay_stages": (int, lambda v: v >= 0, "an integer >= 0 (0: auto)"),
-            "direct_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
-            "direct_engine_batch": (bool, lambda v: True, "a bool"),
+            "direct_engine_bytes": _AT_LEAST_0,
+            "direct_engine_batch": _BOOL,
             "direct_engine_streams": (int, lambda v: v >= 1, "an integer >= 1"),
             "direct_verify_groups": (int, lambda v: 1 <= v <= MAX_VERIFY_GROUPS,
                                      f"an integer from 1 to {MAX_VERIFY_GROUPS}"),
-            "direct_staging_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
-            "direct_local_engine_bytes": (int, lambda v: v >= 0, "an integer >= 0"),
-            "direct_local_blocks": (int, lambda v: v >= 0, "an integer >= 0"),
-            "direct_ipc": (bool, lambda v: True, "a bool"),
-            "auto_direct": (bool, lambda v: True, "a bool"),
-            "check_storage": (bool, lambda v: True, "a bool"),
+            "direct_staging_bytes": _AT_LEAST_0,
+            "direct_local_engine_bytes": _AT_LEAST_0,
+            "direct_local_blocks": _AT_LEAST_0,
             "check_threads": (int, lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
-            "host_ring": (bool, lambda v: True, "a bool"),
-        }
-        for name, (kind, ok, what) in checks.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            typed = isinstance(value, kind) or (kind is float and isinstance(value, int))
-            if isinstance(value, bool) and kind is not bool:
-                typed = False
-            if not typed or not ok(value):
-                raise ReshardError(f"rx.Options({name}={value!r}): expected {what}")
+            "host_ring": _BOOL,
+        })
+
+    def replace(self, **changes: Any) -> Tuning:
+        return dataclasses.replace(self, **changes)
+
+
+_NO_TUNING = Tuning()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The knobs of one plan a user sets. None: the environment variable's value, else its default.
+
+    - timeout: seconds before a missing or stuck peer makes a plan exchange or a transfer
+      raise, on every transport (RESHARD_EXT_TIMEOUT; rx.execute(timeout=) overrides it per call).
+    - relay: relay fan-out to replicas (RESHARD_EXT_RELAY; alike on every rank, rx.plan checks).
+    - auto_direct: backend "auto" uses the direct transport (direct pairs where it can, NCCL
+      elsewhere) unless a rank says False (RESHARD_EXT_AUTO_DIRECT). None: the direct
+      transport, except for the stages of a relayed plan (rx.Options.relay), which run on
+      NCCL: its staged fan-out is faster than the copy engines' there (benchmarks/RESULTS.md).
+    - direct_ipc: False makes this rank map no peer memory, so its pairs use NCCL
+      (RESHARD_EXT_DIRECT_IPC).
+    - check_storage: every execute first checks that no bound tensor's storage was
+      replaced or resized since binding (RESHARD_EXT_CHECK_STORAGE; one data_ptr read per
+      bound tensor, in C++ where torch allows).
+    - trace: log a CUDA-event timeline of every GPU execute (RESHARD_EXT_TRACE).
+    - tuning: the expert knobs (rx.Tuning: batch sizes, grid caps, copy-engine use), whose
+      measured defaults most users keep.
+    """
+
+    timeout: float | None = None
+    relay: bool | None = None
+    auto_direct: bool | None = None
+    direct_ipc: bool | None = None
+    check_storage: bool | None = None
+    trace: bool | None = None
+    tuning: Tuning | None = None
+
+    def __new__(cls, *args: Any, **fields: Any) -> Options:
+        # A former field would otherwise be a bare TypeError: say where it went.
+        moved = [name for name in fields if name in Tuning.__dataclass_fields__]
+        if moved:
+            given = ", ".join(f"{name}=..." for name in moved)
+            raise ReshardError(f"rx.Options({given}): {', '.join(moved)} moved to rx.Tuning: "
+                               f"rx.Options(tuning=rx.Tuning({given}))")
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        _check_fields("rx.Options", self, {
+            "timeout": (float, lambda v: 0 < v < float("inf"), "a finite number of seconds > 0"),
+            "relay": _BOOL,
+            "auto_direct": _BOOL,
+            "direct_ipc": _BOOL,
+            "check_storage": _BOOL,
+            "trace": _BOOL,
+            "tuning": (Tuning, lambda v: True, "an rx.Tuning"),
+        })
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
 
+    def with_tuning(self, **changes: Any) -> Options:
+        """A copy whose rx.Tuning has `changes`."""
+        return self.replace(tuning=(self.tuning or _NO_TUNING).replace(**changes))
+
+    def _tuned(self, name: str) -> Any:
+        return getattr(self.tuning or _NO_TUNING, name)
+
     # --- resolved values (explicit field, else the environment's default) ---------------
-    def resolved_batch_bytes(self) -> int:
-        return self.batch_bytes if self.batch_bytes is not None else int(env_default("RESHARD_EXT_CUDA_BATCH_BYTES"))
-
-    def resolved_host_ring(self) -> bool:
-        return self.host_ring if self.host_ring is not None else bool(env_default("RESHARD_EXT_HOST_RING"))
-
-    def resolved_direct_bytes(self, device: str) -> int:
-        if self.direct_bytes is not None:
-            return self.direct_bytes
-        return int(env_default("RESHARD_EXT_CUDA_DIRECT_BYTES" if device == "cuda" else "RESHARD_EXT_CPU_DIRECT_BYTES"))
-
     def resolved_timeout(self, transport: str) -> float:
         if self.timeout is not None:
             return float(self.timeout)
-        env = {"nccl": "RESHARD_EXT_NCCL_TIMEOUT", "direct": "RESHARD_EXT_DIRECT_TIMEOUT",
-               "nvshmem": "RESHARD_EXT_NVSHMEM_TIMEOUT"}.get(transport, "RESHARD_EXT_P2P_TIMEOUT")
-        return float(env_default(env))
-
-    def resolved_nccl_register(self) -> bool:
-        return self.nccl_register if self.nccl_register is not None else bool(env_default("RESHARD_EXT_NCCL_REGISTER"))
-
-    def resolved_max_blocks(self) -> int | None:
-        return self.max_blocks if self.max_blocks is not None else env_default("RESHARD_EXT_CUDA_MAX_BLOCKS")
-
-    def resolved_split_copies(self) -> bool:
-        if self.split_copies is not None:
-            return self.split_copies
-        return bool(env_default("RESHARD_EXT_CUDA_SPLIT_COPIES"))
-
-    def resolved_batch_taper(self) -> bool:
-        return self.batch_taper if self.batch_taper is not None else bool(env_default("RESHARD_EXT_BATCH_TAPER"))
-
-    def resolved_trace(self) -> bool:
-        return self.trace if self.trace is not None else bool(env_default("RESHARD_EXT_TRACE"))
+        deprecated = DEPRECATED_TIMEOUTS.get(transport, "RESHARD_EXT_P2P_TIMEOUT")
+        value = env_default(deprecated)  # None unless set, for one more release
+        return float(value if value is not None else env_default("RESHARD_EXT_TIMEOUT"))
 
     def resolved_relay(self) -> bool:
         return self.relay if self.relay is not None else bool(env_default("RESHARD_EXT_RELAY"))
-
-    def resolved_relay_stages(self) -> int:
-        return self.relay_stages if self.relay_stages is not None else int(env_default("RESHARD_EXT_RELAY_STAGES"))
-
-    def resolved_direct_engine_bytes(self) -> int:
-        if self.direct_engine_bytes is not None:
-            return self.direct_engine_bytes
-        return int(env_default("RESHARD_EXT_DIRECT_ENGINE_BYTES"))
-
-    def resolved_direct_engine_batch(self) -> bool:
-        if self.direct_engine_batch is not None:
-            return self.direct_engine_batch
-        return bool(env_default("RESHARD_EXT_DIRECT_ENGINE_BATCH"))
-
-    def resolved_direct_engine_streams(self) -> int:
-        """0: by the number of copies (_C.auto_engine_streams)."""
-        if self.direct_engine_streams is not None:
-            return self.direct_engine_streams
-        return env_default("RESHARD_EXT_DIRECT_ENGINE_STREAMS") or 0
-
-    def resolved_direct_verify_groups(self) -> int:
-        if self.direct_verify_groups is not None:
-            return self.direct_verify_groups
-        return int(env_default("RESHARD_EXT_DIRECT_VERIFY_GROUPS"))
-
-    def resolved_direct_staging_bytes(self) -> int:
-        if self.direct_staging_bytes is not None:
-            return self.direct_staging_bytes
-        return int(env_default("RESHARD_EXT_DIRECT_STAGING_BYTES"))
-
-    def resolved_direct_local_engine_bytes(self) -> int:
-        if self.direct_local_engine_bytes is not None:
-            return self.direct_local_engine_bytes
-        return int(env_default("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES"))
-
-    def resolved_direct_local_blocks(self) -> int | None:
-        """None: the transport's default (half the SMs)."""
-        if self.direct_local_blocks is not None:
-            return self.direct_local_blocks
-        return env_default("RESHARD_EXT_DIRECT_LOCAL_BLOCKS")
-
-    def resolved_direct_ipc(self) -> bool:
-        return self.direct_ipc if self.direct_ipc is not None else bool(env_default("RESHARD_EXT_DIRECT_IPC"))
 
     def resolved_auto_direct(self, relayed: bool = False) -> bool:
         """relayed: for the stages of a relayed plan."""
         value = self.auto_direct if self.auto_direct is not None else env_default("RESHARD_EXT_AUTO_DIRECT")
         return not relayed if value is None else bool(value)
 
+    def resolved_direct_ipc(self) -> bool:
+        return self.direct_ipc if self.direct_ipc is not None else bool(env_default("RESHARD_EXT_DIRECT_IPC"))
+
     def resolved_check_storage(self) -> bool:
         if self.check_storage is not None:
             return self.check_storage
         return bool(env_default("RESHARD_EXT_CHECK_STORAGE"))
 
+    def resolved_trace(self) -> bool:
+        return self.trace if self.trace is not None else bool(env_default("RESHARD_EXT_TRACE"))
+
+    # --- resolved rx.Tuning values ----------------------------------------------------------
+    def resolved_batch_bytes(self) -> int:
+        value = self._tuned("batch_bytes")
+        return value if value is not None else int(env_default("RESHARD_EXT_CUDA_BATCH_BYTES"))
+
+    def resolved_host_ring(self) -> bool:
+        value = self._tuned("host_ring")
+        return value if value is not None else bool(env_default("RESHARD_EXT_HOST_RING"))
+
+    def resolved_direct_bytes(self, device: str) -> int:
+        value = self._tuned("direct_bytes")
+        if value is not None:
+            return int(value)
+        return int(env_default("RESHARD_EXT_CUDA_DIRECT_BYTES" if device == "cuda" else "RESHARD_EXT_CPU_DIRECT_BYTES"))
+
+    def resolved_nccl_register(self) -> bool:
+        value = self._tuned("nccl_register")
+        return value if value is not None else bool(env_default("RESHARD_EXT_NCCL_REGISTER"))
+
+    def resolved_max_blocks(self) -> int | None:
+        value = self._tuned("max_blocks")
+        return value if value is not None else env_default("RESHARD_EXT_CUDA_MAX_BLOCKS")
+
+    def resolved_split_copies(self) -> bool:
+        value = self._tuned("split_copies")
+        return value if value is not None else bool(env_default("RESHARD_EXT_CUDA_SPLIT_COPIES"))
+
+    def resolved_batch_taper(self) -> bool:
+        value = self._tuned("batch_taper")
+        return value if value is not None else bool(env_default("RESHARD_EXT_BATCH_TAPER"))
+
+    def resolved_relay_stages(self) -> int:
+        value = self._tuned("relay_stages")
+        return value if value is not None else int(env_default("RESHARD_EXT_RELAY_STAGES"))
+
+    def resolved_direct_engine_bytes(self) -> int:
+        value = self._tuned("direct_engine_bytes")
+        return value if value is not None else int(env_default("RESHARD_EXT_DIRECT_ENGINE_BYTES"))
+
+    def resolved_direct_engine_batch(self) -> bool:
+        value = self._tuned("direct_engine_batch")
+        return value if value is not None else bool(env_default("RESHARD_EXT_DIRECT_ENGINE_BATCH"))
+
+    def resolved_direct_engine_streams(self) -> int:
+        """0: by the number of copies (_C.auto_engine_streams)."""
+        value = self._tuned("direct_engine_streams")
+        return value if value is not None else env_default("RESHARD_EXT_DIRECT_ENGINE_STREAMS") or 0
+
+    def resolved_direct_verify_groups(self) -> int:
+        value = self._tuned("direct_verify_groups")
+        return value if value is not None else int(env_default("RESHARD_EXT_DIRECT_VERIFY_GROUPS"))
+
+    def resolved_direct_staging_bytes(self) -> int:
+        value = self._tuned("direct_staging_bytes")
+        return value if value is not None else int(env_default("RESHARD_EXT_DIRECT_STAGING_BYTES"))
+
+    def resolved_direct_local_engine_bytes(self) -> int:
+        value = self._tuned("direct_local_engine_bytes")
+        return value if value is not None else int(env_default("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES"))
+
+    def resolved_direct_local_blocks(self) -> int | None:
+        """None: the transport's default (half the SMs)."""
+        value = self._tuned("direct_local_blocks")
+        return value if value is not None else env_default("RESHARD_EXT_DIRECT_LOCAL_BLOCKS")
+
     def resolved_check_threads(self) -> int:
-        if self.check_threads is not None:
-            return self.check_threads
+        value = self._tuned("check_threads")
+        if value is not None:
+            return int(value)
         # a default never takes more than this process's share of the cores (torchrun's local ranks)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         local = external_env("LOCAL_WORLD_SIZE") or "1"
         share = max(1, cores // max(1, int(local))) if local.isdigit() else 1
         return max(1, min(int(env_default("RESHARD_EXT_CHECK_THREADS")), share, 64))
+
+
+# help(), IDEs and inspect show the fields, not the catch-all of __new__ (which inspect prefers)
+_fields_signature = inspect.signature(Options.__init__)
+Options.__signature__ = _fields_signature.replace(  # type: ignore[attr-defined]
+    parameters=list(_fields_signature.parameters.values())[1:])
+
+
+def default_timeout(transport: str) -> float:
+    """The timeout of a wait outside any plan's options (rx.Options.resolved_timeout's default)."""
+    return Options().resolved_timeout(transport)
 
 
 MAX_WAIT_S = 1e7  # the longest wait handed to a library (116 days): any longer timeout means "never"
@@ -478,4 +565,4 @@ def set_process_env_default(name: str, value: str) -> str:
     return os.environ.setdefault(name, value)
 
 
-__all__ = ["Options", "KNOBS", "Knob", "env_default", "reload_environment"]
+__all__ = ["Options", "Tuning", "KNOBS", "Knob", "env_default", "default_timeout", "reload_environment"]

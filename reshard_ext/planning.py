@@ -337,7 +337,7 @@ def plan_collective(
     direct = [g[6][1 if devices == {"cuda"} else 0] for g in gathered]
     if len(set(direct)) > 1:
         by_value = {v: [r for r, x in enumerate(direct) if x == v][:8] for v in sorted(set(direct))}
-        errors.append(f"rx.Options(direct_bytes=...) / RESHARD_EXT_{'CUDA' if devices == {'cuda'} else 'CPU'}"
+        errors.append(f"rx.Tuning(direct_bytes=...) / RESHARD_EXT_{'CUDA' if devices == {'cuda'} else 'CPU'}"
                       f"_DIRECT_BYTES must be alike on every rank, got {by_value} (value: ranks)")
     if errors:
         _raise(errors)

@@ -12,7 +12,7 @@ relayed refit moves each such tensor in two phases of ordinary collective plans:
    descriptor tables drop (csrc/core/exec_tables.cc), so only the missing shares move.
 
 The phases are pipelined (`Staging`): the relayed tensors split into G groups by bytes
-(rx.Options.relay_stages), and stage plan s holds the scatter entries of group s beside
+(rx.Tuning.relay_stages), and stage plan s holds the scatter entries of group s beside
 the forwarding entries of group s - 1 (named `name#gather`), so the sources' sends and
 the replicas' forwards share the links. A source sends each byte about once: for 3
 replicas of one source, (G + 1) / G copies' time instead of 3. The C++ planner decides
@@ -205,7 +205,7 @@ def _agreed_stages(options: Options, group: Any) -> int:
     votes: list[Any] = [None] * groups.size(group)
     dist.all_gather_object(votes, options.resolved_relay_stages(), group=group)
     if len(set(votes)) > 1:
-        raise ReshardError(f"rx.Options(relay_stages=...) / RESHARD_EXT_RELAY_STAGES must be alike on every "
+        raise ReshardError(f"rx.Tuning(relay_stages=...) / RESHARD_EXT_RELAY_STAGES must be alike on every "
                            f"rank: got {dict(enumerate(votes))}")
     return int(votes[0])
 

@@ -226,7 +226,7 @@ def direct_phases(planned: PlannedRanks, link: LinkModel) -> list[Phase]:
 
 
 def relay_phases(planned: PlannedRanks, link: LinkModel) -> list[Phase]:
-    """MODEL of the relay in one stage (rx.Options(relay_stages=1)), from the planner's
+    """MODEL of the relay in one stage (rx.Tuning(relay_stages=1)), from the planner's
     fan-out sets rather than the relay plans. For each set of n receivers that get the same
     bytes B from one sender: the sender scatters B over them (B/n each, its egress 1x B),
     then each receiver forwards its part to the n-1 others (an all-gather among them).
@@ -253,7 +253,7 @@ def relay_phases(planned: PlannedRanks, link: LinkModel) -> list[Phase]:
 
 
 def pipelined_phases(relay: list[Phase], stages: int) -> list[Phase]:
-    """The relay as rx.plan runs it in `stages` groups (rx.Options.relay_stages): stage 0
+    """The relay as rx.plan runs it in `stages` groups (rx.Tuning.relay_stages): stage 0
     scatters group 0, stages 1..G-1 each scatter one group while the replicas forward the
     previous one, stage G forwards the last; groups of equal bytes assumed."""
     (scatter, forward), g = (torch.tensor(ph.load) for ph in relay), max(1, stages)
@@ -584,7 +584,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-mb", type=count(0), default=DEFAULT_BATCH_MB,
                         help="max_batch_bytes in MiB, as rx.plan gets it (512: its GPU default; 0: one batch)")
     parser.add_argument("--relay-stages", type=count(0), default=0,
-                        help="stages of the pipelined relay prediction (rx.Options.relay_stages; 0: as rx.plan picks)")
+                        help="stages of the pipelined relay prediction (rx.Tuning.relay_stages; 0: as rx.plan picks)")
     parser.add_argument("--top", type=count(0), default=5, help="how many of the busiest ports to list")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG",

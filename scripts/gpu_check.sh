@@ -151,7 +151,7 @@ stage_direct() {
   (cd tests && timeout 560 python3 -m pytest -q -p no:warnings -rs --durations=10 test_direct.py \
       2>&1 | tee "$OUT/direct_tests.log" | tail -25)
   stage_dsanitize
-  export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120
+  export RESHARD_EXT_TIMEOUT=120
   for c in tp2-tp1 tp1-tp2 noncolo-tp1-tp1 moe-ep2-ep1; do
     step "direct: refit_bench $c, nccl vs direct on 2 GPUs"
     timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case "$c" --backend nccl,direct \
@@ -183,7 +183,7 @@ stage_streams() {
   local variants="${RX_VARIANTS:-direct_engine_streams=1;direct_engine_streams=2;direct_engine_streams=4;direct_engine_streams=8}"
   for c in ${RX_STREAMS_CASES:-tp2-tp1 moe-ep2-ep1 noncolo-tp1-tp1}; do
     step "direct: refit_bench $c, variants $variants"
-    RESHARD_EXT_DIRECT_TIMEOUT=120 timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
+    RESHARD_EXT_TIMEOUT=120 timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py \
       --case "$c" --backend direct --no-baseline --variants "$variants" \
       2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/streams.log" | tail -4
   done
@@ -205,7 +205,7 @@ stage_relay() {
 
 stage_nvshmem() {
   gpus 2 nvshmem || return 0
-  export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120 RESHARD_EXT_NVSHMEM_TIMEOUT=120
+  export RESHARD_EXT_TIMEOUT=120
   for n in 2 4; do
     [ "$ngpu" -ge $n ] || continue
     for c in tp2-tp1 moe-ep2-ep1; do
@@ -287,6 +287,7 @@ stage_ab() {
   [ -d .ab/base ] || { echo "(ab: no .ab/base tree)"; return 0; }
   step "A/B: build the base tree"
   (cd .ab/base && rm -rf build/dev-on && scripts/dev_build.sh ON > "$OUT/ab_build.log" 2>&1) || { tail -20 "$OUT/ab_build.log"; return 0; }
+  # the deprecated names: a base tree older than RESHARD_EXT_TIMEOUT reads only these
   export RESHARD_EXT_DIRECT_TIMEOUT=120 RESHARD_EXT_NCCL_TIMEOUT=120 RESHARD_EXT_NVSHMEM_TIMEOUT=120
   for round in 1 2; do
     for tree in .ab/base .; do
@@ -337,7 +338,7 @@ mxdirect_tests() {
       2>&1 | tee "$OUT/mxdirect_sanitizer.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -4)
 }
 mxdirect_bench() {
-  export RESHARD_EXT_DIRECT_TIMEOUT=120
+  export RESHARD_EXT_TIMEOUT=120
   local first=1
   for codec in ${RX_CODECS:-mxfp8 fp8block}; do
     for bytes in ${RX_STAGING_BYTES:-256M}; do

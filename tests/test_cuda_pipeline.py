@@ -323,7 +323,8 @@ def _traced_refit_rows(rank: int, world: int) -> list[tuple[str, float, float]]:
     full = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     dst = torch.zeros(dl.local_shape(rank), device="cuda")
     plan = rx.plan({"w": (sl.local_part(full, rank).cuda(), sl)}, {"w": (dst, dl)},
-                   options=rx.Options(trace=True, direct_bytes=1 << 16, batch_bytes=1 << 18), backend="nccl")
+                   options=rx.Options(trace=True, tuning=rx.Tuning(direct_bytes=1 << 16, batch_bytes=1 << 18)),
+                   backend="nccl")
     assert plan.num_batches > 1
     rx.execute(plan)
     torch.cuda.synchronize()

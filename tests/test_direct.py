@@ -193,7 +193,7 @@ def test_engine_streams_follow_the_number_of_copies_by_default():
     parts = _C.spread_engines(copies, 0)
     assert len(parts) == 10 and [c for part in parts for c in part] == copies
     assert rx.Options().resolved_direct_engine_streams() == 0
-    assert rx.Options(direct_engine_streams=3).resolved_direct_engine_streams() == 3
+    assert rx.Options(tuning=rx.Tuning(direct_engine_streams=3)).resolved_direct_engine_streams() == 3
 
 
 def _ring_boxes(n: int, size: int) -> tuple:
@@ -456,7 +456,8 @@ def _fake_refit(rank, world, case, max_batch_bytes, engine_bytes=1, optout=-1, u
     from _direct_fake import release_shared, shared_poison, use_fake_device
 
     use_fake_device({refuse[1]} if refuse and rank == refuse[0] else set())
-    options = rx.Options(direct_ipc=rank != optout, direct_engine_bytes=engine_bytes, direct_verify_groups=groups)
+    options = rx.Options(direct_ipc=rank != optout,
+                         tuning=rx.Tuning(direct_engine_bytes=engine_bytes, direct_verify_groups=groups))
     try:
         kw = {} if rank == unshared else {"alloc": shared_poison}
         return run_case(rank, world, case, "cpu", max_batch_bytes, "direct", options, _pairs_of, **kw)
@@ -527,7 +528,8 @@ def _fake_paths(rank, world, options, optout=-1):
 def test_transport_runs_same_rank_copies_beside_direct_writes(engine_bytes, local_engine_bytes):
     """A rank whose peers are all direct hands its same-rank copies to the executor (split
     between a copy engine and the kernel); the refit stays exact over two executes."""
-    options = rx.Options(direct_engine_bytes=engine_bytes, direct_local_engine_bytes=local_engine_bytes)
+    options = rx.Options(tuning=rx.Tuning(direct_engine_bytes=engine_bytes,
+                                          direct_local_engine_bytes=local_engine_bytes))
     for own, engine, kernel, local_engine, local_kernel, nccl in run_ranks(2, _fake_paths, options):
         assert own and nccl == [] and kernel > 0 and local_kernel > 0
         assert (engine > 0) == (engine_bytes > 0) and (local_engine > 0) == (local_engine_bytes > 0)
@@ -565,7 +567,7 @@ def test_a_rank_without_peers_exchanges_no_headers():
 def test_transport_ranks_with_nccl_pairs_keep_their_copies():
     """Rank 3 opts out: every rank then has a pair over the other transport, which keeps
     running the same-rank copies under its batches."""
-    options = rx.Options(direct_local_engine_bytes=1, relay=False)  # one plan, not a relay's two
+    options = rx.Options(relay=False, tuning=rx.Tuning(direct_local_engine_bytes=1))  # one plan, not a relay's two
     for rank, got in enumerate(run_ranks(4, _fake_paths, options, 3)):
         if rank == 3:
             assert got is None, got
@@ -969,7 +971,7 @@ def _groups_differ(rank, world):
     from _direct_fake import release_shared
 
     try:
-        p = _fake_pair_plan(rank, 8, options=rx.Options(direct_verify_groups=3 if rank else 8))[0]
+        p = _fake_pair_plan(rank, 8, options=rx.Options(tuning=rx.Tuning(direct_verify_groups=3 if rank else 8)))[0]
         return f"planned, direct peers {p.transport.direct_peers}"
     except rx.ReshardError as e:
         return str(e)
@@ -1094,7 +1096,7 @@ def test_matrix_2gpu(case, max_batch_bytes):
 @pytest.mark.parametrize("case", ["two", "tp", "casts"])
 def test_engines_and_kernel_2gpu(case, engine_bytes):
     """Every eligible box on the copy engines (1), or none (0: the kernel stores into the peer)."""
-    run_ranks(2, run_case, case, "cuda", None, "direct", rx.Options(direct_engine_bytes=engine_bytes),
+    run_ranks(2, run_case, case, "cuda", None, "direct", rx.Options(tuning=rx.Tuning(direct_engine_bytes=engine_bytes)),
               backend="nccl")
 
 
@@ -1110,8 +1112,9 @@ PATHS = {
 
 def _paths_gpu(rank, world, path, optout=-1):
     engine, local, batch, blocks, streams = PATHS[path]
-    options = rx.Options(direct_engine_bytes=engine, direct_local_engine_bytes=local, direct_engine_batch=batch,
-                         direct_local_blocks=blocks, direct_engine_streams=streams, relay=False)
+    options = rx.Options(relay=False, tuning=rx.Tuning(
+        direct_engine_bytes=engine, direct_local_engine_bytes=local, direct_engine_batch=batch,
+        direct_local_blocks=blocks, direct_engine_streams=streams))
     if rank == optout:
         options = options.replace(direct_ipc=False)
     got = run_case(rank, world, "many_boxes", "cuda", None, "direct", options, _paths_of)

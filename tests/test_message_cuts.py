@@ -170,7 +170,7 @@ def _refit_in_place(rank, world, device="cpu"):
         s["y"] = (y, src["y"])
     else:
         d["y"] = (torch.zeros(8, device=dev), dst["y"])
-    plan = rx.plan(s, d, options=rx.Options(direct_bytes=1 << 20, timeout=60),
+    plan = rx.plan(s, d, options=rx.Options(timeout=60, tuning=rx.Tuning(direct_bytes=1 << 20)),
                    backend="nccl" if device == "cuda" else "auto")  # NCCL's direct messages, not the direct transport
     ok = []
     for verify in (False, True):
@@ -202,7 +202,7 @@ def _direct_bytes_apart(rank, world):
     x = torch.zeros(N)
     try:
         rx.plan({"x": (x, src["x"])}, {"x": (torch.zeros(N), dst["x"])},
-                options=rx.Options(direct_bytes=1 << 20 if rank == 0 else 1 << 21))
+                options=rx.Options(tuning=rx.Tuning(direct_bytes=1 << 20 if rank == 0 else 1 << 21)))
     except rx.ReshardError as e:
         return str(e)
     return ""

@@ -118,7 +118,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     """shared: the destinations live in memory other processes can map (the CPU stand-in of
     the direct transport, tests/_direct_fake.py), and only the cases whose receiver pieces
     are fused run (a staged piece's staging is private memory). verify: every execute
-    verified, then rx.verify. options: more rx.Options fields."""
+    verified, then rx.verify. options: more rx.Tuning fields."""
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     specs = cases(world, where)
     if shared:
@@ -158,7 +158,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
 
     # small direct_bytes: ops travel straight from/into tensors
     plan = rx.plan(src, dst, transform=transform, backend=backend,
-                   options=rx.Options(direct_bytes=direct_bytes or None, **(options or {})))
+                   options=rx.Options(tuning=rx.Tuning(direct_bytes=direct_bytes or None, **(options or {}))))
     side = "src" if where == "sender" else "dst"
     for n in names:
         if rank in specs[n][side == "dst"].mesh:

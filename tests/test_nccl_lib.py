@@ -25,7 +25,7 @@ def _fresh_environment():
 
 def test_imports_without_cuda() -> None:
     assert _nccl.available() == rx.build_info()["nccl"]
-    assert options.env_default("RESHARD_EXT_NCCL_TIMEOUT") > 0
+    assert options.default_timeout("nccl") > 0
 
 
 @pytest.mark.skipif(not HAS_NCCL or HAS_LIBNCCL, reason="checks the error where libnccl is missing")

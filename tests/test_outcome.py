@@ -238,7 +238,7 @@ def _bad_env(rank: int, world: int, name: str, value: str):
     return error, took, bits_equal(out, want)
 
 
-@pytest.mark.parametrize("name,value", [("RESHARD_EXT_P2P_TIMEOUT", "abc"), ("RESHARD_EXT_CPU_DIRECT_BYTES", "-3")])
+@pytest.mark.parametrize("name,value", [("RESHARD_EXT_TIMEOUT", "abc"), ("RESHARD_EXT_CPU_DIRECT_BYTES", "-3")])
 def test_a_bad_variable_on_one_rank_raises_on_every_rank_in_plan(name: str, value: str) -> None:
     for rank, (error, took, ok) in enumerate(run_ranks(WORLD, _bad_env, name, value)):
         assert error is not None and f"rank 1: environment variable {name}={value!r} is invalid" in error, error

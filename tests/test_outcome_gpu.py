@@ -117,7 +117,7 @@ def _three_backends(rank: int, world: int, batch_bytes: int | None, keep: bool):
     src = {n: (t, src_l[n]) for n, t in want.items()} if rank == 0 else {}
     dst = {n: (torch.full(l.shape, float("nan"), device="cuda", dtype=l.dtype), l) for n, l in dst_l.items()} \
         if rank == 1 else {}
-    options = rx.Options(batch_bytes=batch_bytes) if batch_bytes else None
+    options = rx.Options(tuning=rx.Tuning(batch_bytes=batch_bytes)) if batch_bytes else None
     kept, report = [], []
     for backend in ("auto", "nccl", "nvshmem"):
         p = rx.plan(src, dst, backend=backend, options=options)

@@ -23,7 +23,8 @@ def test_world2_backend_cpu_explicit(case):
 def _with_direct_messages(rank, world, case, direct_bytes, rings):
     import reshard_ext as rx
 
-    return run_case(rank, world, case, "cpu", None, options=rx.Options(direct_bytes=direct_bytes, host_ring=rings))
+    options = rx.Options(tuning=rx.Tuning(direct_bytes=direct_bytes, host_ring=rings))
+    return run_case(rank, world, case, "cpu", None, options=options)
 
 
 @pytest.mark.parametrize("rings", [True, False], ids=["rings", "gloo"])
@@ -45,7 +46,7 @@ def _ring_vote(rank, world, votes):
     s, d = (Layout((64, 64), torch.float32, Mesh([r]), [Replicate()]) for r in (0, 1))
     out = torch.zeros(64, 64)
     plan = rx.plan({"w": (full.clone(), s)} if rank == 0 else {}, {"w": (out, d)} if rank == 1 else {},
-                   options=rx.Options(host_ring=votes[rank]))
+                   options=rx.Options(tuning=rx.Tuning(host_ring=votes[rank])))
     rx.execute(plan, verify=True)
     return plan.transport.rings, rank == 0 or torch.equal(out, full)
 

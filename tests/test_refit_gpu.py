@@ -22,7 +22,7 @@ def _batched(rank, world, batching, case, backend="nccl", knobs=None):
     if batching == "soft":
         knobs["batch_bytes"] = 512
     limit = 4096 if batching == "hard" else None
-    return run_case(rank, world, case, "cuda", limit, backend, options=rx.Options(**knobs))
+    return run_case(rank, world, case, "cuda", limit, backend, options=rx.Options(tuning=rx.Tuning(**knobs)))
 
 
 @needs2
@@ -46,7 +46,7 @@ def test_matrix_4gpu(case, batching, backend):
 def _with_knobs(rank, world, knobs, case, max_batch_bytes):
     import reshard_ext as rx
 
-    return run_case(rank, world, case, "cuda", max_batch_bytes, "nccl", options=rx.Options(**knobs))
+    return run_case(rank, world, case, "cuda", max_batch_bytes, "nccl", options=rx.Options(tuning=rx.Tuning(**knobs)))
 
 
 @needs2
@@ -116,7 +116,7 @@ def _rebind_registered(rank, world, options, backend="nccl"):
 def test_rebind_reregisters_2gpu():
     import reshard_ext as rx
 
-    for ok in run_ranks(2, _rebind_registered, rx.Options(direct_bytes=1), backend="nccl"):
+    for ok in run_ranks(2, _rebind_registered, rx.Options(tuning=rx.Tuning(direct_bytes=1)), backend="nccl"):
         assert ok[:3] == [True, True, True] and tuple(ok[3][:2]) == (1, 1), ok
 
 

@@ -117,7 +117,7 @@ def _one_to_three(rank, world, device="cpu", backend="auto", stages=None):
             dst_on[name] = (poison(dl.local_shape(rank), ddt, device), dl)
             dst_off[name] = (poison(dl.local_shape(rank), ddt, device), dl)
     wrong = []
-    on = rx.plan(src, dst_on, backend=backend, options=rx.Options(relay=True, relay_stages=stages))
+    on = rx.plan(src, dst_on, backend=backend, options=rx.Options(relay=True, tuning=rx.Tuning(relay_stages=stages)))
     if stages:
         assert len(on.phases) == min(stages, 3) + 1  # G groups of the 3 relayed tensors, plus the last forwarding
     off = rx.plan(src, dst_off, backend=backend, options=rx.Options(relay=False))
@@ -173,7 +173,8 @@ def _num_stages(plan):
 
 
 def test_relay_matrix_cases_staged():
-    stages = run_ranks(4, run_case, "relay", "cpu", 1024, "auto", rx.Options(relay_stages=4), _num_stages)
+    options = rx.Options(tuning=rx.Tuning(relay_stages=4))
+    stages = run_ranks(4, run_case, "relay", "cpu", 1024, "auto", options, _num_stages)
     assert stages == [5] * 4  # 4 groups of the relayed tensors, then the last forwarding
 
 
@@ -210,7 +211,7 @@ def _stages_disagree(rank, world):
     src = {"w": (torch.randn(6, 4), L((6, 4), [0], [Replicate()]))} if rank == 0 else {}
     dst = {"w": (torch.zeros(6, 4), L((6, 4), [1, 2, 3], [Replicate()]))} if rank else {}
     try:
-        rx.plan(src, dst, options=rx.Options(relay_stages=2 if rank == 1 else 0))
+        rx.plan(src, dst, options=rx.Options(tuning=rx.Tuning(relay_stages=2 if rank == 1 else 0)))
     except rx.ReshardError as e:
         return str(e)
     return None
@@ -223,7 +224,7 @@ def test_relay_stages_must_agree_on_every_rank():
 
 def test_relay_stages_option_is_checked():
     with pytest.raises(rx.ReshardError, match="relay_stages"):
-        rx.Options(relay_stages=-1)
+        rx.Options(tuning=rx.Tuning(relay_stages=-1))
 
 
 def _gather_drops_self_copies(rank, world):

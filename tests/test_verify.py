@@ -369,7 +369,7 @@ def test_verified_matrix(case, max_batch_bytes):
 
 def _direct(rank, world, case):
     # every contiguous op travels from / into its tensor
-    return run_case(rank, world, case, "cpu", None, options=rx.Options(direct_bytes=1))
+    return run_case(rank, world, case, "cpu", None, options=rx.Options(tuning=rx.Tuning(direct_bytes=1)))
 
 
 @pytest.mark.parametrize("case", ["tp", "casts", "pp_experts"])
@@ -463,7 +463,7 @@ def _corrupt_in_transit(rank, world, direct, rings):
     d = rx.Layout((64, 32), torch.float32, rx.Mesh([1]), [rx.Replicate()])
     plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {},
                    {"x": (torch.zeros(64, 32), d)} if rank == 1 else {},
-                   options=rx.Options(direct_bytes=1 if direct else 1 << 30, host_ring=rings))
+                   options=rx.Options(tuning=rx.Tuning(direct_bytes=1 if direct else 1 << 30, host_ring=rings)))
     if rank == 1:
         from reshard_ext.transports.channel import HEADER_TAG
 
@@ -523,7 +523,7 @@ def _rounds(rank, world):
     dst = {k: torch.zeros_like(v) for k, v in full.items()}
     plan = rx.plan({k: (v.clone(), lay[k][0]) for k, v in full.items()} if rank == 0 else {},
                    {k: (v, lay[k][1]) for k, v in dst.items()} if rank == 1 else {},
-                   options=rx.Options(direct_bytes=1 << 20))
+                   options=rx.Options(tuning=rx.Tuning(direct_bytes=1 << 20)))
     tables = plan.tables
     n_rounds = _C.verify_rounds(tables.num_batches)  # what the NCCL executor cuts
     cuts = []
@@ -803,7 +803,7 @@ def test_verified_mxfp8_cuda(where, rx_backend):
 
 def _direct_cuda(rank, world):
     # every contiguous op is its own NCCL message
-    return run_case(rank, world, "two", "cuda", None, "nccl", options=rx.Options(direct_bytes=1))
+    return run_case(rank, world, "two", "cuda", None, "nccl", options=rx.Options(tuning=rx.Tuning(direct_bytes=1)))
 
 
 @pytest.mark.gpu
@@ -824,7 +824,7 @@ def _corrupt_one_round_cuda(rank, world, which):
     d = rx.Layout((1024, 512), torch.float32, rx.Mesh([1]), [rx.Replicate()])
     dst = torch.zeros(1024, 512, device=dev)
     plan = rx.plan({"x": (full.clone(), s)} if rank == 0 else {}, {"x": (dst, d)} if rank == 1 else {},
-                   options=rx.Options(direct_bytes=1 << 20), backend="nccl")  # NCCL's verify rounds
+                   options=rx.Options(tuning=rx.Tuning(direct_bytes=1 << 20)), backend="nccl")  # NCCL's verify rounds
     rx.execute(plan, verify=True)
     hit = []
     if rank == 1:
@@ -895,7 +895,7 @@ def _landing_cuda(rank, world, groups):
         src[f"t{i}"] = (s.local_part(full, rank).to(dev), s)
         dst[f"t{i}"] = (torch.full(d.local_shape(rank), float("nan"), device=dev), d)
         want[f"t{i}"] = d.local_part(full, rank)
-    plan = rx.plan(src, dst, backend="direct", options=rx.Options(direct_verify_groups=groups))
+    plan = rx.plan(src, dst, backend="direct", options=rx.Options(tuning=rx.Tuning(direct_verify_groups=groups)))
     for _ in range(3):
         rx.execute(plan, verify=True)
         ok = all(torch.equal(dst[n][0].cpu(), want[n]) for n in want)
@@ -967,7 +967,7 @@ def _odd_direct_messages(rank, world):
     dst = {k: torch.zeros_like(v) for k, v in full.items()}
     plan = rx.plan({k: (v.clone(), lay[k][0]) for k, v in full.items()} if rank == 0 else {},
                    {k: (v, lay[k][1]) for k, v in dst.items()} if rank == 1 else {},
-                   options=rx.Options(direct_bytes=1, host_ring=True))
+                   options=rx.Options(tuning=rx.Tuning(direct_bytes=1, host_ring=True)))
     for _ in range(2):
         rx.execute(plan, verify=True)
     return rank == 0 or all(torch.equal(dst[k], full[k]) for k in full)

@@ -259,7 +259,7 @@ void NvshmemExchange::wait_idle(cudaStream_t stream, double timeout_s) {
     throw ReshardError(detail::format(
         "NVSHMEM transport: PE ", me_, " waited ", timeout_s,
         " s for its peers' signals (a peer did not execute this plan, or died); this plan is unusable, and the "
-        "GPU streams involved may stay blocked: restart the processes (RESHARD_EXT_NVSHMEM_TIMEOUT sets the wait)"));
+        "GPU streams involved may stay blocked: restart the processes (RESHARD_EXT_TIMEOUT sets the wait)"));
   }
   cudaEventDestroy(done);
   RX_CUDA_CHECK(st);

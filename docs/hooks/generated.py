@@ -1,9 +1,11 @@
 """MkDocs hook: the pages whose facts live in the code or in the measurements, generated at
 every build so they cannot drift.
 
-- reference/knobs.md: `<!-- knobs -->` becomes the table of reshard_ext/options.py's KNOBS
-  (every RESHARD_EXT_* variable, its default and meaning) and the rx.Options field that
-  each one is the default of (found in the field's `resolved_*` method).
+- reference/knobs.md: `<!-- knobs: Options -->`, `<!-- knobs: Tuning -->` and
+  `<!-- knobs: deprecated -->` become the tables of reshard_ext/options.py's KNOBS (every
+  RESHARD_EXT_* variable, its default and meaning) by the rx.Options or rx.Tuning field that
+  each one is the default of (found in the field's `resolved_*` method), and the deprecated
+  variables with their replacements.
 - benchmarks.md: `<!-- results -->` becomes benchmarks/RESULTS.md as it stands, and
   `<!-- plot: NAME -->` a figure drawn from one of its tables (PLOTS below).
 
@@ -56,17 +58,35 @@ def _default(value: Any) -> str:
     return str(value)
 
 
-def knobs_table() -> str:
+def _fields_of(options: types.ModuleType) -> dict[str, tuple[str, str]]:
+    """variable -> (the class, rx.Options or rx.Tuning, and the field it is the default of),
+    found in the field's `resolved_*` method."""
+    found: dict[str, tuple[str, str]] = {}
+    for cls in (options.Options, options.Tuning):
+        for field in cls.__dataclass_fields__:
+            method = getattr(options.Options, f"resolved_{field}", None)
+            for env in re.findall(r"RESHARD_EXT_\w+", inspect.getsource(method) if method else ""):
+                if not options.KNOBS[env].deprecated_by:
+                    found.setdefault(env, (cls.__name__, field))
+    return found
+
+
+def knobs_table(kind: str) -> str:
+    """The table of `kind`: "Options" (the fields a user sets), "Tuning" (the expert fields and
+    the variables of no field) or "deprecated" (variables still read for one release)."""
     options = _options_module()
-    fields: dict[str, list[str]] = {}  # variable -> the Options fields it is the default of
-    for field in options.Options.__dataclass_fields__:
-        method = getattr(options.Options, f"resolved_{field}", None)
-        for env in re.findall(r"RESHARD_EXT_\w+", inspect.getsource(method) if method else ""):
-            fields.setdefault(env, []).append(field)
-    rows = ["| variable | `rx.Options` field | default | meaning |", "|---|---|---|---|"]
+    if kind == "deprecated":
+        rows = ["| deprecated variable | use instead | what it still sets |", "|---|---|---|"]
+        rows += [f"| `{env}` | `{knob.deprecated_by}` | {knob.doc.replace('|', '/')} |"
+                 for env, knob in options.KNOBS.items() if knob.deprecated_by]
+        return "\n".join(rows)
+    fields = _fields_of(options)
+    rows = [f"| `rx.{kind}` field | variable | default | meaning |", "|---|---|---|---|"]
     for env, knob in options.KNOBS.items():
-        field = ", ".join(f"`{f}`" for f in fields.get(env, [])) or "–"
-        rows.append(f"| `{env}` | {field} | {_default(knob.default)} | {knob.doc.replace('|', '/')} |")
+        owner, field = fields.get(env, ("Tuning", ""))
+        if owner == kind and not knob.deprecated_by:
+            rows.append(f"| {f'`{field}`' if field else '–'} | `{env}` | {_default(knob.default)} | "
+                        f"{knob.doc.replace('|', '/')} |")
     return "\n".join(rows)
 
 
@@ -198,8 +218,9 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if "<!-- knobs -->" in markdown:
-        markdown = markdown.replace("<!-- knobs -->", knobs_table())
+    for kind in ("Options", "Tuning", "deprecated"):
+        if f"<!-- knobs: {kind} -->" in markdown:
+            markdown = markdown.replace(f"<!-- knobs: {kind} -->", knobs_table(kind))
     if "<!-- results -->" in markdown:
         results = RESULTS.read_text().split("\n", 1)[1]  # without its "# Results" title
         markdown = markdown.replace("<!-- results -->", re.sub(r"^(#+) ", r"#\1 ", results, flags=re.M))

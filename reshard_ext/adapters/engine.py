@@ -73,7 +73,7 @@ def trace(model: nn.Module, *, weights: Any = None, group: Any = None, rank_offs
       its own job or shares the trainer's processes; pass the subgroup when only some
       ranks of one job hold the engine).
     load: the loader to trace (default ``model.load_weights``).
-    timeout: seconds to wait for the other engine ranks (default RESHARD_EXT_P2P_TIMEOUT).
+    timeout: seconds to wait for the other engine ranks (default RESHARD_EXT_TIMEOUT).
     """
     engine_group, index, size = _engine_rank(engine_group)
     summary: dict | None = None

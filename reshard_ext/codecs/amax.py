@@ -250,10 +250,10 @@ class AmaxPiece(Prepass):
         import threading
         import time
 
-        from ..options import env_default
+        from ..options import default_timeout
         from ..transports.channel import Session, channel_of
 
-        limit = float(env_default("RESHARD_EXT_P2P_TIMEOUT")) if timeout_s is None else timeout_s
+        limit = default_timeout("gloo") if timeout_s is None else timeout_s
         session = Session(0, 0, None, 0, time.monotonic() + limit, limit, threading.Event())
         why = cls.run_all(list(items), channel_of(group), session, "")
         if why:

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from .. import _C, groups
 from ..errors import ReshardError
-from ..options import env_default, scoped_external_env, wait_time
+from ..options import default_timeout, env_default, scoped_external_env, wait_time
 from .peer_watch import PeerWatch
 
 HEADER_TAG = 1
@@ -252,7 +252,7 @@ class Channel:
         known = self._local.get(peer)
         if known is None:
             key = self._mailbox_key(peer)
-            limit = float(env_default("RESHARD_EXT_P2P_TIMEOUT"))
+            limit = default_timeout("gloo")
             try:  # there since rx.plan (learn_peers); bounded by the reshard timeout, not the store's, all the same
                 self.store.wait([key], wait_time(limit))
             except RuntimeError:
@@ -401,7 +401,7 @@ class Channel:
     def make_ring(self) -> None:
         """This rank's rings, one per rank whose headers go through the mailboxes (the same
         list at every rank of the host), announced in the store ("-": none). Made (once) by
-        the first plan that voted for them (rx.Options.host_ring), at the end of rx.plan."""
+        the first plan that voted for them (rx.Tuning.host_ring), at the end of rx.plan."""
         with self._ring_lock:
             if not self._ring_made:
                 self._make_ring()
@@ -561,7 +561,7 @@ class Channel:
             # Lazy: a pair connects when it first talks, so a generation needs only the
             # two ranks of the pair that moved to it. Read at construction only. Waits
             # pass their own (the execute's) timeout; this one is gloo's default.
-            timeout = wait_time(float(env_default("RESHARD_EXT_P2P_TIMEOUT")))
+            timeout = wait_time(default_timeout("gloo"))
             with scoped_external_env("TORCH_GLOO_LAZY_INIT", "1"):
                 store = dist.PrefixStore(f"{self._prefix}g{gen}/", self.store)
                 ctx = ProcessGroupGloo(store, self.rank, self.size, timeout)

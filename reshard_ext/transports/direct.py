@@ -8,7 +8,7 @@ run beside them (on a rank without NCCL pairs: a copy engine for large ones, the
 for the rest, issued before the host waits for the receivers). A sender-side codec's boxes
 (rx.MXFP8(where="sender"), ...) are the exception: the box kernel quantizes them into a
 local staging ring, chunk by chunk, and the copy engines carry each chunk into the peer
-while the next one is quantized (rx.Options.direct_staging_bytes; core/direct.h).
+while the next one is quantized (rx.Tuning.direct_staging_bytes; core/direct.h).
 Completion reaches the receiver on the GPU (csrc/comm/direct_exec.h has the protocol).
 
 A pair of ranks goes direct when both are on one host in different processes, both are
@@ -86,12 +86,12 @@ class RankInfo:
     flags: tuple | None = None  # IPC export of its signal words; None: it takes no direct pair
     page: str = ""                 # path of its shared page
     why: str = ""                  # why it takes no direct pair
-    groups: int = 1                # rx.Options.direct_verify_groups (every rank must agree)
+    groups: int = 1                # rx.Tuning.direct_verify_groups (every rank must agree)
 
 
 def stage_slot_bytes(ring: int, max_batch_bytes: int | None, other_staging: int, slots: int = _C.STAGE_SLOTS) -> int:
     """Bytes of one slot of the ring a sender's codec boxes are staged in (core/direct.h,
-    plan_staging): the ring of `ring` bytes (rx.Options.direct_staging_bytes), within
+    plan_staging): the ring of `ring` bytes (rx.Tuning.direct_staging_bytes), within
     max_batch_bytes beside the `other_staging` bytes of the NCCL pairs' batches, in
     `slots` aligned slots (RESHARD_EXT_DIRECT_STAGING_SLOTS); 0: nothing is staged."""
     if max_batch_bytes is not None:
@@ -524,7 +524,7 @@ class DirectTransport:
             infos = _gather(group, (errs0, info), self.gather_timeout)
             groups = [i.groups for _, i in infos]
             differ = [] if len(set(groups)) == 1 else [
-                f"rx.Options.direct_verify_groups must be the same on every rank; the ranks have {groups}"]
+                f"rx.Tuning.direct_verify_groups must be the same on every rank; the ranks have {groups}"]
             agree([(errs, set()) for errs, _ in infos] + [(differ, set())])
             infos = [info for _, info in infos]
             self.pairs = candidate_pairs(infos)

@@ -15,7 +15,7 @@ import torch
 
 from .. import _C, groups
 from ..errors import ReshardError
-from ..options import env_default, skip_nccl_check
+from ..options import default_timeout, skip_nccl_check
 from . import libfiles
 
 # Set to 1 to run with a libnccl different from torch's (at your own risk).
@@ -156,7 +156,7 @@ def communicator(group: Any = None, timeout_s: float | None = None,
     every rank must come back through communicator() (or clear_communicators()); a rank
     that still holds a healthy cached one would skip the id broadcast the others wait in,
     unless it passes fresh=True (it then replaces its cached one along with the others).
-    The id broadcast gives up after RESHARD_EXT_P2P_TIMEOUT seconds.
+    The id broadcast gives up after RESHARD_EXT_TIMEOUT seconds.
     """
     _require_built()
     if not torch.cuda.is_available():
@@ -172,7 +172,7 @@ def communicator(group: Any = None, timeout_s: float | None = None,
         return comm
     _COMMS.pop(key, None)
     check_nccl_library()
-    timeout = float(env_default("RESHARD_EXT_NCCL_TIMEOUT")) if timeout_s is None else float(timeout_s)
+    timeout = default_timeout("nccl") if timeout_s is None else float(timeout_s)
     rank = groups.rank(group)
     if rank < 0:
         raise ReshardError(f"communicator(): this process is not a member of the group (ranks {list(ranks)})")

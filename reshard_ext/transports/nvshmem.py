@@ -9,7 +9,7 @@ into each receiver's receive buffer with a signal (nvshmemx_putmem_signal_on_str
 NVLink peer copies within a node, the network proxy across nodes, the same call); the
 receiver's stream waits for the signals, unpacks, and tells the senders of the batch that
 next uses the slot that it is free (csrc/comm/nvshmem_comm.h). Flow control stays on the
-GPU; the host waits once per execute, bounded by RESHARD_EXT_NVSHMEM_TIMEOUT.
+GPU; the host waits once per execute, bounded by RESHARD_EXT_TIMEOUT.
 
 Binding is collective the first time (region choice, receive offsets exchanged);
 rebinding tensors later is local, as the region and the offsets do not change.

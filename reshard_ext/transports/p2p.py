@@ -66,7 +66,7 @@ class P2PExchange:
                 peers = sorted({op.peer for op in ops})
                 raise ReshardError(
                     f"refit transfer with ranks {peers} (global) did not complete within {limit:g} s "
-                    f"(rx.execute(timeout=...), rx.Options.timeout, default RESHARD_EXT_P2P_TIMEOUT): a peer died, "
+                    f"(rx.execute(timeout=...), rx.Options.timeout, default RESHARD_EXT_TIMEOUT): a peer died, "
                     f"skipped rx.execute, or runs another plan. The process group may be unusable now. ({e})"
                 ) from e
 
