@@ -1,4 +1,4 @@
-"""The low-precision formats a refit can write (README "Formats"), as one table that benchmarks
+"""The low-precision formats a refit can write (docs/guide/formats.md), as one table that benchmarks
 and tools iterate: how to make each format's transform and the destination buffers an engine
 holds for a local piece, and what it puts on the wire. A format adds one entry here.
 """

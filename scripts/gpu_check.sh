@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats] [docs]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -377,6 +377,12 @@ stage_engines() {
     timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/engine_refit_bench.py --trainers 2 --engine-tp "$tp" \
       ${RX_ENGINE_ARGS:-} 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/engine_bench.log" | tail -20
   done
+}
+stage_docs() {
+  # the code blocks of README.md and docs/ marked GPU-only (`# GPU: torchrun --nproc-per-node N`)
+  step "docs: the GPU-only code blocks of README.md and docs/"
+  (cd tests && RX_DOCS_GPU_ONLY=1 timeout 300 python3 -m pytest -q -p no:warnings -rs test_docs.py -k page_code_runs \
+      2>&1 | tee "$OUT/docs.log" | tail -8)
 }
 for s in $stages; do
   declare -F "stage_$s" > /dev/null || { echo "unknown stage: $s" >&2; exit 2; }

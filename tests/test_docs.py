@@ -1,5 +1,5 @@
 """The documentation site: `mkdocs build --strict` passes (broken links, missing pages and
-unresolved API references fail it), and every code block in docs/ runs.
+unresolved API references fail it), and every code block in docs/ and in README.md runs.
 
 How a block runs, by its first line or the comment right above its fence:
 - ```python: the page's plain blocks run in order as one script, in a fresh interpreter;
@@ -8,7 +8,11 @@ How a block runs, by its first line or the comment right above its fence:
   only where there are (skipped on CPU);
 - ```console: each `$ ` line runs in a shell;
 - `<!-- not run: why -->` above a fence: shown only (say why: e.g. .ci/run runs it).
+README.md follows the same rules (its indented Quick-start `$ ` lines are .ci/run's, not fenced).
 Every block runs from a temporary folder, so the installed package is what they import.
+
+GPU-only blocks (`# GPU: torchrun ...`) skip where there are too few GPUs; with
+RX_DOCS_GPU_ONLY=1 only they run, and one that lacks its GPUs fails (scripts/gpu_check.sh docs).
 """
 from __future__ import annotations
 
@@ -39,12 +43,20 @@ class Block:
     skip: str | None  # the "not run: why" note
 
 
+def _pages() -> list[tuple[str, Path]]:
+    pages = [(str(path.relative_to(DOCS)), path) for path in sorted(DOCS.rglob("*.md"))]
+    return pages + [("README.md", ROOT / "README.md")] if (ROOT / "README.md").exists() else pages
+
+
 def blocks() -> list[Block]:
     out = []
-    for path in sorted(DOCS.rglob("*.md")):
+    for page, path in _pages():
         for i, m in enumerate(_FENCE.finditer(path.read_text())):
-            out.append(Block(str(path.relative_to(DOCS)), i, m.group(2), m.group(3), m.group(1)))
+            out.append(Block(page, i, m.group(2), m.group(3), m.group(1)))
     return out
+
+
+GPU_ONLY = os.environ.get("RX_DOCS_GPU_ONLY") == "1"
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 600) -> None:
@@ -73,6 +85,10 @@ PAGES = sorted({b.page for b in blocks()})
 @pytest.mark.parametrize("page", PAGES)
 def test_page_code_runs(page: str, tmp_path: Path) -> None:
     page_blocks = [b for b in blocks() if b.page == page and not b.skip]
+    if GPU_ONLY:
+        page_blocks = [b for b in page_blocks if (m := _TORCHRUN.match(b.code)) and m.group(1)]
+        if not page_blocks:
+            pytest.skip("no GPU-only block on this page")
     script = [b.code for b in page_blocks if b.lang == "python" and not _TORCHRUN.match(b.code)]
     if script:
         (tmp_path / "page.py").write_text("\n".join(script))
@@ -85,7 +101,8 @@ def test_page_code_runs(page: str, tmp_path: Path) -> None:
                 import torch
 
                 if torch.cuda.device_count() < nproc:
-                    continue  # GPU-only: runs where the GPUs are (scripts/gpu_check.sh runs this file)
+                    assert not GPU_ONLY, f"{page} block {b.index} needs {nproc} GPUs"
+                    continue  # GPU-only: runs where the GPUs are (scripts/gpu_check.sh docs runs them)
             name = f"block{b.index}.py"
             (tmp_path / name).write_text(b.code)
             _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

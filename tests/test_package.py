@@ -192,13 +192,13 @@ def test_environment_values_parse(monkeypatch, fresh_env) -> None:
     assert rx.Options(timeout=7, tuning=rx.Tuning(max_blocks=0)).resolved_timeout("nccl") == 7.0  # explicit fields win
 
 
-def test_every_knob_is_documented_in_the_readme() -> None:
+def test_the_readme_points_at_the_knob_reference() -> None:
+    # every variable is in the generated knob reference (tests/test_docs.py checks the built page)
     readme = PKG.parent / "README.md"
     if not readme.exists():
         pytest.skip("installed package: no README beside it")
-    text = readme.read_text()
-    for name in options.KNOBS:
-        assert f"`{name}`" in text, name
+    assert "(docs/reference/knobs.md)" in readme.read_text()
+    assert (PKG.parent / "docs" / "hooks" / "generated.py").exists()
 
 
 def test_check_threads_default_is_capped_by_the_cores_per_local_rank(monkeypatch, fresh_env) -> None:
