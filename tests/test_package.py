@@ -87,7 +87,8 @@ def test_extension_exports_only_its_init_function() -> None:
     so = rx._C.__file__
     assert so is not None
     # Global and weak ones only: the version script leaves some linkers a LOCAL entry, which binds nothing.
-    out = subprocess.run(["nm", "-D", "--defined-only", "--extern-only", so], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["nm", "-D", "--defined-only", "--extern-only", so], capture_output=True, text=True,
+                         check=True).stdout
     names = [line.split()[-1] for line in out.splitlines() if line.strip()]
     assert names == ["PyInit__C"], names[:20]
 
