@@ -48,6 +48,7 @@ import torch
 
 from . import _C
 from .codecs import check_pair
+from .codecs.coarse import coarse_layout_or_error
 from .codecs.mxfp8 import (
     BLOCK,
     GRAIN,
@@ -65,7 +66,7 @@ from .codecs.mxfp8 import (
     swizzled_size,
 )
 from .errors import ReshardError
-from .layout import Layout, Shard
+from .layout import Layout
 from .transforms import Rewrite, Transform, name_selector
 
 DATA_SUFFIX = "::mx.data"
@@ -81,34 +82,10 @@ def data_layout(layout: Layout) -> Layout:
 
 @functools.lru_cache(maxsize=4096)
 def _scale_layout_or_error(layout: Layout) -> Layout | str:
-    """The uint8 layout of the scales of `layout`'s data, checked on every rank of the
-    mesh (rank-independent, so sender and receiver agree), or why there is none."""
-    nd = len(layout.shape)
-    if nd == 0:
-        return "a 0-d tensor has no last dim to quantize along"
-    last, k = nd - 1, layout.shape[-1]
-    placements = []
-    for p in layout.placements:
-        if isinstance(p, Shard) and p.dim % nd == last and p.blocks is not None:
-            if any(b % BLOCK for b in p.blocks):
-                return f"packed blocks {p.blocks} of the last dim are not multiples of {BLOCK}"
-            p = Shard(p.dim, p.stride, tuple(b // BLOCK for b in p.blocks))
-        if isinstance(p, Shard) and p.dim % nd == last and p.sizes is not None:
-            if any(b % BLOCK for b in p.sizes):
-                return f"shard sizes {p.sizes} of the last dim are not multiples of {BLOCK}"
-            p = Shard(p.dim, sizes=tuple(b // BLOCK for b in p.sizes))
-        placements.append(p)
-    scale = Layout(layout.shape[:-1] + (scale_cols(k),), torch.uint8, layout.mesh, placements)
-    for rank in sorted(set(layout.mesh.ranks)):
-        runs = layout.runs(rank)
-        assert runs is not None  # rank is in the mesh
-        srun = _C.mxfp8_scale_runs(runs[-1], k)
-        if isinstance(srun, str):
-            return f"rank {rank}: {srun}"
-        sruns = scale.runs(rank) if not scale.error else None
-        if sruns is None or [list(map(tuple, r)) for r in sruns] != [list(map(tuple, r)) for r in runs[:-1]] + [srun]:
-            return f"rank {rank}: the scale blocks of its piece do not form a shard of the scale tensor"
-    return scale
+    """The uint8 layout of the scales of `layout`'s data (codecs/coarse.py), or why there is none."""
+    k = layout.shape[-1] if layout.shape else 0
+    return coarse_layout_or_error(layout, scale_cols(k), torch.uint8, BLOCK, BLOCK,
+                                  lambda run: _C.mxfp8_scale_runs(run, k))
 
 
 def scale_layout(name: str, layout: Layout) -> Layout:

@@ -54,6 +54,7 @@ import torch
 from . import _C
 from .codecs import rows_view
 from .codecs.amax import AmaxPiece
+from .codecs.coarse import coarse_layout_or_error
 from .codecs.mxfp8 import swizzle
 from .codecs.nvfp4 import (
     BLOCK,
@@ -68,7 +69,7 @@ from .codecs.nvfp4 import (
     words,
 )
 from .errors import ReshardError
-from .layout import Layout, Replicate, Shard
+from .layout import Layout, Replicate
 from .transforms import Rewrite, Transform, name_selector
 
 DATA_SUFFIX = "::nv.data"
@@ -84,30 +85,9 @@ _SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 @functools.lru_cache(maxsize=4096)
 def _coarse_layout_or_error(layout: Layout, per: int, dtype: torch.dtype) -> Layout | str:
     """The layout of a tensor whose last-dim coordinate covers `per` elements of
-    `layout`'s (2: packed data; 16: block scales), checked on every rank of the mesh
-    (rank-independent, so sender and receiver agree), or why there is none."""
-    nd = len(layout.shape)
-    if nd == 0:
-        return "a 0-d tensor has no last dim to quantize along"
-    last, k = nd - 1, layout.shape[-1]
-    placements = []
-    for p in layout.placements:
-        if isinstance(p, Shard) and p.dim % nd == last and p.blocks is not None:
-            if any(b % BLOCK for b in p.blocks):
-                return f"packed blocks {p.blocks} of the last dim are not multiples of {BLOCK}"
-            p = Shard(p.dim, p.stride, tuple(b // per for b in p.blocks))
-        placements.append(p)
-    coarse = Layout(layout.shape[:-1] + (k // per,), dtype, layout.mesh, placements)
-    for rank in sorted(set(layout.mesh.ranks)):
-        runs = layout.runs(rank)
-        assert runs is not None  # rank is in the mesh
-        crun = _C.nvfp4_coarse_runs(runs[-1], k, per)
-        if isinstance(crun, str):
-            return f"rank {rank}: {crun}"
-        cruns = coarse.runs(rank) if not coarse.error else None
-        if cruns is None or [list(map(tuple, r)) for r in cruns] != [list(map(tuple, r)) for r in runs[:-1]] + [crun]:
-            return f"rank {rank}: the blocks of its piece do not form a shard of the packed tensor"
-    return coarse
+    `layout`'s (2: packed data; 16: block scales; codecs/coarse.py), or why there is none."""
+    k = layout.shape[-1] if layout.shape else 0
+    return coarse_layout_or_error(layout, k // per, dtype, per, BLOCK, lambda run: _C.nvfp4_coarse_runs(run, k, per))
 
 
 def coarse_layout(name: str, layout: Layout, per: int, dtype: torch.dtype) -> Layout:

@@ -59,6 +59,9 @@ def cases(where: str, world: int = WORLD) -> dict[str, tuple[Layout, Layout]]:
         "dp": (_L((4, 40, 64), [[0, 1], [2, 3]], [Replicate(), Shard(1)]), _L((4, 40, 64), every, [Replicate()])),
         "experts.w13": (_L((4, 32, 128), [0, 1], [Shard(0)]), _L((4, 32, 128), every, [Shard(0)])),
         "fp32": (_L((64, 128), [0, 1], [Shard(0)], F32), _L((64, 128), [3], [Replicate()])),
+        # uneven shards of the last dim in whole blocks (an engine's TP split of an odd K)
+        "uneven_cols": (_L((32, 160), [0, 1], [Shard(1, sizes=(112, 48))]),
+                        _L((32, 160), [2, 3], [Shard(1, sizes=(48, 112))])),
     }
     for e in range(4):  # per-expert tensors, EP2 -> EP4
         c[f"experts.weight{e}"] = (_L((64, 96), [e // 2], [Replicate()]), _L((64, 96), [e], [Replicate()]))
