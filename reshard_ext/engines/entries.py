@@ -85,6 +85,31 @@ class EngineEntries(dict):
         if reshape is not None:  # e.g. grouped-query q/k/v in their grouped shapes (adapters.hf_names)
             self.update(reshape(dict(self), rank))
 
+    def pair_scales(self, suffix: str = "_scale_inv") -> list[str]:
+        """For engines that store block-FP8 weights (vLLM's ``weight`` + ``weight_scale_inv``
+        of DeepSeek-style FP8 checkpoints): every traced tensor ``name`` whose sibling
+        ``name + suffix`` is traced too becomes one ``(data, scale_inv)`` destination and the
+        sibling's entry goes. Returns the paired names, alike on every engine rank: pass them
+        to ``rx.FP8Block(names, where=...)``, and one execute quantizes a BF16 trainer's
+        tensors into both. A sibling whose traced layout is not the 128x128 block grid of its
+        tensor's pieces raises on every engine rank, naming both."""
+        from ..codecs.fp8block import scale_layout
+
+        paired = []
+        for name, layout in self.traced.items():
+            scales = self.traced.get(name + suffix)
+            if scales is None or layout.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                continue
+            grid = scale_layout(name, layout, "convert")
+            ranks = sorted(set(layout.mesh.ranks))
+            if sorted(set(scales.mesh.ranks)) != ranks or any(grid.runs(r) != scales.runs(r) for r in ranks):
+                raise ReshardError(f"engine: {name + suffix!r} lands as {scales!r}, not as the block grid of "
+                                   f"{name!r} ({grid!r}): its scales would not match its data's blocks")
+            paired.append(name)
+            if name in self:
+                self[name] = ((self[name][0], self.pop(name + suffix)[0]), layout)
+        return paired
+
     def finish(self) -> None:
         """After each ``rx.execute``: copies the tensors the loader also writes elsewhere on
         this rank, then calls the engine's loader with the safe-path tensors (whole, as
