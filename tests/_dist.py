@@ -136,8 +136,11 @@ class Pool:
             else:
                 results[rank] = payload
         if errors:
-            first = min(errors)
-            raise RankFailure(f"rank {first} raised:\n{errors[first]}")
+            # the first to arrive, not the lowest rank: that one is often a peer's timeout
+            first = next(iter(errors))
+            others = "".join(f"\nrank {r} also raised: {e.strip().splitlines()[-1] if e.strip() else e}"
+                             for r, e in errors.items() if r != first)
+            raise RankFailure(f"rank {first} raised first:\n{errors[first]}{others}")
         return [results[r] for r in range(self.world)]
 
     def run(self, fn: Callable, *args, timeout: float = 300, dies: tuple[int, ...] = ()) -> list[Any]:
