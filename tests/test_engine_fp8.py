@@ -54,7 +54,10 @@ def _refit(rank: int, world: int, where: str) -> list[list[str]] | None:
         model = Engine(rank - 2, 2)
         dst = rx.adapters.engine.entries(model, rank_offset=2, weights=hf_shapes(), engine_group=sub)
         assert dst.pair_scales() == WEIGHTS
+        assert dst.pair_scales() == WEIGHTS  # again: nothing changes
         assert sorted(dst) == sorted(WEIGHTS) and all(isinstance(t, tuple) for t, _ in dst.values())
+        again = dst.rebound()  # the same parameters: rebound entries come paired too
+        assert sorted(again) == sorted(WEIGHTS) and all(isinstance(t, tuple) for t, _ in again.values())
     plan = rx.plan(src, dst, transform=rx.FP8Block(WEIGHTS, where=where))
     out = []
     for seed in (0, 1):

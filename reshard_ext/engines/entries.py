@@ -84,6 +84,7 @@ class EngineEntries(dict):
         self.reshape = reshape
         if reshape is not None:  # e.g. grouped-query q/k/v in their grouped shapes (adapters.hf_names)
             self.update(reshape(dict(self), rank))
+        self.scale_suffix: str | None = None  # set by pair_scales
 
     def pair_scales(self, suffix: str = "_scale_inv") -> list[str]:
         """For engines that store block-FP8 weights (vLLM's ``weight`` + ``weight_scale_inv``
@@ -106,8 +107,9 @@ class EngineEntries(dict):
                 raise ReshardError(f"engine: {name + suffix!r} lands as {scales!r}, not as the block grid of "
                                    f"{name!r} ({grid!r}): its scales would not match its data's blocks")
             paired.append(name)
-            if name in self:
+            if name in self and not isinstance(self[name][0], tuple):  # not paired yet
                 self[name] = ((self[name][0], self.pop(name + suffix)[0]), layout)
+        self.scale_suffix = suffix
         return paired
 
     def finish(self) -> None:
@@ -144,7 +146,10 @@ class EngineEntries(dict):
         with torch.no_grad():
             for f in self.fills:
                 f.view.on(params[f.view.param]).fill_(f.value)
-        return EngineEntries(self.model, self.trace, self.decisions, self.rank, self.load, params, self.reshape)
+        again = EngineEntries(self.model, self.trace, self.decisions, self.rank, self.load, params, self.reshape)
+        if self.scale_suffix is not None:
+            again.pair_scales(self.scale_suffix)
+        return again
 
     def report(self) -> str:
         """What the trace found on this rank: traced and safe-path tensors (with why)."""
