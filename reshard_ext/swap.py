@@ -42,6 +42,7 @@ from .adapters import megatron as megatron_adapter
 from .engines.entries import EngineEntries
 from .errors import ReshardError
 from .execution import Plan
+from .fp8block import FP8Block
 from .layout import Layout
 from .options import Options
 from .planning import STATS
@@ -58,7 +59,7 @@ Adapter = Callable[..., Entries]
 class _Cached:
     plan: Any
     generation: int
-    bound: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # "side:name" -> (ptr, strides)
+    bound: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # "side:name:i" -> (ptr, strides)
     # The entries dicts last bound: a warm call that reuses both (memoized descriptions,
     # fingerprints unchanged) skips comparing every tensor's pointer and strides.
     entries: tuple = ()
@@ -293,10 +294,12 @@ def _signature(entries: Entries) -> _Signature:
 
 
 def _bindings(src: Entries, dst: Entries) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Where each bound tensor lives; a pair entry ((data, scale), layout) counts both."""
     return {
-        f"{side}:{name}": (t.data_ptr(), tuple(t.stride()))
+        f"{side}:{name}:{i}": (x.data_ptr(), tuple(x.stride()))
         for side, entries in (("src", src), ("dst", dst))
         for name, (t, _) in entries.items()
+        for i, x in enumerate(t if isinstance(t, (tuple, list)) else (t,))
     }
 
 
@@ -384,6 +387,8 @@ def _lookup(src_model: ModelLike, dst_model: ModelLike, backend: str, group: Any
             src = apply_name_map(src, name_map)
             src_sig = _signature(src)
         dst, dst_sig = _describe(dst_model, "dst", group, dst_rank_offset, adapter, dst_kind, dst_names)
+        if isinstance(dst, EngineEntries) and isinstance(transform, FP8Block) and dst.pair_scales():
+            dst_sig = _signature(dst)  # a block-FP8 engine: its weights and scales as (data, scale_inv) pairs
         key = (
             _group_key(group), backend, max_batch_bytes,
             transform.cache_key() if transform is not None else None,

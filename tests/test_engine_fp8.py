@@ -92,3 +92,32 @@ def test_scales_not_on_the_block_grid_raise():
         entries = EngineEntries(m, t, decisions, r)
         with pytest.raises(rx.ReshardError, match="mlp.down_proj.weight_scale_inv"):
             entries.pair_scales()
+
+
+def _swap_colocated(rank: int, world: int, path: str) -> list:
+    """Trainer and engine in the same 2 processes: swap_model_weights finds the engine by its
+    load_weights, the tensor list in its FP8 checkpoint's headers, and pairs the scales
+    itself because the transform is an rx.FP8Block."""
+    import types
+
+    model = Engine(rank, world)
+    model.config = types.SimpleNamespace(_name_or_path=path)
+    out = []
+    for seed in (0, 1):
+        new = _bf16(seed)
+        src = {}
+        for name in WEIGHTS:
+            layout = Layout(hf_shapes()[name][0], torch.bfloat16, Mesh(list(range(world))), [Shard(1)])
+            src[name] = (layout.local_part(new[name], rank).clone(), layout)
+        rx.swap_model_weights(src, model, transform=rx.FP8Block(WEIGHTS, where="sender"), verify=True)
+        ref = Engine(rank, world)
+        ref.load_weights(_fp8_checkpoint(new).items())
+        got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+        out.append([n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))])
+    return out
+
+
+def test_swap_model_weights_pairs_a_colocated_fp8_engine(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    safetensors.save_file(_fp8_checkpoint(_bf16(0)), str(tmp_path / "model.safetensors"))
+    assert run_ranks(2, _swap_colocated, str(tmp_path)) == [[[], []], [[], []]]
