@@ -28,6 +28,26 @@ RX_HD float f32_from_bits(uint32_t u) { return bit_cast<float>(u); }
 RX_HD uint64_t f64_bits(double d) { return bit_cast<uint64_t>(d); }
 RX_HD double f64_from_bits(uint64_t u) { return bit_cast<double>(u); }
 
+// Whether FP32 bits are a NaN (either sign, any payload).
+RX_HD bool is_nan(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+
+// One FP32 operation rounded to nearest even, never fused into another (no FMA
+// contraction, no fast math), so that host twins and kernels agree bit for bit.
+RX_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+RX_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 // A NaN comes out as torch's Tensor.to makes it on the device that casts. On the CPU,
 // ATen's vectorized conversion (AVX2/AVX-512): bfloat16 0xffff for every NaN, and for
 // float16 the F16C instruction's quiet NaN with the sign and top payload bits kept. On

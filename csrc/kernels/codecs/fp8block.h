@@ -58,24 +58,6 @@ struct Side {
 
 RX_HD int32_t box_scales(const rx_box& b) { return (b.codec >> 8) & 0xff; }
 
-// IEEE round-to-nearest float ops, alike on both sides (no FMA contraction, no fast math).
-RX_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-RX_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-RX_HD bool is_nan(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
-
 // E4M3 (fn: max 448, 0x7f NaN) of (FP32 bits) * 2^k, exactly: round to nearest even,
 // saturating to +-448 (Inf too); NaN -> 0x7f; the sign kept (-0 -> 0x80). Integer only.
 RX_HD uint8_t e4m3_scaled(uint32_t bits, int32_t k) {

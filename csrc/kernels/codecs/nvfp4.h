@@ -56,24 +56,6 @@ constexpr float kTensorDivisor = 2688.0f;      // 448 (E4M3 max) * 6 (E2M1 max)
 RX_HD uint64_t box_amax(const rx_box& b) { return (uint64_t)b.param[0]; }
 RX_HD bool box_is_data(const rx_box& b) { return RX_CODEC_ID(b.codec) == RX_CODEC_NVFP4; }
 
-RX_HD bool is_nan(uint32_t f) { return (f & 0x7fffffffu) > 0x7f800000u; }
-
-// One FP32 operation rounded to nearest even, never fused into another.
-RX_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-RX_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
 // a / b on FP32 bits as torch's CPU kernels compute it on x86: a NaN operand comes back
 // quieted, the dividend's first; 0/0 and inf/inf give the default NaN.
 RX_HD uint32_t div_bits(uint32_t a, uint32_t b) {
