@@ -12,13 +12,6 @@ namespace py = pybind11;
 
 namespace rx::python {
 
-namespace {
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-}  // namespace
-
 void register_fp8block(py::module_& m) {
   m.attr("FP8B_BLOCK") = fp8b::kBlock;
   m.attr("FP8B_ITEM") = fp8b::kItem;

@@ -14,13 +14,6 @@ namespace py = pybind11;
 
 namespace rx::python {
 
-namespace {
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-}  // namespace
-
 void register_mxfp8(py::module_& m) {
   m.attr("MX_BLOCK") = mx::kBlock;
   // rx_box.codec ids (codecs/registry.h) and the digest of a copy the receiver quantizes

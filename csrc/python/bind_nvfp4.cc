@@ -15,11 +15,6 @@ namespace py = pybind11;
 namespace rx::python {
 
 namespace {
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-
 void check(int32_t rc, const char* what) { RX_HOST_ASSERT(rc == 0, what, " failed with code ", rc); }
 }  // namespace
 

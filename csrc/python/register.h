@@ -3,7 +3,16 @@
 
 #include <pybind11/pybind11.h>
 
+#include <stdint.h>
+
 namespace rx::python {
+
+// A device or host address Python passed as an int (a tensor's data_ptr()).
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
 void register_common(pybind11::module_& m);   // the dtype table (bind_common.cc)
 void register_box_table(pybind11::module_& m);  // _C.BoxTable (bind_box_table.cc)
 void register_core(pybind11::module_& m);     // layouts, planner, exec tables (bind_core.cc)
