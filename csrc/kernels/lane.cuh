@@ -21,6 +21,15 @@ namespace {
 constexpr int kWarp = 32;
 
 // Global-space accesses that skip L1 (data is touched once); plain ones on the host.
+// A codec box's items as runs of `per` elements of its unit-stride innermost dim (a
+// block, or a quantizer's item): the walk G steps over runs, not elements.
+template <int ND, int Per, typename G>
+RX_LANE void group_innermost(G& g, const rx_box& b, const rx_tile& t) {
+  g.n[ND - 1] = b.shape[b.ndim - 1] / Per;
+  g.ss[ND - 1] = Per * t.src_size;
+  g.ds[ND - 1] = Per * t.dst_size;
+}
+
 template <typename T>
 RX_LANE T load_item(const char* p) {
 #if defined(__CUDA_ARCH__)

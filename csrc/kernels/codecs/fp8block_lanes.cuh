@@ -14,9 +14,7 @@ namespace {
 
 template <int ND, typename G>
 RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
-  g.n[ND - 1] = b.shape[b.ndim - 1] / kItem;
-  g.ss[ND - 1] = kItem * t.src_size;
-  g.ds[ND - 1] = kItem * t.dst_size;
+  group_innermost<ND, kItem>(g, b, t);
 }
 
 // Four source elements (BF16 or FP32, from element j of the item at p) as E4M3 bytes under

@@ -15,11 +15,7 @@ namespace {
 // items are its elements, as planned).
 template <int ND, typename G>
 RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
-  if (box_is_data(b)) {
-    g.n[ND - 1] = b.shape[b.ndim - 1] / kBlock;
-    g.ss[ND - 1] = kBlock * t.src_size;
-    g.ds[ND - 1] = kBlock * t.dst_size;
-  }
+  if (box_is_data(b)) group_innermost<ND, kBlock>(g, b, t);
 }
 
 // Words 4c..4c+3 of the BF16 block at p: one 16-byte load where the block is 16-byte

@@ -16,11 +16,7 @@ namespace {
 // items are its elements, as planned).
 template <int ND, typename G>
 RX_LANE void init_geom(G& g, const rx_box& b, const rx_tile& t) {
-  if (box_is_data(b)) {
-    g.n[ND - 1] = b.shape[b.ndim - 1] / kBlockWords;
-    g.ss[ND - 1] = kBlockWords * t.src_size;
-    g.ds[ND - 1] = kBlockWords * t.dst_size;
-  }
+  if (box_is_data(b)) group_innermost<ND, kBlockWords>(g, b, t);
 }
 
 // Words 4c..4c+3 of the block at p (4-byte aligned: words of an int32 view): one 16-byte
