@@ -387,7 +387,8 @@ def _lookup(src_model: ModelLike, dst_model: ModelLike, backend: str, group: Any
             src = apply_name_map(src, name_map)
             src_sig = _signature(src)
         dst, dst_sig = _describe(dst_model, "dst", group, dst_rank_offset, adapter, dst_kind, dst_names)
-        if isinstance(dst, EngineEntries) and isinstance(transform, FP8Block) and dst.pair_scales():
+        if (isinstance(dst, EngineEntries) and isinstance(transform, FP8Block) and dst.scale_suffix is None
+                and dst.pair_scales()):
             dst_sig = _signature(dst)  # a block-FP8 engine: its weights and scales as (data, scale_inv) pairs
         key = (
             _group_key(group), backend, max_batch_bytes,

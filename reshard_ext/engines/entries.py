@@ -84,7 +84,8 @@ class EngineEntries(dict):
         self.reshape = reshape
         if reshape is not None:  # e.g. grouped-query q/k/v in their grouped shapes (adapters.hf_names)
             self.update(reshape(dict(self), rank))
-        self.scale_suffix: str | None = None  # set by pair_scales
+        self.scale_suffix: str | None = None  # set by pair_scales, with the names it paired
+        self.paired: list[str] = []
 
     def pair_scales(self, suffix: str = "_scale_inv") -> list[str]:
         """For engines that store block-FP8 weights (vLLM's ``weight`` + ``weight_scale_inv``
@@ -96,6 +97,8 @@ class EngineEntries(dict):
         tensor's pieces raises on every engine rank, naming both."""
         from ..codecs.fp8block import scale_layout
 
+        if self.scale_suffix == suffix:  # paired already (a warm swap asks on every call)
+            return list(self.paired)
         paired = []
         for name, layout in self.traced.items():
             scales = self.traced.get(name + suffix)
@@ -109,8 +112,8 @@ class EngineEntries(dict):
             paired.append(name)
             if name in self and not isinstance(self[name][0], tuple):  # not paired yet
                 self[name] = ((self[name][0], self.pop(name + suffix)[0]), layout)
-        self.scale_suffix = suffix
-        return paired
+        self.scale_suffix, self.paired = suffix, paired
+        return list(paired)
 
     def finish(self) -> None:
         """After each ``rx.execute``: copies the tensors the loader also writes elsewhere on
