@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 
 from reshard_ext import _C
@@ -188,3 +189,19 @@ def nan_free_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
     b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
     b[1::2] &= 0xBF
     return b
+
+
+def assert_box_plans(row: tuple) -> None:
+    """A well-formed box (a row of `table`) plans into tiles (planned on the host: no pointer
+    is touched), so its ill-formed neighbours fail for their named reason."""
+    assert len(_C.plan_tiles(table([row]), 0)) > 0
+
+
+def assert_box_refused(row: tuple) -> None:
+    """An ill-formed box is refused by the copy and by the tile planner before any pointer
+    is touched (validation runs first)."""
+    tbl = table([row])
+    with pytest.raises(Exception, match="bad box"):
+        _C.copy_boxes_cpu(tbl)
+    with pytest.raises(Exception, match="bad box"):
+        _C.plan_tiles(tbl, 0)
