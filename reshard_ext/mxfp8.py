@@ -62,6 +62,7 @@ from .codecs.mxfp8 import (
     rows_view,
     scale_cols,
     scale_numel,
+    scales_landing,
     swizzle,
     swizzled_size,
 )
@@ -216,17 +217,9 @@ class MXFP8(Transform):
             return Rewrite(entries={name: (staging, layout.with_dtype(torch.bfloat16))}, after=after)
 
         entries = {name + DATA_SUFFIX: (data.view(torch.float8_e4m3fn).view(local), data_layout(layout))}
-        slocal = local[:-1] + (scale_cols(local[-1]),)
-        if self.scale_layout == "2d":
-            entries[name + SCALE_SUFFIX] = (scale_b.view(slocal), slayout)
-            return Rewrite(entries=entries)
-        scale2d = torch.empty(slocal, dtype=torch.uint8, device=scale.device)
-        entries[name + SCALE_SUFFIX] = (scale2d, slayout)
-
-        def after_swizzle() -> None:
-            swizzle(scale2d, scale_b)
-
-        return Rewrite(entries=entries, after=after_swizzle)
+        landing, after_landing = scales_landing(scale_b, local[:-1] + (scale_cols(local[-1]),), self.scale_layout)
+        entries[name + SCALE_SUFFIX] = (landing, slayout)
+        return Rewrite(entries=entries, after=after_landing)
 
     def _check_buffers(self, name: str, data: torch.Tensor, scale: torch.Tensor, local: tuple[int, ...]) -> None:
         check_pair(f"MXFP8 destination {name!r}", data, local, scale, _SCALE_DTYPES,

@@ -55,7 +55,7 @@ from . import _C
 from .codecs import rows_view
 from .codecs.amax import AmaxPiece
 from .codecs.coarse import coarse_layout_or_error
-from .codecs.mxfp8 import swizzle
+from .codecs.mxfp8 import scales_landing
 from .codecs.nvfp4 import (
     BLOCK,
     GRAIN,
@@ -233,17 +233,9 @@ class NVFP4(Transform):
 
         entries = {name + DATA_SUFFIX: (data_b.view(packed), dlayout),
                    name + TSCALE_SUFFIX: (tscale_f, scalar_layout(layout, torch.float32))}
-        slocal = local[:-1] + (local[-1] // BLOCK,)
-        if self.scale_layout == "2d":
-            entries[name + SCALE_SUFFIX] = (scale_b.view(slocal), slayout)
-            return Rewrite(entries=entries)
-        scale2d = torch.empty(slocal, dtype=torch.uint8, device=scale.device)
-        entries[name + SCALE_SUFFIX] = (scale2d, slayout)
-
-        def after_swizzle() -> None:
-            swizzle(scale2d, scale_b)
-
-        return Rewrite(entries=entries, after=after_swizzle)
+        landing, after_landing = scales_landing(scale_b, local[:-1] + (local[-1] // BLOCK,), self.scale_layout)
+        entries[name + SCALE_SUFFIX] = (landing, slayout)
+        return Rewrite(entries=entries, after=after_landing)
 
     def _check_buffers(self, name: str, data: torch.Tensor, scale: torch.Tensor, tscale: torch.Tensor,
                        local: tuple[int, ...]) -> None:

@@ -6,6 +6,7 @@ transform, rx.MXFP8 (reshard_ext/mxfp8.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -78,6 +79,17 @@ def swizzle(scale2d: torch.Tensor, out: torch.Tensor) -> None:
         _C.mxfp8_swizzle_cuda(scale2d.data_ptr(), rows, scols, out.data_ptr(), stream_of(scale2d))
     else:
         _C.mxfp8_swizzle_cpu(scale2d.data_ptr(), rows, scols, out.data_ptr())
+
+
+def scales_landing(scale: torch.Tensor, slocal: tuple[int, ...],
+                   scale_layout: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """Where a destination's [rows, scols] block scales land (`scale`: the user's buffer, as
+    bytes), and the step after the transfer: "2d" lands in place; "swizzled" lands in a 2-D
+    scratch that is then swizzled into the buffer (MXFP8 and NVFP4 share the 128x4 tiles)."""
+    if scale_layout == "2d":
+        return scale.view(slocal), None
+    scale2d = torch.empty(slocal, dtype=torch.uint8, device=scale.device)
+    return scale2d, lambda: swizzle(scale2d, scale)
 
 
 # ---- box codes -----------------------------------------------------------------------
