@@ -49,6 +49,10 @@ class PeerWatch:
         with self._cv:
             self._closed, self._current = True, None
             self._cv.notify()
+            thread = self._thread
+        # joined, so that the store's socket is gone once the group's close returns
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=_TICK_S * 20)
 
     def _run(self) -> None:
         handled: Any = None
