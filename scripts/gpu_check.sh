@@ -124,7 +124,6 @@ stage_bench4() {
 }
 
 stage_megatron() {
-  gpus 2 megatron || return 0
   step "megatron-core from .whl/"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="$PWD:/tmp/site"
@@ -134,6 +133,7 @@ stage_megatron() {
   # transformers of the machine's image); one "bf16 logits" line per case with the measured agreement
   [ -n "${RX_SKIP_MEGATRON_TESTS:-}" ] || (cd tests && timeout 400 python3 -m pytest -q -s -p no:warnings -rs \
       test_megatron_hf_gpu.py 2>&1 | tee "$OUT/megatron_hf_gpu.log" | grep -E "^bf16 logits|passed|failed|SKIP|^E " | tail -24)
+  gpus 2 "megatron_compare" || return 0
   # RX_MEGATRON_TREES=".ab/base ." runs the comparison in a base tree too (A/B; `ab` explains .ab/base)
   for tree in ${RX_MEGATRON_TREES:-.}; do
     [ "$tree" = . ] || [ -f "$tree"/reshard_ext/_C*.so ] || (cd "$tree" && rm -rf build/dev-on && scripts/dev_build.sh ON > "$OUT/ab_build.log" 2>&1) \
