@@ -139,8 +139,26 @@ RX_HD uint32_t e2m1_of(uint32_t y) {
   return (code | (sign ? 8u : 0u)) & 0xffu;
 }
 
+// e2m1_of(clamp(y, -6, 6)) for a y that is not NaN, branch-free: the count of rounding
+// thresholds |y| passes (0.25, 1.25, 2.5 and 5 are ties that round down to even codes,
+// 0.75, 1.75 and 3.5 ties that round up), plus the sign.
+RX_HD uint32_t e2m1_of_number(uint32_t y) {
+  const uint32_t a = y & 0x7fffffffu;
+  const uint32_t code = (uint32_t)(a > 0x3e800000u) + (uint32_t)(a >= 0x3f400000u) + (uint32_t)(a > 0x3fa00000u) +
+                        (uint32_t)(a >= 0x3fe00000u) + (uint32_t)(a > 0x40200000u) + (uint32_t)(a >= 0x40600000u) +
+                        (uint32_t)(a > 0x40a00000u);
+  return code | ((y >> 28) & 8u);
+}
+
 // The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier m.
 RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
+  // Both elements and m finite: no NaN to propagate and no 0 * Inf, so mul_bits is a plain
+  // product and e2m1_of_number its code.
+  if ((w & 0x7f80u) != 0x7f80u && (w & 0x7f800000u) != 0x7f800000u && (m & 0x7f800000u) != 0x7f800000u) {
+    const float f = f32_from_bits(m);
+    return e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w << 16), f))) |
+           e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w & 0xffff0000u), f))) << 4;
+  }
   const auto one = [m](uint16_t h) {
     return e2m1_of(clamp_bits(mul_bits((uint32_t)h << 16, m), -6.0f, 6.0f));
   };
