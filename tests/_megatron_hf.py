@@ -99,10 +99,11 @@ def megatron_config(family: str, tp: int, pp: int, ep: int) -> Any:
     raise ValueError(family)
 
 
-def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Any:
+def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0, vocab: int = VOCAB) -> Any:
     """This rank's stage of the family's GPTModel (local spec) with every parameter and
     persistent buffer random (norms and the expert bias too, each the same on every rank
-    that holds it, drawn from its global name)."""
+    that holds it, drawn from its global name). vocab: GPTModel's vocab_size (Megatron-LM's
+    padded vocabulary)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -123,7 +124,7 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
         if cfg.multi_latent_attention:
             for layer in spec.layer_specs:
                 layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
-        model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, parallel_output=True,
+        model = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=SEQ, parallel_output=True,
                          share_embeddings_and_output_weights=False, pre_process=stage == 0,
                          post_process=stage == stages - 1, position_embedding_type="rope", rotary_base=THETA,
                          pg_collection=pgc)
@@ -136,17 +137,18 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
     return model
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+def tokens(vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(7))
 
 
-def megatron_logits(model: Any) -> torch.Tensor | None:
+def megatron_logits(model: Any, vocab: int = VOCAB) -> torch.Tensor | None:
     """Logits [batch, seq, vocab] of the whole pipeline on the last stage's ranks (None
     elsewhere): each stage runs its layers and hands its hidden states to the next
-    stage's rank of the same TP rank (what Megatron's pipeline schedule does, by hand)."""
+    stage's rank of the same TP rank (what Megatron's pipeline schedule does, by hand).
+    vocab: token ids are drawn below it (a padded model: the real vocabulary)."""
     cpu_forward_shims()
     pgc = model.pg_collection
-    ids = tokens()
+    ids = tokens(vocab)
     pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     pp_ranks = dist.get_process_group_ranks(pgc.pp)
@@ -166,10 +168,10 @@ def megatron_logits(model: Any) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1)
 
 
-def hf_config(family: str) -> Any:
+def hf_config(family: str, vocab: int = VOCAB) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                   rms_norm_eps=EPS, max_position_embeddings=SEQ, tie_word_embeddings=False, hidden_act="silu",
                   rope_parameters={"rope_type": "default", "rope_theta": THETA})
     if family == "llama":
@@ -189,15 +191,15 @@ def hf_config(family: str) -> Any:
     raise ValueError(family)
 
 
-def build_hf(family: str, seed: int = 5) -> Any:
+def build_hf(family: str, seed: int = 5, vocab: int = VOCAB) -> Any:
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager",
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab), attn_implementation="eager",
                                                           dtype=torch.float32)
     return model.eval()
 
 
 def hf_logits(model: Any) -> torch.Tensor:
     with torch.no_grad():
-        return model(tokens()).logits.float()
+        return model(tokens(model.config.vocab_size)).logits.float()
