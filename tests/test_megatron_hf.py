@@ -181,7 +181,16 @@ def _real_rows(vocab: int, shard: torch.Tensor, tp_rank: int) -> int:
     return min(max(vocab - tp_rank * shard.shape[0], 0), shard.shape[0])
 
 
-def _padded_refit(rank: int, world: int) -> dict:
+def _engine_config(vocab: int):
+    """The test engine's config of the tiny Llama (tests/_engine.py)."""
+    import _engine
+    import _megatron_hf as mh
+
+    return _engine.Config(vocab=vocab, hidden=mh.HIDDEN, layers=mh.LAYERS, heads=mh.HEADS, kv_heads=mh.GROUPS,
+                          head_dim=mh.HIDDEN // mh.HEADS, inter=mh.FFN)
+
+
+def _padded_refit(rank: int, world: int, checkpoint: str) -> dict:
     import _engine
     import _megatron_hf as mh
     import torch.distributed as dist
@@ -232,13 +241,13 @@ def _padded_refit(rank: int, world: int) -> dict:
         if vocab == 1000:
             # Into a vLLM-style engine at TP4 (which pads 1000 to 1024 its own way: 256 a
             # rank), traced from its loader; the reference is its loader fed the HF tensors.
-            cfg = _engine.Config(vocab=vocab, hidden=mh.HIDDEN, layers=mh.LAYERS, heads=mh.HEADS,
-                                 kv_heads=mh.GROUPS, head_dim=mh.HIDDEN // mh.HEADS, inter=mh.FFN)
+            cfg = _engine_config(vocab)
+            # No hf_names: the family and the vocabulary come from the engine's HF config, its
+            # tensor list from its checkpoint's headers (as vLLM models carry them).
             engine = _engine.Engine(cfg, rank, world)
             engine.config = mh.hf_config("llama", vocab)
-            specs = {n: (s, torch.float32) for n, s in _engine.hf_shapes(cfg).items()}
-            entries = rx.adapters.engine.entries(engine, weights=specs)
-            rx.swap_model_weights(src, entries, hf_names=engine.config)
+            engine.config._name_or_path = checkpoint
+            rx.swap_model_weights(src, engine)
             box = [case.get("keys") is not None and want]
             dist.broadcast_object_list(box, src=0)
             ref = _engine.Engine(cfg, rank, world)
@@ -259,11 +268,17 @@ def _padded_refit(rank: int, world: int) -> dict:
     return out
 
 
-def test_padded_vocabulary_into_transformers_and_an_engine() -> None:
+def test_padded_vocabulary_into_transformers_and_an_engine(tmp_path) -> None:
     """Megatron TP2 x PP2 with a padded vocabulary (1000 -> 1024; 100 -> 256, TP rank 1
     only padding) into a transformers model, back into a zeroed Megatron model (padding
     rows untouched) and into a vLLM-style engine at TP4; a larger HF vocabulary raises."""
-    results = run_ranks(4, _padded_refit, timeout=600)
+    import _engine
+
+    safetensors = pytest.importorskip("safetensors.torch")
+    cfg = _engine_config(1000)
+    safetensors.save_file({n: torch.zeros(s) for n, s in _engine.hf_shapes(cfg).items()},
+                          str(tmp_path / "model.safetensors"))  # the engine's checkpoint: only its headers are read
+    results = run_ranks(4, _padded_refit, str(tmp_path), timeout=600)
     first = results[0]
     for vocab, _ in PADDED:
         assert [r[vocab]["back_differ"] for r in results] == [[]] * 4, [r[vocab]["back_differ"] for r in results]
