@@ -257,6 +257,24 @@ def test_padded_vocabulary_is_the_checkpoints_rows() -> None:
         assert "positive" in zero, zero
 
 
+def test_the_vocabulary_comes_from_hf_names_else_the_other_sides_config() -> None:
+    """What swap_model_weights describes a Megatron model under (adapters.hf_naming): the
+    vocabulary of hf_names where it names one, else of the model on the other side."""
+    from reshard_ext import adapters
+    from reshard_ext.adapters.hf_names import HFNames
+
+    megatron = nn.Module()
+    megatron.config = types.SimpleNamespace(multi_latent_attention=False)
+    other = nn.Module()
+    other.config = types.SimpleNamespace(model_type="llama", vocab_size=1000)
+    vocab = {spec: adapters.hf_naming(megatron, "megatron", other, "transformers", spec).vocab_size
+             for spec in (None, True, "llama", HFNames(vocab_size=999))}
+    assert vocab == {None: 1000, True: 1000, "llama": 1000, HFNames(vocab_size=999): 999}
+    assert adapters.hf_naming(megatron, "megatron", None, None, {"model_type": "llama", "vocab_size": 7}) == \
+        HFNames(vocab_size=7)
+    assert adapters.hf_naming(megatron, "megatron", None, None, "llama") == HFNames()  # the model's own
+
+
 VIEW_CASES = [  # (global shape, mesh shape, placements, ops)
     ((8, 6), (2,), [("S", 0)], [("split_dim", 0, (2, 2, 2))]),
     ((8, 6), (4,), [("S", 0)], [("split_dim", 0, (2, 2, 2))]),  # one mesh dim over two new dims
