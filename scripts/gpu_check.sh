@@ -130,6 +130,10 @@ stage_megatron() {
   export PYTHONPATH="$PWD:/tmp/site"
   python3 -c "import megatron.core as m; print('megatron-core', m.__version__)"
   [ -n "${RX_SKIP_MEGATRON_TESTS:-}" ] || (cd tests && timeout 300 python3 -m pytest -q -p no:warnings -rs test_megatron_real.py 2>&1 | tee "$OUT/megatron_tests.log" | tail -12)
+  # the tiny Llama / Qwen3-MoE / DeepSeek-V3 refit into transformers models, bf16 on 1, 2 and 4 GPUs (the
+  # transformers of the machine's image); one "bf16 logits" line per case with the measured agreement
+  [ -n "${RX_SKIP_MEGATRON_TESTS:-}" ] || (cd tests && timeout 400 python3 -m pytest -q -s -p no:warnings -rs \
+      test_megatron_hf_gpu.py 2>&1 | tee "$OUT/megatron_hf_gpu.log" | grep -E "^bf16 logits|passed|failed|SKIP|^E " | tail -24)
   # RX_MEGATRON_TREES=".ab/base ." runs the comparison in a base tree too (A/B; `ab` explains .ab/base)
   for tree in ${RX_MEGATRON_TREES:-.}; do
     [ "$tree" = . ] || [ -f "$tree"/reshard_ext/_C*.so ] || (cd "$tree" && rm -rf build/dev-on && scripts/dev_build.sh ON > "$OUT/ab_build.log" 2>&1) \

@@ -8,11 +8,14 @@ routers with the HF family's scoring (Qwen3-MoE: softmax then top-k renormalised
 Megatron computes as top-k then softmax; DeepSeek-V3: sigmoid, score-correction bias for
 the choice only, top-k renormalised and scaled); DeepSeek-V3's first layer dense.
 Megatron's forward runs on CPU with the shims of `_megatron_real` plus the router's (it
-moves its weight to CUDA on every call, and creates its expert-bias buffer there).
+moves its weight to CUDA on every call, and creates its expert-bias buffer there); on
+CUDA (device="cuda", one process per GPU) it runs as it is. `gathered` and `reference`
+are the independent conversion the tests compare the refit against.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 import zlib
 from typing import Any
 
@@ -69,19 +72,21 @@ def _mla_core_attention() -> Any:
     return MLADotProductAttention
 
 
-def megatron_config(family: str, tp: int, pp: int, ep: int) -> Any:
+def megatron_config(family: str, tp: int, pp: int, ep: int, dtype: torch.dtype = torch.float32,
+                    init_std: float = 0.02, topk: int = TOPK) -> Any:
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     common = dict(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
         layernorm_epsilon=EPS, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True,
+        init_method_std=init_std,
         bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
     )
-    moe = dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=TOPK,
+    moe = dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=topk,
                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_router_load_balancing_type="none",
                moe_aux_loss_coeff=0.0, expert_tensor_parallel_size=1, moe_router_dtype="fp32")
     if family == "llama":
@@ -99,11 +104,18 @@ def megatron_config(family: str, tp: int, pp: int, ep: int) -> Any:
     raise ValueError(family)
 
 
-def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0, vocab: int = VOCAB) -> Any:
+def _device_shims(device: str) -> Any:
+    """The CPU's stand-ins for CUDA while a model is built or run on the CPU; nothing on CUDA."""
+    return _cuda_is_cpu() if device == "cpu" else contextlib.nullcontext()
+
+
+def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0, *,
+                   dtype: torch.dtype = torch.float32, device: str = "cpu", init_std: float = 0.02,
+                   topk: int = TOPK, vocab: int = VOCAB) -> Any:
     """This rank's stage of the family's GPTModel (local spec) with every parameter and
     persistent buffer random (norms and the expert bias too, each the same on every rank
-    that holds it, drawn from its global name). vocab: GPTModel's vocab_size (Megatron-LM's
-    padded vocabulary)."""
+    that holds it, drawn from its global name), in `dtype` on `device` ("cuda": this
+    process's current GPU). vocab: GPTModel's vocab_size (Megatron-LM's padded vocabulary)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -114,11 +126,15 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    cfg = megatron_config(family, tp, pp, ep)
+    cfg = megatron_config(family, tp, pp, ep, dtype=dtype, init_std=init_std, topk=topk)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     stage, stages = pgc.pp.rank(), pgc.pp.size()
     torch.manual_seed(seed)
-    with _cuda_is_cpu():
+    if device != "cpu":  # attention forks the tracker's CUDA RNG state (for dropout, 0 here)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    with _device_shims(device):
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
                                           pp_rank=stage)
         if cfg.multi_latent_attention:
@@ -134,29 +150,31 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
             if t.dim() == 1 and t.is_floating_point() and not name.endswith("inv_freq"):
                 g = torch.Generator().manual_seed(zlib.crc32(megatron._global_layer_name(name, prefixes).encode()))
                 t.copy_(1.0 + 0.5 * torch.randn(t.shape, generator=g))
-    return model
+    return model.to(device)
 
 
-def tokens(vocab: int = VOCAB) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(7))
+def tokens(batch: int = 2, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, SEQ), generator=torch.Generator().manual_seed(7))
 
 
-def megatron_logits(model: Any, vocab: int = VOCAB) -> torch.Tensor | None:
-    """Logits [batch, seq, vocab] of the whole pipeline on the last stage's ranks (None
-    elsewhere): each stage runs its layers and hands its hidden states to the next
-    stage's rank of the same TP rank (what Megatron's pipeline schedule does, by hand).
-    vocab: token ids are drawn below it (a padded model: the real vocabulary)."""
-    cpu_forward_shims()
+def megatron_logits(model: Any, batch: int = 2, vocab: int = VOCAB) -> torch.Tensor | None:
+    """Logits [batch, seq, vocab] (fp32, on the CPU) of the whole pipeline on the last
+    stage's ranks (None elsewhere): each stage runs its layers and hands its hidden states
+    to the next stage's rank of the same TP rank (what Megatron's pipeline schedule does,
+    by hand). vocab: token ids are drawn below it (a padded model: the real vocabulary)."""
+    dev = next(model.parameters()).device
+    if dev.type == "cpu":
+        cpu_forward_shims()
     pgc = model.pg_collection
-    ids = tokens(vocab)
-    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
+    ids = tokens(batch, vocab).to(dev)
+    pos = torch.arange(SEQ, device=dev).unsqueeze(0).expand(batch, -1)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=dev), 1).view(1, 1, SEQ, SEQ)
     pp_ranks = dist.get_process_group_ranks(pgc.pp)
     stage = pgc.pp.rank()
     model.eval()
-    with torch.no_grad(), _cuda_is_cpu():
+    with torch.no_grad(), _device_shims(dev.type):
         if stage > 0:
-            hidden = torch.empty(SEQ, 2, HIDDEN)
+            hidden = torch.empty(SEQ, batch, HIDDEN, dtype=model.config.pipeline_dtype, device=dev)
             dist.recv(hidden, src=pp_ranks[stage - 1])
             model.set_input_tensor(hidden)
         out = model(ids, pos, mask)
@@ -165,10 +183,10 @@ def megatron_logits(model: Any, vocab: int = VOCAB) -> torch.Tensor | None:
             return None
     parts = [torch.empty_like(out) for _ in range(pgc.tp.size())]
     dist.all_gather(parts, out.contiguous(), group=pgc.tp)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=-1).float().cpu()
 
 
-def hf_config(family: str, vocab: int = VOCAB) -> Any:
+def hf_config(family: str, topk: int = TOPK, vocab: int = VOCAB) -> Any:
     import transformers
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -180,26 +198,125 @@ def hf_config(family: str, vocab: int = VOCAB) -> Any:
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(intermediate_size=FFN, num_key_value_heads=GROUPS, head_dim=16,
                                            num_experts=EXPERTS, moe_intermediate_size=MOE_FFN,
-                                           num_experts_per_tok=TOPK, norm_topk_prob=True, decoder_sparse_step=1,
+                                           num_experts_per_tok=topk, norm_topk_prob=True, decoder_sparse_step=1,
                                            mlp_only_layers=[], **common)
     if family == "deepseek_v3":
         return transformers.DeepseekV3Config(
             intermediate_size=FFN, num_key_value_heads=HEADS, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=EXPERTS, n_shared_experts=1,
-            moe_intermediate_size=MOE_FFN, num_experts_per_tok=TOPK, n_group=1, topk_group=1, first_k_dense_replace=1,
+            moe_intermediate_size=MOE_FFN, num_experts_per_tok=topk, n_group=1, topk_group=1, first_k_dense_replace=1,
             norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True, **common)
     raise ValueError(family)
 
 
-def build_hf(family: str, seed: int = 5, vocab: int = VOCAB) -> Any:
+def build_hf(family: str, seed: int = 5, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             topk: int = TOPK, vocab: int = VOCAB) -> Any:
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab), attn_implementation="eager",
-                                                          dtype=torch.float32)
-    return model.eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, topk, vocab), attn_implementation="eager",
+                                                          dtype=dtype)
+    return model.to(device).eval()
 
 
-def hf_logits(model: Any) -> torch.Tensor:
+def hf_logits(model: Any, batch: int = 2) -> torch.Tensor:
+    """Logits [batch, seq, vocab] (fp32, on the CPU)."""
     with torch.no_grad():
-        return model(tokens(model.config.vocab_size)).logits.float()
+        return model(tokens(batch, model.config.vocab_size).to(model.device)).logits.float().cpu()
+
+
+# Megatron modules split over TP along dim 0 (column parallel, embeddings) or dim 1 (row
+# parallel); the rest (norms, router, experts at ETP1) is whole on every rank.
+_DIM0 = re.compile(r"(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
+                   r"|linear_kv_up_proj)\.weight$|^embedding\.word_embeddings\.weight$|^output_layer\.weight$")
+_DIM1 = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+
+
+def gathered(model) -> dict[str, torch.Tensor] | None:
+    """Every rank's tensors on rank 0 (on the CPU), as global Megatron tensors (global
+    layer and expert indices, TP shards concatenated; gated fc1 as [gate; up]). None on
+    other ranks."""
+    pgc = model.pg_collection
+    stage, tp_rank = pgc.pp.rank(), pgc.tp.rank()
+    per_stage, per_ep = LAYERS // pgc.pp.size(), EXPERTS // pgc.ep.size()
+    ep_rank = pgc.ep.rank()
+    mine = {}
+    for name, t in model.state_dict().items():
+        if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
+            continue
+        name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + stage * per_stage}.",
+                      name)
+        name = re.sub(r"\.local_experts\.(\d+)\.", lambda m: f".local_experts.{ep_rank * per_ep + int(m.group(1))}.",
+                      name)
+        mine[name] = t.detach().cpu().clone()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (tp_rank, mine))
+    if dist.get_rank() != 0:
+        return None
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for tp_rank, tensors in everyone:
+        for name, t in tensors.items():
+            shards.setdefault(name, {})[tp_rank] = t
+    out = {}
+    for name, by_rank in shards.items():
+        parts = [by_rank[r] for r in sorted(by_rank)]
+        if ".local_experts." in name or not (_DIM0.search(name) or _DIM1.search(name)):
+            assert all(torch.equal(parts[0], p) for p in parts), name  # replicated over TP
+            out[name] = parts[0]
+        elif name.endswith("linear_fc1.weight"):  # each TP shard is [gate_r; up_r]
+            halves = [p.chunk(2) for p in parts]
+            out[name] = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+        else:
+            out[name] = torch.cat(parts, dim=0 if _DIM0.search(name) else 1)
+    return out
+
+
+def reference(mg: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """The HF checkpoint of the gathered Megatron tensors, written out by hand."""
+    hf = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
+          "lm_head.weight": mg["output_layer.weight"], "model.norm.weight": mg["decoder.final_layernorm.weight"]}
+    for i in range(LAYERS):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        hf[h + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
+        hf[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+        hf[h + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+        if family == "deepseek_v3":
+            for mname, hname in (("linear_q_down_proj", "q_a_proj"), ("linear_q_up_proj", "q_b_proj"),
+                                 ("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("linear_kv_up_proj", "kv_b_proj"),
+                                 ("q_layernorm", "q_a_layernorm"), ("kv_layernorm", "kv_a_layernorm")):
+                hf[f"{h}self_attn.{hname}.weight"] = mg[f"{m}self_attention.{mname}.weight"]
+        else:
+            qkv = mg[m + "self_attention.linear_qkv.weight"]
+            groups, hpg = GROUPS, HEADS // GROUPS
+            g = qkv.view(groups, hpg + 2, -1, HIDDEN)
+            hf[h + "self_attn.q_proj.weight"] = g[:, :hpg].reshape(-1, HIDDEN)
+            hf[h + "self_attn.k_proj.weight"] = g[:, hpg].reshape(-1, HIDDEN)
+            hf[h + "self_attn.v_proj.weight"] = g[:, hpg + 1].reshape(-1, HIDDEN)
+            if family == "qwen3_moe":
+                hf[h + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
+                hf[h + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
+        if m + "mlp.linear_fc1.weight" in mg:  # dense (DeepSeek-V3: the first layer)
+            hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2)
+            hf[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+            continue
+        hf[h + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
+        for e in range(EXPERTS):
+            x = f"{m}mlp.experts.local_experts.{e}."
+            gate, up = mg[x + "linear_fc1.weight"].chunk(2)
+            hf.update({f"{h}mlp.experts.{e}.gate_proj.weight": gate, f"{h}mlp.experts.{e}.up_proj.weight": up,
+                       f"{h}mlp.experts.{e}.down_proj.weight": mg[x + "linear_fc2.weight"]})
+        if family == "deepseek_v3":
+            hf[h + "mlp.gate.e_score_correction_bias"] = mg[m + "mlp.router.expert_bias"]
+            gate, up = mg[m + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
+            hf.update({h + "mlp.shared_experts.gate_proj.weight": gate, h + "mlp.shared_experts.up_proj.weight": up,
+                       h + "mlp.shared_experts.down_proj.weight": mg[m + "mlp.shared_experts.linear_fc2.weight"]})
+    return hf
+
+
+def hf_checkpoint(model: Any) -> dict[str, torch.Tensor]:
+    """A transformers model's tensors in its checkpoint form (transformers' own reverse
+    conversion: stacked experts back to per-expert tensors), on the CPU."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    got = revert_weight_conversion(model, dict(model.state_dict()))
+    return {k: (v[0] if isinstance(v, list) else v).cpu() for k, v in got.items()}

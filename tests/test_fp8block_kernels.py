@@ -167,8 +167,14 @@ def test_whole_tensor_on_cuda_matches_reference(shape, dtype, scales):
     assert_bytes(data, want_d, f"cuda data {shape} {dtype} {scales}")
 
 
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and rx.build_info()["cuda"]),
+                                reason="needs a GPU and reshard_ext built with CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_e4m3_cast_of_every_bf16_and_many_fp32(dtype):
+def test_e4m3_cast_of_every_bf16_and_many_fp32(dtype, device):
     """The codec's cast under scale 1 (pow2, an Inf block) against torch's float8_e4m3fn cast:
     every BF16 pattern, 2^20 random FP32 patterns; NaN as 0x7f."""
     if dtype == BF16:
@@ -182,11 +188,48 @@ def test_e4m3_cast_of_every_bf16_and_many_fp32(dtype):
     x = x[: rows * 128].reshape(rows, 128) if x.numel() % 128 == 0 else torch.cat(
         [x, torch.zeros(128 - x.numel() % 128, dtype=dtype)]).reshape(-1, 128)
     x[:, 0] = float("inf")  # every block (128 rows) holds an Inf: scale 1
-    data, scale = quantize_whole(x, "pow2")
+    data, scale = quantize_whole(x.to(device), "pow2")
     assert torch.all(scale == 1.0)
     want = to_e4m3(x).view(torch.uint8)
     want = torch.where(torch.isnan(x.float()), torch.full_like(want, 0x7F), want)
     assert_bytes(data, want, f"cast {dtype}")
+
+
+def varied_blocks(dtype, blocks: int, seed: int) -> torch.Tensor:
+    """[128, 128 * blocks]: each block random bit patterns (every mantissa and sign) with
+    exponents in a window of 24 below a per-block top, the tops spread over the whole range
+    (subnormals to near the max), so the factors cover the FP32 and power-of-two ranges."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 1 << 31, (128, blocks, 128), generator=g, dtype=torch.int64)
+    if dtype == BF16:
+        top = torch.randint(1, 255, (1, blocks, 1), generator=g)
+        exp = (top - torch.randint(0, 24, (128, blocks, 128), generator=g)).clamp(0, 254)
+        raw = (bits & 0x807F) | (exp << 7)
+        x = raw.to(torch.int32).to(torch.int16).view(BF16)
+    else:
+        top = torch.randint(1, 255, (1, blocks, 1), generator=g)
+        exp = (top - torch.randint(0, 24, (128, blocks, 128), generator=g)).clamp(0, 254)
+        raw = (bits & 0x807FFFFF) | (exp << 23)
+        x = raw.to(torch.int32).view(F32)
+    return x.reshape(128, blocks * 128)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("scales", ["fp32", "pow2"])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_cuda_varied_factors_match_cpu_twin(dtype, scales):
+    """The CUDA kernels' hardware E4M3 conversion against the CPU twin's integer rounding,
+    over 512 blocks whose factors span the ranges, plus unaligned and odd-width views (the
+    element-at-a-time path)."""
+    x = varied_blocks(dtype, 512, seed=7 + (dtype == F32))
+    xc = x.cuda()
+    for cut in (slice(None), slice(8, 8 + 128 * 40), slice(3, 3 + 1000), slice(5, None)):
+        got_d, got_s = quantize_whole(xc[:100, cut] if cut.start == 5 else xc[:, cut], scales)
+        want_d, want_s = quantize_whole(x[:100, cut] if cut.start == 5 else x[:, cut], scales)
+        what = f"{dtype} {scales} columns {cut}"
+        assert_bytes(got_s, want_s, f"scale_inv {what}")
+        assert_bytes(got_d, want_d, f"data {what}")
 
 
 def test_reference_conventions_differ():

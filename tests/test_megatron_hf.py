@@ -9,8 +9,6 @@ then refits a zeroed Megatron model back, bit for bit. Skipped where megatron-co
 transformers is missing."""
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -24,107 +22,14 @@ TP, PP = 2, 2
 # they cannot infer the family from it): inferred, a family name, a HF config.
 HF_NAMES = {"llama": lambda mh: True, "qwen3_moe": lambda mh: "qwen3_moe",
             "deepseek_v3": lambda mh: mh.hf_config("deepseek_v3")}
-# Megatron modules split over TP along dim 0 (column parallel, embeddings) or dim 1 (row
-# parallel); the rest (norms, router, experts at ETP1) is whole on every rank.
-_DIM0 = re.compile(r"(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
-                   r"|linear_kv_up_proj)\.weight$|^embedding\.word_embeddings\.weight$|^output_layer\.weight$")
-_DIM1 = re.compile(r"(linear_proj|linear_fc2)\.weight$")
-
-
-def _gathered(model) -> dict[str, torch.Tensor] | None:
-    """Every rank's tensors on rank 0, as global Megatron tensors (global layer and expert
-    indices, TP shards concatenated; gated fc1 as [gate; up]). None on other ranks."""
-    import _megatron_hf as mh
-    import torch.distributed as dist
-
-    pgc = model.pg_collection
-    stage, tp_rank = pgc.pp.rank(), pgc.tp.rank()
-    per_stage, per_ep = mh.LAYERS // pgc.pp.size(), mh.EXPERTS // pgc.ep.size()
-    ep_rank = pgc.ep.rank()
-    mine = {}
-    for name, t in model.state_dict().items():
-        if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
-            continue
-        name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + stage * per_stage}.",
-                      name)
-        name = re.sub(r"\.local_experts\.(\d+)\.", lambda m: f".local_experts.{ep_rank * per_ep + int(m.group(1))}.",
-                      name)
-        mine[name] = t.detach().clone()
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (tp_rank, mine))
-    if dist.get_rank() != 0:
-        return None
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    for tp_rank, tensors in everyone:
-        for name, t in tensors.items():
-            shards.setdefault(name, {})[tp_rank] = t
-    out = {}
-    for name, by_rank in shards.items():
-        parts = [by_rank[r] for r in sorted(by_rank)]
-        if ".local_experts." in name or not (_DIM0.search(name) or _DIM1.search(name)):
-            assert all(torch.equal(parts[0], p) for p in parts), name  # replicated over TP
-            out[name] = parts[0]
-        elif name.endswith("linear_fc1.weight"):  # each TP shard is [gate_r; up_r]
-            halves = [p.chunk(2) for p in parts]
-            out[name] = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-        else:
-            out[name] = torch.cat(parts, dim=0 if _DIM0.search(name) else 1)
-    return out
-
-
-def _reference(mg: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
-    """The HF checkpoint of the gathered Megatron tensors, written out by hand."""
-    import _megatron_hf as mh
-
-    hf = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-          "lm_head.weight": mg["output_layer.weight"], "model.norm.weight": mg["decoder.final_layernorm.weight"]}
-    for i in range(mh.LAYERS):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        hf[h + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
-        hf[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
-        hf[h + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
-        if family == "deepseek_v3":
-            for mname, hname in (("linear_q_down_proj", "q_a_proj"), ("linear_q_up_proj", "q_b_proj"),
-                                 ("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("linear_kv_up_proj", "kv_b_proj"),
-                                 ("q_layernorm", "q_a_layernorm"), ("kv_layernorm", "kv_a_layernorm")):
-                hf[f"{h}self_attn.{hname}.weight"] = mg[f"{m}self_attention.{mname}.weight"]
-        else:
-            qkv = mg[m + "self_attention.linear_qkv.weight"]
-            groups, hpg = mh.GROUPS, mh.HEADS // mh.GROUPS
-            g = qkv.view(groups, hpg + 2, -1, mh.HIDDEN)
-            hf[h + "self_attn.q_proj.weight"] = g[:, :hpg].reshape(-1, mh.HIDDEN)
-            hf[h + "self_attn.k_proj.weight"] = g[:, hpg].reshape(-1, mh.HIDDEN)
-            hf[h + "self_attn.v_proj.weight"] = g[:, hpg + 1].reshape(-1, mh.HIDDEN)
-            if family == "qwen3_moe":
-                hf[h + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
-                hf[h + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
-        if m + "mlp.linear_fc1.weight" in mg:  # dense (DeepSeek-V3: the first layer)
-            hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2)
-            hf[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
-            continue
-        hf[h + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
-        for e in range(mh.EXPERTS):
-            x = f"{m}mlp.experts.local_experts.{e}."
-            gate, up = mg[x + "linear_fc1.weight"].chunk(2)
-            hf.update({f"{h}mlp.experts.{e}.gate_proj.weight": gate, f"{h}mlp.experts.{e}.up_proj.weight": up,
-                       f"{h}mlp.experts.{e}.down_proj.weight": mg[x + "linear_fc2.weight"]})
-        if family == "deepseek_v3":
-            hf[h + "mlp.gate.e_score_correction_bias"] = mg[m + "mlp.router.expert_bias"]
-            gate, up = mg[m + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
-            hf.update({h + "mlp.shared_experts.gate_proj.weight": gate, h + "mlp.shared_experts.up_proj.weight": up,
-                       h + "mlp.shared_experts.down_proj.weight": mg[m + "mlp.shared_experts.linear_fc2.weight"]})
-    return hf
-
-
 def _refit(rank: int, world: int, family: str) -> dict:
     import _megatron_hf as mh
-    from transformers.core_model_loading import revert_weight_conversion
 
     import reshard_ext as rx
     from reshard_ext.planning import STATS
 
     src = mh.build_megatron(family, tp=TP, pp=PP, ep=2 if family != "llama" else 1, seed=1)
-    mg = _gathered(src)
+    mg = mh.gathered(src)
     megatron_logits = mh.megatron_logits(src)
     dst = mh.build_hf(family) if rank == 0 else None
     rx.swap_model_weights(src, dst, hf_names=HF_NAMES[family](mh))
@@ -145,9 +50,8 @@ def _refit(rank: int, world: int, family: str) -> dict:
                                 if isinstance(t, torch.Tensor) and not torch.equal(t, theirs[n]))
     if dst is not None:
         assert mg is not None
-        want = _reference(mg, family)
-        got = revert_weight_conversion(dst, dict(dst.state_dict()))  # transformers' own checkpoint form
-        got = {k: (v[0] if isinstance(v, list) else v) for k, v in got.items()}
+        want = mh.reference(mg, family)
+        got = mh.hf_checkpoint(dst)
         out["missing"] = sorted(set(want) - set(got))
         out["extra"] = sorted(set(got) - set(want))
         out["differ"] = sorted(k for k in want if k in got and not torch.equal(want[k], got[k]))
@@ -202,11 +106,11 @@ def _padded_refit(rank: int, world: int, checkpoint: str) -> dict:
     out: dict = {}
     for vocab, padded in PADDED:
         src = mh.build_megatron("llama", tp=TP, pp=PP, seed=1, vocab=padded)
-        mg = _gathered(src)
-        megatron_logits = mh.megatron_logits(src, vocab)
+        mg = mh.gathered(src)
+        megatron_logits = mh.megatron_logits(src, vocab=vocab)
         dst = mh.build_hf("llama", vocab=vocab) if rank == 0 else None
         # the vocabulary on every rank: a HF config, or HFNames (ranks 1-3 see no HF model)
-        spec = mh.hf_config("llama", vocab) if vocab == 1000 else HFNames(vocab_size=vocab)
+        spec = mh.hf_config("llama", vocab=vocab) if vocab == 1000 else HFNames(vocab_size=vocab)
         rx.swap_model_weights(src, dst, hf_names=spec)
         # And back into a zeroed Megatron model: real rows land, padding rows stay untouched (zero).
         back = mh.build_megatron("llama", tp=TP, pp=PP, seed=2, vocab=padded)
@@ -230,7 +134,7 @@ def _padded_refit(rank: int, world: int, checkpoint: str) -> dict:
         case: dict = {"megatron_logits": megatron_logits, "back_differ": differ}
         if dst is not None:
             assert mg is not None
-            want = _reference(mg, "llama")
+            want = mh.reference(mg, "llama")
             for name in ("model.embed_tokens.weight", "lm_head.weight"):
                 want[name] = want[name][:vocab]
             got = revert_weight_conversion(dst, dict(dst.state_dict()))
@@ -245,7 +149,7 @@ def _padded_refit(rank: int, world: int, checkpoint: str) -> dict:
             # No hf_names: the family and the vocabulary come from the engine's HF config, its
             # tensor list from its checkpoint's headers (as vLLM models carry them).
             engine = _engine.Engine(cfg, rank, world)
-            engine.config = mh.hf_config("llama", vocab)
+            engine.config = mh.hf_config("llama", vocab=vocab)
             engine.config._name_or_path = checkpoint
             rx.swap_model_weights(src, engine)
             box = [case.get("keys") is not None and want]
@@ -260,7 +164,7 @@ def _padded_refit(rank: int, world: int, checkpoint: str) -> dict:
     src = mh.build_megatron("llama", tp=TP, pp=PP, seed=1, vocab=1024)
     try:
         rx.swap_model_weights(src, mh.build_hf("llama", vocab=1100) if rank == 0 else None,
-                              hf_names=mh.hf_config("llama", 1100))
+                              hf_names=mh.hf_config("llama", vocab=1100))
         out["error"] = None
     except rx.ReshardError as e:
         out["error"] = str(e)

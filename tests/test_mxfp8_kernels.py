@@ -29,6 +29,10 @@ def _floor_log2(a: torch.Tensor) -> torch.Tensor:
     _, e = torch.frexp(a)
     return (e - 1).double()
 
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and hasattr(_C, "mxfp8_quantize_cuda")),
+                                reason="needs a GPU and reshard_ext built with CUDA")
+
+
 
 def _ceil_log2(a: torch.Tensor) -> torch.Tensor:
     m, e = torch.frexp(a)
@@ -200,15 +204,17 @@ def test_cpu_kernel_matches_reference(case, rounding, scale_layout):
     assert_bytes_equal(got_s, want_s, f"scale {case}")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("rounding", ROUNDINGS)
-def test_exhaustive_bf16_elements(rounding):
-    """Every BF16 bit pattern as an element, under blocks whose amax sets many scales."""
+def test_exhaustive_bf16_elements(rounding, device):
+    """Every BF16 bit pattern as an element, under blocks whose amax sets many scales (on
+    CUDA: the hardware E4M3 conversion of finite values against the reference's rounding)."""
     allbits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = allbits[: (allbits.numel() // 31) * 31].view(-1, 31)
     amax = make_case("wide", rows=x.shape[0], cols=1, seed=3).abs()
     x = torch.cat([x, amax], dim=1)  # 32 per row: one block each
     for layout in LAYOUTS:
-        got_d, got_s = kernel(x, rounding, layout)
+        got_d, got_s = kernel(x.to(device), rounding, layout)
         want_d, want_s = ref_mxfp8(x, rounding, layout)
         assert_bytes_equal(got_d, want_d, "data")
         assert_bytes_equal(got_s, want_s, "scale")
@@ -287,10 +293,6 @@ def test_torchao_reference():
 
 
 # ---- GPU ---------------------------------------------------------------------------
-
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and hasattr(_C, "mxfp8_quantize_cuda")),
-                                reason="needs a GPU and reshard_ext built with CUDA")
-
 
 @needs_cuda
 @pytest.mark.parametrize("rounding", ROUNDINGS)

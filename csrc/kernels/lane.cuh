@@ -50,6 +50,34 @@ RX_LANE void store_item(char* p, T v) {
 #endif
 }
 
+// 16 bytes at p (a codec's output): one access where 16-byte aligned, else byte (load) or
+// word/byte (store) accesses.
+RX_LANE uint4 load_bytes16(const char* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) return load_item<uint4>(p);
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < 16; ++k) w[k / 4] |= static_cast<uint32_t>(load_item<unsigned char>(p + k)) << (8 * (k % 4));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+RX_LANE void store_bytes16(char* p, uint4 q) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if ((a & 15u) == 0) {
+    store_item<uint4>(p, q);
+    return;
+  }
+  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if ((a & 3u) == 0) {
+      store_item<unsigned int>(p + 4 * k, qw[k]);
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) store_item<unsigned char>(p + 4 * k + j, static_cast<unsigned char>(qw[k] >> (8 * j)));
+  }
+}
+
 // One lane's digest of a verify pass: the sum so far and how the box's elements count
 // (fixed per box). Unused by the plain copy (P = RX_PASS_NONE).
 struct Dg {
@@ -75,6 +103,13 @@ RX_LANE void hash_element(Dg& dg, uint64_t k, uint64_t bits) {
                             ? cast_term(k, bits, dg.dtype, RX_DIGEST_ARG(dg.spec))  // as the receiver's cast holds it
                             : digest::element(k, bits, dg.size);
   dg.acc = digest::add(dg.acc, term);
+}
+
+// Digest terms of 16 one-byte elements (four little-endian words) at ordinals k..
+RX_LANE void hash_bytes16(Dg& dg, uint64_t k, uint4 q) {
+  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) dg.acc = digest::add(dg.acc, digest::bytes4(k + 4 * m, qw[m]));
 }
 
 }  // namespace

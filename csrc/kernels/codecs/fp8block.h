@@ -41,6 +41,7 @@
 #include "kernels/cast.h"
 #include "kernels/codecs/registry.h"
 #include "kernels/digest.h"
+#include "kernels/e4m3.h"
 
 namespace rx::fp8b {
 
@@ -57,43 +58,6 @@ struct Side {
 };
 
 RX_HD int32_t box_scales(const rx_box& b) { return (b.codec >> 8) & 0xff; }
-
-// E4M3 (fn: max 448, 0x7f NaN) of (FP32 bits) * 2^k, exactly: round to nearest even,
-// saturating to +-448 (Inf too); NaN -> 0x7f; the sign kept (-0 -> 0x80). Integer only.
-RX_HD uint8_t e4m3_scaled(uint32_t bits, int32_t k) {
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  const uint32_t a = bits & 0x7fffffffu;
-  if (a > 0x7f800000u) return 0x7f;
-  if (a == 0x7f800000u) return static_cast<uint8_t>(sign | 0x7eu);
-  if (a == 0) return sign;
-  const int32_t ef = static_cast<int32_t>(a >> 23);
-  const uint32_t m = ef ? (a & 0x7fffffu) | 0x800000u : a;  // value = m * 2^e, m < 2^24
-  const int32_t e = (ef ? ef : 1) - 150 + k;
-#if defined(__CUDA_ARCH__)
-  const int32_t p = 31 - __clz(m);
-#else
-  const int32_t p = 31 - __builtin_clz(m);
-#endif
-  int32_t exp_y = p + e;  // floor(log2 value)
-  if (exp_y > 8) return static_cast<uint8_t>(sign | 0x7eu);
-  if (exp_y < -6) exp_y = -6;  // E4M3 subnormals: quantum 2^-9
-  const int32_t sh = (exp_y - 3) - e;  // value / quantum = m * 2^-sh
-  uint32_t q;
-  if (sh <= 0) {
-    q = m << (-sh);  // sh >= -3 here: q <= 15
-  } else if (sh > 25) {
-    q = 0;  // below a quarter of the quantum
-  } else {
-    q = m >> sh;
-    const uint32_t rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1);
-    if (rem > half || (rem == half && (q & 1u))) ++q;
-  }
-  // q in [0, 16]: normal q in [8, 16) at exponent exp_y; the formula also covers the
-  // subnormals (exp_y = -6, q < 8) and the carry q = 16 into the next binade.
-  int32_t out = ((exp_y + 7) << 3) + static_cast<int32_t>(q) - 8;
-  if (out > 0x7e) out = 0x7e;
-  return static_cast<uint8_t>(sign | static_cast<uint32_t>(out));
-}
 
 // The factor of a block from its amax (FP32 bits; codecs/amax.h): kFp32: the FP32 bits of
 // 448 / amax as torch computes it (NaN for a NaN amax, 0 for +Inf); kPow2: the exponent k
@@ -125,10 +89,26 @@ RX_HD uint32_t block_scale_inv(uint32_t amax, int32_t scales) {
 
 // One element (FP32 bits of x) under its block's factor.
 RX_HD uint8_t quantize(uint32_t x, uint32_t mult, int32_t scales) {
-  if (scales == kPow2) return e4m3_scaled(x, static_cast<int32_t>(mult));
+  if (scales == kPow2) return e4m3_rn(x, static_cast<int32_t>(mult));
   if (is_nan(x) || is_nan(mult)) return 0x7f;
   if ((x & 0x7fffffffu) == 0x7f800000u) return mult == 0 ? 0xff : static_cast<uint8_t>(((x >> 24) & 0x80u) | 0x7eu);
-  return e4m3_scaled(f32_bits(mul_rn(f32_from_bits(x), f32_from_bits(mult))), 0);
+  return e4m3_rn(f32_bits(mul_rn(f32_from_bits(x), f32_from_bits(mult))), 0);
+}
+
+// Four elements of one block (FP32 bits) under its factor, as E4M3 bytes packed
+// little-endian: the hardware conversion where all four are finite (quantize's special
+// cases are all non-finite ones), else quantize one at a time.
+RX_HD uint32_t quantize4(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3, uint32_t mult, int32_t scales) {
+  const bool pow2 = scales == kPow2;
+  if (is_finite(x0) && is_finite(x1) && is_finite(x2) && is_finite(x3) && (pow2 || !is_nan(mult))) {
+    // kPow2's k is in [-120, 127] (block_mult), so 2^k is a normal FP32 and x * 2^k exact
+    // down to the FP32 subnormals, far below E4M3's smallest step.
+    const float f = f32_from_bits(pow2 ? static_cast<uint32_t>(static_cast<int32_t>(mult) + 127) << 23 : mult);
+    return e4m3x4_finite(mul_rn(f32_from_bits(x0), f), mul_rn(f32_from_bits(x1), f), mul_rn(f32_from_bits(x2), f),
+                         mul_rn(f32_from_bits(x3), f));
+  }
+  return static_cast<uint32_t>(quantize(x0, mult, scales)) | static_cast<uint32_t>(quantize(x1, mult, scales)) << 8 |
+         static_cast<uint32_t>(quantize(x2, mult, scales)) << 16 | static_cast<uint32_t>(quantize(x3, mult, scales)) << 24;
 }
 
 // FP32 bits of a source element (BF16 or FP32 raw bits).

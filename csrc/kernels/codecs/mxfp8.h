@@ -40,6 +40,7 @@
 #include "core/runs.h"
 #include "kernels/codecs/registry.h"
 #include "kernels/digest.h"
+#include "kernels/e4m3.h"
 
 namespace rx::mx {
 
@@ -80,43 +81,11 @@ RX_HD uint8_t scale_exponent(uint32_t amax_bits, int32_t rounding) {
 }
 
 // E4M3 (fn: no Inf, 0x7f/0xff NaN, max 448) of x * 2^(127 - scale_biased), rounding to
-// nearest even and saturating to +-448 (Inf too); NaN stays NaN; the sign is kept
-// (-0 -> 0x80). Integer-only, so no FP mode (FTZ, fast-math) can change a bit.
+// nearest even and saturating to +-448 (Inf too); NaN stays NaN with its sign (as the
+// MX reference keeps it); the sign is kept (-0 -> 0x80). Integer-only (e4m3_rn).
 RX_HD uint8_t e4m3_scaled(uint16_t h, uint8_t scale_biased) {
-  const uint8_t sign = (uint8_t)((h >> 8) & 0x80u);
-  const int32_t ef = (h >> 7) & 0xff;
-  const uint32_t f = h & 0x7fu;
-  if (ef == 0xff) return (uint8_t)(sign | (f ? 0x7fu : 0x7eu));
-  // x = M * 2^e with an integer M < 256.
-  uint32_t M = ef ? (0x80u | f) : f;
-  if (M == 0) return sign;
-  int32_t e = (ef ? ef : 1) - 127 - 7 - ((int32_t)scale_biased - 127);
-  // floor(log2 M), M in [1, 255]: one instruction instead of a loop per element (the
-  // quantize kernel is otherwise bound by this integer work, not by memory).
-#if defined(__CUDA_ARCH__)
-  const int32_t p = 31 - __clz(M);
-#else
-  const int32_t p = 31 - __builtin_clz(M);
-#endif
-  int32_t exp_y = p + e;                   // floor(log2 y)
-  if (exp_y > 8) return (uint8_t)(sign | 0x7eu);  // >= 512: saturate
-  if (exp_y < -6) exp_y = -6;              // E4M3 subnormal range: quantum 2^-9
-  int32_t sh = (exp_y - 3) - e;            // y / quantum = M * 2^-sh
-  uint32_t k;
-  if (sh <= 0) {
-    k = M << (-sh);
-  } else if (sh > 16) {
-    k = 0;                                 // y < quantum / 2^8: rounds to zero
-  } else {
-    k = M >> sh;
-    uint32_t rem = M & ((1u << sh) - 1u), half = 1u << (sh - 1);
-    if (rem > half || (rem == half && (k & 1u))) ++k;
-  }
-  // k in [0, 16]: normal k in [8, 16) and exponent exp_y; the formula also covers
-  // subnormals (exp_y = -6, k < 8) and the carry k = 16 into the next binade.
-  int32_t bits = ((exp_y + 7) << 3) + (int32_t)k - 8;
-  if (bits > 0x7e) bits = 0x7e;
-  return (uint8_t)(sign | (uint32_t)bits);
+  if ((h & 0x7fffu) > 0x7f80u) return (uint8_t)(((h >> 8) & 0x80u) | 0x7fu);
+  return e4m3_rn((uint32_t)h << 16, 127 - (int32_t)scale_biased);
 }
 
 // Whole 32-element blocks in the box kernels (CUDA and CPU twin alike) are handled a
@@ -132,6 +101,15 @@ RX_HD uint32_t word_amax(uint32_t w) {
 
 // E4M3 bytes of the four BF16 of words a, b under scale `s`, packed little-endian.
 RX_HD uint32_t quantize_words(uint32_t a, uint32_t b, uint8_t s) {
+  // Finite elements (all four exponents not all ones): x * 2^(127 - s) is exact in FP32 (s
+  // <= 247 from a BF16 amax, so the factor is a normal FP32), and e4m3x4_finite rounds it
+  // as e4m3_scaled does; NaN and Inf keep their signed bytes below.
+  const uint32_t exps = ((a & 0x7f807f80u) ^ 0x7f807f80u), expsb = ((b & 0x7f807f80u) ^ 0x7f807f80u);
+  if ((exps & 0xffffu) && (exps >> 16) && (expsb & 0xffffu) && (expsb >> 16) && s <= 253) {
+    const float f = f32_from_bits(static_cast<uint32_t>(254 - s) << 23);
+    return e4m3x4_finite(mul_rn(f32_from_bits(a << 16), f), mul_rn(f32_from_bits(a & 0xffff0000u), f),
+                         mul_rn(f32_from_bits(b << 16), f), mul_rn(f32_from_bits(b & 0xffff0000u), f));
+  }
   return (uint32_t)e4m3_scaled((uint16_t)(a & 0xffffu), s) | (uint32_t)e4m3_scaled((uint16_t)(a >> 16), s) << 8 |
          (uint32_t)e4m3_scaled((uint16_t)(b & 0xffffu), s) << 16 | (uint32_t)e4m3_scaled((uint16_t)(b >> 16), s) << 24;
 }

@@ -48,22 +48,6 @@ RX_LANE uint4 quantize_half(const char* from, int h, bool wide, uint8_t e) {
                     quantize_words(v.z, v.w, e));
 }
 
-// 16 bytes at p: one load where aligned, else byte loads.
-RX_LANE uint4 load16(const char* p) {
-  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) return load_item<uint4>(p);
-  uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int k = 0; k < 16; ++k) w[k / 4] |= static_cast<uint32_t>(load_item<unsigned char>(p + k)) << (8 * (k % 4));
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// Digest terms of 16 E4M3 bytes (four words) at ordinals k..
-RX_LANE void hash_data16(Dg& dg, uint64_t k, uint4 q) {
-  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) dg.acc = digest::add(dg.acc, digest::bytes4(k + 4 * m, qw[m]));
-}
-
 // MXFP8 boxes: one lane per item (no warp intrinsics, so the emulated run executes this
 // very code). A block is read twice, once for its amax and once to quantize it 16
 // elements at a time: the second read hits L2, and a lane never holds the whole block
@@ -93,8 +77,8 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
         hash_element(dg, ord, load_item<unsigned char>(to));
         continue;
       }
-      hash_data16(dg, 32 * ord, load16(to));
-      hash_data16(dg, 32 * ord + 16, load16(to + 16));
+      hash_bytes16(dg, 32 * ord, load_bytes16(to));
+      hash_bytes16(dg, 32 * ord + 16, load_bytes16(to + 16));
       if (box_scale_buf(b)) dg.acc = digest::add(dg.acc, digest::scale(ord, load_item<unsigned char>(scale_byte())));
       continue;
     }
@@ -108,19 +92,11 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
     // Stored before the data, so the offset math is not live across the quantize.
     if (kStore && box_scale_buf(b)) store_item<unsigned char>(scale_byte(), e);
     if (P != RX_PASS_NONE && box_scale_buf(b)) dg.acc = digest::add(dg.acc, digest::scale(ord, e));
-    const bool wide_out = (reinterpret_cast<uintptr_t>(to) & 15u) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint4 q = quantize_half(from, h, wide_in, e);
-      if (P != RX_PASS_NONE) hash_data16(dg, 32 * ord + 16 * h, q);
-      if (!kStore) continue;
-      if (wide_out) {
-        store_item<uint4>(to + 16 * h, q);
-        continue;
-      }
-      const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int k = 0; k < 16; ++k) store_item<unsigned char>(to + 16 * h + k, static_cast<unsigned char>(qw[k / 4] >> (8 * (k % 4))));
+      if (P != RX_PASS_NONE) hash_bytes16(dg, 32 * ord + 16 * h, q);
+      if (kStore) store_bytes16(to + 16 * h, q);
     }
   }
 }
@@ -154,8 +130,8 @@ RX_LANE void digest_items(const rx_box& b, const rx_tile& t, W& w, int64_t i, in
         const bool wide = (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
         const uint8_t e = block_exponent(p, wide, rounding);
         dg.acc = digest::add(dg.acc, digest::scale(k / kBlock, e));
-        hash_data16(dg, k, quantize_half(p, 0, wide, e));
-        hash_data16(dg, k + 16, quantize_half(p, 1, wide, e));
+        hash_bytes16(dg, k, quantize_half(p, 0, wide, e));
+        hash_bytes16(dg, k + 16, quantize_half(p, 1, wide, e));
         continue;
       }
       const auto load = [&](int m) -> uint16_t {
