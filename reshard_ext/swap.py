@@ -526,7 +526,10 @@ def swap_model_weights(
     name such as ``"qwen3_moe"``, a HF config, an `rx.adapters.hf_names.HFNames`, True
     (family inferred from the TransformerConfig) or False (never). Default: when the other
     side on this rank is a module that is not a Megatron model. A rank that holds only the
-    Megatron side cannot see the other: pass the same `hf_names` on every rank then.
+    Megatron side cannot see the other: pass the same `hf_names` on every rank then. A
+    Megatron vocabulary padded beyond the checkpoint's is cut to the vocabulary of
+    `hf_names` (a HF config's ``vocab_size``, ``HFNames.vocab_size``), else of the other
+    side's config (rx.adapters.megatron_hf).
     verify, version, timeout: as in `rx.execute` (one answer on every rank: it returns on
     every rank only if the refit landed on every rank). A warm call reuses the cached plan:
     no metadata exchange.

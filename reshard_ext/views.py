@@ -10,8 +10,9 @@ one expert of a stacked ``[E, 2I, H]`` parameter, its gate half, or a ``q_proj``
 ``num_heads * head_dim`` rows as ``[groups, heads_per_group, head_dim, hidden]``.
 
 Sharded dims are handled where the view stays a layout: a narrow of a dim split evenly
-over one mesh dim (into whole chunks, or within one chunk), a split of a dim whose
-shards fall on the new dims' boundaries. Anything else (an uneven, strided or packed
+over one mesh dim (whole chunks, within one chunk, or across chunks, where each rank
+keeps its share as an uneven ``Shard(sizes=...)``: the real rows of a padded
+vocabulary), a split of a dim whose shards fall on the new dims' boundaries. Anything else (an uneven, strided or packed
 shard in the way) raises a ReshardError that names the tensor and the layout.
 """
 from __future__ import annotations
@@ -48,6 +49,14 @@ def _mesh_slice(mesh: Mesh, mesh_dim: int, start: int, length: int) -> Mesh:
     return Mesh(ranks.narrow(mesh_dim, start, length).tolist())
 
 
+def _coordinate(mesh: Mesh, rank: int, mesh_dim: int) -> int:
+    """`rank`'s index along `mesh_dim` of `mesh`."""
+    index = mesh.ranks.index(rank)
+    for size in reversed(mesh.shape[mesh_dim + 1:]):
+        index //= size
+    return index % mesh.shape[mesh_dim]
+
+
 def _held(piece: Piece, layout: Layout, rank: int) -> Piece:
     return piece if rank in layout.mesh else None
 
@@ -76,9 +85,12 @@ def narrow(piece: Piece, layout: Layout, rank: int, dim: int, start: int, length
             mesh = _mesh_slice(mesh, m, k, 1)
             placements[m] = Replicate()
             local_start = start - k * chunk
-        else:
-            raise ReshardError(f"'{name}': narrow({dim}, {start}, {length}) cuts its shards of {chunk} "
-                               f"unevenly ({layout!r})")
+        else:  # across chunks: each rank keeps its share, an uneven split (a padded vocabulary's real rows)
+            ends = [min(max(start + length - c * chunk, 0), chunk) for c in range(layout.mesh.shape[m])]
+            begins = [min(max(start - c * chunk, 0), chunk) for c in range(layout.mesh.shape[m])]
+            placements[m] = Shard(dim, sizes=tuple(e - b for b, e in zip(begins, ends)))
+            if rank in mesh:
+                local_start = begins[_coordinate(mesh, rank, m)]
     out = Layout(shape, layout.dtype, mesh, placements)
     if piece is None or rank not in mesh:
         return None, out

@@ -111,11 +111,11 @@ def _device_shims(device: str) -> Any:
 
 def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0, *,
                    dtype: torch.dtype = torch.float32, device: str = "cpu", init_std: float = 0.02,
-                   topk: int = TOPK) -> Any:
+                   topk: int = TOPK, vocab: int = VOCAB) -> Any:
     """This rank's stage of the family's GPTModel (local spec) with every parameter and
     persistent buffer random (norms and the expert bias too, each the same on every rank
     that holds it, drawn from its global name), in `dtype` on `device` ("cuda": this
-    process's current GPU)."""
+    process's current GPU). vocab: GPTModel's vocab_size (Megatron-LM's padded vocabulary)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -140,7 +140,7 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
         if cfg.multi_latent_attention:
             for layer in spec.layer_specs:
                 layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
-        model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, parallel_output=True,
+        model = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=SEQ, parallel_output=True,
                          share_embeddings_and_output_weights=False, pre_process=stage == 0,
                          post_process=stage == stages - 1, position_embedding_type="rope", rotary_base=THETA,
                          pg_collection=pgc)
@@ -153,20 +153,20 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
     return model.to(device)
 
 
-def tokens(batch: int = 2) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(7))
+def tokens(batch: int = 2, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, SEQ), generator=torch.Generator().manual_seed(7))
 
 
-def megatron_logits(model: Any, batch: int = 2) -> torch.Tensor | None:
+def megatron_logits(model: Any, batch: int = 2, vocab: int = VOCAB) -> torch.Tensor | None:
     """Logits [batch, seq, vocab] (fp32, on the CPU) of the whole pipeline on the last
     stage's ranks (None elsewhere): each stage runs its layers and hands its hidden states
     to the next stage's rank of the same TP rank (what Megatron's pipeline schedule does,
-    by hand)."""
+    by hand). vocab: token ids are drawn below it (a padded model: the real vocabulary)."""
     dev = next(model.parameters()).device
     if dev.type == "cpu":
         cpu_forward_shims()
     pgc = model.pg_collection
-    ids = tokens(batch).to(dev)
+    ids = tokens(batch, vocab).to(dev)
     pos = torch.arange(SEQ, device=dev).unsqueeze(0).expand(batch, -1)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=dev), 1).view(1, 1, SEQ, SEQ)
     pp_ranks = dist.get_process_group_ranks(pgc.pp)
@@ -186,10 +186,10 @@ def megatron_logits(model: Any, batch: int = 2) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1).float().cpu()
 
 
-def hf_config(family: str, topk: int = TOPK) -> Any:
+def hf_config(family: str, topk: int = TOPK, vocab: int = VOCAB) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                   rms_norm_eps=EPS, max_position_embeddings=SEQ, tie_word_embeddings=False, hidden_act="silu",
                   rope_parameters={"rope_type": "default", "rope_theta": THETA})
     if family == "llama":
@@ -210,11 +210,11 @@ def hf_config(family: str, topk: int = TOPK) -> Any:
 
 
 def build_hf(family: str, seed: int = 5, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             topk: int = TOPK) -> Any:
+             topk: int = TOPK, vocab: int = VOCAB) -> Any:
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, topk), attn_implementation="eager",
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, topk, vocab), attn_implementation="eager",
                                                           dtype=dtype)
     return model.to(device).eval()
 
@@ -222,7 +222,7 @@ def build_hf(family: str, seed: int = 5, *, dtype: torch.dtype = torch.float32, 
 def hf_logits(model: Any, batch: int = 2) -> torch.Tensor:
     """Logits [batch, seq, vocab] (fp32, on the CPU)."""
     with torch.no_grad():
-        return model(tokens(batch).to(model.device)).logits.float().cpu()
+        return model(tokens(batch, model.config.vocab_size).to(model.device)).logits.float().cpu()
 
 
 # Megatron modules split over TP along dim 0 (column parallel, embeddings) or dim 1 (row

@@ -205,6 +205,76 @@ def test_unnamed_tensors_unknown_families_and_plain_modules_raise() -> None:
         assert "Sequential" in plain and "adapter=" in plain and "plan entries" in plain, plain
 
 
+def _padded_vocab(rank: int, world: int) -> dict:
+    """Megatron's embedding and output layer of 16 rows at TP2 (8 a rank), the checkpoint's
+    vocabulary smaller, given three ways: the entries are the checkpoint's rows, views of
+    the shards; a vocabulary larger than Megatron's raises."""
+    import dataclasses
+
+    import reshard_ext as rx
+    from reshard_ext.adapters import hf_names, megatron_hf
+
+    gen = torch.Generator().manual_seed(4)
+    emb, out = torch.randn(V, H, generator=gen), torch.randn(V, H, generator=gen)
+    mg = {"embedding.word_embeddings.weight": _shard(emb, 0, rank), "output_layer.weight": _shard(out, 0, rank)}
+    config = types.SimpleNamespace(gated_linear_unit=True, multi_latent_attention=False)
+    model = _module(mg, config)
+    model.vocab_size = V  # GPTModel's (padded) vocab_size
+    got: dict = {}
+    for vocab, spec, explicit in ((13, "llama", 13), (13, dataclasses.replace(hf_names.family("llama"), vocab_size=13),
+                                                      None), (6, {"model_type": "llama", "vocab_size": 6}, None)):
+        entries = megatron_hf.entries(model, hf_names=spec, vocab_size=explicit)
+        for hf, full in (("model.embed_tokens.weight", emb), ("lm_head.weight", out)):
+            piece, lay = entries.get(hf, (None, None))
+            want = full[:vocab]
+            if lay is None:  # this rank holds only padding: no entry
+                got.setdefault(vocab, []).append((hf, None))
+                continue
+            shared = piece.untyped_storage().data_ptr() == model.embedding.word_embeddings.weight.untyped_storage(
+            ).data_ptr() or piece.untyped_storage().data_ptr() == model.output_layer.weight.untyped_storage().data_ptr()
+            got.setdefault(vocab, []).append((hf, tuple(lay.shape), lay.placements[-1],
+                                              torch.equal(piece, lay.local_part(want, rank)), shared))
+    for bad in (V + 1, 0):
+        try:
+            megatron_hf.entries(model, hf_names="llama", vocab_size=bad)
+        except rx.ReshardError as e:
+            got.setdefault("errors", []).append(str(e))
+    return got
+
+
+def test_padded_vocabulary_is_the_checkpoints_rows() -> None:
+    import reshard_ext as rx
+
+    results = run_ranks(2, _padded_vocab)
+    for rank, got in enumerate(results):
+        for hf in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert (hf, (13, H), rx.Shard(0, sizes=(8, 5)), True, True) in got[13], (rank, got[13])
+            assert got[13].count((hf, (13, H), rx.Shard(0, sizes=(8, 5)), True, True)) == 2  # spec and keyword alike
+            # 6 rows: inside rank 0's shard, which holds them alone; rank 1 only padding
+            assert ((hf, (6, H), rx.Replicate(), True, True) if rank == 0 else (hf, None)) in got[6], got[6]
+        too_big, zero = got["errors"]
+        assert "17 tokens" in too_big and "(16, GPTModel.vocab_size)" in too_big, too_big
+        assert "positive" in zero, zero
+
+
+def test_the_vocabulary_comes_from_hf_names_else_the_other_sides_config() -> None:
+    """What swap_model_weights describes a Megatron model under (adapters.hf_naming): the
+    vocabulary of hf_names where it names one, else of the model on the other side."""
+    from reshard_ext import adapters
+    from reshard_ext.adapters.hf_names import HFNames
+
+    megatron = nn.Module()
+    megatron.config = types.SimpleNamespace(multi_latent_attention=False)
+    other = nn.Module()
+    other.config = types.SimpleNamespace(model_type="llama", vocab_size=1000)
+    vocab = {spec: adapters.hf_naming(megatron, "megatron", other, "transformers", spec).vocab_size
+             for spec in (None, True, "llama", HFNames(vocab_size=999))}
+    assert vocab == {None: 1000, True: 1000, "llama": 1000, HFNames(vocab_size=999): 999}
+    assert adapters.hf_naming(megatron, "megatron", None, None, {"model_type": "llama", "vocab_size": 7}) == \
+        HFNames(vocab_size=7)
+    assert adapters.hf_naming(megatron, "megatron", None, None, "llama") == HFNames()  # the model's own
+
+
 VIEW_CASES = [  # (global shape, mesh shape, placements, ops)
     ((8, 6), (2,), [("S", 0)], [("split_dim", 0, (2, 2, 2))]),
     ((8, 6), (4,), [("S", 0)], [("split_dim", 0, (2, 2, 2))]),  # one mesh dim over two new dims
@@ -214,6 +284,9 @@ VIEW_CASES = [  # (global shape, mesh shape, placements, ops)
     ((4, 6, 3), (2,), [("S", 0)], [("narrow", 0, 2, 2)]),  # whole shards
     ((4, 6, 3), (2,), [("S", 1)], [("narrow", 1, 3, 3), ("select", 0, 1)]),  # inside one shard
     ((4, 6, 3), (2,), [("S", 1)], [("narrow", 1, 1, 2)]),
+    ((8, 6), (2,), [("S", 0)], [("narrow", 0, 0, 7)]),  # across shards: a padded vocabulary's real rows
+    ((12, 2), (2, 4), [("R",), ("S", 0)], [("narrow", 0, 0, 5)]),  # sizes (3, 2, 0, 0): two ranks only padding
+    ((6, 4), (2,), [("S", 0)], [("narrow", 0, 2, 2), ("transpose", 0, 1)]),  # straddling: one row on each
 ]
 
 
@@ -255,8 +328,9 @@ def test_views_refuse_what_no_layout_can_say() -> None:
 
     lay = _layout((6, 4), (2,), [("S", 0)])
     piece = torch.zeros(3, 4)
-    with pytest.raises(rx.ReshardError, match="unevenly"):
-        views.narrow(piece, lay, 0, 0, 2, 2)  # rows 2, 3 straddle the two shards
+    strided = rx.Layout((8, 4), torch.float32, rx.Mesh([0, 1]), [rx.Shard(0, stride=2)])
+    with pytest.raises(rx.ReshardError, match="only even plain shards"):
+        views.narrow(torch.zeros(4, 4), strided, 0, 0, 0, 3)  # rank 0 holds rows 0, 1, 4, 5
     with pytest.raises(rx.ReshardError, match="boundaries"):
         views.split_dim(piece, lay, 0, 0, (3, 2))  # 3 x 2: two shards of 3 rows cut the first new dim
 

@@ -73,3 +73,124 @@ def test_megatron_tp2_pp2_into_transformers(family: str) -> None:
     assert megatron_logits is not None
     diff = float((first["hf_logits"] - megatron_logits).abs().max())
     assert torch.allclose(first["hf_logits"], megatron_logits, rtol=1e-4, atol=1e-4), diff
+
+
+# Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by * TP:
+# 1000 tokens with 128 at TP2 -> 1024 (rank 1: 488 real rows, 24 padding); 100 tokens
+# -> 256 (rank 1: only padding).
+PADDED = ((1000, 1024), (100, 256))
+
+
+def _real_rows(vocab: int, shard: torch.Tensor, tp_rank: int) -> int:
+    return min(max(vocab - tp_rank * shard.shape[0], 0), shard.shape[0])
+
+
+def _engine_config(vocab: int):
+    """The test engine's config of the tiny Llama (tests/_engine.py)."""
+    import _engine
+    import _megatron_hf as mh
+
+    return _engine.Config(vocab=vocab, hidden=mh.HIDDEN, layers=mh.LAYERS, heads=mh.HEADS, kv_heads=mh.GROUPS,
+                          head_dim=mh.HIDDEN // mh.HEADS, inter=mh.FFN)
+
+
+def _padded_refit(rank: int, world: int, checkpoint: str) -> dict:
+    import _engine
+    import _megatron_hf as mh
+    import torch.distributed as dist
+    from transformers.core_model_loading import revert_weight_conversion
+
+    import reshard_ext as rx
+    from reshard_ext.adapters.hf_names import HFNames
+
+    out: dict = {}
+    for vocab, padded in PADDED:
+        src = mh.build_megatron("llama", tp=TP, pp=PP, seed=1, vocab=padded)
+        mg = mh.gathered(src)
+        megatron_logits = mh.megatron_logits(src, vocab=vocab)
+        dst = mh.build_hf("llama", vocab=vocab) if rank == 0 else None
+        # the vocabulary on every rank: a HF config, or HFNames (ranks 1-3 see no HF model)
+        spec = mh.hf_config("llama", vocab=vocab) if vocab == 1000 else HFNames(vocab_size=vocab)
+        rx.swap_model_weights(src, dst, hf_names=spec)
+        # And back into a zeroed Megatron model: real rows land, padding rows stay untouched (zero).
+        back = mh.build_megatron("llama", tp=TP, pp=PP, seed=2, vocab=padded)
+        with torch.no_grad():
+            for t in back.state_dict().values():
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    t.zero_()
+        rx.swap_model_weights(dst, back, hf_names=spec)
+        differ, tp_rank = [], src.pg_collection.tp.rank()
+        theirs = back.state_dict()
+        for name, t in src.state_dict().items():
+            if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
+                continue
+            got = theirs[name]
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                real = _real_rows(vocab, t, tp_rank)
+                if not (torch.equal(t[:real], got[:real]) and not got[real:].any()):
+                    differ.append(name)
+            elif not torch.equal(t, got):
+                differ.append(name)
+        case: dict = {"megatron_logits": megatron_logits, "back_differ": differ}
+        if dst is not None:
+            assert mg is not None
+            want = mh.reference(mg, "llama")
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                want[name] = want[name][:vocab]
+            got = revert_weight_conversion(dst, dict(dst.state_dict()))
+            got = {k: (v[0] if isinstance(v, list) else v) for k, v in got.items()}
+            case["keys"] = sorted(set(want) ^ set(got))
+            case["differ"] = sorted(k for k in want if k in got and not torch.equal(want[k], got[k]))
+            case["hf_logits"] = mh.hf_logits(dst)
+        if vocab == 1000:
+            # Into a vLLM-style engine at TP4 (which pads 1000 to 1024 its own way: 256 a
+            # rank), traced from its loader; the reference is its loader fed the HF tensors.
+            cfg = _engine_config(vocab)
+            # No hf_names: the family and the vocabulary come from the engine's HF config, its
+            # tensor list from its checkpoint's headers (as vLLM models carry them).
+            engine = _engine.Engine(cfg, rank, world)
+            engine.config = mh.hf_config("llama", vocab=vocab)
+            engine.config._name_or_path = checkpoint
+            rx.swap_model_weights(src, engine)
+            box = [case.get("keys") is not None and want]
+            dist.broadcast_object_list(box, src=0)
+            ref = _engine.Engine(cfg, rank, world)
+            ref.load_weights(box[0].items())
+            mine, theirs = dict(engine.named_parameters()), dict(ref.named_parameters())
+            case["engine_differ"] = [n for n in theirs if not torch.equal(mine[n], theirs[n])]
+        out[vocab] = case
+        rx.clear_caches()
+    # A HF vocabulary larger than Megatron's padded one: not a padding; every rank raises.
+    src = mh.build_megatron("llama", tp=TP, pp=PP, seed=1, vocab=1024)
+    try:
+        rx.swap_model_weights(src, mh.build_hf("llama", vocab=1100) if rank == 0 else None,
+                              hf_names=mh.hf_config("llama", vocab=1100))
+        out["error"] = None
+    except rx.ReshardError as e:
+        out["error"] = str(e)
+    rx.clear_caches()
+    return out
+
+
+def test_padded_vocabulary_into_transformers_and_an_engine(tmp_path) -> None:
+    """Megatron TP2 x PP2 with a padded vocabulary (1000 -> 1024; 100 -> 256, TP rank 1
+    only padding) into a transformers model, back into a zeroed Megatron model (padding
+    rows untouched) and into a vLLM-style engine at TP4; a larger HF vocabulary raises."""
+    import _engine
+
+    safetensors = pytest.importorskip("safetensors.torch")
+    cfg = _engine_config(1000)
+    safetensors.save_file({n: torch.zeros(s) for n, s in _engine.hf_shapes(cfg).items()},
+                          str(tmp_path / "model.safetensors"))  # the engine's checkpoint: only its headers are read
+    results = run_ranks(4, _padded_refit, str(tmp_path), timeout=600)
+    first = results[0]
+    for vocab, _ in PADDED:
+        assert [r[vocab]["back_differ"] for r in results] == [[]] * 4, [r[vocab]["back_differ"] for r in results]
+        case = first[vocab]
+        assert case["keys"] == [] and case["differ"] == [], (case["keys"][:5], case["differ"][:5])
+        megatron_logits = results[TP * (PP - 1)][vocab]["megatron_logits"][..., :vocab]
+        diff = float((case["hf_logits"] - megatron_logits).abs().max())
+        assert torch.allclose(case["hf_logits"], megatron_logits, rtol=1e-4, atol=1e-4), diff
+    assert [r[1000]["engine_differ"] for r in results] == [[]] * 4, [r[1000]["engine_differ"] for r in results]
+    for r in results:
+        assert r["error"] is not None and "1100 tokens" in r["error"] and "1024" in r["error"], r["error"]

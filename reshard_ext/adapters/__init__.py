@@ -111,15 +111,20 @@ def hf_naming(model: Any, kind: str | None, other: Any, other_kind: str | None,
     its own names. Only Megatron models are renamed: with `spec` (``hf_names=`` of
     swap_model_weights: a family name, HF config, `hf_names.HFNames`, True to infer,
     False for never), else when `other` (the model on the other side, on this rank) is
-    a module that is not a Megatron model; its config names the family when it has one."""
+    a module that is not a Megatron model; its config names the family when it has one,
+    and its ``vocab_size`` the vocabulary (where `spec` names none: a Megatron model pads
+    its own, see megatron_hf)."""
     if kind != MEGATRON or spec is False:
         return None
+    config = None
+    if other_kind is not None and other_kind != MEGATRON:
+        config = getattr(megatron.unwrap(_chunks(other)[0]), "config", None)
     if spec is None:
         if other_kind is None or other_kind == MEGATRON:
             return None
-        config = getattr(megatron.unwrap(_chunks(other)[0]), "config", None)
         spec = config if getattr(config, "model_type", None) in hf_names.FAMILIES else True
-    return megatron_hf.resolve(model, spec)
+    names = megatron_hf.resolve(model, spec)
+    return names if config is None else hf_names.with_vocab(names, config)
 
 
 def describe(model: Any, kind: str, *, side: str, group: Any = None, rank_offset: int = 0,

@@ -25,6 +25,7 @@ not imported.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ class HFNames:
     shared_expert_gate: the shared experts' sigmoid gate (Qwen2-MoE), or None.
     expert_bias: the router's score-correction bias, under the router (DeepSeek-V3:
         ``e_score_correction_bias``), or None where the family has none.
+    vocab_size: the checkpoint's vocabulary, the rows of ``embed_tokens`` and ``lm_head``,
+        where the Megatron model pads its own beyond it (``make_vocab_size_divisible_by``);
+        None: the model's own. Not a family trait: `family` takes it from a HF config.
     """
 
     moe_block: str = "mlp"
@@ -66,6 +70,7 @@ class HFNames:
     shared_experts: str = "shared_experts"
     shared_expert_gate: str | None = None
     expert_bias: str | None = None
+    vocab_size: int | None = None
 
 
 _DENSE = HFNames()
@@ -81,16 +86,29 @@ FAMILIES: dict[str, HFNames] = {
 
 def family(spec: Any) -> HFNames:
     """The `HFNames` of `spec`: an `HFNames`, a family name (``"qwen3_moe"``), or a HF
-    config (an object or dict with ``model_type``)."""
+    config (an object or dict with ``model_type``; its ``vocab_size`` too)."""
     if isinstance(spec, HFNames):
         return spec
-    model_type = spec if isinstance(spec, str) else (
-        spec.get("model_type") if isinstance(spec, Mapping) else getattr(spec, "model_type", None))
+    model_type = spec if isinstance(spec, str) else _field(spec, "model_type")
     names = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if names is None:
         raise ReshardError(f"no Hugging Face name table for {spec!r}: known families are {sorted(FAMILIES)}; "
                            f"pass hf_names=rx.adapters.hf_names.HFNames(...) for another one")
-    return names
+    return names if isinstance(spec, str) else with_vocab(names, spec)
+
+
+def _field(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+
+def with_vocab(names: HFNames, config: Any) -> HFNames:
+    """`names` with the vocabulary of the HF `config` (its text config's ``vocab_size``),
+    unless `names` has one already or the config names none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = _field(text, "vocab_size")
+    if names.vocab_size is not None or not isinstance(vocab, int) or isinstance(vocab, bool):
+        return names
+    return dataclasses.replace(names, vocab_size=vocab)
 
 
 _QKV = re.compile(r"^(.*\.)q_proj\.(weight|bias)$")
@@ -143,4 +161,4 @@ def _prod(sizes: Any) -> int:
     return n
 
 
-__all__ = ["HFNames", "FAMILIES", "family", "grouped_qkv", "attention_shape"]
+__all__ = ["HFNames", "FAMILIES", "family", "with_vocab", "grouped_qkv", "attention_shape"]

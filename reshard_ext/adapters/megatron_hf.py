@@ -46,10 +46,17 @@ naming it (an unmapped tensor is never dropped silently).
 Experts are offered one by one, under the checkpoint's per-expert names: Megatron-Core
 holds every expert as a parameter of its own (``weightK``, ``local_experts.K``), so no
 stacked view of them exists without a copy; a stacked destination (a ``transformers`` 5
-model's ``gate_up_proj``) views its own parameter per expert instead (`hf_model`). A
-vocabulary Megatron padded beyond the checkpoint's (``make_vocab_size_divisible_by``)
-gives ``embed_tokens`` and ``lm_head`` other shapes than the checkpoint's, which
-``rx.plan`` then reports.
+model's ``gate_up_proj``) views its own parameter per expert instead (`hf_model`).
+
+A padded vocabulary: Megatron-LM pads the vocabulary to a multiple of
+``make_vocab_size_divisible_by * TP`` (``GPTModel.vocab_size``), beyond the checkpoint's
+(the HF config's ``vocab_size``). Given the checkpoint's vocabulary (``vocab_size=``,
+``HFNames.vocab_size``, a HF config as ``hf_names``, or the ``transformers`` / engine
+model on the other side of ``rx.swap_model_weights``), ``embed_tokens`` and ``lm_head``
+are the first ``vocab_size`` rows of Megatron's vocab-parallel tensors: each TP rank
+offers the real rows of its shard (an uneven ``Shard(sizes=...)``; a rank holding only
+padding offers none). As a destination, Megatron's padding rows are left as they are
+(no source has them). A checkpoint vocabulary larger than Megatron's raises.
 
 The family (`hf_names.HFNames`) comes from `hf_names` (a family name such as
 ``"qwen3_moe"``, a HF config, or an `HFNames`), else from the model's TransformerConfig:
@@ -72,6 +79,7 @@ from . import Entries, megatron
 from .hf_names import FAMILIES, HFNames, family
 
 Item = tuple[torch.Tensor, Layout]
+_PADDED = (megatron.WORD_EMBEDDINGS, megatron.OUTPUT_LAYER)  # vocab-parallel: rows padded beyond the checkpoint's
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _TOP = {
     megatron.WORD_EMBEDDINGS: "model.embed_tokens.weight",
@@ -151,8 +159,8 @@ def infer_family(config: Any) -> str:
 class _Converter:
     """Megatron global names -> HF entries, for one model config and family."""
 
-    def __init__(self, config: Any, names: HFNames, rank: int):
-        self.config, self.rank = config, rank
+    def __init__(self, config: Any, names: HFNames, rank: int, vocab_size: int | None = None):
+        self.config, self.rank, self.vocab_size = config, rank, vocab_size
         self.gated = bool(getattr(config, "gated_linear_unit", False))
         self.mla = bool(getattr(config, "multi_latent_attention", False))
         self.table = _compiled({**_COMMON, **(_MLA if self.mla else _GQA), **_moe(names)})
@@ -160,7 +168,7 @@ class _Converter:
     def convert(self, name: str, item: Item) -> dict[str, Item] | None:
         """HF entries of one Megatron entry; None: no name for it."""
         if name in _TOP:
-            return {_TOP[name]: item}
+            return self._vocab(_TOP[name], item, name)
         m = _LAYER.match(name)
         if not m:
             return None
@@ -183,6 +191,15 @@ class _Converter:
                 return self._fc1(item, prefix + target[0].format(**groups), prefix + target[1].format(**groups), name)
             return {prefix + target.format(**groups): item}
         return None
+
+    def _vocab(self, hf: str, item: Item, name: str) -> dict[str, Item]:
+        """The checkpoint's rows of a (padded) vocab-parallel tensor; the others as they are."""
+        local, layout = item
+        if self.vocab_size is None or name not in _PADDED or self.vocab_size == layout.shape[0]:
+            return {hf: item}
+        _check_vocab(self.vocab_size, layout.shape[0], name)
+        piece, lay = views.narrow(local, layout, self.rank, 0, 0, self.vocab_size, name)
+        return {} if piece is None else {hf: (piece, lay)}
 
     def _fc1(self, item: Item, gate: str, up: str, name: str) -> dict[str, Item]:
         local, layout = item
@@ -208,6 +225,15 @@ class _Converter:
         return out
 
 
+def _check_vocab(vocab_size: Any, padded: int, what: str) -> None:
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise ReshardError(f"vocab_size={vocab_size!r}: the Hugging Face vocabulary must be a positive integer")
+    if vocab_size > padded:
+        raise ReshardError(f"the Hugging Face vocabulary ({vocab_size} tokens) is larger than the Megatron model's "
+                           f"({padded}, {what}): Megatron only pads its vocabulary up, so this is another model "
+                           f"or tokenizer; check the HF config's vocab_size (or hf_names / vocab_size passed)")
+
+
 def _config(model: megatron.Model) -> Any:
     config = getattr(megatron.unwrap(megatron._chunks(model)[0]), "config", None)
     if config is None:
@@ -230,6 +256,7 @@ def entries(
     group: Any = None,
     rank_offset: int = 0,
     tie_output_to_embedding: bool = True,
+    vocab_size: int | None = None,
 ) -> Entries:
     """Plan entries of a Megatron-Core GPTModel (or its list of VPP chunks) under Hugging
     Face checkpoint names: views of the local shards, never gathered.
@@ -237,12 +264,22 @@ def entries(
     hf_names: the family (a name such as ``"qwen3_moe"``, a HF config, an
     `hf_names.HFNames`); None: inferred from the model's TransformerConfig.
     group, rank_offset, tie_output_to_embedding: as in `adapters.megatron.entries`.
-    Raises ReshardError naming every parameter the family's table has no name for.
+    vocab_size: the checkpoint's vocabulary where Megatron padded its own beyond it:
+    ``embed_tokens`` and ``lm_head`` are then its first `vocab_size` rows (a destination's
+    padding rows are left untouched). Default: ``hf_names``' (a HF config's), else the
+    model's own. Pass the same on every rank.
+    Raises ReshardError naming every parameter the family's table has no name for, and
+    for a `vocab_size` larger than the model's (``GPTModel.vocab_size``), on every rank.
     """
     names = resolve(model, hf_names)
+    vocab = vocab_size if vocab_size is not None else names.vocab_size
+    padded = getattr(megatron.unwrap(megatron._chunks(model)[0]), "vocab_size", None)
+    if vocab is not None and isinstance(padded, int):  # every stage knows it: all ranks raise alike
+        _check_vocab(vocab, padded, "GPTModel.vocab_size")
     base = megatron.entries(model, group=group, rank_offset=rank_offset,
                             tie_output_to_embedding=tie_output_to_embedding)
-    conv = _Converter(_config(model), names, megatron.refit_rank(model, group=group, rank_offset=rank_offset))
+    conv = _Converter(_config(model), names, megatron.refit_rank(model, group=group, rank_offset=rank_offset),
+                      vocab)
     out: Entries = {}
     unknown = []
     for name, item in base.items():
