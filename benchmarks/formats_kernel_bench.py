@@ -12,6 +12,7 @@ it (1.0: as fast as a D2D copy of the source).
 
     python benchmarks/formats_kernel_bench.py [--rows 8192 --cols 14336] [--formats nvfp4]
     python benchmarks/formats_kernel_bench.py --tiny          # the CPU twins, a check of the script
+    python benchmarks/formats_kernel_bench.py --kernels       # + each row's kernels (torch.profiler)
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {sorted(FORMATS)}")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="[256, 1024] on the CPU, 3 iterations")
+    ap.add_argument("--kernels", action="store_true", help="after each row, its kernels' device time per execute "
+                    "(torch.profiler over 5 executes; CUDA only)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     if args.tiny:
@@ -80,6 +83,8 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
         t = timed(lambda: rx.execute(plan), args.iters, cuda)
         text = ",".join(f"{k}={v}" for k, v in opts.items()) or "-"
         print(f"{fmt:>8} {side:>8} {text:>22} {t * 1e3:>8.3f} {read / t / 1e9:>9.0f} {t_copy / t:>7.2f}")
+        if args.kernels and cuda:
+            print_kernels(lambda: rx.execute(plan))
 
     row("bf16", "-", {}, torch.empty_like(src), None)
     for name in args.formats.split(","):
@@ -89,6 +94,21 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
             for layout in layouts:
                 opts = {} if layout is None else {"scale_layout": layout}
                 row(name, side, opts, fmt.buffers((m, k), dev, **opts), fmt.make(["w"], side, **opts))
+
+
+def print_kernels(fn: Callable[[], None], runs: int = 5) -> None:
+    """Each kernel's device time per call of fn, the longest first (where the time of a row goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("cuda")]
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:6]:
+        name = e.key.split("(")[0].replace("(anonymous namespace)::", "")
+        print(f"{'':>19} {e.device_time_total / runs:>9.1f} us  x{e.count // runs}  {name[-70:]}")
 
 
 if __name__ == "__main__":

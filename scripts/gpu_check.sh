@@ -270,7 +270,7 @@ stage_formats() {
   # the quantizing kernels against a D2D copy of the bytes they read, then refits collocated
   # (swap) and non-collocated (split: the link is the bottleneck), sender and receiver side.
   step "formats: quantize and pack kernels against D2D of their source bytes (1 GPU)"
-  timeout 240 python3 benchmarks/formats_kernel_bench.py 2>&1 | tee -a "$OUT/formats.log" | tail -12
+  timeout 240 python3 benchmarks/formats_kernel_bench.py --kernels 2>&1 | tee -a "$OUT/formats.log" | grep -v "^\[\|arn" | tail -80
   gpus 2 formats || return 0
   for n in 2 4; do
     [ "$ngpu" -ge $n ] || continue
