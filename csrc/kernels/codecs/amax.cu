@@ -111,6 +111,24 @@ __device__ void unit_amax(const T* __restrict__ src, int32_t dtype, int64_t rows
   bool one_cell = aligned && nc == kCols;
 #pragma unroll
   for (int j = 1; j < kCols; ++j) one_cell = one_cell && __ldg(colmap + c0 + j) == ccell;
+  if (one_cell && nr == kRows) {
+    // The unit's 16 rows in one cell too (a block's 128 rows, or NVFP4's one tensor cell):
+    // all loads issued together, one max, one add.
+    const int32_t rcell = __ldg(rowmap + r0);
+    bool same = true;
+#pragma unroll
+    for (int i = 1; i < kRows; ++i) same = same && __ldg(rowmap + r0 + i) == rcell;
+    if (same) {
+      uint32_t m = 0;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const uint32_t a = run_max(src + (r0 + i) * row_stride + c0, dtype, nan);
+        m = a > m ? a : m;
+      }
+      acc.add(rcell + ccell, m, grid);
+      return;
+    }
+  }
   if (one_cell) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
