@@ -107,7 +107,7 @@ def print_kernels(fn: Callable[[], None], runs: int = 5) -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("cuda")]
     for e in sorted(events, key=lambda e: -e.device_time_total)[:6]:
-        name = e.key.split("(")[0].replace("(anonymous namespace)::", "")
+        name = e.key.replace("(anonymous namespace)::", "").replace("void ", "").split("(")[0]
         print(f"{'':>19} {e.device_time_total / runs:>9.1f} us  x{e.count // runs}  {name[-70:]}")
 
 
