@@ -33,12 +33,16 @@ def _cuda_is_cpu() -> Any:
     """Megatron's router allocates its expert-bias buffers, and RoPE moves its
     frequencies, to torch.cuda.current_device() (no CUDA here): that device is the CPU
     while a model is built or run."""
-    saved = torch.cuda.current_device
+    saved, saved_cuda = torch.cuda.current_device, torch.Tensor.cuda
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # With MTP at PP > 1 the last stage syncs its copy of the embeddings with the first
+    # stage's through .cuda() and an all-reduce: the copy stays on the CPU.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.cuda.current_device = saved  # type: ignore[assignment]
+        torch.Tensor.cuda = saved_cuda  # type: ignore[method-assign]
 
 
 def cpu_forward_shims() -> None:
@@ -73,7 +77,7 @@ def _mla_core_attention() -> Any:
 
 
 def megatron_config(family: str, tp: int, pp: int, ep: int, dtype: torch.dtype = torch.float32,
-                    init_std: float = 0.02, topk: int = TOPK) -> Any:
+                    init_std: float = 0.02, topk: int = TOPK, mtp: int | None = None) -> Any:
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     common = dict(
@@ -85,6 +89,7 @@ def megatron_config(family: str, tp: int, pp: int, ep: int, dtype: torch.dtype =
         bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        mtp_num_layers=mtp,
     )
     moe = dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=topk,
                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_router_load_balancing_type="none",
@@ -111,11 +116,12 @@ def _device_shims(device: str) -> Any:
 
 def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0, *,
                    dtype: torch.dtype = torch.float32, device: str = "cpu", init_std: float = 0.02,
-                   topk: int = TOPK, vocab: int = VOCAB) -> Any:
+                   topk: int = TOPK, vocab: int = VOCAB, mtp: int | None = None) -> Any:
     """This rank's stage of the family's GPTModel (local spec) with every parameter and
     persistent buffer random (norms and the expert bias too, each the same on every rank
     that holds it, drawn from its global name), in `dtype` on `device` ("cuda": this
-    process's current GPU). vocab: GPTModel's vocab_size (Megatron-LM's padded vocabulary)."""
+    process's current GPU). vocab: GPTModel's vocab_size (Megatron-LM's padded vocabulary).
+    mtp: TransformerConfig.mtp_num_layers (multi-token prediction on the last stage)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -126,7 +132,7 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    cfg = megatron_config(family, tp, pp, ep, dtype=dtype, init_std=init_std, topk=topk)
+    cfg = megatron_config(family, tp, pp, ep, dtype=dtype, init_std=init_std, topk=topk, mtp=mtp)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     stage, stages = pgc.pp.rank(), pgc.pp.size()
     torch.manual_seed(seed)
@@ -140,10 +146,15 @@ def build_megatron(family: str, tp: int = 1, pp: int = 1, ep: int = 1, seed: int
         if cfg.multi_latent_attention:
             for layer in spec.layer_specs:
                 layer.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+        mtp_spec = None
+        if mtp:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
         model = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=SEQ, parallel_output=True,
                          share_embeddings_and_output_weights=False, pre_process=stage == 0,
                          post_process=stage == stages - 1, position_embedding_type="rope", rotary_base=THETA,
-                         pg_collection=pgc)
+                         pg_collection=pgc, mtp_block_spec=mtp_spec)
     prefixes = megatron._layer_prefixes(model)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -228,14 +239,14 @@ def hf_logits(model: Any, batch: int = 2) -> torch.Tensor:
 # Megatron modules split over TP along dim 0 (column parallel, embeddings) or dim 1 (row
 # parallel); the rest (norms, router, experts at ETP1) is whole on every rank.
 _DIM0 = re.compile(r"(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
-                   r"|linear_kv_up_proj)\.weight$|^embedding\.word_embeddings\.weight$|^output_layer\.weight$")
+                   r"|linear_kv_up_proj|eh_proj)\.weight$|^embedding\.word_embeddings\.weight$|^output_layer\.weight$")
 _DIM1 = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 
 
 def gathered(model) -> dict[str, torch.Tensor] | None:
     """Every rank's tensors on rank 0 (on the CPU), as global Megatron tensors (global
     layer and expert indices, TP shards concatenated; gated fc1 as [gate; up]). None on
-    other ranks."""
+    other ranks. Copies held by two stages (MTP's embeddings) must be equal."""
     pgc = model.pg_collection
     stage, tp_rank = pgc.pp.rank(), pgc.tp.rank()
     per_stage, per_ep = LAYERS // pgc.pp.size(), EXPERTS // pgc.ep.size()
@@ -256,7 +267,8 @@ def gathered(model) -> dict[str, torch.Tensor] | None:
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for tp_rank, tensors in everyone:
         for name, t in tensors.items():
-            shards.setdefault(name, {})[tp_rank] = t
+            seen = shards.setdefault(name, {}).setdefault(tp_rank, t)
+            assert torch.equal(seen, t), name
     out = {}
     for name, by_rank in shards.items():
         parts = [by_rank[r] for r in sorted(by_rank)]
@@ -276,41 +288,56 @@ def reference(mg: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tenso
     hf = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
           "lm_head.weight": mg["output_layer.weight"], "model.norm.weight": mg["decoder.final_layernorm.weight"]}
     for i in range(LAYERS):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        hf[h + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
-        hf[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
-        hf[h + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
-        if family == "deepseek_v3":
-            for mname, hname in (("linear_q_down_proj", "q_a_proj"), ("linear_q_up_proj", "q_b_proj"),
-                                 ("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("linear_kv_up_proj", "kv_b_proj"),
-                                 ("q_layernorm", "q_a_layernorm"), ("kv_layernorm", "kv_a_layernorm")):
-                hf[f"{h}self_attn.{hname}.weight"] = mg[f"{m}self_attention.{mname}.weight"]
-        else:
-            qkv = mg[m + "self_attention.linear_qkv.weight"]
-            groups, hpg = GROUPS, HEADS // GROUPS
-            g = qkv.view(groups, hpg + 2, -1, HIDDEN)
-            hf[h + "self_attn.q_proj.weight"] = g[:, :hpg].reshape(-1, HIDDEN)
-            hf[h + "self_attn.k_proj.weight"] = g[:, hpg].reshape(-1, HIDDEN)
-            hf[h + "self_attn.v_proj.weight"] = g[:, hpg + 1].reshape(-1, HIDDEN)
-            if family == "qwen3_moe":
-                hf[h + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
-                hf[h + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
-        if m + "mlp.linear_fc1.weight" in mg:  # dense (DeepSeek-V3: the first layer)
-            hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2)
-            hf[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
-            continue
-        hf[h + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
-        for e in range(EXPERTS):
-            x = f"{m}mlp.experts.local_experts.{e}."
-            gate, up = mg[x + "linear_fc1.weight"].chunk(2)
-            hf.update({f"{h}mlp.experts.{e}.gate_proj.weight": gate, f"{h}mlp.experts.{e}.up_proj.weight": up,
-                       f"{h}mlp.experts.{e}.down_proj.weight": mg[x + "linear_fc2.weight"]})
-        if family == "deepseek_v3":
-            hf[h + "mlp.gate.e_score_correction_bias"] = mg[m + "mlp.router.expert_bias"]
-            gate, up = mg[m + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
-            hf.update({h + "mlp.shared_experts.gate_proj.weight": gate, h + "mlp.shared_experts.up_proj.weight": up,
-                       h + "mlp.shared_experts.down_proj.weight": mg[m + "mlp.shared_experts.linear_fc2.weight"]})
+        _layer(hf, mg, f"decoder.layers.{i}.", f"model.layers.{i}.", family)
+    for k in range(sum(1 for n in mg if n.startswith("mtp.layers.") and n.endswith(".eh_proj.weight"))):
+        # DeepSeek-V3's MTP module k: checkpoint layer LAYERS + k (its shared head and
+        # embeddings are the main model's in Megatron)
+        m, h = f"mtp.layers.{k}.", f"model.layers.{LAYERS + k}."
+        # eh_proj: both take cat(enorm(embedding), hnorm(hidden)), so its columns are as they are
+        for mname, hname in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                             ("final_layernorm", "shared_head.norm")):
+            hf[f"{h}{hname}.weight"] = mg[f"{m}{mname}.weight"]
+        hf[h + "shared_head.head.weight"] = mg["output_layer.weight"]
+        hf[h + "embed_tokens.weight"] = mg["embedding.word_embeddings.weight"]
+        _layer(hf, mg, m + "mtp_model_layer.", h, family)
     return hf
+
+
+def _layer(hf: dict[str, torch.Tensor], mg: dict[str, torch.Tensor], m: str, h: str, family: str) -> None:
+    """One decoder layer's checkpoint tensors (Megatron prefix m, HF prefix h) into hf."""
+    hf[h + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
+    hf[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+    hf[h + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+    if family == "deepseek_v3":
+        for mname, hname in (("linear_q_down_proj", "q_a_proj"), ("linear_q_up_proj", "q_b_proj"),
+                             ("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("linear_kv_up_proj", "kv_b_proj"),
+                             ("q_layernorm", "q_a_layernorm"), ("kv_layernorm", "kv_a_layernorm")):
+            hf[f"{h}self_attn.{hname}.weight"] = mg[f"{m}self_attention.{mname}.weight"]
+    else:
+        qkv = mg[m + "self_attention.linear_qkv.weight"]
+        groups, hpg = GROUPS, HEADS // GROUPS
+        g = qkv.view(groups, hpg + 2, -1, HIDDEN)
+        hf[h + "self_attn.q_proj.weight"] = g[:, :hpg].reshape(-1, HIDDEN)
+        hf[h + "self_attn.k_proj.weight"] = g[:, hpg].reshape(-1, HIDDEN)
+        hf[h + "self_attn.v_proj.weight"] = g[:, hpg + 1].reshape(-1, HIDDEN)
+        if family == "qwen3_moe":
+            hf[h + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
+            hf[h + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
+    if m + "mlp.linear_fc1.weight" in mg:  # dense (DeepSeek-V3: the first layer)
+        hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2)
+        hf[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+        return
+    hf[h + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
+    for e in range(EXPERTS):
+        x = f"{m}mlp.experts.local_experts.{e}."
+        gate, up = mg[x + "linear_fc1.weight"].chunk(2)
+        hf.update({f"{h}mlp.experts.{e}.gate_proj.weight": gate, f"{h}mlp.experts.{e}.up_proj.weight": up,
+                   f"{h}mlp.experts.{e}.down_proj.weight": mg[x + "linear_fc2.weight"]})
+    if family == "deepseek_v3":
+        hf[h + "mlp.gate.e_score_correction_bias"] = mg[m + "mlp.router.expert_bias"]
+        gate, up = mg[m + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
+        hf.update({h + "mlp.shared_experts.gate_proj.weight": gate, h + "mlp.shared_experts.up_proj.weight": up,
+                   h + "mlp.shared_experts.down_proj.weight": mg[m + "mlp.shared_experts.linear_fc2.weight"]})
 
 
 def hf_checkpoint(model: Any) -> dict[str, torch.Tensor]:

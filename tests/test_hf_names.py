@@ -147,6 +147,35 @@ def _mla_case(rank: int, gen: torch.Generator) -> tuple[dict, dict, Any, Any]:
     return hf, mg, config, None
 
 
+def _mtp_case(rank: int, gen: torch.Generator) -> tuple[dict, dict, Any, Any]:
+    """One MTP layer after 2 decoder layers (HF layer 2): enorm, hnorm, eh_proj (rows over
+    TP; columns [embedding | hidden] in both), its final norm as shared_head.norm, its
+    inner layer; the output head and embeddings also under shared_head.head / embed_tokens."""
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    hf = {"model.embed_tokens.weight": r(V, H), "lm_head.weight": r(V, H)}
+    h, m = "model.layers.2.", "mtp.layers.0."
+    t = {n: r(*s) for n, s in (("enorm", (H,)), ("hnorm", (H,)), ("eh_emb", (H, H)), ("eh_hid", (H, H)),
+                               ("norm", (H,)), ("ln1", (H,)), ("o", (H, G * HPG * D)), ("gate", (I, H)),
+                               ("up", (I, H)))}
+    hf.update({h + "enorm.weight": t["enorm"], h + "hnorm.weight": t["hnorm"],
+               h + "eh_proj.weight": torch.cat([t["eh_emb"], t["eh_hid"]], 1), h + "shared_head.norm.weight": t["norm"],
+               h + "shared_head.head.weight": hf["lm_head.weight"],
+               h + "embed_tokens.weight": hf["model.embed_tokens.weight"],
+               h + "input_layernorm.weight": t["ln1"], h + "self_attn.o_proj.weight": t["o"],
+               h + "mlp.gate_proj.weight": t["gate"], h + "mlp.up_proj.weight": t["up"]})
+    mg = {"embedding.word_embeddings.weight": _shard(hf["model.embed_tokens.weight"], 0, rank),
+          "output_layer.weight": _shard(hf["lm_head.weight"], 0, rank),
+          m + "enorm.weight": (t["enorm"], {}), m + "hnorm.weight": (t["hnorm"], {}),
+          m + "eh_proj.weight": _shard(hf[h + "eh_proj.weight"], 0, rank),
+          m + "final_layernorm.weight": (t["norm"], {}),
+          m + "mtp_model_layer.input_layernorm.weight": (t["ln1"], {}),
+          m + "mtp_model_layer.self_attention.linear_proj.weight": _shard(t["o"], 1, rank),
+          m + "mtp_model_layer.mlp.linear_fc1.weight": _fc1(t["gate"], t["up"], rank, stride=1)}
+    config = types.SimpleNamespace(gated_linear_unit=True, multi_latent_attention=False, num_layers=2,
+                                   mtp_num_layers=1)
+    return hf, mg, config, "deepseek_v3"
+
+
 def _grouped(name: str, t: torch.Tensor) -> torch.Tensor:
     """The HF tensor in the shape the entries use (grouped q/k/v)."""
     if ".q_proj." in name and ".self_attn." in name and t.shape[0] == G * HPG * D:
@@ -161,7 +190,8 @@ def _check_case(rank: int, world: int, case: str) -> dict:
 
     gen = torch.Generator().manual_seed(3)
     cases = {"dense": lambda: _dense_case(rank, gen), "mixtral": lambda: _moe_case(rank, gen, "mixtral"),
-             "qwen2_moe": lambda: _moe_case(rank, gen, "qwen2_moe"), "mla": lambda: _mla_case(rank, gen)}
+             "qwen2_moe": lambda: _moe_case(rank, gen, "qwen2_moe"), "mla": lambda: _mla_case(rank, gen),
+             "mtp": lambda: _mtp_case(rank, gen)}
     hf, mg, config, family = cases[case]()
     model = _module(mg, config, tied=case == "dense")
     got = megatron_hf.entries(model, hf_names=family)
@@ -170,7 +200,7 @@ def _check_case(rank: int, world: int, case: str) -> dict:
     return {"missing": sorted(set(hf) - set(got)), "extra": sorted(set(got) - set(hf)), "wrong": wrong}
 
 
-@pytest.mark.parametrize("case", ["dense", "mixtral", "qwen2_moe", "mla"])
+@pytest.mark.parametrize("case", ["dense", "mixtral", "qwen2_moe", "mla", "mtp"])
 def test_megatron_like_modules_under_hf_names(case: str) -> None:
     for r, res in enumerate(run_ranks(2, _check_case, case)):
         assert res == {"missing": [], "extra": [], "wrong": []}, (r, res)
@@ -195,6 +225,37 @@ def _errors(rank: int, world: int) -> list[str]:
     except rx.ReshardError as e:
         out.append(str(e))
     return out
+
+
+def _mtp_errors(rank: int, world: int) -> dict:
+    """A HF side expecting MTP layers the Megatron model lacks (and the reverse) raises on
+    every rank; a destination Megatron model offers no second names (one tensor, one name)."""
+    import reshard_ext as rx
+    from reshard_ext.adapters import megatron_hf
+    from reshard_ext.adapters.hf_names import HFNames
+
+    hf, mg, config, _ = _mtp_case(rank, torch.Generator().manual_seed(3))
+    out: dict = {"errors": []}
+    plain = {n: v for n, v in mg.items() if not n.startswith("mtp.")}
+    for tensors, mtp, expected in ((plain, None, 1), (mg, 1, 2)):
+        config.mtp_num_layers = mtp
+        try:
+            megatron_hf.entries(_module(tensors, config), hf_names=HFNames(mtp_layers=expected))
+        except rx.ReshardError as e:
+            out["errors"].append(str(e))
+    config.mtp_num_layers = 1
+    dst = megatron_hf.entries(_module(mg, config), hf_names=HFNames(mtp_layers=1), tie_output_to_embedding=False)
+    out["dst_extra"] = sorted(set(hf) - set(dst))
+    return out
+
+
+def test_mtp_layers_the_megatron_model_lacks_raise() -> None:
+    for res in run_ranks(2, _mtp_errors):
+        none, fewer = res["errors"]
+        assert "1 multi-token-prediction layer(s) (model.layers.2:" in none and "has none" in none, none
+        assert "mtp_num_layers=1 and its mtp_block_spec" in none, none
+        assert "2 multi-token-prediction layer(s) (model.layers.2..3:" in fewer and "has 1" in fewer, fewer
+        assert res["dst_extra"] == ["model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"]
 
 
 def test_unnamed_tensors_unknown_families_and_plain_modules_raise() -> None:

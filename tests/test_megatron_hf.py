@@ -194,3 +194,48 @@ def test_padded_vocabulary_into_transformers_and_an_engine(tmp_path) -> None:
     assert [r[1000]["engine_differ"] for r in results] == [[]] * 4, [r[1000]["engine_differ"] for r in results]
     for r in results:
         assert r["error"] is not None and "1100 tokens" in r["error"] and "1024" in r["error"], r["error"]
+
+
+def _mtp_refit(rank: int, world: int) -> dict:
+    """DeepSeek-V3 with one MTP layer (TP2 x PP2 x EP2; MTP and a copy of the embeddings
+    on the last stage) into a plain HF checkpoint dict on rank 0 (transformers'
+    DeepseekV3 drops MTP layers), then that dict back into a zeroed Megatron model."""
+    import _megatron_hf as mh
+
+    import reshard_ext as rx
+    from reshard_ext.adapters import megatron_hf
+
+    src = mh.build_megatron("deepseek_v3", tp=TP, pp=PP, ep=2, seed=1, mtp=1)
+    mg = mh.gathered(src)
+    want = mh.reference(mg, "deepseek_v3") if mg is not None else {}
+    dst = {n: (torch.zeros_like(t), rx.Layout(tuple(t.shape), t.dtype, rx.Mesh([0]), [rx.Replicate()]))
+           for n, t in want.items()}
+    rx.execute(rx.plan(megatron_hf.entries(src, hf_names="deepseek_v3"), dst))
+    out: dict = {"differ": sorted(n for n, (t, _) in dst.items() if not torch.equal(t, want[n]))}
+    back = mh.build_megatron("deepseek_v3", tp=TP, pp=PP, ep=2, seed=2, mtp=1)
+    with torch.no_grad():
+        for t in back.state_dict().values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.zero_()
+    rx.execute(rx.plan(dst, megatron_hf.entries(back, hf_names="deepseek_v3", tie_output_to_embedding=False)))
+    theirs = back.state_dict()
+    out["back_differ"] = sorted(n for n, t in src.state_dict().items()
+                                if isinstance(t, torch.Tensor) and not torch.equal(t, theirs[n]))
+    out["mtp_names"] = sorted(n for n in want if n.startswith(f"model.layers.{mh.LAYERS}."))
+    rx.clear_caches()
+    return out
+
+
+def test_deepseek_v3_mtp_tp2_pp2_into_a_checkpoint() -> None:
+    """Every HF tensor of the checkpoint, MTP layer 4 included (enorm, hnorm, eh_proj,
+    shared_head.norm/head, embed_tokens, its MLA attention and MoE), equals the gathered
+    Megatron weights converted by hand, bit for bit; and back, every stage's tensors
+    (the last stage's copy of the embeddings too) equal the source's."""
+    results = run_ranks(4, _mtp_refit, timeout=600)
+    assert [r["back_differ"] for r in results] == [[]] * 4, [r["back_differ"][:3] for r in results]
+    first = results[0]
+    assert first["differ"] == [], first["differ"][:5]
+    mtp = first["mtp_names"]
+    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens",
+                 "self_attn.kv_b_proj", "mlp.experts.3.up_proj", "mlp.shared_experts.down_proj"):
+        assert f"model.layers.4.{name}.weight" in mtp, (name, mtp)

@@ -62,6 +62,11 @@ class HFNames:
     vocab_size: the checkpoint's vocabulary, the rows of ``embed_tokens`` and ``lm_head``,
         where the Megatron model pads its own beyond it (``make_vocab_size_divisible_by``);
         None: the model's own. Not a family trait: `family` takes it from a HF config.
+    mtp_layers: the multi-token-prediction layers the HF side holds (DeepSeek-V3's
+        ``model.layers.{num_hidden_layers + k}``); a Megatron model with another
+        ``mtp_num_layers`` raises. None: the Megatron model's own. Never taken from a HF
+        config: ``DeepseekV3Config`` says 1 while the ``transformers`` model and vLLM's
+        main model drop that layer (an engine's MTP drafter is a model of its own).
     """
 
     moe_block: str = "mlp"
@@ -71,6 +76,7 @@ class HFNames:
     shared_expert_gate: str | None = None
     expert_bias: str | None = None
     vocab_size: int | None = None
+    mtp_layers: int | None = None
 
 
 _DENSE = HFNames()

@@ -12,6 +12,10 @@ Everything is read from the model itself, as Megatron-Core stamps it:
 - persistent buffers (router ``expert_bias``...) travel with the weights, replicated;
 - tied embeddings: a source model sharing embeddings and output weights and holding
   no ``output_layer.weight`` offers the word embeddings under that name too;
+- multi-token prediction (``mtp_num_layers``) at PP > 1: the MTP stage holds a copy of
+  the word embeddings that Megatron keeps equal to the first stage's (its gradients are
+  all-reduced over ``pg_collection.embd``), so ``embedding.word_embeddings.weight`` is
+  one tensor replicated over the stages of that group, and a refit writes every copy;
 - process groups from ``model.pg_collection`` (tp, dp or dp_cp, ep, expt_tp, expt_dp).
 
 Meshes: a dense tensor lives on the (replica x tp) grid of its stage. Each rank builds
@@ -94,6 +98,10 @@ class _Groups:
     def grid(self, replicas: list[int], tp: list[int]) -> Mesh:
         return Mesh([[self.to_group(r + t - self.me) for t in tp] for r in replicas])
 
+    def across(self, attr: str, replicas: list[int]) -> list[int]:
+        """`replicas` of this stage and their translates on every stage of group `attr`."""
+        return [s + r - self.me for s in self.ranks(attr) for r in replicas]
+
 
 def _layer_prefixes(module: nn.Module) -> dict[str, str]:
     """Stage-local layer module path -> global path, from each layer's 1-based layer_number."""
@@ -144,12 +152,15 @@ def _layout(tensor: torch.Tensor, name: str, mesh: Mesh, tp_size: int) -> Layout
     return Layout(shape, tensor.dtype, mesh, [Replicate(), Shard(dim, stride, blocks)])
 
 
-def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None) -> Entries:
+def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None, mtp: bool) -> Entries:
     prefixes = _layer_prefixes(core)
     tensors = [(_global_layer_name(n, prefixes), t) for n, t in named_tensors(core)]
 
     tp = groups.ranks("tp")
-    dense_mesh = groups.grid(groups.ranks("dp_cp", "dp"), tp)
+    replicas = groups.ranks("dp_cp", "dp")
+    dense_mesh = groups.grid(replicas, tp)
+    # MTP: the first stage's embeddings and the MTP stage's copy are one tensor
+    embedding_mesh = groups.grid(groups.across("embd", replicas), tp) if mtp else dense_mesh
     expt_tp = groups.ranks("expt_tp", "tp")
     expert_mesh = groups.grid(groups.ranks("expt_dp"), expt_tp)
     ep_size, ep_rank = len(groups.ranks("ep")), groups.rank_in("ep")
@@ -173,6 +184,8 @@ def _chunk_entries(core: nn.Module, groups: _Groups, num_experts: int | None) ->
                     per_rank = num_experts // ep_size
                 name = slot[0].format(ep_rank * per_rank + slot[1])
             out[name] = (t, _layout(t, name, expert_mesh, len(expt_tp)))
+        elif name == WORD_EMBEDDINGS:
+            out[name] = (t, _layout(t, name, embedding_mesh, len(tp)))
         else:
             out[name] = (t, _layout(t, name, dense_mesh, len(tp)))
     return out
@@ -215,7 +228,8 @@ def entries(
         pgc = _pg_collection(core)
         config = getattr(core, "config", None)
         num_experts = getattr(config, "num_moe_experts", None)
-        for name, item in _chunk_entries(core, _Groups(pgc, group, rank_offset), num_experts).items():
+        mtp = bool(getattr(config, "mtp_num_layers", None))
+        for name, item in _chunk_entries(core, _Groups(pgc, group, rank_offset), num_experts, mtp).items():
             if name in out:
                 raise ReshardError(f"two model chunks both hold '{name}' (check layer_number)")
             out[name] = item

@@ -31,6 +31,11 @@ mlp.experts.linear_fc1.weightK,                 {moe}.experts.K.{gate,up} (Mixtr
 mlp.experts.*fc2* (both forms)                  {moe}.experts.K.{down} (Mixtral w2)
 mlp.shared_experts.linear_fc1/linear_fc2        {moe}.{shared}.gate_proj, up_proj / down_proj
 mlp.shared_experts.gate_weight                  {moe}.shared_expert_gate.weight (Qwen2-MoE)
+mtp.layers.k.enorm / .hnorm / .eh_proj          model.layers.{N+k}.enorm / .hnorm / .eh_proj
+mtp.layers.k.final_layernorm                    model.layers.{N+k}.shared_head.norm
+mtp.layers.k.mtp_model_layer.*                  model.layers.{N+k}.* (as a decoder layer's)
+(source only) output_layer / word embeddings    model.layers.{N+k}.shared_head.head /
+                                                  .embed_tokens (second names, not copies)
 ==============================================  =============================================
 
 ``layers.i`` is ``decoder.layers.i`` / ``model.layers.i`` with the global layer index
@@ -39,9 +44,25 @@ mlp.shared_experts.gate_weight                  {moe}.shared_expert_gate.weight 
 ``partition_stride`` says, so gate and up are the two halves of each local shard. A
 DeepSeek-V3 model's dense-first layers (``first_k_dense_replace``) are the layers with a
 plain ``mlp.linear_fc1``; Megatron's persistent ``expert_bias`` becomes
-``mlp.gate.e_score_correction_bias``. Multi-token-prediction layers (``mtp.*``) and
-Mamba/hybrid layers have no entry here: a parameter the table does not know raises,
-naming it (an unmapped tensor is never dropped silently).
+``mlp.gate.e_score_correction_bias``. Mamba/hybrid layers have no entry here: a
+parameter the table does not know raises, naming it (an unmapped tensor is never
+dropped silently).
+
+Multi-token prediction (``TransformerConfig.mtp_num_layers``, DeepSeek-V3's MTP, built on
+the last pipeline stage): the HF checkpoint stores MTP module k as one more decoder
+layer, index ``N + k`` after the ``N = num_layers`` decoder layers, with its own
+``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` (Megatron's MTP
+``final_layernorm``) beside the usual attention and MLP tensors of its
+``mtp_model_layer``. Megatron's ``eh_proj`` (a ColumnParallelLinear, rows split over TP)
+takes ``cat(enorm(embedding), hnorm(hidden))`` as vLLM's and SGLang's DeepSeek MTP
+layers do, so its columns are the checkpoint's as they are. The MTP output head and
+embeddings are the main model's in Megatron; a source also offers them under the MTP
+layer's ``shared_head.head`` and ``embed_tokens`` names (what engines' MTP loaders read),
+as second names of the same pieces; a destination takes them from ``lm_head`` and
+``model.embed_tokens`` only. Names checked against vLLM
+(``vllm/model_executor/models/deepseek_mtp.py``: ``_rewrite_spec_layer_name``), SGLang
+(``python/sglang/srt/models/deepseek_nextn.py``) and Megatron-Bridge
+(``megatron/bridge/models/deepseek/common.py``: its MTP mappings).
 
 Experts are offered one by one, under the checkpoint's per-expert names: Megatron-Core
 holds every expert as a parameter of its own (``weightK``, ``local_experts.K``), so no
@@ -81,6 +102,8 @@ from .hf_names import FAMILIES, HFNames, family
 Item = tuple[torch.Tensor, Layout]
 _PADDED = (megatron.WORD_EMBEDDINGS, megatron.OUTPUT_LAYER)  # vocab-parallel: rows padded beyond the checkpoint's
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_INNER = "mtp_model_layer."
 _TOP = {
     megatron.WORD_EMBEDDINGS: "model.embed_tokens.weight",
     megatron.OUTPUT_LAYER: "lm_head.weight",
@@ -118,6 +141,15 @@ _MLA: dict[str, Target] = {
     "self_attention.linear_kv_up_proj.{p}": "self_attn.kv_b_proj.{p}",
     "self_attention.linear_kv_up_proj.layer_norm_{p}": "self_attn.kv_a_layernorm.{p}",
     "self_attention.kv_layernorm.{p}": "self_attn.kv_a_layernorm.{p}",
+}
+
+
+# An MTP layer's own tensors, relative to mtp.layers.k / model.layers.{N+k}
+_MTP_OWN: dict[str, Target] = {
+    "enorm.{p}": "enorm.{p}",
+    "hnorm.{p}": "hnorm.{p}",
+    "eh_proj.{p}": "eh_proj.{p}",
+    "final_layernorm.{p}": "shared_head.norm.{p}",
 }
 
 
@@ -164,15 +196,30 @@ class _Converter:
         self.gated = bool(getattr(config, "gated_linear_unit", False))
         self.mla = bool(getattr(config, "multi_latent_attention", False))
         self.table = _compiled({**_COMMON, **(_MLA if self.mla else _GQA), **_moe(names)})
+        self.mtp_table = _compiled(_MTP_OWN)
+        self.num_layers = int(getattr(config, "num_layers", 0) or 0)
 
     def convert(self, name: str, item: Item) -> dict[str, Item] | None:
         """HF entries of one Megatron entry; None: no name for it."""
         if name in _TOP:
             return self._vocab(_TOP[name], item, name)
         m = _LAYER.match(name)
+        if m:
+            return self._layer(f"model.layers.{m.group(1)}.", m.group(2), name, item)
+        m = _MTP.match(name)
         if not m:
             return None
-        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+        prefix, rest = f"model.layers.{self.num_layers + int(m.group(1))}.", m.group(2)
+        if rest.startswith(_MTP_INNER):
+            return self._layer(prefix, rest[len(_MTP_INNER):], name, item)
+        for pattern, target in self.mtp_table:
+            hit = pattern.fullmatch(rest)
+            if hit is not None:
+                return {prefix + str(target).format(**hit.groupdict()): item}
+        return None
+
+    def _layer(self, prefix: str, rest: str, name: str, item: Item) -> dict[str, Item] | None:
+        """HF entries of a decoder layer's tensor `rest` (relative to the layer) under `prefix`."""
         for pattern, target in self.table:
             hit = pattern.fullmatch(rest)
             if hit is None:
@@ -263,22 +310,27 @@ def entries(
 
     hf_names: the family (a name such as ``"qwen3_moe"``, a HF config, an
     `hf_names.HFNames`); None: inferred from the model's TransformerConfig.
-    group, rank_offset, tie_output_to_embedding: as in `adapters.megatron.entries`.
+    group, rank_offset, tie_output_to_embedding: as in `adapters.megatron.entries`; the
+    latter (a source) also offers each MTP layer's ``shared_head.head`` and ``embed_tokens``.
     vocab_size: the checkpoint's vocabulary where Megatron padded its own beyond it:
     ``embed_tokens`` and ``lm_head`` are then its first `vocab_size` rows (a destination's
     padding rows are left untouched). Default: ``hf_names``' (a HF config's), else the
     model's own. Pass the same on every rank.
-    Raises ReshardError naming every parameter the family's table has no name for, and
-    for a `vocab_size` larger than the model's (``GPTModel.vocab_size``), on every rank.
+    Raises ReshardError naming every parameter the family's table has no name for, for a
+    `vocab_size` larger than the model's (``GPTModel.vocab_size``), and for an
+    ``HFNames.mtp_layers`` other than the model's ``mtp_num_layers``, on every rank.
     """
     names = resolve(model, hf_names)
+    config = _config(model)
+    mtp = int(getattr(config, "mtp_num_layers", None) or 0)
+    _check_mtp(names.mtp_layers, mtp, int(getattr(config, "num_layers", 0) or 0))
     vocab = vocab_size if vocab_size is not None else names.vocab_size
     padded = getattr(megatron.unwrap(megatron._chunks(model)[0]), "vocab_size", None)
     if vocab is not None and isinstance(padded, int):  # every stage knows it: all ranks raise alike
         _check_vocab(vocab, padded, "GPTModel.vocab_size")
     base = megatron.entries(model, group=group, rank_offset=rank_offset,
                             tie_output_to_embedding=tie_output_to_embedding)
-    conv = _Converter(_config(model), names, megatron.refit_rank(model, group=group, rank_offset=rank_offset),
+    conv = _Converter(config, names, megatron.refit_rank(model, group=group, rank_offset=rank_offset),
                       vocab)
     out: Entries = {}
     unknown = []
@@ -295,7 +347,25 @@ def entries(
         raise ReshardError(f"{len(unknown)} Megatron tensors have no Hugging Face name in family {names}: "
                            f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''}; pass hf_names= for the right family, "
                            f"or describe these tensors yourself (plan entries)")
+    if tie_output_to_embedding:  # every stage knows mtp: a name's ranks all offer it
+        for k in range(conv.num_layers, conv.num_layers + mtp):
+            for shared, main in (("shared_head.head.weight", "lm_head.weight"),
+                                 ("embed_tokens.weight", "model.embed_tokens.weight")):
+                if main in out:
+                    out[f"model.layers.{k}.{shared}"] = out[main]
     return out
+
+
+def _check_mtp(expected: int | None, mtp: int, num_layers: int) -> None:
+    """Raises unless the HF side's MTP layers (None: whatever the model has) are the model's."""
+    if expected is None or expected == mtp:
+        return
+    layers = f"model.layers.{num_layers}" + (f"..{num_layers + expected - 1}" if expected > 1 else "")
+    raise ReshardError(
+        f"the Hugging Face side has {expected} multi-token-prediction layer(s) ({layers}: enorm, hnorm, eh_proj, "
+        f"shared_head, ...) but the Megatron model has {mtp or 'none'} (TransformerConfig.mtp_num_layers="
+        f"{mtp or None}): the MTP weights would be left stale. Build the Megatron model with "
+        f"mtp_num_layers={expected} and its mtp_block_spec, or refit into a model with {mtp or 'no'} MTP layer(s)")
 
 
 __all__ = ["entries", "resolve", "infer_family"]
