@@ -1,7 +1,8 @@
-"""Real process groups for tests: a pool of spawned workers per (world size, backend).
+"""Real process groups for tests: a pool of worker processes per (world size, backend).
 
 Starting torch in a fresh process costs seconds on a 2-core machine, so each pool is
-spawned once per test session and reused: `run_ranks(n, fn, *args)` runs the
+started once per test session and reused, and its workers are forked from a server that
+imported torch once (`worker_context`): `run_ranks(n, fn, *args)` runs the
 module-level function `fn(rank, world_size, *args)` on every rank of an n-process group
 (gloo on CPU, nccl on GPU) and returns the per-rank results. A rank that raises makes
 `run_ranks` raise with that rank's traceback; a rank that does not answer within the
@@ -33,12 +34,33 @@ class RankFailure(RuntimeError):
     pass
 
 
-def _worker(rank: int, world: int, port: int, backend: str, inq, outq) -> None:
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def worker_context():
+    """The start method of test ranks: a forkserver that imported torch once, so a rank costs
+    a fork, not a fresh interpreter importing torch; the server never touches CUDA, so a
+    forked rank may. Each rank takes the caller's environment as it is when the rank starts
+    (`adopt_environment`), as a spawned one would."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """The starting process's environment in this rank (the forkserver's is from when it started)."""
+    if env != os.environ:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _worker(rank: int, world: int, port: int, backend: str, env: dict[str, str], inq, outq) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    adopt_environment(env)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     torch.set_num_threads(1)
@@ -76,7 +98,7 @@ def _worker(rank: int, world: int, port: int, backend: str, inq, outq) -> None:
 
 class Pool:
     def __init__(self, world: int, backend: str):
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         self.world = world
         self.backend = backend
         for attempt in range(3):
@@ -84,7 +106,8 @@ class Pool:
             self.outq = ctx.Queue()
             port = free_port()  # another process can take it before rank 0 listens: then retry
             self.procs = [
-                ctx.Process(target=_worker, args=(r, world, port, backend, self.inqs[r], self.outq), daemon=True)
+                ctx.Process(target=_worker, args=(r, world, port, backend, dict(os.environ), self.inqs[r], self.outq),
+                            daemon=True)
                 for r in range(world)
             ]
             for p in self.procs:

@@ -5,31 +5,32 @@ torch.distributed world (or none), as a trainer and an inference engine do.
 `fn(job, local_rank, sizes, *args)` in every process of every job and returns the
 results in job order, then local rank order. `jobs` is a tuple of (ranks, backend):
 backend "gloo" or "nccl" gives that job its own world (init_process_group on a port of
-its own), None gives it no world at all. Processes are spawned once per `jobs` and
-reused (starting torch costs seconds on a 2-core machine); where there is CUDA, process
+its own), None gives it no world at all. Processes are started once per `jobs` (forked
+from the server of _dist.worker_context, which imported torch) and reused (starting torch
+costs seconds on a 2-core machine); where there is CUDA, process
 i of the whole set uses device i. A process that raises makes run_jobs raise with its
 traceback; one that does not answer within the timeout (a hang) fails the test.
 """
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-from _dist import RankFailure, free_port, stop_workers
+from _dist import RankFailure, adopt_environment, free_port, stop_workers, worker_context
 
 
 def _worker(job: int, local: int, sizes: tuple[int, ...], backend: str | None, port: int, device: int,
-            inq, outq) -> None:
+            env: dict[str, str], inq, outq) -> None:
     import datetime
-    import os
 
     import torch
     import torch.distributed as dist
 
+    adopt_environment(env)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     torch.set_num_threads(1)
@@ -58,7 +59,7 @@ def _worker(job: int, local: int, sizes: tuple[int, ...], backend: str | None, p
 
 class Jobs:
     def __init__(self, jobs: tuple[tuple[int, str | None], ...]):
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         self.sizes = tuple(n for n, _ in jobs)
         self.outq = ctx.Queue()
         self.inqs: dict[tuple[int, int], Any] = {}
@@ -69,8 +70,8 @@ class Jobs:
             for r in range(n):
                 q = ctx.Queue()
                 self.inqs[(j, r)] = q
-                self.procs.append(ctx.Process(target=_worker, args=(j, r, self.sizes, backend, port, device, q,
-                                                                    self.outq), daemon=True))
+                self.procs.append(ctx.Process(target=_worker, args=(j, r, self.sizes, backend, port, device,
+                                                                    dict(os.environ), q, self.outq), daemon=True))
                 device += 1
         for p in self.procs:
             p.start()
