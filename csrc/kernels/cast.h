@@ -31,6 +31,13 @@ RX_HD double f64_from_bits(uint64_t u) { return bit_cast<double>(u); }
 // Whether FP32 bits are a NaN (either sign, any payload).
 RX_HD bool is_nan(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
 
+// Whether FP32 bits are finite (not Inf, not NaN); whether both BF16 of a word are.
+RX_HD bool is_finite(uint32_t bits) { return (bits & 0x7f800000u) != 0x7f800000u; }
+RX_HD bool bf16x2_finite(uint32_t w) {
+  const uint32_t e = (w & 0x7f807f80u) ^ 0x7f807f80u;  // nonzero in a half whose exponent is not all ones
+  return (e & 0xffffu) != 0 && (e >> 16) != 0;
+}
+
 // One FP32 operation rounded to nearest even, never fused into another (no FMA
 // contraction, no fast math), so that host twins and kernels agree bit for bit.
 RX_HD float mul_rn(float a, float b) {

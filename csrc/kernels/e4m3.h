@@ -52,9 +52,6 @@ RX_HD uint8_t e4m3_rn(uint32_t bits, int32_t k) {
   return static_cast<uint8_t>(sign | static_cast<uint32_t>(out));
 }
 
-// Whether FP32 bits are finite (not Inf, not NaN).
-RX_HD bool is_finite(uint32_t bits) { return (bits & 0x7f800000u) != 0x7f800000u; }
-
 // E4M3 bytes of four finite FP32 values, packed little-endian (a in the low byte). The
 // codecs' hot loops: one cvt.rn.satfinite.e4m3x2.f32 per pair on sm_89+, which rounds
 // and saturates finite values exactly as e4m3_rn(bits, 0) does (the kernel tests compare

@@ -104,8 +104,7 @@ RX_HD uint32_t quantize_words(uint32_t a, uint32_t b, uint8_t s) {
   // Finite elements (all four exponents not all ones): x * 2^(127 - s) is exact in FP32 (s
   // <= 247 from a BF16 amax, so the factor is a normal FP32), and e4m3x4_finite rounds it
   // as e4m3_scaled does; NaN and Inf keep their signed bytes below.
-  const uint32_t exps = ((a & 0x7f807f80u) ^ 0x7f807f80u), expsb = ((b & 0x7f807f80u) ^ 0x7f807f80u);
-  if ((exps & 0xffffu) && (exps >> 16) && (expsb & 0xffffu) && (expsb >> 16) && s <= 253) {
+  if (bf16x2_finite(a) && bf16x2_finite(b) && s <= 253) {
     const float f = f32_from_bits(static_cast<uint32_t>(254 - s) << 23);
     return e4m3x4_finite(mul_rn(f32_from_bits(a << 16), f), mul_rn(f32_from_bits(a & 0xffff0000u), f),
                          mul_rn(f32_from_bits(b << 16), f), mul_rn(f32_from_bits(b & 0xffff0000u), f));

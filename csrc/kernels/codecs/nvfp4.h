@@ -122,24 +122,8 @@ RX_HD BlockScale block_scale(uint32_t bmax, uint32_t pts, uint32_t rcp) {
   return BlockScale{s8, div_bits(rcp, f32_of_e4m3(s8))};
 }
 
-// E2M1 code (sign << 3 | 3 bits) of FP32 bits, torchao's _f32_to_floatx_unpacked: |y| >= 6
-// saturates to 7; below 1 it rounds to a multiple of 0.5 (ties to even: codes 0, 1, 2);
-// else its exponent is rebiased with a round-to-nearest-even carry. NaN takes the last
-// path too, so its code comes from its bits.
-RX_HD uint32_t e2m1_of(uint32_t y) {
-  const uint32_t sign = y & 0x80000000u, a = y ^ sign;
-  uint32_t code;
-  if (!is_nan(a) && a >= 0x40c00000u) {  // >= 6.0
-    code = 7;
-  } else if (!is_nan(a) && a < 0x3f800000u) {  // < 1.0
-    code = a <= 0x3e800000u ? 0u : (a < 0x3f400000u ? 1u : 2u);  // 0.25 and 0.75 are ties
-  } else {
-    code = ((a + 0xc1000000u + 0x1fffffu + ((a >> 22) & 1u)) >> 22) & 0xffu;
-  }
-  return (code | (sign ? 8u : 0u)) & 0xffu;
-}
-
-// e2m1_of(clamp(y, -6, 6)) for a y that is not NaN, branch-free: the count of rounding
+// E2M1 code (sign << 3 | 3 bits) of FP32 bits y that are not NaN, as torchao's
+// _f32_to_floatx_unpacked rounds clamp(y, -6, 6), branch-free: the count of rounding
 // thresholds |y| passes (0.25, 1.25, 2.5 and 5 are ties that round down to even codes,
 // 0.75, 1.75 and 3.5 ties that round up), plus the sign.
 RX_HD uint32_t e2m1_of_number(uint32_t y) {
@@ -150,11 +134,18 @@ RX_HD uint32_t e2m1_of_number(uint32_t y) {
   return code | ((y >> 28) & 8u);
 }
 
+// Any FP32 bits: a NaN takes torchao's exponent-rebias path, so its code comes from its bits.
+RX_HD uint32_t e2m1_of(uint32_t y) {
+  if (!is_nan(y)) return e2m1_of_number(y);
+  const uint32_t a = y & 0x7fffffffu;
+  return ((((a + 0xc1000000u + 0x1fffffu + ((a >> 22) & 1u)) >> 22) & 0xffu) | ((y >> 28) & 8u)) & 0xffu;
+}
+
 // The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier m.
 RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
   // Both elements and m finite: no NaN to propagate and no 0 * Inf, so mul_bits is a plain
   // product and e2m1_of_number its code.
-  if ((w & 0x7f80u) != 0x7f80u && (w & 0x7f800000u) != 0x7f800000u && (m & 0x7f800000u) != 0x7f800000u) {
+  if (bf16x2_finite(w) && is_finite(m)) {
     const float f = f32_from_bits(m);
     return e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w << 16), f))) |
            e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w & 0xffff0000u), f))) << 4;
