@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats] [docs]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats] [docs] [outcome]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -380,6 +380,19 @@ stage_engines() {
     step "engine_refit_bench: 2 trainers -> TP$tp engine (4 GPUs)"
     timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/engine_refit_bench.py --trainers 2 --engine-tp "$tp" \
       ${RX_ENGINE_ARGS:-} 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/engine_bench.log" | tail -20
+  done
+}
+stage_outcome() {
+  # issue 37 on GPUs: every rank raises (SIGKILL, a rank that raised first, the NVSHMEM auto -> nccl ->
+  # nvshmem sequence), then what the outcome exchange costs per execute on each backend (<= 50 us)
+  gpus 2 outcome || return 0
+  step "outcome: one answer on every rank, GPU cases"
+  (cd tests && timeout 400 python3 -m pytest -q -p no:warnings -rs --durations=8 test_outcome_gpu.py \
+      2>&1 | tee "$OUT/outcome_tests.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -14)
+  for b in ${RX_OUTCOME_BACKENDS:-nccl direct nvshmem}; do
+    step "outcome_cost --device cuda --world 2 --backend $b"
+    RESHARD_EXT_TIMEOUT=60 timeout 200 python3 benchmarks/outcome_cost.py --device cuda --world 2 --backend "$b" 2>&1 \
+      | grep -v "^W\|^\[W" | tee -a "$OUT/outcome_cost.log" | tail -6
   done
 }
 stage_docs() {
