@@ -47,6 +47,13 @@ RX_HD float mul_rn(float a, float b) {
   return a * b;
 #endif
 }
+RX_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
 RX_HD float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fdiv_rn(a, b);

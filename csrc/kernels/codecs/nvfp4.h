@@ -117,20 +117,33 @@ struct BlockScale {
 // The block scale of a block whose amax (abs_bits max) is `bmax`, for per-tensor scale
 // bits `pts` and rcp = 1 / pts (div_bits(1.0f, pts)).
 RX_HD BlockScale block_scale(uint32_t bmax, uint32_t pts, uint32_t rcp) {
+  // A finite amax and a finite, nonzero per-tensor scale (every block of a tensor without
+  // NaN/Inf whose amax is not 0) meet none of div_bits' special cases: plain divisions.
+  if (bmax < 0x7f800000u && is_finite(pts) && (pts & 0x7fffffffu) != 0 && is_finite(rcp)) {
+    const float s = div_rn(div_rn(f32_from_bits(bmax), 6.0f), f32_from_bits(pts));
+    const uint8_t s8 = e4m3_of(clamp_bits(f32_bits(s), 0.015625f, 448.0f));
+    return BlockScale{s8, f32_bits(div_rn(f32_from_bits(rcp), f32_from_bits(f32_of_e4m3(s8))))};
+  }
   const uint32_t s = div_bits(div_bits(canonical(bmax), f32_bits(6.0f)), pts);
   const uint8_t s8 = e4m3_of(clamp_bits(s, 0.015625f, 448.0f));
   return BlockScale{s8, div_bits(rcp, f32_of_e4m3(s8))};
 }
 
 // E2M1 code (sign << 3 | 3 bits) of FP32 bits y that are not NaN, as torchao's
-// _f32_to_floatx_unpacked rounds clamp(y, -6, 6), branch-free: the count of rounding
-// thresholds |y| passes (0.25, 1.25, 2.5 and 5 are ties that round down to even codes,
-// 0.75, 1.75 and 3.5 ties that round up), plus the sign.
+// _f32_to_floatx_unpacked rounds clamp(y, -6, 6) (to nearest, ties to even codes). Below 1
+// (E2M1's subnormals, steps of 0.5) one FP32 add of 1.5 * 2^22, whose unit in the last
+// place is 0.5, rounds |y| the same way and leaves the code in the low bits. From 1 up,
+// E2M1 keeps one mantissa bit: |y|'s bits rounded at bit 22 (nearest, ties to even),
+// rebased so that 1.0 is code 2, saturating at code 7 (6.0; Inf too).
 RX_HD uint32_t e2m1_of_number(uint32_t y) {
   const uint32_t a = y & 0x7fffffffu;
-  const uint32_t code = (uint32_t)(a > 0x3e800000u) + (uint32_t)(a >= 0x3f400000u) + (uint32_t)(a > 0x3fa00000u) +
-                        (uint32_t)(a >= 0x3fe00000u) + (uint32_t)(a > 0x40200000u) + (uint32_t)(a >= 0x40600000u) +
-                        (uint32_t)(a > 0x40a00000u);
+  uint32_t code;
+  if (a < 0x3f800000u) {
+    code = f32_bits(add_rn(f32_from_bits(a), 6291456.0f)) - 0x4ac00000u;
+  } else {
+    code = (a + 0x1fffffu + ((a >> 22) & 1u) - 0x3f000000u) >> 22;
+    code = code < 7u ? code : 7u;
+  }
   return code | ((y >> 28) & 8u);
 }
 
@@ -141,25 +154,38 @@ RX_HD uint32_t e2m1_of(uint32_t y) {
   return ((((a + 0xc1000000u + 0x1fffffu + ((a >> 22) & 1u)) >> 22) & 0xffu) | ((y >> 28) & 8u)) & 0xffu;
 }
 
-// The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier m.
+// The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier
+// m, where both elements and m are finite: no NaN to propagate and no 0 * Inf, so
+// mul_bits is a plain product and e2m1_of_number its code.
+RX_HD uint32_t quantize_word_finite(uint32_t w, float m) {
+  return e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w << 16), m))) |
+         e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w & 0xffff0000u), m))) << 4;
+}
+
+// The same byte for any bits.
 RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
-  // Both elements and m finite: no NaN to propagate and no 0 * Inf, so mul_bits is a plain
-  // product and e2m1_of_number its code.
-  if (bf16x2_finite(w) && is_finite(m)) {
-    const float f = f32_from_bits(m);
-    return e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w << 16), f))) |
-           e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w & 0xffff0000u), f))) << 4;
-  }
+  if (bf16x2_finite(w) && is_finite(m)) return quantize_word_finite(w, f32_from_bits(m));
   const auto one = [m](uint16_t h) {
     return e2m1_of(clamp_bits(mul_bits((uint32_t)h << 16, m), -6.0f, 6.0f));
   };
   return (one((uint16_t)(w & 0xffffu)) | one((uint16_t)(w >> 16)) << 4) & 0xffu;
 }
 
-// The 4 packed bytes (little-endian) of 4 words (8 elements) under multiplier m.
-RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t m) {
+// The 4 packed bytes (little-endian) of 4 words (8 elements) under multiplier m. `finite`:
+// the block's amax and m are finite (block_finite), so every element is: one test per block
+// instead of one per word.
+RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t m, bool finite) {
+  if (finite) {
+    const float f = f32_from_bits(m);
+    return quantize_word_finite(a, f) | quantize_word_finite(b, f) << 8 | quantize_word_finite(c, f) << 16 |
+           quantize_word_finite(d, f) << 24;
+  }
   return quantize_word(a, m) | quantize_word(b, m) << 8 | quantize_word(c, m) << 16 | quantize_word(d, m) << 24;
 }
+
+// Whether a block whose amax (abs_bits max) is `bmax` and its multiplier are finite: NaN
+// patterns sort above Inf, so the amax bounds every element.
+RX_HD bool block_finite(uint32_t bmax, uint32_t mult) { return bmax < 0x7f800000u && is_finite(mult); }
 
 // The per-tensor state every block of a tensor needs, from its amax cell.
 struct TensorScale {
@@ -181,8 +207,9 @@ RX_HD uint8_t quantize_block(const uint32_t* w, TensorScale t, uint32_t* packed)
   }
   const BlockScale b = block_scale(bmax, t.pts, t.rcp);
   if (packed) {
-    packed[0] = quantize_words4(w[0], w[1], w[2], w[3], b.mult);
-    packed[1] = quantize_words4(w[4], w[5], w[6], w[7], b.mult);
+    const bool finite = block_finite(bmax, b.mult);
+    packed[0] = quantize_words4(w[0], w[1], w[2], w[3], b.mult, finite);
+    packed[1] = quantize_words4(w[4], w[5], w[6], w[7], b.mult, finite);
   }
   return b.scale;
 }

@@ -88,16 +88,18 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
       load8(to, q);
     } else {
       const bool wide = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
-      const BlockScale bs = block_scale(block_amax(from, wide), ts.pts, ts.rcp);
+      const uint32_t bmax = block_amax(from, wide);
+      const BlockScale bs = block_scale(bmax, ts.pts, ts.rcp);
       if (!data) {
         if (kStore) store_item<unsigned char>(to, bs.scale);
         if (P != RX_PASS_NONE) hash_element(dg, ord, bs.scale);
         continue;
       }
+      const bool finite = block_finite(bmax, bs.mult);
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const uint4 v = load_chunk(from, c, wide);
-        q[c] = quantize_words4(v.x, v.y, v.z, v.w, bs.mult);
+        q[c] = quantize_words4(v.x, v.y, v.z, v.w, bs.mult, finite);
       }
       if (kStore) store8(to, q);
     }
