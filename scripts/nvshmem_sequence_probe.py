@@ -316,9 +316,10 @@ def _run_variant(index: int, backends: list[str], env: dict[str, str], args: arg
         except queue.Empty:
             if not any(p.is_alive() for p in procs):
                 break
-    for p in procs:
-        if p.is_alive() and p.pid is not None:
-            os.kill(p.pid, signal.SIGUSR1)  # faulthandler: its stacks into its log
+    for r, p in enumerate(procs):
+        done = latest[r] is not None and latest[r]["finished"]  # type: ignore[index]
+        if p.is_alive() and p.pid is not None and not done:
+            os.kill(p.pid, signal.SIGUSR1)  # faulthandler: the stuck rank's stacks into its log
     time.sleep(1.0)
     for p in procs:
         if p.is_alive():
