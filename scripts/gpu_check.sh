@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats] [docs] [outcome]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats] [docs] [outcome] [nvprobe]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -57,7 +57,7 @@ gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4
       -p no:warnings -rs --durations=15 \
       test_cuda_kernels.py test_nccl_comm.py test_nccl_lib.py test_refit_gpu.py test_mxfp8_kernels.py test_mxfp8_boxes.py \
       test_mxfp8_refit.py test_verify.py test_relay.py test_direct.py test_package.py test_trust_gpu.py test_swap.py \
-      test_swap_fingerprint.py test_swap_round.py test_watch.py test_cuda_pipeline.py test_message_cuts.py test_nvshmem.py \
+      test_swap_fingerprint.py test_swap_round.py test_watch.py test_cuda_pipeline.py test_message_cuts.py test_nvshmem.py test_nvshmem_probe.py \
       test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py test_fp8block_kernels.py test_fp8block_boxes.py \
       test_fp8block_refit.py test_amax.py test_outcome_gpu.py test_connect_gpu.py test_engine_trace.py -k "not mypy" 2>&1 | tee "$OUT/$1.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -25)
 }
@@ -394,6 +394,13 @@ stage_outcome() {
     RESHARD_EXT_TIMEOUT=60 timeout 200 python3 benchmarks/outcome_cost.py --device cuda --world 2 --backend "$b" 2>&1 \
       | grep -v "^W\|^\[W" | tee -a "$OUT/outcome_cost.log" | tail -6
   done
+}
+stage_nvprobe() {
+  # issue 37 item 5: which step of the NVSHMEM plan's first execute does not complete after auto and nccl plans
+  # (scripts/nvshmem_sequence_probe.py: its verdicts, then each rank's log under $OUT/probe/)
+  gpus 2 nvprobe || return 0
+  step "nvshmem_sequence_probe (2 GPUs, <= 3 min)"
+  timeout 200 python3 scripts/nvshmem_sequence_probe.py ${RX_PROBE_ARGS:-} 2>&1 | tee "$OUT/nvprobe.log" | tail -60
 }
 stage_docs() {
   # the code blocks of README.md and docs/ marked GPU-only (`# GPU: torchrun --nproc-per-node N`)
