@@ -89,6 +89,28 @@ def test_special_values_as_torchao_has_them():
         assert torch.equal(got, want)
 
 
+def test_element_ties_round_to_even_codes():
+    """Every E2M1 rounding tie hit exactly: a tensor amax of 2688 makes the per-tensor scale
+    1, a block amax of 6 its block scale 1, so its elements are their own products. Ties at
+    0.25, 1.25, 2.5 and 5 round down to even codes, 0.75, 1.75 and 3.5 up (both signs),
+    with neighbours one BF16 step either side, against torchao."""
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    vals = [6.0] + ties + [-t for t in ties] + [5.5, 6.0]
+    below = torch.tensor(ties, dtype=torch.bfloat16).view(torch.int16) - 1
+    above = below + 2
+    x = torch.zeros(3, 32, dtype=torch.bfloat16)
+    x[0, 0] = 2688.0
+    x[1] = torch.tensor(vals + [0.0] * (32 - len(vals)), dtype=torch.bfloat16)
+    x[2, 0], x[2, 16] = 6.0, 6.0
+    x[2, 1:8], x[2, 17:24] = below.view(torch.bfloat16), above.view(torch.bfloat16)
+    d, s, p = ref_nvfp4(x)
+    assert p.item() == 0x3F800000 and (s[1:] == 0x38).all()  # the scales of the construction: 1.0
+    codes = [(int(d[1, i // 2]) >> (4 * (i % 2))) & 0xF for i in range(1, 8)]
+    assert codes == [0, 2, 2, 4, 4, 6, 6]  # 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4
+    for device in DEVICES:
+        assert_same(quantize(x, "2d", device), (d, s, p), f"ties on {device}")
+
+
 def test_every_bf16_value():
     """All 63,488 finite BF16 values, 16 to a block, in two orders, under per-tensor scales
     from the whole range: every element path (saturation, the 0.25/0.75 ties, subnormals)
