@@ -30,7 +30,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 # --- the C++ chunk -> gate mapping ------------------------------------------------------------
 
-def _box(src: int, shape: tuple[int, ...], src_stride: tuple[int, ...], dtype=code_of(BF16)) -> np.ndarray:
+def _box(src: int, shape: tuple[int, ...], src_stride: tuple[int, ...], dtype: torch.dtype = BF16) -> np.ndarray:
     """A staged-looking box (codec boxes are what gets staged; the mapping reads src spans only)."""
     b = np.zeros(1, dtype=BOX)
     b["src"], b["dst"], b["ndim"] = src, 1 << 40, len(shape)
@@ -40,7 +40,7 @@ def _box(src: int, shape: tuple[int, ...], src_stride: tuple[int, ...], dtype=co
     for d in reversed(range(len(shape))):
         b["dst_stride"][0, d] = stride
         stride *= shape[d]
-    b["src_dtype"] = b["dst_dtype"] = dtype
+    b["src_dtype"] = b["dst_dtype"] = code_of(dtype)
     return b
 
 
@@ -58,7 +58,7 @@ def test_src_spans_reach_a_codec_coordinate_whole():
     """A box reads its elements' span; a coordinate stepping over a block (NVFP4 scales: 8
     words each) reads up to the next one."""
     plain = _box(1000, (4, 8), (100, 1))
-    blocks = _box(1000, (4, 2), (16, 8), code_of(torch.int32))
+    blocks = _box(1000, (4, 2), (16, 8), torch.int32)
     assert _C.src_spans(np.concatenate([plain, blocks]).tobytes()) == [(1000, 1000 + 2 * (3 * 100 + 8)),
                                                                        (1000, 1000 + 4 * (3 * 16 + 8 + 8))]
 
@@ -132,21 +132,26 @@ def _at(transform, rank: int):
     return transform
 
 
-FP8_CASES = {  # 3 ranks: sources on 0 and 1, destinations on 2 (non-collocated)
-    "tp1.a": (_L((256, 384), [0], [Replicate()]), _L((256, 384), [2], [Replicate()])),
-    "tp1.b": (_L((128, 256), [1], [Replicate()]), _L((128, 256), [2], [Replicate()])),
-    "tp1.experts": (_L((3, 136, 256), [0], [Replicate()]), _L((3, 136, 256), [2], [Replicate()])),
-    "tp2.whole": (_L((256, 256), [0, 1], [Shard(0)]), _L((256, 256), [2], [Replicate()])),  # 128-row shards
-    "tp2.cut": (_L((128, 256), [0, 1], [Shard(0)]), _L((128, 256), [2], [Replicate()])),    # 64 rows: exchanged
-    "tp1.k300": (_L((130, 300), [0], [Replicate()]), _L((130, 300), [2], [Replicate()])),   # staged quantize
-}
-NV_CASES = {
-    "tp1.a": (_L((64, 256), [0], [Replicate()]), _L((64, 256), [2], [Replicate()])),
-    "tp1.b": (_L((40, 128), [1], [Replicate()]), _L((40, 128), [2], [Replicate()])),
-    "tp1.experts": (_L((4, 32, 128), [0], [Replicate()]), _L((4, 32, 128), [2], [Replicate()])),
-    "tp2.rows": (_L((130, 256), [0, 1], [Shard(0)]), _L((130, 256), [2], [Replicate()])),  # the amax is exchanged
-    "tp1.fp32": (_L((64, 128), [0], [Replicate()], F32), _L((64, 128), [2], [Replicate()])),  # staged quantize
-}
+def cases(kind: str, tp1: tuple[int, int], tp2: list[int], dst: int) -> dict[str, tuple[Layout, Layout]]:
+    """name -> (src layout, dst layout): TP1 -> TP1 from ranks tp1 (blocks whole: deferred),
+    TP2 -> TP1 from ranks tp2 (whole blocks, and cut ones whose amaxes travel: the pre-pass),
+    and a tensor quantized before the boxes (not fused: the pre-pass), all into rank dst."""
+    if kind == "fp8":
+        return {
+            "tp1.a": (_L((256, 384), [tp1[0]], [Replicate()]), _L((256, 384), [dst], [Replicate()])),
+            "tp1.b": (_L((128, 256), [tp1[1]], [Replicate()]), _L((128, 256), [dst], [Replicate()])),
+            "tp1.experts": (_L((3, 136, 256), [tp1[0]], [Replicate()]), _L((3, 136, 256), [dst], [Replicate()])),
+            "tp2.whole": (_L((256, 256), tp2, [Shard(0)]), _L((256, 256), [dst], [Replicate()])),  # 128-row shards
+            "tp2.cut": (_L((128, 256), tp2, [Shard(0)]), _L((128, 256), [dst], [Replicate()])),    # 64 rows each
+            "tp1.k300": (_L((130, 300), [tp1[0]], [Replicate()]), _L((130, 300), [dst], [Replicate()])),
+        }
+    return {
+        "tp1.a": (_L((64, 256), [tp1[0]], [Replicate()]), _L((64, 256), [dst], [Replicate()])),
+        "tp1.b": (_L((40, 128), [tp1[1]], [Replicate()]), _L((40, 128), [dst], [Replicate()])),
+        "tp1.experts": (_L((4, 32, 128), [tp1[0]], [Replicate()]), _L((4, 32, 128), [dst], [Replicate()])),
+        "tp2.rows": (_L((130, 256), tp2, [Shard(0)]), _L((130, 256), [dst], [Replicate()])),  # the amax travels
+        "tp1.fp32": (_L((64, 128), [tp1[0]], [Replicate()], F32), _L((64, 128), [dst], [Replicate()])),
+    }
 
 
 def _sources(specs: dict, step: int, kind: str) -> dict:
@@ -167,32 +172,58 @@ def _poison(n: int, seed: str) -> torch.Tensor:
     return torch.randint(1, 255, (n,), dtype=torch.uint8, generator=g)
 
 
+def destinations(kind: str, specs: dict, rank: int, dev: str = "cpu") -> dict:
+    """Poisoned destination buffers of this rank's pieces."""
+    out = {}
+    for n, (_, dl) in sorted(specs.items()):
+        if rank not in dl.mesh:
+            continue
+        local = dl.local_shape(rank)
+        if kind == "fp8":
+            slocal = fcodec.scale_layout(n, dl, "convert").local_shape(rank)
+            bufs: tuple = (_poison(math.prod(local), n).view(torch.float8_e4m3fn).view(local),
+                           _poison(4 * math.prod(slocal), n + "s").view(F32).view(slocal))
+        else:
+            bufs = (_poison(math.prod(local) // 2, n).view(local[:-1] + (local[-1] // 2,)),
+                    _poison(math.prod(local) // 16, n + "s").view(local[:-1] + (local[-1] // 16,)),
+                    torch.tensor(float("nan")))
+        out[n] = (tuple(t.to(dev) for t in bufs), dl)
+    return out
+
+
+def check(kind: str, specs: dict, dst: dict, logical: dict, rank: int, what: str) -> None:
+    """This rank's destinations hold the references' bytes of the logical tensors."""
+    for n, (bufs, dl) in dst.items():
+        if kind == "fp8":
+            from test_fp8block_kernels import assert_bytes, ref_fp8block
+
+            want_d, want_s = ref_fp8block(logical[n], "fp32")
+            assert_bytes(bufs[0].cpu(), dl.with_dtype(torch.uint8).local_part(want_d, rank), f"{n} data, {what}")
+            assert_bytes(bufs[1].cpu(), fcodec.scale_layout(n, dl, "convert").local_part(want_s, rank),
+                         f"{n} scale_inv, {what}")
+        else:
+            from _nvfp4_ref import ref_nvfp4
+            from test_nvfp4_refit import check as nv_check
+
+            nv_check(n, dl, rank, bufs, ref_nvfp4(logical[n].to(BF16)), "2d", what)
+
+
 def _refit(kind: str, policy, landing: bool, prep: bool, gates=None, stage_bytes: int = 4096) -> dict:
     """Two sender-side refits (the sources change between them) through simulate with the
     direct pairs staged; the destinations checked against the references after each; between
     executes every factor, scale and amax cell the boxes read is poisoned, so a pack that runs
     before its tensor's deferred work writes wrong bytes."""
     world = 3
-    specs = FP8_CASES if kind == "fp8" else NV_CASES
+    specs = cases(kind, (0, 1), [0, 1], 2)
     names = sorted(specs)
     logical = _sources(specs, 0, kind)
     src: list[dict] = [{} for _ in range(world)]
-    dst: list[dict] = [{} for _ in range(world)]
     for r in range(world):
         for n in names:
-            sl, dl = specs[n]
+            sl, _ = specs[n]
             if r in sl.mesh:
                 src[r][n] = (sl.local_part(logical[n], r).clone(), sl)
-            if r in dl.mesh:
-                local = dl.local_shape(r)
-                if kind == "fp8":
-                    slocal = fcodec.scale_layout(n, dl, "convert").local_shape(r)
-                    dst[r][n] = ((_poison(math.prod(local), n).view(torch.float8_e4m3fn).view(local),
-                                  _poison(4 * math.prod(slocal), n + "s").view(F32).view(slocal)), dl)
-                else:
-                    dst[r][n] = ((_poison(math.prod(local) // 2, n).view(local[:-1] + (local[-1] // 2,)),
-                                  _poison(math.prod(local) // 16, n + "s").view(local[:-1] + (local[-1] // 16,)),
-                                  torch.tensor(float("nan"))), dl)
+    dst = [destinations(kind, specs, r) for r in range(world)]
     pieces: list[Piece] = []
 
     def transform(r: int):
@@ -207,32 +238,14 @@ def _refit(kind: str, policy, landing: bool, prep: bool, gates=None, stage_bytes
         t.rewrite_src = capture
         return t
 
-    def check(step: int) -> None:
+    def each(step: int) -> None:
         nonlocal logical
-        for n in names:
-            sl, dl = specs[n]
-            for r in range(world):
-                if r not in dl.mesh:
-                    continue
-                if kind == "fp8":
-                    from test_fp8block_kernels import assert_bytes, ref_fp8block
-
-                    want_d, want_s = ref_fp8block(logical[n], "fp32")
-                    (data, scale), _ = dst[r][n]
-                    assert_bytes(data, dl.with_dtype(torch.uint8).local_part(want_d, r), f"{n} data, execute {step}")
-                    assert_bytes(scale, fcodec.scale_layout(n, dl, "convert").local_part(want_s, r),
-                                 f"{n} scale_inv, execute {step}")
-                else:
-                    from _nvfp4_ref import ref_nvfp4
-                    from test_nvfp4_refit import check as nv_check
-
-                    nv_check(n, dl, r, dst[r][n][0], ref_nvfp4(logical[n].to(BF16)), "2d", f"execute {step}")
+        for r in range(world):
+            check(kind, specs, dst[r], logical, r, f"execute {step}")
         logical = _sources(specs, step + 1, kind)  # the next execute's sources, changed in place
-        for n in names:
-            sl, _ = specs[n]
-            for r in range(world):
-                if r in sl.mesh:
-                    src[r][n][0].copy_(sl.local_part(logical[n], r))
+        for r in range(world):
+            for n, (t, sl) in src[r].items():
+                t.copy_(sl.local_part(logical[n], r))
         for p in pieces:  # every value a box reads besides the source: stale and wrong from here on
             if kind == "fp8":
                 p.scales.mult.fill_(0x11111111)
@@ -242,7 +255,7 @@ def _refit(kind: str, policy, landing: bool, prep: bool, gates=None, stage_bytes
 
     stats: dict = {}
     simulate(src, dst, all_pairs(world), engine_bytes=1, transform=transform, stats=stats, landing=landing,
-             stage_bytes=stage_bytes, policy=policy, prep=prep, executes=2, each=check, gates=gates)
+             stage_bytes=stage_bytes, policy=policy, prep=prep, executes=2, each=each, gates=gates)
     return stats
 
 
@@ -258,7 +271,8 @@ def test_sender_refit_with_deferred_prep_is_exact(kind, policy, landing):
     order the script allows, execute after execute; tensors whose pieces cut blocks (their
     amaxes travel) and those quantized before the boxes keep the pre-pass."""
     stats = _refit(kind, policy, landing, prep=True)
-    # rank 0's and 1's fused tensors whose blocks are whole here: FP8 a, experts, tp2.whole (+ b on 1); NVFP4 a, experts (+ b)
+    # the fused tensors whose blocks are whole on their rank: tp1.a, tp1.experts on rank 0, tp1.b on rank 1, and
+    # FP8's tp2.whole on both
     assert stats["deferred"] == ([3, 2, 0] if kind == "fp8" else [2, 1, 0]), stats
     assert stats["chunks"] > 2 * _C.STAGE_SLOTS, stats
 
@@ -335,3 +349,56 @@ def test_refit_over_the_direct_transport_defers_and_stays_exact(kind, verify):
 
     got = run_ranks(4, _fake_worker, kind, True, verify)
     assert any(d for per_rank in got for d in per_rank), got  # something was deferred somewhere
+
+
+# --- the real thing on GPUs (the lead runs them: 2 GPUs, reshard_ext built with CUDA) -----------
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NEEDS_2_GPUS = pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]),
+                                  reason="needs 2 GPUs and reshard_ext built with CUDA")
+
+
+def gpu_worker(rank: int, world: int, kind: str, stage_bytes: int) -> dict:
+    """Sender side over backend "direct" on 2 GPUs: TP1 -> TP1 (rank 0 -> rank 1) and TP2 -> TP1
+    (ranks 0, 1 -> rank 1, whole and cut blocks), rx.Tuning(direct_prep_overlap=) off and on,
+    each plan into its own buffers: the same bytes as the reference, hence as each other, for
+    two executes with the sources changed in between, then a verified one and rx.verify."""
+    dev = f"cuda:{rank}"
+    specs = cases(kind, (0, 0), [0, 1], 1)
+    names = sorted(specs)
+    logical = _sources(specs, 0, kind)
+    src = {n: (sl.local_part(logical[n], rank).to(dev), sl) for n, (sl, _) in specs.items() if rank in sl.mesh}
+    plans, deferred = [], []
+    for overlap in (False, True):
+        dst = destinations(kind, specs, rank, dev)
+        transform = FP8Block(names, where="sender") if kind == "fp8" else NVFP4(names, where="sender")
+        options = rx.Options(tuning=rx.Tuning(direct_prep_overlap=overlap, direct_staging_bytes=stage_bytes))
+        plan = rx.plan(src, dst, transform=transform, backend="direct", options=options)
+        plans.append((plan, dst))
+        deferred.append(sorted(item.name for item, _ in plan.transport.deferred))
+    for step in range(3):
+        if step:
+            logical = _sources(specs, step, kind)
+            for n, (t, sl) in src.items():
+                t.copy_(sl.local_part(logical[n], rank))
+        for overlap, (plan, dst) in enumerate(plans):
+            rx.execute(plan, verify=step == 2)
+            torch.cuda.synchronize()
+            check(kind, specs, dst, logical, rank, f"overlap {bool(overlap)}, execute {step}")
+    for plan, _ in plans:
+        rx.verify(plan)
+    return {"deferred": deferred, "routes": plans[1][0].routes}
+
+
+@pytest.mark.gpu
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("stage_bytes", [64 << 10, 256 << 20])
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_deferred_prep_on_two_gpus(kind, stage_bytes):
+    """Many chunks (a 64 KiB ring: the gates matter) and the default ring: with the knob on,
+    rank 0 defers its TP1 tensors (and FP8's whole-block TP2 shard); the cut ones keep the pre-pass."""
+    from _dist import run_ranks
+
+    got = run_ranks(2, gpu_worker, kind, stage_bytes, backend="nccl")
+    off, on = got[0]["deferred"]
+    assert off == [] and "tp1.a" in on and "tp1.experts" in on and not any("cut" in n or "rows" in n for n in on), got
