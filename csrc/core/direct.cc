@@ -290,27 +290,32 @@ StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t stream
   return out;
 }
 
-std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
-  const int64_t elem = dtype_size(box.dst_dtype);
-  int64_t lo = 0, hi = 0;  // byte offsets from box.dst of the first and one past the last element
+namespace {
+
+// [lo, hi) of the bytes a box's elements span at `base` with `stride` (in elements of `elem`
+// bytes), each element reading `last` bytes from its address (empty boxes: lo == hi).
+std::pair<uint64_t, uint64_t> span_at(const rx_box& box, uint64_t base, const int64_t* stride, int64_t elem,
+                                      int64_t last) {
+  int64_t lo = 0, hi = 0;  // byte offsets from base of the first and of the last element
   for (int d = 0; d < box.ndim; ++d) {
-    if (box.shape[d] <= 0) return {box.dst, box.dst};
-    const int64_t reach = (box.shape[d] - 1) * box.dst_stride[d] * elem;
+    if (box.shape[d] <= 0) return {base, base};
+    const int64_t reach = (box.shape[d] - 1) * stride[d] * elem;
     (reach < 0 ? lo : hi) += reach;
   }
-  return {box.dst + static_cast<uint64_t>(lo), box.dst + static_cast<uint64_t>(hi + elem)};
+  return {base + static_cast<uint64_t>(lo), base + static_cast<uint64_t>(hi + last)};
+}
+
+}  // namespace
+
+std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
+  const int64_t elem = dtype_size(box.dst_dtype);
+  return span_at(box, box.dst, box.dst_stride, elem, elem);
 }
 
 std::pair<uint64_t, uint64_t> src_span(const rx_box& box) {
   const int64_t elem = dtype_size(box.src_dtype);
-  int64_t lo = 0, hi = 0;  // byte offsets from box.src of the first and one past the last element read
-  for (int d = 0; d < box.ndim; ++d) {
-    if (box.shape[d] <= 0) return {box.src, box.src};
-    const int64_t reach = (box.shape[d] - 1) * box.src_stride[d] * elem;
-    (reach < 0 ? lo : hi) += reach;
-  }
   const int64_t step = box.ndim > 0 ? std::abs(box.src_stride[box.ndim - 1]) : 1;
-  return {box.src + static_cast<uint64_t>(lo), box.src + static_cast<uint64_t>(hi + std::max<int64_t>(step, 1) * elem)};
+  return span_at(box, box.src, box.src_stride, elem, std::max<int64_t>(step, 1) * elem);
 }
 
 PrepSchedule prep_schedule(const StagingPlan& plan, const std::vector<PrepRegion>& regions) {

@@ -161,28 +161,20 @@ void register_cuda(py::module_& m) {
       py::arg("ordinals") = std::vector<int64_t>{}, py::arg("slots") = kStageSlots,
       "The direct transport's staging of a sender's codec boxes: (StagingPlan, indices of the boxes not staged); "
       "ordinals: each box's first verify ordinal in its op (ExecTables.direct_ordinals; empty: 0).");
-  m.def(
-      "dst_spans",
-      [](const py::buffer& table) {
-        py::list out;
-        for (const rx_box& b : boxes_from(table)) {
-          const auto span = dst_span(b);
-          out.append(py::make_tuple(span.first, span.second));
-        }
-        return out;
-      },
-      py::arg("boxes"), "[lo, hi) of the dst bytes each box writes (codec side bytes such as MXFP8 scales aside).");
-  m.def(
-      "src_spans",
-      [](const py::buffer& table) {
-        py::list out;
-        for (const rx_box& b : boxes_from(table)) {
-          const auto span = src_span(b);
-          out.append(py::make_tuple(span.first, span.second));
-        }
-        return out;
-      },
-      py::arg("boxes"), "[lo, hi) of the src bytes each box reads (core/direct.h src_span).");
+  auto spans = [](std::pair<uint64_t, uint64_t> (*span)(const rx_box&)) {
+    return [span](const py::buffer& table) {
+      py::list out;
+      for (const rx_box& b : boxes_from(table)) {
+        const auto s = span(b);
+        out.append(py::make_tuple(s.first, s.second));
+      }
+      return out;
+    };
+  };
+  m.def("dst_spans", spans(&dst_span), py::arg("boxes"),
+        "[lo, hi) of the dst bytes each box writes (codec side bytes such as MXFP8 scales aside).");
+  m.def("src_spans", spans(&src_span), py::arg("boxes"),
+        "[lo, hi) of the src bytes each box reads (core/direct.h src_span).");
 
 #ifdef RX_WITH_CUDA
   py::class_<DeviceBoxTable>(m, "DeviceBoxTable")
