@@ -82,17 +82,23 @@ def _megatron_style(src: dict, dst: dict, src_l: dict, dst_l: dict, rank: int):
     return run
 
 
-def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
-                 rank: int) -> tuple[int, int, float, float, str, str]:
-    """The same refit with the 2-D linear weights landing as quantized (data, scales) buffers:
-    MXFP8, or blockwise FP8 (--codec fp8block)."""
+def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict, rank: int,
+                 options: rx.Options | None = None) -> tuple[int, int, float, float, str, str]:
+    """The same refit with the 2-D linear weights landing as quantized buffers: MXFP8, blockwise
+    FP8 (--codec fp8block) or NVFP4 (--codec nvfp4); `options`: one --variants entry's."""
     from reshard_ext.codecs.fp8block import scale_shape
+    from reshard_ext.codecs.nvfp4 import scale_numel as nv_scale_numel
     from reshard_ext.mxfp8 import scale_numel
 
-    def scales_of(local: tuple) -> torch.Tensor:
+    def buffers_of(local: tuple) -> tuple:
+        if args.codec == "nvfp4":  # packed E2M1 data, E4M3 block scales, the per-tensor scale
+            return (torch.empty(local[:-1] + (local[-1] // 2,), dtype=torch.uint8, device="cuda"),
+                    torch.empty(nv_scale_numel(local, args.scale_layout), dtype=torch.uint8, device="cuda"),
+                    torch.empty(1, dtype=torch.float32, device="cuda"))
+        data = torch.empty(local, dtype=torch.float8_e4m3fn, device="cuda")
         if args.codec == "fp8block":
-            return torch.empty(scale_shape(tuple(local)), dtype=torch.float32, device="cuda")
-        return torch.empty(scale_numel(local, args.scale_layout), dtype=torch.uint8, device="cuda")
+            return data, torch.empty(scale_shape(tuple(local)), dtype=torch.float32, device="cuda")
+        return data, torch.empty(scale_numel(local, args.scale_layout), dtype=torch.uint8, device="cuda")
 
     dst, names = {}, []
     for n, l in dst_l.items():
@@ -100,8 +106,7 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
             continue
         local = l.local_shape(rank)
         if ".linear_" in n and n.endswith("weight") and len(local) == 2 and l.shape[-1] % 32 == 0:
-            data = torch.empty(local, dtype=torch.float8_e4m3fn, device="cuda")
-            dst[n] = ((data, scales_of(local)), l)
+            dst[n] = (buffers_of(local), l)
             names.append(n)
         else:
             dst[n] = (torch.empty(local, device="cuda", dtype=l.dtype), l)
@@ -110,10 +115,15 @@ def _mxfp8_refit(args: argparse.Namespace, src: dict, src_l: dict, dst_l: dict,
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, names)
     converted = sorted({n for part in every for n in part})
-    transform = (rx.FP8Block(params=converted, where=args.mxfp8) if args.codec == "fp8block" else
-                 rx.MXFP8(params=converted, scale_layout=args.scale_layout, where=args.mxfp8))
+    transform: Any
+    if args.codec == "fp8block":
+        transform = rx.FP8Block(params=converted, where=args.mxfp8)
+    elif args.codec == "nvfp4":
+        transform = rx.NVFP4(params=converted, scale_layout=args.scale_layout, where=args.mxfp8)
+    else:
+        transform = rx.MXFP8(params=converted, scale_layout=args.scale_layout, where=args.mxfp8)
     plan = rx.plan(src, dst, transform=transform, max_batch_bytes=(args.max_batch_mb << 20) or None,
-                   backend=args.backend.split(",")[0])
+                   backend=args.backend.split(",")[0], options=options)
     # BF16 bytes this rank sends of the converted tensors alone (the rest travels as is)
     chosen = set(converted)
     bf16_conv = sum(op.nbytes for op in rx.local_plan(src_l, dst_l, rank).sends
@@ -138,8 +148,8 @@ def _timeline(args: argparse.Namespace, plan: Any) -> str:
 
 
 def _options(variant: str) -> rx.Options:
-    """rx.Options from 'field=value,...' of rx.Options and rx.Tuning fields (true/false for flags,
-    integers with K/M/G)."""
+    """rx.Options from 'field=value,...' of rx.Options and rx.Tuning fields (true/false or 1/0 for
+    flags, integers with K/M/G)."""
     kw: dict = {}
     for item in filter(None, variant.split(",")):
         name, value = item.split("=", 1)
@@ -149,6 +159,10 @@ def _options(variant: str) -> rx.Options:
         else:
             scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(low[-1:], 1)
             kw[name.strip()] = int(low[:-1] if scale > 1 else low) * scale
+    for cls in (rx.Options, rx.Tuning):  # 0 / 1 for a flag too
+        for name, field in cls.__dataclass_fields__.items():
+            if name in kw and "bool" in str(field.type) and kw[name] in (0, 1):
+                kw[name] = bool(kw[name])
     tuned = {name: kw.pop(name) for name in list(kw) if name in rx.Tuning.__dataclass_fields__}
     return rx.Options(**kw, tuning=rx.Tuning(**tuned) if tuned else None)
 
@@ -241,8 +255,9 @@ def main() -> None:
                          "(an empty variant = the defaults)")
     ap.add_argument("--mxfp8", choices=["receiver", "sender"],
                     help="also refit with rx.MXFP8 converting the linear weights")
-    ap.add_argument("--codec", choices=["mxfp8", "fp8block"], default="mxfp8",
-                    help="the format --mxfp8 SIDE quantizes into (fp8block: rx.FP8Block, 128x128 blocks, FP32 scales)")
+    ap.add_argument("--codec", choices=["mxfp8", "fp8block", "nvfp4"], default="mxfp8",
+                    help="the format --mxfp8 SIDE quantizes into (fp8block: rx.FP8Block, 128x128 blocks, FP32 scales; "
+                         "nvfp4: rx.NVFP4 with --scale-layout); with --variants, once per variant")
     ap.add_argument("--scale-layout", choices=["2d", "swizzled"], default="swizzled")
     ap.add_argument("--trace", "--timeline", dest="trace", action="store_true",
                     help="print one execute's CUDA-event timeline per rank (with --verify: and a verified one's; "
@@ -313,7 +328,9 @@ def main() -> None:
     t_base = 0.0
     if not args.no_baseline:
         t_base = _time(_megatron_style(src, dst, src_l, dst_l, rank), max(2, args.iters // 2))
-    mx = _mxfp8_refit(args, src, src_l, dst_l, rank) if args.mxfp8 else None
+    # the quantized refit once per --variants entry (an A/B of the direct transport's knobs on it)
+    variants = args.variants.split(";") if args.variants else [""]
+    mx = [_mxfp8_refit(args, src, src_l, dst_l, rank, _options(v)) for v in variants] if args.mxfp8 else None
     row = (rank, plan.bytes_sent, plan.bytes_received, local_bytes, t_refit, t_link, t_d2d, t_base, plan.num_ops,
            plan.num_batches, t_nccl_reg, mx, timeline, t_nccl, t_ce, t_verifies, t_refits, [p.routes for p in plans],
            [hbm_per_byte(p) for p in plans], t_both)
@@ -363,27 +380,34 @@ def main() -> None:
                          for t, h, tv in zip(rest[-4], rest[-2], rest[-5])]
                 print(f"{r:4d} " + " ".join(cells))
         if args.mxfp8:
-            layout = "128x128 blocks, FP32 scales" if args.codec == "fp8block" else f"{args.scale_layout} scales"
-            print(f"\n-- {args.codec.upper()} ({args.mxfp8} side, {layout}) on the linear weights, same model:")
-            print(f"{'rank':>4} {'bf16 sent GB':>12} {'mxfp8 sent GB':>13} {'ratio':>6} {'converted: bf16 GB':>18} "
-                  f"{'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'mxfp8 ms':>9} {'time ratio':>10}" +
-                  (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
-            for r, sent, _, _, t, *_, (mx_sent, conv_bf16, mx_t, mx_tv, _, _), _, _, _, _, _, _, _, _ in rows:  # noqa: B007
-                other = sent - conv_bf16  # bytes of tensors that travel unconverted
-                conv_wire = mx_sent - other
-                ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
-                cratio = f"{conv_wire / conv_bf16:6.3f}" if conv_bf16 else "     -"
-                cost = f" {1e3 * mx_tv:9.2f} {100 * (mx_tv / mx_t - 1):+5.1f}%" if args.verify and mx_t else ""
-                tratio = f"{mx_t / t:10.3f}" if t else "         -"
-                print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
-                      f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f} {tratio}{cost}")
-            print("time ratio = mxfp8 refit / bf16 refit of the same model, same backend, same run "
-                  f"(routes of rank 0: {rows[0][11][4]})")
-        for r, *_, mx, timeline, _, _, _, _, _, _, _ in rows:
+            layout = {"fp8block": "128x128 blocks, FP32 scales", "nvfp4": f"16-element blocks, {args.scale_layout} "
+                      "E4M3 scales"}.get(args.codec, f"{args.scale_layout} scales")
+            for i, variant in enumerate(variants):
+                named = f" [{variant}]" if variant else ""
+                print(f"\n-- {args.codec.upper()} ({args.mxfp8} side, {layout}) on the linear weights, same model"
+                      f"{named}:")
+                print(f"{'rank':>4} {'bf16 sent GB':>12} {'quant sent GB':>13} {'ratio':>6} "
+                      f"{'converted: bf16 GB':>18} {'wire GB':>8} {'ratio':>6} {'bf16 ms':>8} {'quant ms':>9} "
+                      f"{'time ratio':>10}" + (f" {'verify ms':>9} {'cost':>6}" if args.verify else ""))
+                for r, sent, _, _, t, *_, mxs, _, _, _, _, _, _, _, _ in rows:  # noqa: B007
+                    mx_sent, conv_bf16, mx_t, mx_tv, _, _ = mxs[i]
+                    other = sent - conv_bf16  # bytes of tensors that travel unconverted
+                    conv_wire = mx_sent - other
+                    ratio = f"{mx_sent / sent:6.3f}" if sent else "     -"
+                    cratio = f"{conv_wire / conv_bf16:6.3f}" if conv_bf16 else "     -"
+                    cost = f" {1e3 * mx_tv:9.2f} {100 * (mx_tv / mx_t - 1):+5.1f}%" if args.verify and mx_t else ""
+                    tratio = f"{mx_t / t:10.3f}" if t else "         -"
+                    print(f"{r:4d} {sent / 1e9:12.2f} {mx_sent / 1e9:13.2f} {ratio} {conv_bf16 / 1e9:18.2f} "
+                          f"{conv_wire / 1e9:8.2f} {cratio} {1e3 * t:8.2f} {1e3 * mx_t:9.2f} {tratio}{cost}")
+            print("time ratio = quantized refit / bf16 refit of the same model, same backend, same run (the bf16 "
+                  f"refit of the first variant; routes of rank 0: {rows[0][11][0][4]})")
+        for r, *_, mxs, timeline, _, _, _, _, _, _, _ in rows:
             if timeline:
                 print(f"\n-- rank {r}: {timeline}")
-            if mx and mx[5]:
-                print(f"\n-- rank {r}, {args.codec.upper()} {args.mxfp8} side: {mx[5]}")
+            for variant, mx in zip(variants, mxs or []):
+                if mx[5]:
+                    print(f"\n-- rank {r}, {args.codec.upper()} {args.mxfp8} side{f' [{variant}]' if variant else ''}: "
+                          f"{mx[5]}")
     dist.destroy_process_group()
 
 

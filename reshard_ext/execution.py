@@ -26,12 +26,14 @@ BACKENDS = ("auto", "cpu", "torch", "nccl", "direct", "nvshmem")
 log = logging.getLogger("reshard_ext")
 
 
-# (before, after, prepass): a transform's steps around each execute (transforms.py)
-Steps = tuple[list[Callable[[], None]], list[Callable[[], None]], list[Prepass]]
+# (before, after, prepass, paired): a transform's steps around each execute (transforms.py);
+# paired[i] is the `before` of the rewrite that returned prepass[i] (None if it had none), which
+# runs right after it where the transport defers it (transforms.py, "Deferred pre-pass work")
+Steps = tuple[list[Callable[[], None]], list[Callable[[], None]], list[Prepass], list[Callable[[], None] | None]]
 
 
 def _no_steps() -> Steps:
-    return [], [], []
+    return [], [], [], []
 
 
 def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[dict, Steps]:
@@ -40,8 +42,9 @@ def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[
     before: list[Callable[[], None]] = []
     after: list[Callable[[], None]] = []
     prepass: list[Prepass] = []
+    paired: list[Callable[[], None] | None] = []
     if transform is None:
-        return out, (before, after, prepass)
+        return out, (before, after, prepass, paired)
     rewrite = transform.rewrite_src if side == "src" else transform.rewrite_dst
     for name, (tensor, layout) in entries.items():
         rw = rewrite(name, tensor, layout)
@@ -58,7 +61,8 @@ def _rewrite(transform: Transform | None, side: str, entries: Entries) -> tuple[
             after.append(rw.after)
         if rw.prepass is not None:
             prepass.append(rw.prepass)
-    return out, (before, after, prepass)
+            paired.append(rw.before)
+    return out, (before, after, prepass, paired)
 
 
 def run_prepasses(items: list[Prepass], channel: Any, session: Session, problem: str) -> str:
@@ -229,6 +233,12 @@ class Plan:
         if max_batch_bytes is not None and staging > max_batch_bytes:
             raise ReshardError(f"rank {self.rank}: the plan's {self.num_batches} batches need {staging} bytes of "
                                f"staging, more than max_batch_bytes={max_batch_bytes}; raise it")
+
+    def deferrable(self) -> list[tuple[Prepass, Callable[[], None] | None]]:
+        """(item, its rewrite's before) of the source-side pre-pass items that a transport may
+        run itself, deferred (Prepass.region; transforms.py, "Deferred pre-pass work")."""
+        src = self._steps["src"]
+        return [(item, before) for item, before in zip(src[2], src[3]) if item.region() is not None]
 
     def _set_tables(self, tables: Any) -> None:
         self.tables = tables
@@ -430,8 +440,10 @@ class Plan:
         channel.begin_call(session, self._stale)
         self._stale = None
         channel.watch.start(session, self.transport.abort)
+        # what the transport runs itself, overlapped with the transfer (transforms.py, "Deferred pre-pass work")
+        deferred = {id(step) for pair in getattr(self.transport, "deferred", ()) for step in pair if step is not None}
         try:
-            prepass = self._steps["src"][2] + self._steps["dst"][2]
+            prepass = [it for it in self._steps["src"][2] + self._steps["dst"][2] if id(it) not in deferred]
             if prepass and not left:  # every rank, a failed one too: its partners learn it from it, not a timeout
                 why = run_prepasses(prepass, channel, session, problem)
                 if why and not problem:
@@ -446,7 +458,8 @@ class Plan:
             if not problem and not left:
                 for side in ("src", "dst"):
                     for step in self._steps[side][0]:
-                        step()
+                        if id(step) not in deferred:
+                            step()
             if not left and not (problem and not self.transport.peers and session.verdict is None):
                 digests = self.transport.run(self.tables, session, checked)
             if checked and not left:

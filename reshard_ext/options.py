@@ -153,6 +153,10 @@ KNOBS: dict[str, Knob] = {
              "of the copy engines"),
         Knob("RESHARD_EXT_DIRECT_STAGING_STREAMS", 2, _count(1, 16),
              "copy-engine streams carrying that ring's chunks (chunk c on stream c % streams)"),
+        Knob("RESHARD_EXT_DIRECT_PREP_OVERLAP", False, _flag,
+             "1: on the direct path, the amax pre-pass of a sender-side codec (rx.FP8Block, rx.NVFP4) runs per "
+             "tensor on a side stream while the staged chunks of the tensors before it already move, where a "
+             "tensor's blocks are whole on its source rank (0: every amax before the first byte moves)"),
         Knob("RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES", 0, _count(0),
              "beside direct writes, same-rank copies at least this big with contiguous rows go through a copy "
              "engine (0: the box kernel only); ranks with NCCL pairs keep theirs under the NCCL batches"),
@@ -294,6 +298,12 @@ class Tuning:
       the chunk before it into the peer, so the link runs at the copy engines' rate; within
       max_batch_bytes where the plan has one; 0: the box kernel stores them into the peer
       (RESHARD_EXT_DIRECT_STAGING_BYTES).
+    - direct_prep_overlap: on the direct path, a sender-side codec's amax pre-pass and scales
+      (rx.FP8Block, rx.NVFP4 with where="sender") run per tensor on a side stream, in the order
+      the staged chunks read the tensors, each chunk waiting only for its own tensors' work, so
+      the link starts after the first tensor's amax instead of every tensor's; tensors whose
+      blocks a source shard cuts (their amaxes are reduced among ranks) keep the pre-pass
+      (RESHARD_EXT_DIRECT_PREP_OVERLAP; default off until measured).
     - direct_local_engine_bytes: on a rank whose peers are all direct, same-rank copies at
       least this big with contiguous rows of >= 512 B run on a copy engine beside the direct
       writes, the others in the box kernel; 0: kernel only (RESHARD_EXT_DIRECT_LOCAL_ENGINE_BYTES).
@@ -320,6 +330,7 @@ class Tuning:
     direct_engine_streams: int | None = None
     direct_verify_groups: int | None = None
     direct_staging_bytes: int | None = None
+    direct_prep_overlap: bool | None = None
     direct_local_engine_bytes: int | None = None
     direct_local_blocks: int | None = None
     check_threads: int | None = None
@@ -340,6 +351,7 @@ class Tuning:
             "direct_verify_groups": (int, lambda v: 1 <= v <= MAX_VERIFY_GROUPS,
                                      f"an integer from 1 to {MAX_VERIFY_GROUPS}"),
             "direct_staging_bytes": _AT_LEAST_0,
+            "direct_prep_overlap": _BOOL,
             "direct_local_engine_bytes": _AT_LEAST_0,
             "direct_local_blocks": _AT_LEAST_0,
             "check_threads": (int, lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
@@ -494,6 +506,10 @@ class Options:
     def resolved_direct_staging_bytes(self) -> int:
         value = self._tuned("direct_staging_bytes")
         return value if value is not None else int(env_default("RESHARD_EXT_DIRECT_STAGING_BYTES"))
+
+    def resolved_direct_prep_overlap(self) -> bool:
+        value = self._tuned("direct_prep_overlap")
+        return value if value is not None else bool(env_default("RESHARD_EXT_DIRECT_PREP_OVERLAP"))
 
     def resolved_direct_local_engine_bytes(self) -> int:
         value = self._tuned("direct_local_engine_bytes")

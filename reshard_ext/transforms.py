@@ -23,6 +23,15 @@ rank binds never changes the plan, so each rank may choose on its own.
 A rewrite may also return a ``Prepass``: a step that the ranks run *together* at the start
 of every execute, before any ``before`` step and before data moves, e.g. reducing partial
 amaxes among the source ranks that share a quantization block (reshard_ext/codecs/amax.py).
+
+Deferred pre-pass work (rx.Tuning.direct_prep_overlap): a source-side ``Prepass`` item whose
+step needs no other rank may tell the source bytes it reads (``region``); the direct
+transport may then *defer* it: instead of the pre-pass and the ``before`` steps, it runs the
+item's ``run_deferred`` followed by the same rewrite's ``before``, on a side stream, tensor
+by tensor in the order its staged boxes read the tensors, each box waiting only for its own
+tensor's work (csrc/core/direct.h, prep_schedule). Such a ``before`` therefore must depend
+on nothing but its item's result and its own tensors, and write only what its rewrite's
+entries read; it runs exactly once per execute either way.
 """
 from __future__ import annotations
 
@@ -82,6 +91,16 @@ class Prepass:
         """Runs the step for `items` (this rank's, all of this class) over the group's host
         channel (transports/channel.py) within `session`'s deadline; returns "" or why this
         rank cannot go on (the plan then moves no data on it and tells its peers)."""
+        raise NotImplementedError
+
+    def region(self) -> tuple[int, int] | None:
+        """(address, bytes) of the source memory this item's step reads, where the step needs no
+        other rank (exchanges nothing) and may run alone, deferred (the module doc); None: it
+        runs only in the pre-pass."""
+        return None
+
+    def run_deferred(self) -> None:
+        """This item's step alone, on the current stream (only where `region` is not None)."""
         raise NotImplementedError
 
 

@@ -322,6 +322,7 @@ stage_mxdirect() {
   # copies, and a summary: link idle time, copy streams waiting for packs, packs waiting for slots),
   # plain and verified.
   #   RX_MXDIRECT_TESTS=0 skips the correctness tests and the sanitizer (a sweep after a first full run)
+  #   RX_PREP_CODECS    codecs of the deferred pre-pass A/B (direct_prep_overlap off/on); default "fp8block nvfp4"
   gpus 2 mxdirect || return 0
   [ "${RX_MXDIRECT_TESTS:-1}" = 0 ] || mxdirect_tests
   mxdirect_bench
@@ -333,6 +334,8 @@ mxdirect_tests() {
   (cd tests && timeout 200 python3 -m pytest -q -p no:warnings -rs test_direct.py -k "staged or staging or mxfp8" \
       2>&1 | tee -a "$OUT/mxdirect_tests.log" | tail -4)
   (cd tests && timeout 300 python3 -m pytest -q -p no:warnings -rs test_fp8block_refit.py -k "direct or cuda" \
+      2>&1 | tee -a "$OUT/mxdirect_tests.log" | tail -4)
+  (cd tests && timeout 300 python3 -m pytest -q -p no:warnings -rs test_prep_overlap.py \
       2>&1 | tee -a "$OUT/mxdirect_tests.log" | tail -4)
   # API errors are not ours: NCCL probes its kernels during torch's eager init (cudaErrorNoKernelImageForDevice);
   # only memory errors count.
@@ -361,6 +364,18 @@ mxdirect_bench() {
         done
       done
     done
+  done
+  # the deferred pre-pass (RESHARD_EXT_DIRECT_PREP_OVERLAP, default off): off and on in one run per codec, same
+  # tensors; each variant's table has its time ratio, the log each variant's timeline (its "prep" rows: the amaxes
+  # per tensor on the prep stream, under the first chunks' copies)
+  for codec in ${RX_PREP_CODECS:-fp8block nvfp4}; do
+    step "mxdirect: deferred pre-pass A/B, $codec sender side (direct_prep_overlap=0;direct_prep_overlap=1)"
+    timeout 400 torchrun --standalone --nproc-per-node 2 benchmarks/refit_bench.py --case noncolo-tp1-tp1 \
+      --backend direct --no-baseline --mxfp8 sender --codec "$codec" --timeline \
+      --variants "direct_prep_overlap=0;direct_prep_overlap=1" ${RX_MXDIRECT_ARGS:-} 2>&1 | grep -v "^W\|^\[W" \
+      > "$OUT/mxdirect_prep_run.log"
+    cat "$OUT/mxdirect_prep_run.log" >> "$OUT/mxdirect.log"
+    grep -E -A4 "^-- (FP8BLOCK|NVFP4)" "$OUT/mxdirect_prep_run.log" | head -24
   done
   [ "${RX_MXDIRECT_TESTS:-1}" = 0 ] && return 0
   step "mxdirect: MXFP8 receiver side on direct (the sender's kernel stores quantized bytes into the peer)"

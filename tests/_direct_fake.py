@@ -87,10 +87,14 @@ class _Exec:
         # the staged codec boxes, for a plain and a landing execute (each run builds a fresh one)
         every, every_group = boxes, list(box_groups)
         slots, streams = staging_shape()
-        self.staged = lambda landing: StagedRun(every, every_group, stageable, slot_bytes, groups if landing else 0,
-                                                policy=STAGING_POLICY, ordinals=list(ordinals), slots=slots,
-                                                streams=streams)
+        self.staged = lambda landing, prep=None: StagedRun(every, every_group, stageable, slot_bytes,
+                                                           groups if landing else 0, policy=STAGING_POLICY,
+                                                           ordinals=list(ordinals), slots=slots, streams=streams,
+                                                           prep=prep)
         probe = self.staged(False)
+        self.plan = probe.plan
+        self.gates: list[int] = []  # set_prep's (prep_schedule)
+        self.work: list = []  # this execute's deferred work (FakeDevice.prep)
         self.staging_bytes, self.num_staged_chunks = probe.plan.ring_bytes, probe.plan.num_chunks
         self.num_staged_boxes = len(box_groups) - len(probe.rest)
         self.staged_boxes = [b for c in range(probe.plan.num_chunks) for b in probe.chunks[c][5]]
@@ -126,31 +130,50 @@ class _Exec:
     def _signal(self, to: list[int], frm: list[int], tag: int) -> None:
         self._wait(self._post(to, frm, tag))
 
-    def begin(self, stream: int, landing: bool = False, stage_digests: int = 0) -> None:
+    def set_prep(self, regions: list) -> list[int]:
+        order, self.gates = self.plan.prep_schedule(regions)
+        self.num_prep = len(order)
+        return order
+
+    def begin(self, stream: int, landing: bool = False, stage_digests: int = 0, prep: bool = False) -> None:
         import ctypes
+        import functools
 
         from _direct_sim import run_engine
 
-        run_engine(self.local_engine)  # the same-rank copies go first, as on the GPU
-        _C.copy_boxes_cpu(self.local_kernel)
+        from reshard_ext.transports.direct import run_deferred
+
+        work = ([functools.partial(run_deferred, step) for step in self.work], self.gates) if prep else None
+        self.work = []
+
+        def local() -> None:
+            run_engine(self.local_engine)
+            _C.copy_boxes_cpu(self.local_kernel)
+
+        if work is None:
+            local()  # the same-rank copies go first, as on the GPU (after the deferred work: its start waits for it)
         self._signal(self.senders, self.receivers, _READY)  # my destinations are free; wait for theirs
         if landing and self.groups:
-            run = self.staged(True)
+            run = self.staged(True, work)
             signals = run.run()
             for k, (engine, kernel) in enumerate(self.groups):
+                if self.num_staged_chunks:  # the signal waits for the deferred work: the group's other writes follow
+                    assert next(signals) == k, "staged signals out of order"
+                if k == 0 and work is not None:
+                    local()
                 run_engine(engine)
                 _C.copy_boxes_cpu(kernel)
-                if self.num_staged_chunks:
-                    assert next(signals) == k, "staged signals out of order"
                 self.posted += self._post(self.receivers, [], _DONE + 1 + k)  # waited for in end()
             assert next(signals, None) is None, "a staged signal past the last landing group"
             if stage_digests and run.digests.size:  # what DirectExec adds into the caller's zeroed buffer
                 ctypes.memmove(stage_digests, run.digests.ctypes.data, run.digests.nbytes)
             return
+        self.staged(False, work).run_all()  # the packs, gated by the deferred work
+        if work is not None:
+            local()
         for part in self.streams:
             run_engine(part)
         _C.copy_boxes_cpu(self.kernel)
-        self.staged(False).run_all()
 
     def wait_landed(self, stream: int, k: int) -> None:
         self._wait(self._post([], self.senders, _DONE + 1 + k))
@@ -215,6 +238,10 @@ class FakeDevice:
 
     def digest_reader(self, tables: Any) -> Any:
         return _CpuReader(tables)
+
+    def prep(self, ex: Any, work: list) -> None:
+        """The deferred work runs inside the executor's staging emulation (_Exec.begin)."""
+        ex.work = list(work)
 
 
 class _CpuReader:

@@ -10,6 +10,7 @@ boxes run through StagedRun, the CPU emulation of their staging script."""
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from reshard_ext import _C
 from reshard_ext.execution import _refs, _rewrite
 from reshard_ext.options import Options
-from reshard_ext.transports.direct import peers_of, staging_shape
+from reshard_ext.transports.direct import peers_of, run_deferred, staging_shape
 
 LANDING_GROUPS = Options().resolved_direct_verify_groups()  # what a verified direct execute uses
 
@@ -37,7 +38,14 @@ def run_engine(copies: list[tuple]) -> tuple[int, int]:
 
 
 _PACK, _COPY, _WAIT, _RECORD, _DIGEST = 0, 1, 2, 3, 4  # StageOp (core/direct.h)
+_PREPARE = 5  # the emulation's own action: deferred pre-pass work k (the transport's, on its prep stream)
 _SIGNAL = -1  # the executor's signal stream in the emulation
+_PREP = -2  # the transport's prep stream
+
+
+def prep_event(k: int) -> int:
+    """The id of prep event k in a staging script (core/direct.h, stage_prep_event)."""
+    return _C.STAGE_PREP0 - k
 
 
 class StagedRun:
@@ -55,11 +63,18 @@ class StagedRun:
     kStageLanded; `run()` yields k when that signal runs, every chunk of groups <= k copied.
     A landing run's script digests each chunk's slot after its pack (a verified execute): the
     digests of the staged boxes, in staged order, land in `digests` (uint64, lane sums), each
-    read while its chunk is in its slot, all of them before the last signal."""
+    read while its chunk is in its slot, all of them before the last signal.
+
+    `prep` (work, gates): deferred pre-pass work (rx.Tuning.direct_prep_overlap) on a prep
+    stream that starts at the sources (STAGE_SOURCES), runs work[k]() and records prep event k,
+    for each k in turn; the script's packs wait for the prep events `gates` says
+    (prep_schedule's), and the signal stream (everything the executor does besides the packs)
+    for the last one. A pack that a missing or early gate lets run before its tensor's work
+    quantizes with stale factors: the bytes show it."""
 
     def __init__(self, boxes: Any, groups: list[int], stageable: list[int], slot_bytes: int, landing: int = 0,
                  policy: str | int = 0, edit: Any = None, ordinals: list[int] | None = None,
-                 slots: int = _C.STAGE_SLOTS, streams: int = _C.STAGE_STREAMS):
+                 slots: int = _C.STAGE_SLOTS, streams: int = _C.STAGE_STREAMS, prep: Any = None):
         import random
 
         import numpy as np
@@ -80,6 +95,8 @@ class StagedRun:
         self.rng = random.Random(policy if isinstance(policy, int) else 0)
         self.packs = self.copies = 0
         self.max_ahead = 0  # the most chunks packed and not yet copied out at once
+        self.prep = prep
+        self.prepared = 0  # deferred work items run
 
     def rest_boxes(self, boxes: Any) -> Any:
         """The boxes the staging left to the kernel and the copy engines (a table)."""
@@ -90,9 +107,10 @@ class StagedRun:
 
     def _queue(self) -> tuple[dict, dict]:
         """Every stream's actions in host order, each wait with the record count it waits for."""
-        script = self.plan.script(self.landing, self.streams, bool(self.landing))
+        work, gates = self.prep or ([], [])
+        script = self.plan.script(self.landing, self.streams, bool(self.landing), gates)
         streams, events, prefill, parts = self.edit(*script) if self.edit else script
-        queued = {_C.STAGE_START: 1}  # the execute's start is recorded before anything
+        queued = {_C.STAGE_START: 1, _C.STAGE_SOURCES: 1}  # the execute's start is recorded before anything
         q: dict[int, list] = {}
 
         def put(op: int, stream: int, arg: int, tag: int = 0) -> None:
@@ -101,6 +119,12 @@ class StagedRun:
             if op == _RECORD:
                 queued[arg] = queued.get(arg, 0) + 1
 
+        if work:  # queued before the executor's begin; the executor's work waits for all of it
+            put(_WAIT, _PREP, _C.STAGE_SOURCES)
+            for k in range(len(work)):
+                put(_PREPARE, _PREP, k)
+                put(_RECORD, _PREP, prep_event(k))
+            put(_WAIT, _SIGNAL, prep_event(len(work) - 1))
         for a in prefill:
             put(*a)
         for k, part in enumerate(parts):
@@ -119,7 +143,7 @@ class StagedRun:
         from collections import deque
 
         queues = {s: deque(a) for s, a in self._queue().items()}
-        done = {_C.STAGE_START: 1}  # records run, by event
+        done = {_C.STAGE_START: 1, _C.STAGE_SOURCES: 1}  # records run, by event
         held: dict[int, int] = {}  # slot -> the chunk packed into it and not copied out yet
         in_slot: dict[int, int] = {}  # slot -> the chunk last packed into it (copied out or not)
         copied: set[int] = set()
@@ -143,6 +167,9 @@ class StagedRun:
                     if self.landing and k + 1 == self.landing:
                         assert self.digested == len(self.chunks), "the last signal before every chunk's digest"
                     yield k
+            elif op == _PREPARE:
+                self.prep[0][arg]()
+                self.prepared += 1
             elif op == _DIGEST:
                 slot, digest = self.chunks[arg][1], self.chunks[arg][6]
                 assert in_slot.get(slot) == arg, f"chunk {arg} digested from slot {slot} holding {in_slot.get(slot)}"
@@ -164,6 +191,7 @@ class StagedRun:
                 copied.add(arg)
                 self.copies += 1
         assert self.packs == self.copies == len(self.chunks) == len(copied), (self.packs, self.copies, len(self.chunks))
+        assert self.prepared == len(self.prep[0] if self.prep else []), "deferred work left undone"
 
     def run_all(self) -> None:
         for _ in self.run():
@@ -173,9 +201,13 @@ class StagedRun:
 def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], engine_bytes: int = 1 << 20,
              max_batch_bytes: int = 0, transform: Any = None, stats: dict | None = None,
              local_engine_bytes: int | None = None, engine_streams: int = 1, landing: bool = False,
-             stage_bytes: int = 0, policy: str | int = 0) -> None:
+             stage_bytes: int = 0, policy: str | int = 0, prep: bool = False, executes: int = 1,
+             each: Any = None, gates: Any = None) -> None:
     """Runs one refit of per-rank entries {name: (tensor, layout)} (CPU tensors) with the
     pairs in `direct` (as (low, high) rank pairs) direct and the others over "NCCL".
+    transform: one for every rank, or a function rank -> the rank's (a transform that asks
+    for its rank, e.g. for its amax pre-pass). Pre-pass items (amax pieces) run as the plan
+    runs them, their exchange emulated (a MAX over the ranks' grids of a tensor).
     local_engine_bytes: the same-rank copies of ranks without "NCCL" pairs are split as
     DirectExec splits them (copy engine / kernel) instead of the inner transport's copy.
     engine_streams: the copy-engine copies are spread over that many streams first.
@@ -183,9 +215,18 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
     each receiver digests the ops it expects in group k once every sender wrote group k,
     and each of those digests must equal the op's digest after the whole refit.
     stage_bytes: the slot of the ring a sender's codec boxes are staged in (StagedRun, run
-    in `policy`'s order; 0: none staged, the kernel writes them as before)."""
+    in `policy`'s order; 0: none staged, the kernel writes them as before).
+    prep: deferred pre-pass work as the direct transport runs it (rx.Tuning.direct_prep_overlap):
+    the items the staged chunks read run in StagedRun's prep stream, gated per chunk
+    (gates: a function of prep_schedule's gates that breaks them, for tests); the rest of a
+    rank's work after all of it. executes: refits in a row; each(k) after the k-th (it may
+    check the destinations and change the sources in place)."""
     world = len(src)
-    rewritten = [(_rewrite(transform, "src", src[r]), _rewrite(transform, "dst", dst[r])) for r in range(world)]
+    make = transform if callable(transform) else (lambda r: transform)
+    rewritten = []
+    for r in range(world):
+        t_r = make(r)
+        rewritten.append((_rewrite(t_r, "src", src[r]), _rewrite(t_r, "dst", dst[r])))
     src_w = [s for (s, _), _ in rewritten]
     dst_w = [d for _, (d, _) in rewritten]
     src_t, dst_t = _table(src_w), _table(dst_w)
@@ -224,8 +265,22 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
         tables[r].bind_direct(refs[r][0], pieces, stage_bytes)
     groups = LANDING_GROUPS if landing else 0
     slots, streams = staging_shape()
-    staged = [StagedRun(t.direct_boxes(), t.direct_landing_groups(max(groups, 1)), t.direct_stageable(), stage_bytes,
-                        groups, policy, ordinals=t.direct_ordinals(), slots=slots, streams=streams) for t in tables]
+
+    def staged_run(t: Any, work: Any = None) -> StagedRun:
+        return StagedRun(t.direct_boxes(), t.direct_landing_groups(max(groups, 1)), t.direct_stageable(), stage_bytes,
+                         groups, policy, ordinals=t.direct_ordinals(), slots=slots, streams=streams, prep=work)
+
+    staged = [staged_run(t) for t in tables]
+    # what each rank's transport defers (DirectTransport._defer): (item, before) in the chunks' order, and the gates
+    deferred: list[list] = [[] for _ in range(world)]
+    gated: list[list[int]] = [[] for _ in range(world)]
+    for r in range(world):
+        steps = rewritten[r][0][1]
+        candidates = [(it, b) for it, b in zip(steps[2], steps[3]) if it.region() is not None]
+        if prep and candidates and staged[r].plan.num_chunks:
+            order, gated[r] = staged[r].plan.prep_schedule([it.region() for it, _ in candidates])
+            deferred[r] = [candidates[i] for i in order]
+            gated[r] = gates(list(gated[r])) if gates is not None else list(gated[r])
     if stats is not None:
         stats.update(batches=k, staging=[t.send_buffer_bytes + t.recv_buffer_bytes for t in tables],
                      direct_ops=[tuple(t.num_direct_ops) for t in tables], ops=[tuple(t.num_ops) for t in tables],
@@ -233,25 +288,74 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
                      direct_boxes=sum(len(t.direct_boxes()) for t in tables),
                      staged=sum(len(t.direct_boxes()) - len(s.rest) for t, s in zip(tables, staged)),
                      chunks=sum(s.plan.num_chunks for s in staged), ring=[s.plan.ring_bytes for s in staged],
-                     slot=[s.plan.slot_bytes for s in staged])
-    for (_, src_steps), (_, dst_steps) in rewritten:  # steps: (before, after)
+                     slot=[s.plan.slot_bytes for s in staged], deferred=[len(d) for d in deferred])
+    def work(r: int) -> Any:
+        return ([functools.partial(run_deferred, pair) for pair in deferred[r]], gated[r]) if deferred[r] else None
+
+    for step in range(executes):
+        staged = [staged_run(t, work(r)) for r, t in enumerate(tables)]  # a fresh ring each execute
+        _execute(rewritten, deferred, gated, plans, splits, tables, refs, staged, direct, engine_bytes, stats,
+                 local_engine_bytes, engine_streams, landing, k)
+        if each is not None:
+            each(step)
+
+
+def _prepass(rewritten: list, deferred: list[list]) -> None:
+    """Every rank's pre-pass and before steps but what its transport defers: the amax pieces'
+    partial amaxes, those of tensors whose pieces cut blocks reduced as the ranks' exchange
+    does (a MAX over their grids), then the before steps."""
+    from reshard_ext.codecs.amax import AmaxPiece
+
+    skip = {id(x) for d in deferred for pair in d for x in pair if x is not None}
+    shared: dict[str, list] = {}
+    for (_, src_steps), (_, dst_steps) in rewritten:
+        for item in src_steps[2] + dst_steps[2]:
+            if id(item) in skip:
+                continue
+            assert isinstance(item, AmaxPiece), f"the emulation runs amax pieces only, got {type(item).__name__}"
+            item.partial()
+            if item.senders or item.receivers:
+                shared.setdefault(item.name, []).append(item)
+    for items in shared.values():
+        whole = torch.stack([it.grid for it in items]).amax(0)  # int32 order = float order (codecs/amax.py)
+        for it in items:
+            it.grid.copy_(whole)
+    for (_, src_steps), (_, dst_steps) in rewritten:
         for step in src_steps[0] + dst_steps[0]:
-            step()
+            if id(step) not in skip:
+                step()
+
+
+def _execute(rewritten: list, deferred: list[list], gated: list[list[int]], plans: list, splits: list, tables: list,
+             refs: list, staged: list, direct: set, engine_bytes: int, stats: dict | None,
+             local_engine_bytes: int | None, engine_streams: int, landing: bool, k: int) -> None:
+    """One execute of simulate's bound tables: the pre-pass, the writes, the NCCL batches, the after steps."""
+    world = len(tables)
+    _prepass(rewritten, deferred)
+    locals_ = []
     for r in range(world):
         t = tables[r]
-        if local_engine_bytes is None or t.send_total or t.recv_total:
-            t.run_copies_cpu()
-        else:
-            copies, kernel = _C.split_engines(t.copy_boxes(), local_engine_bytes)
-            run_engine(copies)
-            _C.copy_boxes_cpu(kernel)
-            if stats is not None:
-                stats["local_engine"] += len(copies)
-                stats["local_kernel"] += len(kernel)
+
+        def local(t: Any = t) -> None:
+            if local_engine_bytes is None or t.send_total or t.recv_total:
+                t.run_copies_cpu()
+            else:
+                copies, kernel = _C.split_engines(t.copy_boxes(), local_engine_bytes)
+                run_engine(copies)
+                _C.copy_boxes_cpu(kernel)
+                if stats is not None:
+                    stats["local_engine"] += len(copies)
+                    stats["local_kernel"] += len(kernel)
+
+        locals_.append(local)
+        if not deferred[r]:  # else after all of it, as the executor's start
+            local()
         if landing:
             continue
         copies, kernel = _C.split_engines(staged[r].rest_boxes(t.direct_boxes()), engine_bytes)
         staged[r].run_all()
+        if deferred[r]:
+            local()
         runs = pitched = 0
         for part in _C.spread_engines(copies, engine_streams):
             n_runs, n_pitched = run_engine(part)
@@ -262,7 +366,8 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
             stats["kernel"] += len(kernel)
             stats["runs"] += runs
             stats["pitched"] += pitched
-    check = _land(plans, splits, tables, refs, engine_bytes, staged) if landing else None
+    late = [locals_[r] if deferred[r] else None for r in range(world)]
+    check = _land(plans, splits, tables, refs, engine_bytes, staged, late) if landing else None
     for b in range(k):
         for r in range(world):
             tables[r].run_pack_cpu(b)
@@ -288,7 +393,6 @@ def simulate(src: list[dict], dst: list[dict], direct: set[tuple[int, int]], eng
     for (_, src_steps), (_, dst_steps) in rewritten:
         for step in src_steps[1] + dst_steps[1]:
             step()
-
 
 def _digests(plan: Any, bound: Any, refs: tuple) -> tuple:
     """(send, recv) digests of a rank's whole plan now: what each send op's source would
@@ -334,9 +438,12 @@ def _check_staged_digests(plan: Any, bound: Any, refs: tuple, run: StagedRun, pe
         stats["digested_ops"] = stats.get("digested_ops", 0) + len(ops)
 
 
-def _land(plans: list, splits: list, tables: list, refs: list, engine_bytes: int, staged: list) -> Any:
+def _land(plans: list, splits: list, tables: list, refs: list, engine_bytes: int, staged: list,
+          late: list | None = None) -> Any:
     """Runs every direct write in landing groups, each sender's staged chunks up to its
-    signal of the group; returns the check to call after the refit."""
+    signal of the group, then the group's other writes; returns the check to call after the
+    refit. late[r]: rank r's same-rank copies, run after its first signal (its deferred work
+    done: the executor's start waits for it)."""
     import numpy as np
 
     world, groups = len(plans), LANDING_GROUPS
@@ -346,13 +453,15 @@ def _land(plans: list, splits: list, tables: list, refs: list, engine_bytes: int
     signals = [s.run() for s in staged]
     for g in range(groups):
         for r in range(world):
+            if staged[r].plan.num_chunks:  # the signal waits for the deferred work too: the rest follow it
+                assert next(signals[r]) == g, f"rank {r}: staged signals out of order"
+            if g == 0 and late and late[r] is not None:
+                late[r]()
             rest = staged[r].rest_boxes(tables[r].direct_boxes())
             of_rest = np.asarray(tables[r].direct_landing_groups(groups), dtype=np.int64)[staged[r].rest]
             copies, kernel = _C.split_engines(rest[of_rest == g].copy(), engine_bytes)
             run_engine(copies)
             _C.copy_boxes_cpu(kernel)
-            if staged[r].plan.num_chunks:
-                assert next(signals[r]) == g, f"rank {r}: staged signals out of order"
         for q in range(world):
             now = _recv_digests(plans[q], tables[q], refs[q])
             for a, b in runs[q][g]:

@@ -113,7 +113,9 @@ def check(name: str, layout: Layout, rank: int, got, want, scale_layout: str, wh
 
 
 def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: bool = False,
-                 device: str = "cpu") -> int:
+                 device: str = "cpu", backend: str = "auto", shared: bool = False) -> int:
+    """shared: the destinations live in memory other processes can map (the CPU stand-in of
+    the direct transport, tests/_direct_fake.py)."""
     dev = torch.device("cuda", rank) if device == "cuda" else CPU
     specs = cases(where, world)
     names = sorted(specs)
@@ -124,15 +126,24 @@ def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: b
         if rank in sl.mesh:
             src[n] = (sl.local_part(globals_[n], rank).to(dev), sl)
         if rank in dl.mesh:
-            dst[n] = (destination(n, dl, rank, scale_layout, dev), dl)
+            bufs = destination(n, dl, rank, scale_layout, dev)
+            if shared:
+                from _direct_fake import shared_poison
+
+                bufs = tuple(shared_poison(tuple(t.shape), t.dtype).copy_(t) for t in bufs)
+            dst[n] = (bufs, dl)
     bias_src, bias_dst = _L((12,), [0], [Replicate()], F32), _L((12,), list(range(world)), [Shard(0)], F32)
     bias = torch.arange(12, dtype=F32)
     if rank == 0:
         src["bias"] = (bias.clone().to(dev), bias_src)  # an unconverted tensor passes through untouched
     bias_out = torch.empty(bias_dst.local_shape(rank), dtype=F32, device=dev)
+    if shared:
+        from _direct_fake import shared_poison
+
+        bias_out = shared_poison(tuple(bias_out.shape), F32)
     dst["bias"] = (bias_out, bias_dst)
     nvfp4.PATHS.clear()
-    plan = rx.plan(src, dst, transform=NVFP4(names, scale_layout=scale_layout, where=where))
+    plan = rx.plan(src, dst, transform=NVFP4(names, scale_layout=scale_layout, where=where), backend=backend)
     if where == "sender":  # BF16 sources are quantized inside the pack and copy boxes; fp32 ones staged
         assert {n: nvfp4.PATHS[("src", n)] for n in src if n != "bias"} == \
             {n: "staged" if n == "fp32" else "fused" for n in src if n != "bias"}, nvfp4.PATHS

@@ -19,8 +19,8 @@ from reshard_ext import options
 USER_FIELDS = ["timeout", "relay", "auto_direct", "direct_ipc", "check_storage", "trace", "tuning"]
 TUNING_FIELDS = ["batch_bytes", "direct_bytes", "nccl_register", "max_blocks", "split_copies", "batch_taper",
                  "relay_stages", "direct_engine_bytes", "direct_engine_batch", "direct_engine_streams",
-                 "direct_verify_groups", "direct_staging_bytes", "direct_local_engine_bytes", "direct_local_blocks",
-                 "check_threads", "host_ring"]
+                 "direct_verify_groups", "direct_staging_bytes", "direct_prep_overlap", "direct_local_engine_bytes",
+                 "direct_local_blocks", "check_threads", "host_ring"]
 TRANSPORTS = ["gloo", "torch", "cpu", "nccl", "direct", "nvshmem"]
 # each deprecated variable and the transports whose timeout it still sets
 DEPRECATED = {"RESHARD_EXT_P2P_TIMEOUT": {"gloo", "torch", "cpu"}, "RESHARD_EXT_NCCL_TIMEOUT": {"nccl"},

@@ -356,6 +356,9 @@ DirectExec::~DirectExec() {
     if (s != nullptr) cudaStreamDestroy(s);
   for (cudaEvent_t e : stage_events_)
     if (e != nullptr) cudaEventDestroy(e);
+  for (cudaEvent_t e : prep_events_)
+    if (e != nullptr) cudaEventDestroy(e);
+  if (sources_ != nullptr) cudaEventDestroy(sources_);
   for (cudaStream_t s : ces_)
     if (s != nullptr) cudaStreamDestroy(s);
   for (cudaStream_t s : stage_streams_)
@@ -387,8 +390,55 @@ void DirectExec::guarded(Steps&& steps) {
   }
 }
 
-void DirectExec::begin(cudaStream_t main, bool landing, uint64_t stage_digests) {
+std::vector<int32_t> DirectExec::set_prep(const std::vector<PrepRegion>& regions) {
+  RX_HOST_ASSERT(prep_events_.empty(), "DirectExec::set_prep: called twice");
+  const PrepSchedule s = prep_schedule(staging_, regions);
+  if (s.order.empty()) return {};
+  prep_plain_script_ = stage_script(staging_, 0, config_.stage_streams, false, s.gates);
+  prep_landing_script_ = stage_script(staging_, config_.landing_groups, config_.stage_streams, true, s.gates);
+  DeviceGuard guard(sig_->device());
+  if (sources_ == nullptr) RX_CUDA_CHECK(cudaEventCreateWithFlags(&sources_, cudaEventDisableTiming));
+  prep_events_.resize(s.order.size(), nullptr);
+  for (cudaEvent_t& e : prep_events_) RX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return s.order;
+}
+
+void DirectExec::new_timeline() {
+  marks_.clear();
+  trace_used_ = 0;
+}
+
+void DirectExec::prep_start(cudaStream_t main, cudaStream_t prep) {
+  RX_USER_CHECK(error_.empty(), "direct transport unusable after an earlier failure: ", error_);
+  RX_HOST_ASSERT(!prep_events_.empty(), "DirectExec::prep_start without deferred work (set_prep)");
+  if (unfinished_) finish();  // the previous execute's timeline and events are done with
+  DeviceGuard guard(sig_->device());
+  new_timeline();
+  traced("start", 0, main, [] {});  // the timeline's origin: the prep work runs before begin()
+  RX_CUDA_CHECK(cudaEventRecord(sources_, main));
+  RX_CUDA_CHECK(cudaStreamWaitEvent(prep, sources_, 0));
+  if (trace_) {
+    prep_mark_ = trace_event();
+    RX_CUDA_CHECK(cudaEventRecord(prep_mark_, prep));
+  }
+}
+
+void DirectExec::prep_done(int32_t k, cudaStream_t prep) {
+  RX_HOST_ASSERT(k >= 0 && k < num_prep(), "DirectExec::prep_done: region ", k, " of ", num_prep());
+  DeviceGuard guard(sig_->device());
+  RX_CUDA_CHECK(cudaEventRecord(prep_events_[static_cast<size_t>(k)], prep));
+  if (trace_ && prep_mark_ != nullptr) {
+    cudaEvent_t end = trace_event();
+    RX_CUDA_CHECK(cudaEventRecord(end, prep));
+    marks_.push_back(Mark{"prep", k, prep_mark_, end});
+    prep_mark_ = end;
+  }
+}
+
+void DirectExec::begin(cudaStream_t main, bool landing, uint64_t stage_digests, bool prep) {
   if (unfinished_) finish();  // an execute whose caller never waited for its end
+  RX_HOST_ASSERT(!prep || !prep_events_.empty(), "DirectExec::begin: prep without deferred work (set_prep)");
+  prep_ = prep;
   landing_ = landing && !groups_.empty();
   stage_digests_ = landing_ ? reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(stage_digests)) : nullptr;
   guarded([&] { begin_steps(main); });
@@ -423,13 +473,17 @@ void DirectExec::begin_steps(cudaStream_t main) {
   DeviceGuard guard(sig_->device());
   seq_ = sig_->next_seq();
   *sig_->error_host() = 0;  // the previous execute has ended (end() waited): no kernel writes it now
-  marks_.clear();
-  trace_used_ = 0;
-  traced("start", 0, main, [] {});  // the timeline's origin
+  if (!prep_) {  // else prep_start began this execute's timeline
+    new_timeline();
+    traced("start", 0, main, [] {});  // the timeline's origin
+  }
   if (!senders_.empty()) {
     const uint64_t ready = sig_->ready_device();
     RX_CUDA_CHECK(rx_signal_store_cuda(&ready, 1, seq_, main));
   }
+  // Everything but the staged packs (which wait for their own tensors' work) starts after
+  // all deferred work: non-staged boxes read the same factors and scales.
+  if (prep_) traced("wait prep", 0, main, [&] { RX_CUDA_CHECK(cudaStreamWaitEvent(main, prep_events_.back(), 0)); });
   // From here on the sources are ready and this rank's destinations free: the same-rank
   // copies start now, before the host waits for the receivers below.
   RX_CUDA_CHECK(cudaEventRecord(start_, main));
@@ -441,8 +495,7 @@ void DirectExec::begin_steps(cudaStream_t main) {
   if (local_table_.num_boxes() > 0)
     traced("local kernel", 0, main, [&] { local_table_.launch(main, config_.local_blocks); });
   if (receivers_.empty()) return;
-  const StageScript& script = landing_ ? landing_script_ : plain_script_;
-  run_stage(script.prefill);  // local writes only: before the receivers are ready
+  run_stage(script().prefill);  // local writes only: before the receivers are ready
   const auto deadline = deadline_after(timeout_s_);
   Backoff backoff(50);
   for (int32_t r : receivers_) {
@@ -467,7 +520,7 @@ void DirectExec::begin_steps(cudaStream_t main) {
   for (size_t k = 0; k < ces_.size(); ++k)
     traced("engine", static_cast<int32_t>(k), ces_[k], [&] { engines_[k].issue(ces_[k]); });
   if (table_.num_boxes() > 0) traced("kernel", 0, sm_, [&] { table_.launch(sm_, 0); });
-  run_stage(plain_script_.parts.front());
+  run_stage(script().parts.front());
   wait_staged(sm_, true);
   for (size_t k = 0; k < ces_.size(); ++k) {
     RX_CUDA_CHECK(cudaEventRecord(ce_done_[k], ces_[k]));
@@ -498,7 +551,7 @@ void DirectExec::send_landing() {
     traced("kernel group", k, sm_, [&] { g.table.launch(sm_, 0); });
     RX_CUDA_CHECK(cudaEventRecord(kernel_done_, sm_));
     RX_CUDA_CHECK(cudaStreamWaitEvent(signal_, kernel_done_, 0));
-    run_stage(landing_script_.parts[static_cast<size_t>(k)]);
+    run_stage(script().parts[static_cast<size_t>(k)]);
     wait_staged(signal_, k + 1 == groups);
     traced("signal group", k, signal_, [&] {
       RX_CUDA_CHECK(rx_signal_store_cuda(done_words_.data(), static_cast<int32_t>(done_words_.size()),
@@ -509,9 +562,19 @@ void DirectExec::send_landing() {
   RX_CUDA_CHECK(cudaEventRecord(sent_, signal_));
 }
 
+const StageScript& DirectExec::script() const {
+  if (prep_) return landing_ ? prep_landing_script_ : prep_plain_script_;
+  return landing_ ? landing_script_ : plain_script_;
+}
+
 cudaEvent_t DirectExec::stage_event(int32_t id) const {
   if (id == kStageStart) return start_;
   if (id == kStageLanded) return landed_;
+  if (id == kStageSources) return sources_;
+  if (stage_prep_index(id) >= 0) {
+    RX_HOST_ASSERT(stage_prep_index(id) < num_prep(), "staging script: prep event ", stage_prep_index(id));
+    return prep_events_[static_cast<size_t>(stage_prep_index(id))];
+  }
   RX_HOST_ASSERT(id >= 0 && id < static_cast<int32_t>(stage_events_.size()), "staging script: event ", id);
   return stage_events_[static_cast<size_t>(id)];
 }
@@ -543,11 +606,11 @@ void DirectExec::run_stage(const std::vector<StageAction>& actions) {
 
 void DirectExec::wait_staged(cudaStream_t stream, bool last) {
   if (staging_.chunks.empty()) return;
-  const StageScript& script = landing_ ? landing_script_ : plain_script_;
-  for (int32_t e = 0; e < script.streams; ++e)
+  const StageScript& sc = script();
+  for (int32_t e = 0; e < sc.streams; ++e)
     RX_CUDA_CHECK(cudaStreamWaitEvent(stream, stage_event(2 * staging_.slots + e), 0));
-  if (last && script.events > 2 * staging_.slots + script.streams)  // the digests' end (stage_script)
-    RX_CUDA_CHECK(cudaStreamWaitEvent(stream, stage_event(2 * staging_.slots + script.streams), 0));
+  if (last && sc.events > 2 * staging_.slots + sc.streams)  // the digests' end (stage_script)
+    RX_CUDA_CHECK(cudaStreamWaitEvent(stream, stage_event(2 * staging_.slots + sc.streams), 0));
 }
 
 cudaEvent_t DirectExec::trace_event() {

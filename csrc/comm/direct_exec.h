@@ -171,14 +171,29 @@ class DirectExec {
   std::vector<int32_t> staged_boxes() const;
   const std::string& engine_mode() const { return engines_.front().mode(); }
 
+  // Deferred pre-pass work (core/direct.h, prep_schedule; rx.Tuning.direct_prep_overlap): the
+  // source regions [addr, addr + bytes) of the tensors whose work the caller may run per tensor
+  // on a prep stream; returns the regions the staged chunks read, in the order to run their work
+  // (prep event k follows the k-th). The others' work (and every region's, when nothing is staged)
+  // must run before the execute as usual. Call once after upload, before the first begin.
+  std::vector<int32_t> set_prep(const std::vector<PrepRegion>& regions);
+  int32_t num_prep() const { return static_cast<int32_t>(prep_events_.size()); }
+  // Per execute with prep, before begin(..., prep = true): prep_start(main, prep) makes `prep`
+  // start where `main` is now (the sources ready); the caller then queues the work of the k-th
+  // region of set_prep's order on `prep` and calls prep_done(k, prep) after it, for every k.
+  void prep_start(cudaStream_t main, cudaStream_t prep);
+  void prep_done(int32_t k, cudaStream_t prep);
+
   // Steps 1 and 2 (see the top of this file) on `main`, the caller's stream, and the
   // same-rank copies. Throws ReshardError when a receiver is not ready within the timeout.
   // landing: write the boxes group by group and signal each group as it lands (a
   // verified execute; otherwise one signal at the end). stage_digests (landing only; 0:
   // none): num_staged_boxes() zeroed uint64 on this GPU into which the execute adds each
   // staged box's send digest (staged_boxes() order), read from the ring as it is copied out;
-  // complete when `main` passes end().
-  void begin(cudaStream_t main, bool landing = false, uint64_t stage_digests = 0);
+  // complete when `main` passes end(). prep: this execute's deferred work was queued
+  // (prep_start, prep_done): each chunk's pack waits for the work of the tensors it reads,
+  // everything else (`main` from here on) for all of it.
+  void begin(cudaStream_t main, bool landing = false, uint64_t stage_digests = 0, bool prep = false);
   // Queues on `main` a wait until landing group k of every sender is in this rank (what
   // follows on `main` may read it). A wait that times out leaves the error to end().
   void wait_landed(cudaStream_t main, int32_t k);
@@ -210,6 +225,7 @@ class DirectExec {
   template <class Steps>
   void guarded(Steps&& steps);
   void begin_steps(cudaStream_t main);
+  void new_timeline();
   void end_steps(cudaStream_t main);
   void finish_steps();
   void send_landing();
@@ -222,6 +238,7 @@ class DirectExec {
   void traced(const std::string& kind, int32_t index, cudaStream_t s, F&& fn);
   cudaEvent_t trace_event();
   cudaEvent_t stage_event(int32_t id) const;
+  const StageScript& script() const;  // this execute's staging script
   // The kernels' box tables in upload order, each at a 256-byte aligned offset.
   std::vector<const DeviceBoxTable*> tables() const;
 
@@ -241,6 +258,13 @@ class DirectExec {
   // upload: they hold the ring's addresses), the streams (0: pack) and events they use.
   StagingPlan staging_;
   StageScript plain_script_, landing_script_;
+  // With deferred pre-pass work (set_prep): the scripts whose packs wait for it, its events
+  // (one per region of its order) and the caller's stream when the sources were ready.
+  StageScript prep_plain_script_, prep_landing_script_;
+  std::vector<cudaEvent_t> prep_events_;
+  cudaEvent_t sources_ = nullptr;
+  cudaEvent_t prep_mark_ = nullptr;  // tracing: the prep stream's last mark
+  bool prep_ = false;  // this execute's packs wait for the deferred work
   std::vector<DeviceBoxTable> stage_tables_, stage_digest_tables_;
   std::vector<int64_t> stage_first_;  // per chunk: the index of its first box in staged_boxes()
   uint64_t* stage_digests_ = nullptr;  // this execute's (begin)

@@ -1,6 +1,7 @@
 #include "core/direct.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -243,8 +244,11 @@ void relocate_staging(StagingPlan* plan, uint64_t base) {
   }
 }
 
-StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams, bool digest) {
+StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams, bool digest,
+                         const std::vector<int32_t>& gates) {
   RX_HOST_ASSERT(streams >= 1 && groups >= 0, "stage_script: ", streams, " streams, ", groups, " groups");
+  RX_HOST_ASSERT(gates.empty() || gates.size() == plan.chunks.size(), "stage_script: ", gates.size(),
+                 " gates for ", plan.chunks.size(), " chunks");
   StageScript out;
   const int32_t slots = plan.slots, n = static_cast<int32_t>(plan.chunks.size());
   out.parts.resize(static_cast<size_t>(std::max(groups, 1)));
@@ -252,12 +256,17 @@ StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t stream
   out.streams = streams;
   out.events = 2 * slots + streams + (digest ? 1 : 0);
   const auto packed = [](int32_t c, int32_t s) { return c % s; };
+  int32_t prepared = -1;  // the last prep event the pack stream waited for (its later packs need no wait for less)
   auto pack = [&](std::vector<StageAction>& to, int32_t c) {
+    if (!gates.empty() && gates[static_cast<size_t>(c)] > prepared) {
+      prepared = gates[static_cast<size_t>(c)];
+      to.push_back({kStageWait, 0, stage_prep_event(prepared)});
+    }
     to.push_back({kStagePack, 0, c});
     to.push_back({kStageRecord, 0, packed(c, slots)});
     if (digest) to.push_back({kStageDigest, 0, c});
   };
-  out.prefill.push_back({kStageWait, 0, kStageStart});
+  out.prefill.push_back({kStageWait, 0, gates.empty() ? kStageStart : kStageSources});
   for (int32_t c = 0; c < slots; ++c) pack(out.prefill, c);
   int32_t c = 0;
   for (int32_t k = 0; k < static_cast<int32_t>(out.parts.size()); ++k) {
@@ -281,15 +290,71 @@ StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t stream
   return out;
 }
 
-std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
-  const int64_t elem = dtype_size(box.dst_dtype);
-  int64_t lo = 0, hi = 0;  // byte offsets from box.dst of the first and one past the last element
+namespace {
+
+// [lo, hi) of the bytes a box's elements span at `base` with `stride` (in elements of `elem`
+// bytes), each element reading `last` bytes from its address (empty boxes: lo == hi).
+std::pair<uint64_t, uint64_t> span_at(const rx_box& box, uint64_t base, const int64_t* stride, int64_t elem,
+                                      int64_t last) {
+  int64_t lo = 0, hi = 0;  // byte offsets from base of the first and of the last element
   for (int d = 0; d < box.ndim; ++d) {
-    if (box.shape[d] <= 0) return {box.dst, box.dst};
-    const int64_t reach = (box.shape[d] - 1) * box.dst_stride[d] * elem;
+    if (box.shape[d] <= 0) return {base, base};
+    const int64_t reach = (box.shape[d] - 1) * stride[d] * elem;
     (reach < 0 ? lo : hi) += reach;
   }
-  return {box.dst + static_cast<uint64_t>(lo), box.dst + static_cast<uint64_t>(hi + elem)};
+  return {base + static_cast<uint64_t>(lo), base + static_cast<uint64_t>(hi + last)};
+}
+
+}  // namespace
+
+std::pair<uint64_t, uint64_t> dst_span(const rx_box& box) {
+  const int64_t elem = dtype_size(box.dst_dtype);
+  return span_at(box, box.dst, box.dst_stride, elem, elem);
+}
+
+std::pair<uint64_t, uint64_t> src_span(const rx_box& box) {
+  const int64_t elem = dtype_size(box.src_dtype);
+  const int64_t step = box.ndim > 0 ? std::abs(box.src_stride[box.ndim - 1]) : 1;
+  return span_at(box, box.src, box.src_stride, elem, std::max<int64_t>(step, 1) * elem);
+}
+
+PrepSchedule prep_schedule(const StagingPlan& plan, const std::vector<PrepRegion>& regions) {
+  // Regions by start, with the furthest end of each prefix: the regions a span [lo, hi)
+  // overlaps are among those starting before hi, scanned back while a prefix reaches past lo.
+  std::vector<int32_t> by_start;
+  for (size_t r = 0; r < regions.size(); ++r)
+    if (regions[r].bytes > 0) by_start.push_back(static_cast<int32_t>(r));
+  std::sort(by_start.begin(), by_start.end(), [&](int32_t a, int32_t b) {
+    return regions[static_cast<size_t>(a)].addr < regions[static_cast<size_t>(b)].addr;
+  });
+  std::vector<uint64_t> starts, reach;
+  for (int32_t r : by_start) {
+    const PrepRegion& g = regions[static_cast<size_t>(r)];
+    starts.push_back(g.addr);
+    reach.push_back(std::max(reach.empty() ? 0 : reach.back(), g.addr + static_cast<uint64_t>(g.bytes)));
+  }
+  PrepSchedule out;
+  std::vector<int32_t> position(regions.size(), -1);
+  for (const StagedChunk& c : plan.chunks) {
+    int32_t gate = -1;
+    for (const rx_box& b : c.pack) {
+      const auto [lo, hi] = src_span(b);
+      if (hi <= lo) continue;
+      for (auto i = std::lower_bound(starts.begin(), starts.end(), hi) - starts.begin(); i-- > 0 && reach[i] > lo;) {
+        const int32_t r = by_start[static_cast<size_t>(i)];
+        const PrepRegion& g = regions[static_cast<size_t>(r)];
+        if (g.addr + static_cast<uint64_t>(g.bytes) <= lo) continue;
+        int32_t& at = position[static_cast<size_t>(r)];
+        if (at < 0) {
+          at = static_cast<int32_t>(out.order.size());
+          out.order.push_back(r);
+        }
+        gate = std::max(gate, at);
+      }
+    }
+    out.gates.push_back(gate);
+  }
+  return out;
 }
 
 std::vector<int32_t> landing_groups(const std::vector<TransferOp>& ops, int32_t groups) {

@@ -148,7 +148,37 @@ struct StageScript {
   // Nothing staged: every list is empty (streams and events 0).
   std::vector<std::vector<StageAction>> parts;
 };
-StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams = kStageStreams, bool digest = false);
+StageScript stage_script(const StagingPlan& plan, int32_t groups, int32_t streams = kStageStreams, bool digest = false,
+                         const std::vector<int32_t>& gates = {});
+
+// ---- Deferred pre-pass work (rx.Tuning.direct_prep_overlap) ------------------------------
+// A sender-side codec's boxes read per-tensor values computed from the source each execute
+// (blockwise FP8's block factors, NVFP4's amax): the amax pre-pass and the codec's step after
+// it. Where a tensor's work needs no other rank, the transport may run it per tensor on a prep
+// stream instead of before the execute, in the order the staged chunks read the tensors, and
+// record prep event k after the k-th tensor's work; the pack stream then waits, before it packs
+// chunk c, only for the event of the last tensor chunk c's boxes read, so the first chunks move
+// while later tensors are still prepared. A tensor is known by the source bytes its work reads
+// (a region); a box belongs to every region its source bytes overlap (aliased or interleaved
+// views: the latest of them gates it, never an earlier one). With gates, the prefill waits for
+// kStageSources (the caller's stream when the sources were ready, recorded before the prep
+// work) instead of kStageStart, which the executor records only after every prep event.
+constexpr int32_t kStageSources = -3;
+constexpr int32_t stage_prep_event(int32_t k) { return -4 - k; }  // prep event k's id in a script
+constexpr int32_t stage_prep_index(int32_t id) { return -4 - id; }  // ... and back (>= 0 for prep events)
+struct PrepRegion {
+  uint64_t addr = 0;
+  int64_t bytes = 0;
+};
+struct PrepSchedule {
+  std::vector<int32_t> order;  // the regions some chunk reads, in the order the chunks first read them
+  std::vector<int32_t> gates;  // per chunk: the position in `order` of the last region it reads (-1: none)
+};
+PrepSchedule prep_schedule(const StagingPlan& plan, const std::vector<PrepRegion>& regions);
+
+// [lo, hi): the source bytes a box reads, taking each coordinate to read up to the next one
+// along the innermost dim (a codec coordinate may read a whole block there: NVFP4's scales).
+std::pair<uint64_t, uint64_t> src_span(const rx_box& box);
 
 // Landing groups of a verified direct execute: each sender writes a pair's ops in
 // `groups` groups and signals each group as it lands, so that the receiver digests group

@@ -102,6 +102,8 @@ void register_cuda(py::module_& m) {
   m.attr("STAGE_DIGEST") = static_cast<int>(kStageDigest);
   m.attr("STAGE_START") = kStageStart;
   m.attr("STAGE_LANDED") = kStageLanded;
+  m.attr("STAGE_SOURCES") = kStageSources;
+  m.attr("STAGE_PREP0") = stage_prep_event(0);
   py::class_<StagingPlan>(m, "StagingPlan", "Staged codec boxes of a direct send (core/direct.h, plan_staging).")
       .def_readonly("slot_bytes", &StagingPlan::slot_bytes)
       .def_readonly("slots", &StagingPlan::slots)
@@ -119,8 +121,8 @@ void register_cuda(py::module_& m) {
       .def("relocate", [](StagingPlan& p, uint64_t base) { relocate_staging(&p, base); }, py::arg("base"))
       .def(
           "script",
-          [](const StagingPlan& p, int32_t groups, int32_t streams, bool digest) {
-            const StageScript sc = stage_script(p, groups, streams, digest);
+          [](const StagingPlan& p, int32_t groups, int32_t streams, bool digest, const std::vector<int32_t>& gates) {
+            const StageScript sc = stage_script(p, groups, streams, digest, gates);
             auto acts = [](const std::vector<StageAction>& v) {
               py::list l;
               for (const StageAction& a : v) l.append(py::make_tuple(a.op, a.stream, a.arg));
@@ -131,8 +133,22 @@ void register_cuda(py::module_& m) {
             return py::make_tuple(sc.streams, sc.events, acts(sc.prefill), parts);
           },
           py::arg("groups"), py::arg("streams") = kStageStreams, py::arg("digest") = false,
+          py::arg("gates") = std::vector<int32_t>{},
           "stage_script: (streams, events, prefill, parts), actions as (op, stream, arg); op 0 pack, 1 copy, "
-          "2 wait, 3 record, 4 digest.");
+          "2 wait, 3 record, 4 digest; gates (prep_schedule's): the pack of chunk c first waits for prep event "
+          "gates[c] (STAGE_PREP0 - k), the prefill for STAGE_SOURCES.")
+      .def(
+          "prep_schedule",
+          [](const StagingPlan& p, const std::vector<std::pair<uint64_t, int64_t>>& regions) {
+            std::vector<PrepRegion> in;
+            for (const auto& [addr, bytes] : regions) in.push_back({addr, bytes});
+            const PrepSchedule s = prep_schedule(p, in);
+            return py::make_tuple(s.order, s.gates);
+          },
+          py::arg("regions"),
+          "(order, gates) of deferred pre-pass work over source regions [(address, bytes)] (core/direct.h): the "
+          "regions the chunks read, in first-read order, and per chunk the position in it of the last one it "
+          "reads (-1: none).");
   m.def(
       "plan_staging",
       [](const py::buffer& table, const std::vector<int32_t>& groups, const std::vector<uint8_t>& stageable,
@@ -145,17 +161,20 @@ void register_cuda(py::module_& m) {
       py::arg("ordinals") = std::vector<int64_t>{}, py::arg("slots") = kStageSlots,
       "The direct transport's staging of a sender's codec boxes: (StagingPlan, indices of the boxes not staged); "
       "ordinals: each box's first verify ordinal in its op (ExecTables.direct_ordinals; empty: 0).");
-  m.def(
-      "dst_spans",
-      [](const py::buffer& table) {
-        py::list out;
-        for (const rx_box& b : boxes_from(table)) {
-          const auto span = dst_span(b);
-          out.append(py::make_tuple(span.first, span.second));
-        }
-        return out;
-      },
-      py::arg("boxes"), "[lo, hi) of the dst bytes each box writes (codec side bytes such as MXFP8 scales aside).");
+  auto spans = [](std::pair<uint64_t, uint64_t> (*span)(const rx_box&)) {
+    return [span](const py::buffer& table) {
+      py::list out;
+      for (const rx_box& b : boxes_from(table)) {
+        const auto s = span(b);
+        out.append(py::make_tuple(s.first, s.second));
+      }
+      return out;
+    };
+  };
+  m.def("dst_spans", spans(&dst_span), py::arg("boxes"),
+        "[lo, hi) of the dst bytes each box writes (codec side bytes such as MXFP8 scales aside).");
+  m.def("src_spans", spans(&src_span), py::arg("boxes"),
+        "[lo, hi) of the src bytes each box reads (core/direct.h src_span).");
 
 #ifdef RX_WITH_CUDA
   py::class_<DeviceBoxTable>(m, "DeviceBoxTable")

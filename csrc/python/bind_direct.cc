@@ -151,15 +151,33 @@ void register_direct(py::module_& m) {
           "Uploads the tables into dev_ptr (table_bytes) and binds the staged boxes to the ring at staging_ptr "
           "(staging_bytes; 0 when that is 0).")
       .def(
-          "begin",
-          [](DirectExec& d, uint64_t stream, bool landing, uint64_t stage_digests) {
-            d.begin(as_stream(stream), landing, stage_digests);
+          "set_prep",
+          [](DirectExec& d, const std::vector<std::pair<uint64_t, int64_t>>& regions) {
+            std::vector<PrepRegion> in;
+            for (const auto& [addr, bytes] : regions) in.push_back({addr, bytes});
+            return d.set_prep(in);
           },
-          py::arg("stream"), py::arg("landing") = false, py::arg("stage_digests") = 0,
+          py::arg("regions"),
+          "Deferred pre-pass work over source regions [(address, bytes)]: the regions the staged chunks read, in "
+          "the order to run their work (prep_done(k) after the k-th); [] for none.")
+      .def_property_readonly("num_prep", &DirectExec::num_prep)
+      .def(
+          "prep_start", [](DirectExec& d, uint64_t main, uint64_t prep) { d.prep_start(as_stream(main), as_stream(prep)); },
+          py::arg("stream"), py::arg("prep"), "Makes the prep stream start where `stream` is now (sources ready).")
+      .def(
+          "prep_done", [](DirectExec& d, int32_t k, uint64_t prep) { d.prep_done(k, as_stream(prep)); },
+          py::arg("k"), py::arg("prep"), "Records prep event k on the prep stream (after region k's work).")
+      .def(
+          "begin",
+          [](DirectExec& d, uint64_t stream, bool landing, uint64_t stage_digests, bool prep) {
+            d.begin(as_stream(stream), landing, stage_digests, prep);
+          },
+          py::arg("stream"), py::arg("landing") = false, py::arg("stage_digests") = 0, py::arg("prep") = false,
           py::call_guard<py::gil_scoped_release>(),
           "Signals this rank's destinations free, waits (host, bounded) for its receivers', queues its writes "
           "(landing: group by group, each signalled; stage_digests: the device address of num_staged_boxes zeroed "
-          "uint64 that receive the staged boxes' send digests).")
+          "uint64 that receive the staged boxes' send digests; prep: this execute's deferred work was queued "
+          "(prep_start, prep_done): the packs wait for it tensor by tensor, the rest for all of it).")
       .def("set_trace", &DirectExec::set_trace, py::arg("on"),
            "Whether executes record CUDA timing events around their steps (timeline).")
       .def(

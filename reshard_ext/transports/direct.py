@@ -260,6 +260,14 @@ def _note(text: str) -> torch.Tensor:
     return _frame(raw if len(raw) <= _NOTE_BYTES - 8 else raw[:_NOTE_BYTES - 11] + b"...", _NOTE_BYTES)
 
 
+def run_deferred(step: tuple[Any, Any]) -> None:
+    """One deferred pre-pass item and its rewrite's before step (transforms.py)."""
+    item, before = step
+    item.run_deferred()
+    if before is not None:
+        before()
+
+
 class CudaDevice:
     """What the transport asks of the machine, in one place (tests put a CPU stand-in here):
     signal words, CUDA IPC, the per-execute steps, and the transport of the other pairs."""
@@ -267,6 +275,7 @@ class CudaDevice:
     def __init__(self) -> None:
         self.index = torch.cuda.current_device()
         self._side: Any = None  # fork()'s stream
+        self._prep: Any = None  # prep()'s stream
 
     def signals(self, rank: int, world: int) -> Any:
         if not hasattr(_C, "DirectSignals"):
@@ -342,6 +351,18 @@ class CudaDevice:
 
         return DigestReader(tables)
 
+    def prep(self, ex: Any, work: Sequence[tuple[Any, Any]]) -> None:
+        """Queues deferred pre-pass work (transforms.py) on the prep stream, which starts where
+        the current stream is now: each (item, before) in turn, prep event k after the k-th."""
+        if self._prep is None:  # high priority, as the pack it gates
+            self._prep = torch.cuda.Stream(self.index, priority=-1)
+        prep = self._prep
+        ex.prep_start(torch.cuda.current_stream(self.index).cuda_stream, prep.cuda_stream)
+        with torch.cuda.stream(prep):
+            for k, step in enumerate(work):
+                run_deferred(step)
+                ex.prep_done(k, prep.cuda_stream)
+
 
 class DirectTransport:
     """Direct pairs through DirectExec; NCCL pairs and same-rank copies through an inner
@@ -392,6 +413,7 @@ class DirectTransport:
         self._landing: list[int] = []  # the reader's groups: received ops per landing group, then the rest
         self._sends = -1  # the reader's group of the send ops read from their sources (-1: all of them)
         self._staged: Any = None  # (per staged box digests, rows, ops): digests.fold_into of the staged sends
+        self._prep: list[tuple[Any, Any]] = []  # deferred (pre-pass item, before) in the order the chunks read them
         self._trace = False
 
     @property
@@ -413,6 +435,12 @@ class DirectTransport:
         if self.exec is None or not self._trace or not hasattr(self.exec, "timeline"):
             return ""
         return direct_timeline_text(self.exec.timeline())
+
+    @property
+    def deferred(self) -> list[tuple[Any, Any]]:
+        """The (pre-pass item, its rewrite's before) that this transport runs itself each execute,
+        overlapped with the staged chunks (rx.Tuning.direct_prep_overlap): Plan skips them."""
+        return self._prep
 
     @property
     def collective_bind(self) -> bool:
@@ -597,7 +625,7 @@ class DirectTransport:
     def _direct(self, plan: Any, src_refs: list) -> None:
         """Builds this rank's per-execute direct work from its bound tables, the sources
         `src_refs` and the receivers' destinations as mapped here."""
-        self.exec, self._memory = None, None  # its writes may use mappings closed since
+        self.exec, self._memory, self._prep = None, None, []  # its writes may use mappings closed since
         tables = plan.tables
         slot = stage_slot_bytes(self.options.resolved_direct_staging_bytes(), getattr(plan, "max_batch_bytes", None),
                                 self.inner.staging_bytes, staging_shape()[0])
@@ -617,8 +645,24 @@ class DirectTransport:
                                                            tables.direct_stageable(), slot, tables.direct_ordinals())
             if self._trace and hasattr(self.exec, "set_trace"):
                 self.exec.set_trace(True)
+            if self.exec.num_staged_chunks and self.options.resolved_direct_prep_overlap():
+                self._prep = self._defer(plan)
         # of the NCCL pairs' batches, every pipelined copy, and the staging ring
         self.staging_bytes = self.inner.staging_bytes + (self.exec.staging_bytes if self.exec is not None else 0)
+
+    def _defer(self, plan: Any) -> list[tuple[Any, Any]]:
+        """The pre-pass items (with their before steps) whose sources the staged chunks read, in
+        the order they read them: each execute runs them on the prep stream, each chunk's pack
+        waiting for its own tensors' (core/direct.h, prep_schedule)."""
+        candidates = plan.deferrable()
+        order = self.exec.set_prep([item.region() for item, _ in candidates]) if candidates else []
+        return [candidates[i] for i in order]
+
+    def _prep_inline(self, session: Session) -> None:
+        """The deferred work, on the caller's stream, where this execute does not overlap it."""
+        if session.status == 0:
+            for step in self._prep:
+                run_deferred(step)
 
     def rebind_plan(self, plan: Any) -> None:
         """plan.rebind on this rank alone (the pairs stay): binds the plan's new tensors
@@ -705,6 +749,7 @@ class DirectTransport:
         if self._broken and session.status == 0:
             session.status, session.error = 1, self._broken
         if not self.peers and session.verdict is None:
+            self._prep_inline(session)
             return self.inner.run(tables, session, verify)  # same-rank copies only: no headers to exchange
         # Headers with every peer first (the inner transport reuses the verdict): the
         # direct writes land in the peers' tensors, so every pair must agree before them.
@@ -720,6 +765,7 @@ class DirectTransport:
         if session.status == 0:
             self._remap(session, outbox)
         if self.exec is None or session.status != 0 or session.verdict.bad:
+            self._prep_inline(session)
             return self.inner.run(tables, session, verify)  # raises where headers disagree
         if session.abort.is_set():
             raise ReshardError(session.stopped("before the direct writes"))
@@ -732,7 +778,9 @@ class DirectTransport:
                 if self._staged is not None:
                     self._staged[0].zero_()
                     stage_digests = self._staged[0].data_ptr()
-            self.exec.begin(stream, reader is not None, stage_digests)
+            if self._prep:  # after the headers and any remap (which rebuilds the executor and its events)
+                self.device.prep(self.exec, self._prep)
+            self.exec.begin(stream, reader is not None, stage_digests, bool(self._prep))
             if reader is not None:  # the sources stay put: read them beside the writes, after the same-rank copies
                 with self.device.fork():
                     if self._sends < 0:
