@@ -89,7 +89,8 @@ def test_special_values_as_torchao_has_them():
         assert torch.equal(got, want)
 
 
-def test_element_ties_round_to_even_codes():
+@pytest.mark.parametrize("device", DEVICES)
+def test_element_ties_round_to_even_codes(device):
     """Every E2M1 rounding tie hit exactly: a tensor amax of 2688 makes the per-tensor scale
     1, a block amax of 6 its block scale 1, so its elements are their own products. Ties at
     0.25, 1.25, 2.5 and 5 round down to even codes, 0.75, 1.75 and 3.5 up (both signs),
@@ -107,8 +108,7 @@ def test_element_ties_round_to_even_codes():
     assert p.item() == 0x3F800000 and (s[1:] == 0x38).all()  # the scales of the construction: 1.0
     codes = [(int(d[1, i // 2]) >> (4 * (i % 2))) & 0xF for i in range(1, 8)]
     assert codes == [0, 2, 2, 4, 4, 6, 6]  # 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4
-    for device in DEVICES:
-        assert_same(quantize(x, "2d", device), (d, s, p), f"ties on {device}")
+    assert_same(quantize(x, "2d", device), (d, s, p), f"ties on {device}")
 
 
 def test_every_bf16_value():
