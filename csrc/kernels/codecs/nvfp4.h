@@ -129,23 +129,20 @@ RX_HD BlockScale block_scale(uint32_t bmax, uint32_t pts, uint32_t rcp) {
   return BlockScale{s8, div_bits(rcp, f32_of_e4m3(s8))};
 }
 
-// E2M1 code (sign << 3 | 3 bits) of FP32 bits y that are not NaN, as torchao's
-// _f32_to_floatx_unpacked rounds clamp(y, -6, 6) (to nearest, ties to even codes). Below 1
+// E2M1 code (3 bits) of FP32 bits a >= 0 that are not NaN, as torchao's
+// _f32_to_floatx_unpacked rounds min(a, 6) (to nearest, ties to even codes). Below 1
 // (E2M1's subnormals, steps of 0.5) one FP32 add of 1.5 * 2^22, whose unit in the last
-// place is 0.5, rounds |y| the same way and leaves the code in the low bits. From 1 up,
-// E2M1 keeps one mantissa bit: |y|'s bits rounded at bit 22 (nearest, ties to even),
+// place is 0.5, rounds a the same way and leaves the code in the low bits. From 1 up,
+// E2M1 keeps one mantissa bit: a's bits rounded at bit 22 (nearest, ties to even),
 // rebased so that 1.0 is code 2, saturating at code 7 (6.0; Inf too).
-RX_HD uint32_t e2m1_of_number(uint32_t y) {
-  const uint32_t a = y & 0x7fffffffu;
-  uint32_t code;
-  if (a < 0x3f800000u) {
-    code = f32_bits(add_rn(f32_from_bits(a), 6291456.0f)) - 0x4ac00000u;
-  } else {
-    code = (a + 0x1fffffu + ((a >> 22) & 1u) - 0x3f000000u) >> 22;
-    code = code < 7u ? code : 7u;
-  }
-  return code | ((y >> 28) & 8u);
+RX_HD uint32_t e2m1_magnitude(uint32_t a) {
+  if (a < 0x3f800000u) return f32_bits(add_rn(f32_from_bits(a), 6291456.0f)) - 0x4ac00000u;
+  const uint32_t code = (a + 0x1fffffu + ((a >> 22) & 1u) - 0x3f000000u) >> 22;
+  return code < 7u ? code : 7u;
 }
+
+// E2M1 code (sign << 3 | 3 bits) of FP32 bits y that are not NaN, clamped to [-6, 6].
+RX_HD uint32_t e2m1_of_number(uint32_t y) { return e2m1_magnitude(y & 0x7fffffffu) | ((y >> 28) & 8u); }
 
 // Any FP32 bits: a NaN takes torchao's exponent-rebias path, so its code comes from its bits.
 RX_HD uint32_t e2m1_of(uint32_t y) {
@@ -155,16 +152,19 @@ RX_HD uint32_t e2m1_of(uint32_t y) {
 }
 
 // The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier
-// m, where both elements and m are finite: no NaN to propagate and no 0 * Inf, so
-// mul_bits is a plain product and e2m1_of_number its code.
+// m, where both elements are finite and m is finite and not negative (every finite
+// multiplier is: block_scale divides non-negative values): no NaN to propagate, no 0 * Inf,
+// and x * m is |x| * m with x's sign, so the product of the magnitude (a free operand
+// modifier) gives the code and the element's sign bit its sign.
 RX_HD uint32_t quantize_word_finite(uint32_t w, float m) {
-  return e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w << 16), m))) |
-         e2m1_of_number(f32_bits(mul_rn(f32_from_bits(w & 0xffff0000u), m))) << 4;
+  const uint32_t lo = e2m1_magnitude(f32_bits(mul_rn(f32_from_bits((w << 16) & 0x7fff0000u), m)));
+  const uint32_t hi = e2m1_magnitude(f32_bits(mul_rn(f32_from_bits(w & 0x7fff0000u), m)));
+  return (lo | ((w >> 12) & 8u)) | (hi | ((w >> 28) & 8u)) << 4;
 }
 
 // The same byte for any bits.
 RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
-  if (bf16x2_finite(w) && is_finite(m)) return quantize_word_finite(w, f32_from_bits(m));
+  if (bf16x2_finite(w) && m < 0x7f800000u) return quantize_word_finite(w, f32_from_bits(m));
   const auto one = [m](uint16_t h) {
     return e2m1_of(clamp_bits(mul_bits((uint32_t)h << 16, m), -6.0f, 6.0f));
   };
@@ -172,8 +172,8 @@ RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
 }
 
 // The 4 packed bytes (little-endian) of 4 words (8 elements) under multiplier m. `finite`:
-// the block's amax and m are finite (block_finite), so every element is: one test per block
-// instead of one per word.
+// block_finite of the block's amax and m, so every element is: one test per block instead
+// of one per word.
 RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t m, bool finite) {
   if (finite) {
     const float f = f32_from_bits(m);
@@ -183,9 +183,10 @@ RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, u
   return quantize_word(a, m) | quantize_word(b, m) << 8 | quantize_word(c, m) << 16 | quantize_word(d, m) << 24;
 }
 
-// Whether a block whose amax (abs_bits max) is `bmax` and its multiplier are finite: NaN
-// patterns sort above Inf, so the amax bounds every element.
-RX_HD bool block_finite(uint32_t bmax, uint32_t mult) { return bmax < 0x7f800000u && is_finite(mult); }
+// Whether a block whose amax (abs_bits max) is `bmax` is finite and its multiplier finite and
+// not negative (as quantize_word_finite needs): NaN patterns sort above Inf, so the amax
+// bounds every element, and non-negative finite FP32 bits are those below Inf's.
+RX_HD bool block_finite(uint32_t bmax, uint32_t mult) { return bmax < 0x7f800000u && mult < 0x7f800000u; }
 
 // The per-tensor state every block of a tensor needs, from its amax cell.
 struct TensorScale {
