@@ -197,7 +197,7 @@ class FakeDevice:
     def __init__(self, refuse: set[int] = frozenset()):
         self.refuse = set(refuse)
 
-    def signals(self, rank: int, world: int) -> Any:
+    def signals(self, rank: int, world: int, timeout_s: float) -> Any:
         return _Signals(self.refuse)
 
     def pci_bus_id(self) -> str:

@@ -1444,3 +1444,19 @@ def test_mxfp8_sender_staged_digests_with_other_ring_shapes(monkeypatch):
         stats = _mxfp8_direct("all", "sender", "2d", 2, wide=True, stage_bytes=256, landing=True, policy=3)
         assert stats["staged"] > 0 and stats["digested_ops"] > 0, stats
     options._CACHE.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1 or not CUDA_BUILT, reason="needs a GPU and reshard_ext built with CUDA")
+def test_signal_words_zeroed_beside_a_busy_stream():
+    """A plan's signal words are zeroed on a stream of their own: making them does not wait for
+    work already queued on the device (a stream blocked for good by an earlier plan would make
+    a device-wide synchronize wait forever; here a kernel that spins for a while stands in)."""
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(4_000_000_000)  # about 2 s of spinning at H100/H200 clocks
+    signals = _C.DirectSignals(0, 1, torch.cuda.current_device(), 30.0)
+    still_busy = not busy.query()
+    busy.synchronize()
+    assert signals.seq == 0
+    assert still_busy, "making the signal words waited for another stream's work"

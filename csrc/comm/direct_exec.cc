@@ -143,7 +143,8 @@ void EngineQueue::issue(cudaStream_t stream) {
   issue_each(stream);
 }
 
-DirectSignals::DirectSignals(int rank, int world, int device) : rank_(rank), world_(world), device_(device) {
+DirectSignals::DirectSignals(int rank, int world, int device, double timeout_s)
+    : rank_(rank), world_(world), device_(device) {
   RX_USER_CHECK(world >= 1 && rank >= 0 && rank < world, "direct transport: rank ", rank, " not in a group of ",
                 world);
   DeviceGuard guard(device_);
@@ -152,8 +153,7 @@ DirectSignals::DirectSignals(int rank, int world, int device) : rank_(rank), wor
   const size_t bytes = static_cast<size_t>(world) * sizeof(uint64_t);
   RX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), bytes));
   try {
-    RX_CUDA_CHECK(cudaMemset(flags_, 0, bytes));
-    RX_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroes land before any peer can look
+    zero_bounded(flags_, bytes, timeout_s, "direct transport");  // the zeroes land before any peer can look
     std::string why;
     RX_USER_CHECK(ipc_export(reinterpret_cast<uintptr_t>(flags_), &flags_export_, &why),
                   "direct transport: cannot share its signal words: ", why);

@@ -48,7 +48,8 @@ namespace rx {
 // by its GPU, read by its senders' hosts) and the error word of its waits.
 class DirectSignals {
  public:
-  DirectSignals(int rank, int world, int device);
+  // timeout_s bounds the wait for its zeroed signal words (zero_bounded).
+  DirectSignals(int rank, int world, int device, double timeout_s);
   ~DirectSignals();
   DirectSignals(const DirectSignals&) = delete;
   DirectSignals& operator=(const DirectSignals&) = delete;

@@ -154,15 +154,15 @@ void nvshmem_barrier() { nv().barrier_all(); }
 
 // --- batches -----------------------------------------------------------------------
 
-NvshmemExchange::NvshmemExchange(uint64_t region, int64_t signal_offset, int npes, int nslots, int device)
+NvshmemExchange::NvshmemExchange(uint64_t region, int64_t signal_offset, int npes, int nslots, int device,
+                                 double timeout_s)
     : region_(region), signal_offset_(signal_offset), npes_(npes), nslots_(nslots), device_(device) {
   RX_HOST_ASSERT(region != 0 && signal_offset >= 0 && npes > 0 && nslots > 0, "bad NVSHMEM exchange geometry");
   me_ = nv().my_pe();
   sent_.assign(npes, 0);
   received_.assign(npes, 0);
   DeviceGuard guard(device_);
-  RX_CUDA_CHECK(cudaMemset(data_word(0), 0, 2 * sizeof(uint64_t) * static_cast<size_t>(npes)));
-  RX_CUDA_CHECK(cudaDeviceSynchronize());
+  zero_bounded(data_word(0), 2 * sizeof(uint64_t) * static_cast<size_t>(npes), timeout_s, "NVSHMEM transport");
 }
 
 uint64_t* NvshmemExchange::data_word(int pe) const {

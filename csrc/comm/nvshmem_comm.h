@@ -46,7 +46,7 @@ struct NvshmemSend {
 class NvshmemExchange {
  public:
   // Zeroes the signal words (the caller then runs a barrier before any execute).
-  NvshmemExchange(uint64_t region, int64_t signal_offset, int npes, int nslots, int device);
+  NvshmemExchange(uint64_t region, int64_t signal_offset, int npes, int nslots, int device, double timeout_s);
   // Per batch: the sends and the PEs it receives from (one entry per message).
   void set_batches(std::vector<std::vector<NvshmemSend>> sends, std::vector<std::vector<int32_t>> recvs);
   void send(int batch, cudaStream_t stream);     // waits for free slots, puts with signal

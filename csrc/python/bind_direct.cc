@@ -81,7 +81,8 @@ void register_direct(py::module_& m) {
       .def_property_readonly("why", &IpcMapping::why);
 
   py::class_<DirectSignals, std::shared_ptr<DirectSignals>>(m, "DirectSignals")
-      .def(py::init<int, int, int>(), py::arg("rank"), py::arg("world"), py::arg("device"))
+      .def(py::init<int, int, int, double>(), py::arg("rank"), py::arg("world"), py::arg("device"),
+           py::arg("timeout_s"))
       .def_property_readonly("flags_export", [](const DirectSignals& s) { return export_to_py(s.flags_export()); })
       .def_property_readonly("page_path", &DirectSignals::page_path)
       .def_property_readonly("seq", &DirectSignals::seq)

@@ -40,8 +40,8 @@ void register_nvshmem(py::module_& m) {
   m.def("nvshmem_barrier", &nvshmem_barrier, py::call_guard<py::gil_scoped_release>());
 
   py::class_<NvshmemExchange, std::shared_ptr<NvshmemExchange>>(m, "NvshmemExchange")
-      .def(py::init<uint64_t, int64_t, int, int, int>(), py::arg("region"), py::arg("signal_offset"), py::arg("npes"),
-           py::arg("nslots"), py::arg("device"))
+      .def(py::init<uint64_t, int64_t, int, int, int, double>(), py::arg("region"), py::arg("signal_offset"),
+           py::arg("npes"), py::arg("nslots"), py::arg("device"), py::arg("timeout_s"))
       .def(
           "set_batches",
           [](NvshmemExchange& x, const std::vector<std::vector<py::tuple>>& sends,

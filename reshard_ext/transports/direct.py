@@ -277,10 +277,10 @@ class CudaDevice:
         self._side: Any = None  # fork()'s stream
         self._prep: Any = None  # prep()'s stream
 
-    def signals(self, rank: int, world: int) -> Any:
+    def signals(self, rank: int, world: int, timeout_s: float) -> Any:
         if not hasattr(_C, "DirectSignals"):
             raise ReshardError("reshard_ext was built without CUDA")
-        return _C.DirectSignals(rank, world, self.index)
+        return _C.DirectSignals(rank, world, self.index, timeout_s)
 
     def pci_bus_id(self) -> str:
         return str(_C.device_pci_bus_id(self.index))
@@ -387,7 +387,7 @@ class DirectTransport:
             self._why_not = "rx.Options.direct_ipc (RESHARD_EXT_DIRECT_IPC) is off"
         else:
             try:
-                self.signals = self.device.signals(self.rank, self.world)
+                self.signals = self.device.signals(self.rank, self.world, self.timeout)
             except Exception as e:  # noqa: BLE001 - reported below: the pairs use NCCL
                 self._why_not = str(e)
         self.pairs: set[Pair] | None = None  # agreed direct pairs, once bound

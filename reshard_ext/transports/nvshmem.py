@@ -107,7 +107,7 @@ class NvshmemTransport(CudaTransport):
         self.staging_bytes = signal_offset
         # The counters restart with this plan: its signal words are zeroed (in the constructor)
         # on every rank before any peer can signal.
-        self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device())
+        self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device(), self.timeout)
         self.comm.exchange = self.puts
         self.executor.set_transport(_C.nvshmem_transport(self.puts))
         _C.nvshmem_barrier()
