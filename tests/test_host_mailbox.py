@@ -166,6 +166,36 @@ def test_a_row_of_another_kind_of_exchange_is_left_for_it():
     assert ra[0, 1] == 6 and rb[0, 1] == 2
 
 
+@pytest.mark.parametrize("poster_first", [True, False], ids=["left_rank_posts_first", "late_rank_posts_first"])
+def test_rows_of_an_execute_one_end_left_are_never_taken_as_the_others(poster_first: bool):
+    """a left execute 7 (plan.abort() on one host: its alarm says so) and is already in
+    execute 8's outcome while b still exchanges 7's: same kind of rows, other executes.
+    Neither takes the other's (under load a took b's row of 7 as its row of 8 and b took
+    a's row of 8, so b counted execute 8 and the ranks' numbers split). b then gives up on
+    a (it left), withdraws, and meets a in 8."""
+    a, b = _pair()
+    ra, rb = _rows(), _rows()
+    a.begin(7)
+    a.raise_alarm(7, "rank 0: rx.execute was aborted", True)
+    a.end()
+    a.begin(8)
+    b.begin(7)
+    first, second = ((a, 1, _header(8, OTHER_KIND)), (b, 0, _header(7, OTHER_KIND)))[:: 1 if poster_first else -1]
+    first[0].post([first[1]], first[2])
+    second[0].post([second[1]], second[2])
+    for _ in range(3):
+        assert not a.poll(0.0, ra) and not b.poll(0.0, rb)
+    assert (ra == 0).all() and (rb == 0).all()
+    assert b.finish(rb) == [POSTED_NOTHING]
+    b.end()
+    b.begin(8)
+    b.post([0], _header(8 + 50, OTHER_KIND))
+    assert not a.poll(0.0, ra)  # a takes b's row of 8; b has not taken a's yet
+    assert b.poll(0.0, rb) and a.poll(0.0, ra)
+    assert a.finish(ra) == [DONE] and b.finish(rb) == [DONE]
+    assert ra[0, 1] == 8 + 50 + 1 and rb[0, 1] == 8 + 1
+
+
 def test_alarms_are_read_by_token_whole():
     a, b = _pair()
     assert b.alarmed([0], 7) == [] and b.read_alarm(0, 7) is None

@@ -102,13 +102,23 @@ bool HostMailbox::try_take(Pending& p, int64_t* row) {
   if ((state & 3) != kPosted) return false;
   for (int32_t w = 0; w < words_; ++w)
     row[w] = __atomic_load_n(reinterpret_cast<const int64_t*>(slot + 1 + w), __ATOMIC_RELAXED);
-  if (row[0] != kind_) {  // another kind of exchange's: left for it
+  if (row[0] != kind_ || apart(p.peer)) {  // another kind of exchange's, or another execute's: left for it
     std::fill(row, row + words_, int64_t{0});
     return false;
   }
   // Valid only if the slot still holds that post: a withdrawn and re-posted header fails the CAS.
   p.took = cas(slot, state, (state & ~uint64_t{3}) | kTaken);
   return p.took;
+}
+
+bool HostMailbox::apart(int32_t peer) const {
+  const auto* own = static_cast<const uint64_t*>(segment_.base());
+  const auto* their = static_cast<const uint64_t*>(peers_[static_cast<size_t>(peer)].base());
+  const uint64_t here = load(own + kCurrentWord), there = load(their + kCurrentWord);
+  if (here == there) return false;
+  // the peer left this rank's execute, or this rank left the peer's (plan.abort() on one host)
+  return (load(their + kAlarmWord) == here && load(their + kAlarmLeftWord) != 0) ||
+         (load(own + kAlarmWord) == there && load(own + kAlarmLeftWord) != 0);
 }
 
 bool HostMailbox::step(int64_t* rows) {

@@ -87,6 +87,10 @@ class HostMailbox {
   uint64_t* mine(int32_t peer) const;    // our slot for peer's headers
   uint64_t* theirs(int32_t peer) const;  // peer's slot for ours
   bool try_take(Pending& p, int64_t* row);
+  // Whether the peer is in another execute than this rank and one of the two left the
+  // other's (plan.abort() on one host): a rank that left execute N may already post rows of
+  // N + 1 while the others still exchange N's, and neither may take the other's as its own.
+  bool apart(int32_t peer) const;
   bool step(int64_t* rows);  // one pass over the pending pairs; true when all are done
 
   int32_t rank_, size_, words_;
