@@ -297,10 +297,12 @@ def test_a_missing_or_early_gate_is_caught(kind, broken):
 
 # --- the transport over real process groups, on the CPU stand-in of the device ----------------
 
-def _fake_worker(rank: int, world: int, kind: str, overlap: bool, verify: bool) -> list:
+def _fake_worker(rank: int, world: int, kind: str, overlap: bool, verify: bool, rebuilt: bool = False) -> list:
     from _direct_fake import release_shared, use_fake_device
 
     use_fake_device()
+    if rebuilt:
+        _rebuild_after_headers()
     try:
         if kind == "fp8":
             from test_fp8block_refit import refit_worker
@@ -312,6 +314,28 @@ def _fake_worker(rank: int, world: int, kind: str, overlap: bool, verify: bool) 
         return _with_options(nv_worker, overlap, rank, world, "sender", "2d", verify, "cpu", "direct", True)
     finally:
         release_shared()
+
+
+def _rebuild_after_headers() -> None:
+    """Every execute of this process's direct transports rebuilds its executor after the
+    headers (as a remap onto rebound destinations does), into one that defers nothing: the
+    work Plan already skipped for this execute must still run."""
+    from reshard_ext.transports.direct import DirectTransport
+
+    real_run, real_remap = DirectTransport.run, DirectTransport._remap
+
+    def remap(self, session, outbox):  # noqa: ANN001, ANN202
+        real_remap(self, session, outbox)
+        self._prep = []
+
+    def run(self, tables, session, verify=False):  # noqa: ANN001, ANN202
+        kept = self._prep
+        try:
+            return real_run(self, tables, session, verify)
+        finally:
+            self._prep = kept  # the next execute defers again
+
+    DirectTransport.run, DirectTransport._remap = run, remap  # type: ignore[method-assign]
 
 
 def _with_options(worker, overlap: bool, *args, **kw):
@@ -349,6 +373,17 @@ def test_refit_over_the_direct_transport_defers_and_stays_exact(kind, verify):
 
     got = run_ranks(4, _fake_worker, kind, True, verify)
     assert any(d for per_rank in got for d in per_rank), got  # something was deferred somewhere
+
+
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_work_left_to_the_transport_runs_when_a_remap_rebuilds_its_executor(kind):
+    """A remap after the headers rebuilds the executor; where the new one defers other work
+    (here: none), what Plan already skipped for this execute runs on the caller's stream
+    before the writes: every byte as the reference (it was never run: stale factors)."""
+    from _dist import run_ranks
+
+    got = run_ranks(4, _fake_worker, kind, True, False, True)
+    assert any(d for per_rank in got for d in per_rank), got
 
 
 # --- the real thing on GPUs (the lead runs them: 2 GPUs, reshard_ext built with CUDA) -----------

@@ -658,10 +658,10 @@ class DirectTransport:
         order = self.exec.set_prep([item.region() for item, _ in candidates]) if candidates else []
         return [candidates[i] for i in order]
 
-    def _prep_inline(self, session: Session) -> None:
-        """The deferred work, on the caller's stream, where this execute does not overlap it."""
+    def _prep_inline(self, session: Session, steps: list[tuple[Any, Any]]) -> None:
+        """Deferred work `steps`, on the caller's stream, where this execute does not overlap it."""
         if session.status == 0:
-            for step in self._prep:
+            for step in steps:
                 run_deferred(step)
 
     def rebind_plan(self, plan: Any) -> None:
@@ -746,10 +746,13 @@ class DirectTransport:
         # their senders signal them landed (core/direct.h), the NCCL pairs' at the end.
         read_after = verify and self.exec is not None
         verify = verify and not read_after
+        # what Plan left to this transport in this execute (it read `deferred` before calling
+        # run): all of it runs, whatever a remap below makes of the executor
+        skipped = self._prep
         if self._broken and session.status == 0:
             session.status, session.error = 1, self._broken
         if not self.peers and session.verdict is None:
-            self._prep_inline(session)
+            self._prep_inline(session, skipped)
             return self.inner.run(tables, session, verify)  # same-rank copies only: no headers to exchange
         # Headers with every peer first (the inner transport reuses the verdict): the
         # direct writes land in the peers' tensors, so every pair must agree before them.
@@ -765,7 +768,7 @@ class DirectTransport:
         if session.status == 0:
             self._remap(session, outbox)
         if self.exec is None or session.status != 0 or session.verdict.bad:
-            self._prep_inline(session)
+            self._prep_inline(session, skipped)
             return self.inner.run(tables, session, verify)  # raises where headers disagree
         if session.abort.is_set():
             raise ReshardError(session.stopped("before the direct writes"))
@@ -778,9 +781,14 @@ class DirectTransport:
                 if self._staged is not None:
                     self._staged[0].zero_()
                     stage_digests = self._staged[0].data_ptr()
-            if self._prep:  # after the headers and any remap (which rebuilds the executor and its events)
-                self.device.prep(self.exec, self._prep)
-            self.exec.begin(stream, reader is not None, stage_digests, bool(self._prep))
+            # after the headers and any remap: a rebuilt executor has events (and gates) of its
+            # own, and overlaps only the very work Plan skipped; else that work runs here first
+            overlap = bool(skipped) and self._prep == skipped
+            if overlap:
+                self.device.prep(self.exec, skipped)
+            else:
+                self._prep_inline(session, skipped)
+            self.exec.begin(stream, reader is not None, stage_digests, overlap)
             if reader is not None:  # the sources stay put: read them beside the writes, after the same-rank copies
                 with self.device.fork():
                     if self._sends < 0:
