@@ -119,15 +119,16 @@ struct BlockScale {
 RX_HD BlockScale block_scale(uint32_t bmax, uint32_t pts, uint32_t rcp) {
   // A finite amax and a finite, nonzero per-tensor scale (every block of a tensor without
   // NaN/Inf whose amax is not 0) meet none of div_bits' special cases: plain divisions.
-  if (bmax < 0x7f800000u && is_finite(pts) && (pts & 0x7fffffffu) != 0 && is_finite(rcp)) {
-    const float s = div_rn(div_rn(f32_from_bits(bmax), 6.0f), f32_from_bits(pts));
-    const uint8_t s8 = e4m3_of(clamp_bits(f32_bits(s), 0.015625f, 448.0f));
-    return BlockScale{s8, f32_bits(div_rn(f32_from_bits(rcp), f32_from_bits(f32_of_e4m3(s8))))};
-  }
-  const uint32_t s = div_bits(div_bits(canonical(bmax), f32_bits(6.0f)), pts);
-  const uint8_t s8 = e4m3_of(clamp_bits(s, 0.015625f, 448.0f));
-  return BlockScale{s8, div_bits(rcp, f32_of_e4m3(s8))};
+  const bool plain = bmax < 0x7f800000u && is_finite(pts) && (pts & 0x7fffffffu) != 0 && is_finite(rcp);
+  const auto div = [plain](uint32_t a, uint32_t b) {
+    return plain ? f32_bits(div_rn(f32_from_bits(a), f32_from_bits(b))) : div_bits(a, b);
+  };
+  const uint8_t s8 = e4m3_of(clamp_bits(div(div(canonical(bmax), f32_bits(6.0f)), pts), 0.015625f, 448.0f));
+  return BlockScale{s8, div(rcp, f32_of_e4m3(s8))};
 }
+
+// FP32 bits a rounded at bit 22 (nearest, ties to even) and rebased so that 1.0 is 2.
+RX_HD uint32_t e2m1_rebias(uint32_t a) { return (a + 0x1fffffu + ((a >> 22) & 1u) - 0x3f000000u) >> 22; }
 
 // E2M1 code (3 bits) of FP32 bits a >= 0 that are not NaN, as torchao's
 // _f32_to_floatx_unpacked rounds min(a, 6) (to nearest, ties to even codes). Below 1
@@ -137,7 +138,7 @@ RX_HD BlockScale block_scale(uint32_t bmax, uint32_t pts, uint32_t rcp) {
 // rebased so that 1.0 is code 2, saturating at code 7 (6.0; Inf too).
 RX_HD uint32_t e2m1_magnitude(uint32_t a) {
   if (a < 0x3f800000u) return f32_bits(add_rn(f32_from_bits(a), 6291456.0f)) - 0x4ac00000u;
-  const uint32_t code = (a + 0x1fffffu + ((a >> 22) & 1u) - 0x3f000000u) >> 22;
+  const uint32_t code = e2m1_rebias(a);
   return code < 7u ? code : 7u;
 }
 
@@ -147,8 +148,7 @@ RX_HD uint32_t e2m1_of_number(uint32_t y) { return e2m1_magnitude(y & 0x7fffffff
 // Any FP32 bits: a NaN takes torchao's exponent-rebias path, so its code comes from its bits.
 RX_HD uint32_t e2m1_of(uint32_t y) {
   if (!is_nan(y)) return e2m1_of_number(y);
-  const uint32_t a = y & 0x7fffffffu;
-  return ((((a + 0xc1000000u + 0x1fffffu + ((a >> 22) & 1u)) >> 22) & 0xffu) | ((y >> 28) & 8u)) & 0xffu;
+  return ((e2m1_rebias(y & 0x7fffffffu) & 0xffu) | ((y >> 28) & 8u)) & 0xffu;
 }
 
 // The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier
