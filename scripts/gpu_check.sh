@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests (+ compute-sanitizer on the kernels),
 # benchmarks. Logs go to $OUT (the device tool brings them back).
-#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats] [docs] [outcome] [nvprobe]
+#   scripts/gpu_check.sh [build] [kernels] [tests] [autonccl] [tests4] [sanitize] [bench] [pack] [bench4] [megatron] [direct] [dsanitize] [streams] [relay] [verify] [smoke] [nvshmem] [host] [steps] [gpustreams] [ab] [mxdirect] [engines] [formats] [docs] [outcome] [nvprobe] [shared]
 #   (default: build tests sanitize bench), run in the order given. The stages reproduce benchmarks/RESULTS.md's tables (each
 #   table names its stage or command). `direct` builds nothing: the direct transport's tests (2 and
 #   4 GPUs), compute-sanitizer over one 2-GPU case, and refit_bench nccl vs direct. `megatron` needs
@@ -60,6 +60,18 @@ gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4
       test_swap_fingerprint.py test_swap_round.py test_watch.py test_cuda_pipeline.py test_message_cuts.py test_nvshmem.py test_nvshmem_probe.py \
       test_nvfp4_kernels.py test_nvfp4_boxes.py test_nvfp4_refit.py test_fp8block_kernels.py test_fp8block_boxes.py \
       test_fp8block_refit.py test_amax.py test_outcome_gpu.py test_connect_gpu.py test_engine_trace.py -k "not mypy" 2>&1 | tee "$OUT/$1.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -25)
+}
+
+stage_shared() {
+  # The 2- and 4-rank cases of the direct transport (formats, prep overlap, outcome, verify)
+  # with the ranks sharing this machine's GPUs: their correctness where fewer GPUs are lent,
+  # never their speed (tests/_dist.py says what the mode is).
+  step "multi-rank direct cases, ranks sharing $ngpu GPU(s) (RX_TEST_SHARED_GPU=1)"
+  (cd tests && RX_TEST_SHARED_GPU=1 RX_TEST_DUMP_AFTER=150 timeout "${RX_SHARED_TIMEOUT:-420}" python3 -m pytest -q \
+      -p no:warnings -rs --durations=10 test_prep_overlap.py test_outcome_gpu.py test_fp8block_refit.py test_direct.py \
+      test_nvfp4_refit.py test_mxfp8_refit.py test_verify.py \
+      -k "${RX_SHARED_K:-(2gpu or 4gpu or two_gpus or matrix_cuda or staging_ring) and not nccl and not nvshmem and not falls_back and not mixed and not beside_nccl}" \
+      2>&1 | tee "$OUT/shared.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -40)
 }
 
 stage_tests() {

@@ -8,6 +8,12 @@ module-level function `fn(rank, world_size, *args)` on every rank of an n-proces
 `run_ranks` raise with that rank's traceback; a rank that does not answer within the
 timeout (a hang) fails the test and the pool is torn down. RX_TEST_DUMP_AFTER=S makes a
 rank print every thread's stack to stderr when one call runs S seconds (run pytest with -s).
+
+RX_TEST_SHARED_GPU=1 lets the GPU tests of n ranks run on fewer GPUs: rank r of an "nccl"
+pool takes GPU r mod count, and the group runs over gloo (NCCL refuses two ranks on one GPU).
+Two processes on one GPU is a real deployment (a trainer and an engine collocated in separate
+processes) and the direct transport serves it; the cases that need an NCCL or NVSHMEM
+communicator between the ranks fail there, so select the rest (gpu_check.sh's `shared`).
 """
 from __future__ import annotations
 
@@ -35,6 +41,26 @@ class RankFailure(RuntimeError):
 
 
 _PRELOAD = ["torch", "torch.distributed"]
+SHARED_GPU = os.environ.get("RX_TEST_SHARED_GPU") == "1"
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpus_for(ranks: int) -> bool:
+    """Whether `ranks` GPU ranks can run here: that many GPUs, or RX_TEST_SHARED_GPU=1 and one."""
+    n = gpu_count()
+    return n >= ranks or (SHARED_GPU and n >= 1)
+
+
+def gpu_of(rank: int) -> Any:
+    """The GPU of test rank `rank` (as the pool's workers set it)."""
+    import torch
+
+    return torch.device("cuda", rank % max(gpu_count(), 1) if SHARED_GPU else rank)
 
 
 def worker_context():
@@ -64,16 +90,18 @@ def _worker(rank: int, world: int, port: int, backend: str, env: dict[str, str],
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     torch.set_num_threads(1)
+    device = gpu_of(rank).index
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(device)
+    group_backend = "gloo" if SHARED_GPU else backend
     try:
         dist.init_process_group(
-            backend,
+            group_backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=120),
-            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
+            **({"device_id": torch.device("cuda", device)} if group_backend == "nccl" else {}),
         )
     except BaseException as e:  # e.g. the free port was taken meanwhile: the pool retries on another
         outq.put((rank, "init_err", f"{type(e).__name__}: {e}"))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _cases import CASES, bits_equal, run_case
 from _direct_sim import LANDING_GROUPS, all_pairs, make_entries, simulate
-from _dist import run_ranks
+from _dist import gpus_for, run_ranks
 
 import reshard_ext as rx
 from reshard_ext import _C, Layout, Mesh, Replicate, Shard
@@ -26,8 +26,8 @@ from reshard_ext.transports.direct import RankInfo, agree, candidate_pairs, peer
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 CUDA_BUILT = bool(rx.build_info()["cuda"])
-needs2 = pytest.mark.skipif(GPUS < 2 or not CUDA_BUILT, reason="needs 2 GPUs and reshard_ext built with CUDA")
-needs4 = pytest.mark.skipif(GPUS < 4 or not CUDA_BUILT, reason="needs 4 GPUs and reshard_ext built with CUDA")
+needs2 = pytest.mark.skipif(not gpus_for(2) or not CUDA_BUILT, reason="needs 2 GPUs and reshard_ext built with CUDA")
+needs4 = pytest.mark.skipif(not gpus_for(4) or not CUDA_BUILT, reason="needs 4 GPUs and reshard_ext built with CUDA")
 F32, BF16 = torch.float32, torch.bfloat16
 
 
@@ -1447,7 +1447,7 @@ def test_mxfp8_sender_staged_digests_with_other_ring_shapes(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS < 1 or not CUDA_BUILT, reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.skipif(not gpus_for(1) or not CUDA_BUILT, reason="needs a GPU and reshard_ext built with CUDA")
 def test_signal_words_zeroed_beside_a_busy_stream():
     """A plan's signal words are zeroed on a stream of their own: making them does not wait for
     work already queued on the device (a stream blocked for good by an earlier plan would make

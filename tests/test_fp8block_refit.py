@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import gpu_of, gpus_for, run_ranks
 from test_fp8block_kernels import assert_bytes, ref_fp8block, special_case
 
 import reshard_ext as rx
@@ -79,7 +79,7 @@ def refit_worker(rank: int, world: int, where: str, scales: str, verify: bool = 
                  backend: str = "auto", shared: bool = False) -> dict:
     """shared: the destinations live in memory other processes can map (the CPU stand-in of
     the direct transport, tests/_direct_fake.py)."""
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    dev = gpu_of(rank) if device == "cuda" else torch.device("cpu")
 
     def place(t: torch.Tensor) -> torch.Tensor:
         if shared:
@@ -208,7 +208,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (GPUS >= 1 and rx.build_info()["cuda"]), reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(1) and rx.build_info()["cuda"]), reason="needs a GPU and reshard_ext built with CUDA")
 @pytest.mark.parametrize("where", ["sender", "receiver"])
 def test_refit_one_gpu(where):
     for scales in ("fp32", "pow2"):
@@ -216,13 +216,13 @@ def test_refit_one_gpu(where):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("backend", ["nccl", "direct", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("where", ["sender", "receiver"])
 def test_refit_matrix_cuda(where, world, backend):
     """backend "direct": the sender's boxes quantize straight into the receiver's memory."""
-    if GPUS < world:
+    if not gpus_for(world):
         pytest.skip(f"needs {world} GPUs")
     for scales in ("fp32", "pow2"):
         run_ranks(world, refit_worker, where, scales, scales == "fp32", "cuda", backend, backend="nccl")

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import gpu_of, gpus_for, run_ranks
 from test_mxfp8_kernels import assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
 
 import reshard_ext as rx
@@ -119,7 +119,7 @@ def refit_worker(rank: int, world: int, where: str, layout_kind: str, rounding: 
     the direct transport, tests/_direct_fake.py), and only the cases whose receiver pieces
     are fused run (a staged piece's staging is private memory). verify: every execute
     verified, then rx.verify. options: more rx.Tuning fields."""
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    dev = gpu_of(rank) if device == "cuda" else torch.device("cpu")
     specs = cases(world, where)
     if shared:
         from _direct_fake import shared_poison
@@ -312,7 +312,7 @@ def test_refit_one_rank(where):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (GPUS >= 1 and rx.build_info()["cuda"]), reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(1) and rx.build_info()["cuda"]), reason="needs a GPU and reshard_ext built with CUDA")
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
 def test_refit_one_gpu(where, layout_kind):
@@ -321,7 +321,7 @@ def test_refit_one_gpu(where, layout_kind):
         run_ranks(1, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
 
 
-@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("backend", ["nccl", "direct", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
@@ -329,13 +329,13 @@ def test_refit_one_gpu(where, layout_kind):
 def test_refit_matrix_cuda(where, layout_kind, world, backend):
     """backend "direct": the sender's boxes write (and quantize) straight into the receiver;
     "nvshmem": the NCCL path's boxes around put-with-signal."""
-    if GPUS < world:
+    if not gpus_for(world):
         pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):
         run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", 0, backend, backend="nccl")
 
 
-@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("verify", [False, True])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 def test_sender_side_through_a_small_staging_ring_cuda(layout_kind, verify):

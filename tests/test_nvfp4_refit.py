@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import gpu_of, gpus_for, run_ranks
 from _nvfp4_ref import make_case, ref_nvfp4
 
 import reshard_ext as rx
@@ -116,7 +116,7 @@ def refit_worker(rank: int, world: int, where: str, scale_layout: str, verify: b
                  device: str = "cpu", backend: str = "auto", shared: bool = False) -> int:
     """shared: the destinations live in memory other processes can map (the CPU stand-in of
     the direct transport, tests/_direct_fake.py)."""
-    dev = torch.device("cuda", rank) if device == "cuda" else CPU
+    dev = gpu_of(rank) if device == "cuda" else CPU
     specs = cases(where, world)
     names = sorted(specs)
     globals_ = {n: _global(n, specs[n][0], 0) for n in names}
@@ -180,14 +180,14 @@ def test_refit_two_ranks_verified(where):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scale_layout", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
 def test_refit_matrix_cuda(where, scale_layout, world):
     """CUDA tensors over NCCL ("auto": the direct transport where it applies): the CUDA amax
     pre-pass and quantize kernels give torchao's CPU bytes; the second run verifies."""
-    if GPUS < world:
+    if not gpus_for(world):
         pytest.skip(f"needs {world} GPUs")
     for verify in (False, True):
         run_ranks(world, refit_worker, where, scale_layout, verify, "cuda", backend="nccl")

@@ -13,11 +13,11 @@ import time
 
 import pytest
 import torch
-from _dist import close_pool, run_ranks
+from _dist import close_pool, gpus_for, run_ranks
 from test_outcome import _try as _timed
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs2 = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+needs2 = pytest.mark.skipif(not gpus_for(2), reason="needs 2 GPUs")
 BACKENDS = ["nccl", "direct", "nvshmem"]
 LONG = 60.0
 FAST = 5.0

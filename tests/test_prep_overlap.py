@@ -16,6 +16,7 @@ import pytest
 import torch
 from _boxes import BOX
 from _direct_sim import all_pairs, prep_event, simulate
+from _dist import gpu_of, gpus_for
 
 import reshard_ext as rx
 from reshard_ext import _C, Layout, Mesh, Replicate, Shard
@@ -389,7 +390,7 @@ def test_work_left_to_the_transport_runs_when_a_remap_rebuilds_its_executor(kind
 # --- the real thing on GPUs (the lead runs them: 2 GPUs, reshard_ext built with CUDA) -----------
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-NEEDS_2_GPUS = pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]),
+NEEDS_2_GPUS = pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]),
                                   reason="needs 2 GPUs and reshard_ext built with CUDA")
 
 
@@ -398,7 +399,7 @@ def gpu_worker(rank: int, world: int, kind: str, stage_bytes: int) -> dict:
     (ranks 0, 1 -> rank 1, whole and cut blocks), rx.Tuning(direct_prep_overlap=) off and on,
     each plan into its own buffers: the same bytes as the reference, hence as each other, for
     two executes with the sources changed in between, then a verified one and rx.verify."""
-    dev = f"cuda:{rank}"
+    dev = gpu_of(rank)
     specs = cases(kind, (0, 0), [0, 1], 1)
     names = sorted(specs)
     logical = _sources(specs, 0, kind)

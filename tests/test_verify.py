@@ -22,7 +22,7 @@ import pytest
 import torch
 from _boxes import BOX, random_specs, specs_table, table
 from _cases import CASES, run_case
-from _dist import run_ranks
+from _dist import gpu_of, gpus_for, run_ranks
 from test_mxfp8_kernels import make_case
 
 import reshard_ext as rx
@@ -776,7 +776,7 @@ def test_lane_sums_on_the_device_equal_the_host_lanes(device):
 
 # ---- GPUs ------------------------------------------------------------------------------
 
-NEEDS_2_GPUS = pytest.mark.skipif(not (GPUS >= 2 and rx.build_info()["cuda"]),
+NEEDS_2_GPUS = pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]),
                                   reason="needs 2 GPUs and reshard_ext built with CUDA")
 
 
@@ -817,7 +817,7 @@ def _corrupt_one_round_cuda(rank, world, which):
     verified refit passes bit for bit; then rank 1 flips a bit of what lands in one round
     only (the first or the last), right after that round's transfer on its stream, and
     verify names the tensor on both ranks."""
-    dev = torch.device("cuda", rank)
+    dev = gpu_of(rank)
     g = torch.Generator().manual_seed(4)
     full = torch.randn(1024, 512, generator=g).to(dev)
     s = rx.Layout((1024, 512), torch.float32, rx.Mesh([0]), [rx.Replicate()])
@@ -884,7 +884,7 @@ def _landing_cuda(rank, world, groups):
     """48 tensors a direct pair moves both ways (column shards to row shards), every execute
     verified: each receiver digests a landing group as soon as its sender signals it, so
     a group read before it landed fails verify (the destinations start as NaN)."""
-    dev = torch.device("cuda", rank)
+    dev = gpu_of(rank)
     g = torch.Generator().manual_seed(9)
     src, dst, want = {}, {}, {}
     for i in range(48):
@@ -916,7 +916,7 @@ def _corrupt_landed_cuda(rank, world):
     """A direct pair: rank 1 flips a bit of what rank 0 wrote into it, on its stream right
     after the landing wait and before the read pass: verify must name the piece on both
     ranks; a clean verified execute first."""
-    dev = torch.device("cuda", rank)
+    dev = gpu_of(rank)
     full = torch.randn(64, 512, generator=torch.Generator().manual_seed(5))
     s = rx.Layout((64, 512), torch.float32, rx.Mesh([0, 1]), [rx.Shard(1)])
     d = rx.Layout((64, 512), torch.float32, rx.Mesh([1, 0]), [rx.Shard(0)])
