@@ -178,6 +178,46 @@ def test_a_rank_that_never_calls_is_named_at_the_timeout(far: bool) -> None:
         assert version is None and again is None and last == 3 and ok, (rank, again)
 
 
+def _stalls(rank: int, world: int):
+    """Rank 0 calls the execute on time but its part stalls past the timeout (its pack sleeps
+    4 s of a 2 s timeout): the others give up on it and leave; it reaches the end alone."""
+    p, out, want = _tp2_tp4(rank, world, seed=4)
+    rx.execute(p)
+    store = dist.distributed_c10d._get_default_store()
+    base = store.add("stall_done", 0)
+    if rank == 0:
+        real = _C.ExecTables.run_pack_cpu
+
+        def slow(*args, _real=real):
+            _C.ExecTables.run_pack_cpu = _real
+            time.sleep(4.0)
+            return _real(*args)
+
+        _C.ExecTables.run_pack_cpu = slow
+    error, took = _try(rx.execute, p, timeout=2.0)
+    if rank == 0:
+        store.add("stall_done", 1)
+    while store.add("stall_done", 0) < base + 1:  # the next execute once rank 0 has its answer
+        time.sleep(0.01)
+    version = p.version
+    again = _try(rx.execute, p, version=3, timeout=LONG)[0]
+    return error, took, version, again, p.version, bits_equal(out, want)
+
+
+def test_a_rank_that_stalls_past_the_timeout_hears_why_the_others_left() -> None:
+    """The stalled rank raises with the cause the others raised (rank 1's alarm: rank 0 sent
+    it nothing in time) and says that it came late, instead of blaming the ranks that left."""
+    results = run_ranks(WORLD, _stalls)
+    for rank, (error, took, version, again, last, ok) in enumerate(results):
+        assert error is not None and "rank 0" in error, (rank, error)
+        assert version is None and again is None and last == 3 and ok, (rank, version, again)
+        if rank:
+            assert took < 2.0 + FAST, (rank, took)
+    late = results[0][0]
+    assert "rank 0 sent no execute header within 2 s" in late, late
+    assert "did not reach the end" not in late and "past the 2 s timeout" in late, late
+
+
 def _killed(rank: int, world: int, far_ok: bool):
     p, out, want = _tp2_tp4(rank, world, seed=3)
     rx.execute(p)

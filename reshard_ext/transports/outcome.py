@@ -56,6 +56,7 @@ class Part:
     lines: list[str] = field(default_factory=list)  # FAILED: its causes, one line each, in words
     gave_up: int = -1  # the lowest rank it stopped waiting for in the data phase (-1: none)
     sums: np.ndarray | None = None  # a verify check's (lo, hi, differ) to add up (rx.verify, CPU)
+    late_by: float = 0.0  # how far past the execute's deadline this rank came to the exchange
 
 
 @dataclass
@@ -116,6 +117,7 @@ _NEVER = threading.Event()  # the exchange's abort flag: nothing sets it
 
 def agree(channel: Channel, session: Session, part: Part) -> Outcome:
     """The outcome of `session`'s execute on every rank of the channel's group (collective)."""
+    part.late_by = max(0.0, time.monotonic() - session.deadline)
     final = _final_session(session)
     if channel.size == 1:
         return _decide(channel, session, {channel.rank: _row(session, part)}, part, {}, set())
@@ -375,9 +377,17 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
             lines += [line for line in texts[r][0].split("\n") if line]
         else:
             lines.append(f"rank {r} failed (its own error says why)")
+    # a rank whose row is missing but whose alarm is there failed and left before this rank
+    # came (this rank was late): its causes, not a guess at why it is silent
+    silent = [r for r, why in missing.items() if not why]
+    late = channel.alarms(session, silent, tokens=dict.fromkeys(silent, session.token)) if silent else {}
     for r, why in sorted(missing.items()):
         if why == NAMED:
             continue
+        why = why or late.get(r, ("", False))[0]
+        if not why and part.late_by > 0:  # it most likely came and left: this rank is the one that stalled
+            why = (f"rank {r} did not wait for this rank: rank {channel.rank} reached the end of its part "
+                   f"{part.late_by:.1f} s past the {session.timeout:g} s timeout")
         lines += [line for line in why.split("\n") if line] or [
             f"rank {r} did not reach the end of the execute within {session.timeout:g} s (it stalled, died, or did "
             f"not call it)"]
