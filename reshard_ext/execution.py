@@ -507,7 +507,8 @@ class Plan:
         elif session.abort.is_set():
             lines = [f"rank {me}: rx.execute was aborted (plan.abort())"]
         elif not lines and not (verdict is not None and verdict.quiet):
-            lines = [f"rank {me}: {e}"]
+            text = str(e)
+            lines = [text if text.startswith(f"rank {me}: ") else f"rank {me}: {text}"]  # transports name the rank
         gave_up = -1
         if session.remaining() <= 0 and verdict is not None and verdict.bad:
             gave_up = min(p for p in verdict.bad if p not in verdict.quiet) if lines else -1
