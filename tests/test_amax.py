@@ -118,14 +118,51 @@ def test_partial_kernel_matches_torch(case, dtype, nan):
 @pytest.mark.skipif(not (torch.cuda.is_available() and rx.build_info()["cuda"]),
                     reason="needs a GPU and reshard_ext built with CUDA")
 @pytest.mark.parametrize("nan", ["propagate", "ignore"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, F32])
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
-def test_partial_kernel_on_cuda(case, nan):
+def test_partial_kernel_on_cuda(case, dtype, nan):
     layout, block = LAYOUTS[case]
-    x = sample(layout.shape, zlib.crc32(case.encode()))
+    layout = layout.with_dtype(dtype)
+    x = sample(layout.shape, zlib.crc32(case.encode()), dtype)
     for rank in sorted(set(layout.mesh.ranks)):
         piece = AmaxPiece(case, layout, layout.local_part(x, rank).cuda(), rank, block, nan)
         piece.partial()
         assert torch.equal(canon(piece.grid.cpu()), ref_amax(x, block, nan, piece_mask(layout, rank))), (case, rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and rx.build_info()["cuda"]),
+                    reason="needs a GPU and reshard_ext built with CUDA")
+@pytest.mark.parametrize("nan", ["propagate", "ignore"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, F32])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_partial_kernel_large_on_cuda(per_tensor, dtype, nan):
+    """A piece larger than one sweep of the kernel's grid (its units advance by the grid's
+    stride), read through a column slice (a row stride wider than its 4100 columns: the last
+    unit of each row is 4 columns wide, the last segment 15 rows tall), and the same with
+    maps that are not 16-byte aligned."""
+    from reshard_ext import _C
+    from reshard_ext.codecs import rows_view, stream_of
+    from reshard_ext.layout import code_of
+
+    x = sample((4111, 4104), 11, dtype)
+    for k, v in enumerate((3.0, -7.5, 1e4)):  # a few large values far apart, one per cell region
+        x[k * 1500 + 7, k * 1300 + 5] = v
+    view = x.cuda()[:, :4100]
+    shape = tuple(view.shape)
+    block = shape if per_tensor else (128, 128)
+    piece = AmaxPiece("big", _L(shape, [0], [Replicate()], dtype), view, 0, block, nan)
+    piece.partial()
+    want = ref_amax(x[:, :4100], block, nan)
+    assert torch.equal(canon(piece.grid.cpu()), want)
+    rows, cols, row_stride = rows_view(view)
+    assert row_stride == 4104
+    maps = [torch.zeros(m.numel() + 1, dtype=torch.int32, device="cuda") for m in (piece.rowmap, piece.colmap)]
+    maps[0][1:], maps[1][1:] = piece.rowmap, piece.colmap
+    grid = torch.zeros_like(piece.grid)
+    _C.amax_partial_cuda(view.data_ptr(), code_of(dtype), rows, cols, row_stride, maps[0][1:].data_ptr(),
+                         maps[1][1:].data_ptr(), piece.nan, grid.data_ptr(), stream_of(view))
+    assert torch.equal(canon(grid.cpu()), want)
 
 
 def test_partial_kernel_reads_strided_pieces():

@@ -4,13 +4,19 @@
 // Work split: a unit is 8 consecutive columns of a segment of 16 rows; a warp's 32 lanes
 // take the 32 units side by side (256 columns), so that each row's loads are coalesced.
 // Where a unit's 8 columns share one cell and its rows are 16-byte aligned, a lane loads
-// each row's 8 elements in one or two vector loads and folds them into one max per row.
+// each row's 8 elements in one or two vector loads and folds them with packed maxima
+// (amax.h Fold: the dtype and NaN mode are template parameters, two 16-bit elements per
+// instruction); where its 16 rows share the cell too (every unit of NVFP4's per-tensor
+// cell, and of FP8Block's 128x128 blocks), the whole unit is one max. Its 24 map entries
+// come in 16-byte loads where the maps are aligned (torch's allocations are).
 // A lane keeps the maxima of the last few cells it met in registers over all its units
 // (a grid-stride loop over a grid of a few blocks per SM), and at the end the lanes of a
 // warp that hold the same cell reduce to one atomicMax: a per-tensor amax (NVFP4), where
 // every element shares one cell, costs one atomic per warp, not one per 128 elements.
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "kernels/codecs/amax.h"
 #include "kernels/codecs/amax_api.h"
@@ -23,7 +29,7 @@ constexpr int kThreads = 256;
 constexpr int kCols = 8;    // columns per unit
 constexpr int kRows = 16;   // rows per unit
 constexpr int kSlots = 4;   // cells kept in registers before the oldest is flushed
-constexpr int kBlocksPerSm = 8;
+constexpr int kBlocksPerSm = 4;  // resident at once: the launch bounds keep 64 registers
 
 struct Cells {
   int32_t cell[kSlots];
@@ -38,15 +44,19 @@ struct Cells {
     }
   }
 
+  // Each cell sits in at most one slot, so the compares need no early exit, and every
+  // index is a constant: the slots stay in registers.
   __device__ void add(int32_t c, uint32_t a, uint32_t* grid) {
+    bool hit = false;
 #pragma unroll
     for (int k = 0; k < kSlots; ++k)
       if (cell[k] == c) {
         max[k] = a > max[k] ? a : max[k];
-        return;
+        hit = true;
       }
+    if (hit) return;
 #pragma unroll
-    for (int k = 0; k < kSlots; ++k)  // a register index, not a stack slot
+    for (int k = 0; k < kSlots; ++k)
       if (k == next) {
         if (cell[k] >= 0) atomicMax(grid + cell[k], max[k]);
         cell[k] = c;
@@ -72,94 +82,137 @@ struct Cells {
   }
 };
 
-// Max of abs_bits over the 8 elements of a 16-byte-aligned run (one or two 16-byte loads).
-template <typename T>
-__device__ uint32_t run_max(const T* p, int32_t dtype, int32_t nan) {
-  uint32_t m = 0;
-  if constexpr (sizeof(T) == 2) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t lo = am::abs_bits(w[k] & 0xffffu, dtype, nan), hi = am::abs_bits(w[k] >> 16, dtype, nan);
-      m = lo > m ? lo : m;
-      m = hi > m ? hi : m;
-    }
-  } else {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + h);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t a = am::abs_bits(w[k], dtype, nan);
-        m = a > m ? a : m;
-      }
-    }
-  }
-  return m;
-}
+// The element type a kernel reads: the raw bits of `Dtype`.
+template <int32_t Dtype>
+using Elem = typename std::conditional<Dtype == RX_F32, uint32_t, uint16_t>::type;
 
-template <typename T>
-__device__ void unit_amax(const T* __restrict__ src, int32_t dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                          const int32_t* __restrict__ rowmap, const int32_t* __restrict__ colmap, int32_t nan,
-                          bool aligned, int64_t t, int64_t chunks, Cells& acc, uint32_t* grid) {
-  const int64_t r0 = t / chunks * kRows, c0 = t % chunks * kCols;
-  const int nr = static_cast<int>(rows - r0 < kRows ? rows - r0 : kRows);
-  const int nc = static_cast<int>(cols - c0 < kCols ? cols - c0 : kCols);
-  const int32_t ccell = __ldg(colmap + c0);
-  bool one_cell = aligned && nc == kCols;
+// n consecutive map entries at m: 16-byte loads where the map is 16-byte aligned.
+template <int N>
+__device__ void load_map(const int32_t* __restrict__ m, bool wide, int32_t* out) {
+  if (wide) {
 #pragma unroll
-  for (int j = 1; j < kCols; ++j) one_cell = one_cell && __ldg(colmap + c0 + j) == ccell;
-  if (one_cell && nr == kRows) {
-    // The unit's 16 rows in one cell too (a block's 128 rows, or NVFP4's one tensor cell):
-    // all loads issued together, one max, one add.
-    const int32_t rcell = __ldg(rowmap + r0);
-    bool same = true;
-#pragma unroll
-    for (int i = 1; i < kRows; ++i) same = same && __ldg(rowmap + r0 + i) == rcell;
-    if (same) {
-      uint32_t m = 0;
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const uint32_t a = run_max(src + (r0 + i) * row_stride + c0, dtype, nan);
-        m = a > m ? a : m;
-      }
-      acc.add(rcell + ccell, m, grid);
-      return;
-    }
-  }
-  if (one_cell) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      if (i >= nr) break;
-      acc.add(__ldg(rowmap + r0 + i) + ccell, run_max(src + (r0 + i) * row_stride + c0, dtype, nan), grid);
+    for (int k = 0; k < N / 4; ++k) {
+      const int4 v = __ldg(reinterpret_cast<const int4*>(m) + k);
+      out[4 * k] = v.x, out[4 * k + 1] = v.y, out[4 * k + 2] = v.z, out[4 * k + 3] = v.w;
     }
     return;
   }
-  for (int j = 0; j < nc; ++j) {
-    const int32_t cj = __ldg(colmap + c0 + j);
-    for (int i = 0; i < nr; ++i) {
-      const T raw = __ldg(src + (r0 + i) * row_stride + c0 + j);
-      acc.add(__ldg(rowmap + r0 + i) + cj, am::abs_bits(static_cast<uint32_t>(raw), dtype, nan), grid);
-    }
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = __ldg(m + k);
+}
+
+template <int N>
+__device__ bool all_equal(const int32_t* v) {
+  bool same = true;
+#pragma unroll
+  for (int k = 1; k < N; ++k) same = same && v[k] == v[0];
+  return same;
+}
+
+// The 16-byte-aligned runs of 8 elements in rows [0, N) at p, folded: every load issued
+// before the first fold (one or two 16-byte loads per row).
+template <int N, int32_t Dtype, int32_t Nan>
+__device__ void fold_rows(const Elem<Dtype>* p, int64_t row_stride, am::Fold<Dtype, Nan>& f) {
+  constexpr int kLoads = static_cast<int>(kCols * sizeof(Elem<Dtype>) / 16);
+  uint4 v[N * kLoads];
+#pragma unroll
+  for (int i = 0; i < N; ++i, p += row_stride)
+#pragma unroll
+    for (int h = 0; h < kLoads; ++h) v[i * kLoads + h] = __ldg(reinterpret_cast<const uint4*>(p) + h);
+#pragma unroll
+  for (int k = 0; k < N * kLoads; ++k) {
+    f.add2(v[k].x, v[k].y);
+    f.add2(v[k].z, v[k].w);
   }
 }
 
-template <typename T>
-__global__ void partial_kernel(const T* __restrict__ src, int32_t dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                               const int32_t* __restrict__ rowmap, const int32_t* __restrict__ colmap, int32_t nan,
-                               bool aligned, uint32_t* __restrict__ grid, int64_t chunks, int64_t total) {
+// Unit (seg, chunk): rows [16 seg, +16) x columns [8 chunk, +8), clipped to the piece.
+template <int32_t Dtype, int32_t Nan>
+__device__ void unit_amax(const Elem<Dtype>* __restrict__ src, int64_t rows, int64_t cols, int64_t row_stride,
+                          const int32_t* __restrict__ rowmap, const int32_t* __restrict__ colmap, bool aligned,
+                          bool wide_maps, int64_t seg, int64_t chunk, Cells& acc, uint32_t* grid) {
+  const int64_t r0 = seg * kRows, c0 = chunk * kCols;
+  const int nr = static_cast<int>(rows - r0 < kRows ? rows - r0 : kRows);
+  const int nc = static_cast<int>(cols - c0 < kCols ? cols - c0 : kCols);
+  const Elem<Dtype>* p = src + r0 * row_stride + c0;
+  if (aligned && nc == kCols) {
+    int32_t cc[kCols];
+    load_map<kCols>(colmap + c0, wide_maps, cc);
+    if (all_equal<kCols>(cc)) {
+      if (nr == kRows) {
+        int32_t rc[kRows];
+        load_map<kRows>(rowmap + r0, wide_maps, rc);
+        if (all_equal<kRows>(rc)) {
+          // The whole unit in one cell: its loads issued 128 bytes at a time (more would
+          // spill at this kernel's 64 registers), one max, one add.
+          constexpr int kBatch = 128 / (kCols * sizeof(Elem<Dtype>));
+          am::Fold<Dtype, Nan> f;
+#pragma unroll 1
+          for (int i = 0; i < kRows; i += kBatch, p += kBatch * row_stride) fold_rows<kBatch>(p, row_stride, f);
+          acc.add(rc[0] + cc[0], f.bits(), grid);
+          return;
+        }
+      }
+#pragma unroll 1
+      for (int i = 0; i < nr; ++i, p += row_stride) {
+        am::Fold<Dtype, Nan> f;
+        fold_rows<1>(p, row_stride, f);
+        acc.add(__ldg(rowmap + r0 + i) + cc[0], f.bits(), grid);
+      }
+      return;
+    }
+  }
+#pragma unroll 1
+  for (int j = 0; j < nc; ++j) {
+    const int32_t cj = __ldg(colmap + c0 + j);
+#pragma unroll 1
+    for (int i = 0; i < nr; ++i)
+      acc.add(__ldg(rowmap + r0 + i) + cj, am::abs_bits(__ldg(p + i * row_stride + j), Dtype, Nan), grid);
+  }
+}
+
+template <int32_t Dtype, int32_t Nan>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    partial_kernel(const Elem<Dtype>* __restrict__ src, int64_t rows, int64_t cols, int64_t row_stride,
+                   const int32_t* __restrict__ rowmap, const int32_t* __restrict__ colmap, bool aligned,
+                   bool wide_maps, uint32_t* __restrict__ grid, int64_t chunks, int64_t total) {
   Cells acc;
   acc.init();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   // Whole warps step together, lanes past the end idle, so that flush_warp sees all 32.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + (threadIdx.x & ~31u); base < total;
-       base += stride) {
-    const int64_t t = base + (threadIdx.x & 31u);
-    if (t < total) unit_amax(src, dtype, rows, cols, row_stride, rowmap, colmap, nan, aligned, t, chunks, acc, grid);
+  int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + (threadIdx.x & ~31u);
+  int64_t t = base + (threadIdx.x & 31u);
+  // Unit t is (t / chunks, t % chunks); a step of `stride` units advances both without a division.
+  int64_t seg = t / chunks, chunk = t % chunks;
+  const int64_t dseg = stride / chunks, dchunk = stride % chunks;
+  for (; base < total; base += stride, t += stride) {
+    if (t < total)
+      unit_amax<Dtype, Nan>(src, rows, cols, row_stride, rowmap, colmap, aligned, wide_maps, seg, chunk, acc, grid);
+    seg += dseg;
+    chunk += dchunk;
+    if (chunk >= chunks) chunk -= chunks, ++seg;
   }
   acc.flush_warp(grid);
+}
+
+template <int32_t Dtype, int32_t Nan>
+void launch(const void* src, int64_t rows, int64_t cols, int64_t row_stride, const int32_t* rowmap,
+            const int32_t* colmap, bool aligned, bool wide_maps, uint32_t* grid, int64_t chunks, int64_t total,
+            unsigned blocks, cudaStream_t s) {
+  partial_kernel<Dtype, Nan><<<blocks, kThreads, 0, s>>>(static_cast<const Elem<Dtype>*>(src), rows, cols, row_stride,
+                                                         rowmap, colmap, aligned, wide_maps, grid, chunks, total);
+}
+
+template <int32_t Dtype>
+void launch(int32_t nan, const void* src, int64_t rows, int64_t cols, int64_t row_stride, const int32_t* rowmap,
+            const int32_t* colmap, bool aligned, bool wide_maps, uint32_t* grid, int64_t chunks, int64_t total,
+            unsigned blocks, cudaStream_t s) {
+  if (nan == RX_AMAX_NAN_IGNORE)
+    launch<Dtype, am::kIgnore>(src, rows, cols, row_stride, rowmap, colmap, aligned, wide_maps, grid, chunks, total,
+                               blocks, s);
+  else
+    launch<Dtype, am::kPropagate>(src, rows, cols, row_stride, rowmap, colmap, aligned, wide_maps, grid, chunks, total,
+                                  blocks, s);
 }
 
 }  // namespace
@@ -180,12 +233,14 @@ extern "C" int32_t rx_amax_partial_cuda(const void* src, int32_t dtype, int64_t 
   blocks = blocks > static_cast<int64_t>(sms) * kBlocksPerSm ? static_cast<int64_t>(sms) * kBlocksPerSm : blocks;
   const int64_t elem = dtype == RX_F32 ? 4 : 2;
   const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0 && (rows <= 1 || row_stride * elem % 16 == 0);
+  const bool wide_maps = reinterpret_cast<uintptr_t>(rowmap) % 16 == 0 && reinterpret_cast<uintptr_t>(colmap) % 16 == 0;
   const auto s = static_cast<cudaStream_t>(stream);
-  if (dtype == RX_F32)
-    partial_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
-        static_cast<const uint32_t*>(src), dtype, rows, cols, row_stride, rowmap, colmap, nan, aligned, grid, chunks, total);
+  const auto n = static_cast<unsigned>(blocks);
+  if (dtype == RX_BF16)
+    launch<RX_BF16>(nan, src, rows, cols, row_stride, rowmap, colmap, aligned, wide_maps, grid, chunks, total, n, s);
+  else if (dtype == RX_F16)
+    launch<RX_F16>(nan, src, rows, cols, row_stride, rowmap, colmap, aligned, wide_maps, grid, chunks, total, n, s);
   else
-    partial_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
-        static_cast<const uint16_t*>(src), dtype, rows, cols, row_stride, rowmap, colmap, nan, aligned, grid, chunks, total);
+    launch<RX_F32>(nan, src, rows, cols, row_stride, rowmap, colmap, aligned, wide_maps, grid, chunks, total, n, s);
   return static_cast<int32_t>(cudaGetLastError());
 }

@@ -49,6 +49,90 @@ RX_HD uint32_t abs_bits(uint32_t raw, int32_t dtype, int32_t nan) {
   return (nan == kIgnore && a > 0x7f800000u) ? 0u : a;
 }
 
+// ---- the CUDA kernel's fold (amax.cu), here so that host code can check it -------------
+// A 16-bit float's magnitude bits h & 0x7fff order as |x| (every NaN above Inf) and its
+// widening to FP32 keeps that order, so the max of abs_bits over elements is abs_bits of
+// the max of their magnitude bits: two elements of a word fold in one packed 16x2 max, and
+// only the run's max is widened. kIgnore adds a bias to every magnitude that lifts exactly
+// the NaNs into the sign bit, so that a signed max never picks one and a run of NaNs only
+// keeps the initial bias (FP32: the same on 32 bits).
+
+// Per-half max of three words: unsigned, and of halves read as int16.
+RX_HD uint32_t max3_u16x2(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  return __vimax3_u16x2(a, b, c);
+#else
+  uint32_t r = 0;
+  for (int s = 0; s < 32; s += 16) {
+    const uint32_t x = a >> s & 0xffffu, y = b >> s & 0xffffu, z = c >> s & 0xffffu;
+    const uint32_t m = x > y ? x : y;
+    r |= (m > z ? m : z) << s;
+  }
+  return r;
+#endif
+}
+
+RX_HD uint32_t max3_s16x2(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  return __vimax3_s16x2(a, b, c);
+#else
+  uint32_t r = 0;
+  for (int s = 0; s < 32; s += 16) {
+    const int16_t x = (int16_t)(a >> s & 0xffffu), y = (int16_t)(b >> s & 0xffffu), z = (int16_t)(c >> s & 0xffffu);
+    const int16_t m = x > y ? x : y;
+    r |= (uint32_t)(uint16_t)(m > z ? m : z) << s;
+  }
+  return r;
+#endif
+}
+
+RX_HD uint32_t max3_u32(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  return __vimax3_u32(a, b, c);
+#else
+  const uint32_t m = a > b ? a : b;
+  return m > c ? m : c;
+#endif
+}
+
+RX_HD uint32_t max3_s32(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  return (uint32_t)__vimax3_s32((int)a, (int)b, (int)c);
+#else
+  const int32_t x = (int32_t)a, y = (int32_t)b, z = (int32_t)c, m = x > y ? x : y;
+  return (uint32_t)(m > z ? m : z);
+#endif
+}
+
+// The max of abs_bits(x, Dtype, Nan) over the elements of the words added (two per word
+// for BF16/F16, one for F32), 0 for none; the dtype and NaN mode fixed at compile time.
+template <int32_t Dtype, int32_t Nan>
+struct Fold {
+  static constexpr bool kHalves = Dtype != RX_F32;
+  static constexpr uint32_t kMag = kHalves ? 0x7fff7fffu : 0x7fffffffu;
+  // NaN magnitudes are those above 0x7f80 (BF16), 0x7c00 (F16), 0x7f800000 (F32): the bias
+  // takes them, and only them, to 0x8000 (0x80000000) and up; no half carries into the next.
+  static constexpr uint32_t kBias =
+      Nan == kPropagate ? 0u : (Dtype == RX_BF16 ? 0x007f007fu : (Dtype == RX_F16 ? 0x03ff03ffu : 0x007fffffu));
+  uint32_t acc = kBias;
+
+  RX_HD void add2(uint32_t a, uint32_t b) {
+    a = (a & kMag) + kBias;
+    b = (b & kMag) + kBias;
+    if constexpr (kHalves) acc = Nan == kPropagate ? max3_u16x2(acc, a, b) : max3_s16x2(acc, a, b);
+    else acc = Nan == kPropagate ? max3_u32(acc, a, b) : max3_s32(acc, a, b);
+  }
+
+  RX_HD uint32_t bits() const {
+    uint32_t m = acc;
+    if constexpr (kHalves) {
+      const uint32_t lo = m & 0xffffu, hi = m >> 16;
+      m = lo > hi ? lo : hi;
+    }
+    return abs_bits(m - (kHalves ? kBias & 0xffffu : kBias), Dtype, Nan);  // no NaN left where ignored
+  }
+};
+
 // A dtype the partial kernels read.
 inline bool readable(int32_t dtype) { return dtype == RX_BF16 || dtype == RX_F16 || dtype == RX_F32; }
 
