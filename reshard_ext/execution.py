@@ -209,6 +209,8 @@ class Plan:
         self._seq = 0  # the number of the last execute of this plan (agreed by every rank at its end)
         self._verifies = 0  # rx.verify calls (each its own alarm token)
         self._stale: tuple[int, int] | None = None  # (plan, seq) of this rank's alarm of an execute that did not count
+        self._attempt = 0  # calls with the next execute's number that did not count (Channel.begin_call)
+        self._lingering: list[int] = []  # ranks of this host still in the last of them as it ended here
         self._sums: Any = None  # the last outcome's digest sums (a verify check's, where every rank folded them)
         self._abort = threading.Event()
         self._running = False
@@ -437,8 +439,8 @@ class Plan:
         rearm = getattr(self.transport, "rearm", None)
         if rearm is not None:  # a transport whose abort outlives an execute (NVSHMEM, direct)
             rearm()
-        channel.begin_call(session, self._stale)
-        self._stale = None
+        channel.begin_call(session, self._stale, self._attempt, self._lingering)
+        self._stale, self._lingering = None, []
         channel.watch.start(session, self.transport.abort)
         # what the transport runs itself, overlapped with the transfer (transforms.py, "Deferred pre-pass work")
         deferred = {id(step) for pair in getattr(self.transport, "deferred", ()) for step in pair if step is not None}
@@ -525,16 +527,21 @@ class Plan:
             channel.raise_alarm(session, "\n".join(part.lines), left and channel.all_local())
         try:
             if left and channel.all_local():  # the others do not wait for this rank's row (its alarm says it left)
-                self._seq = max(self._seq, session.seq)
+                self._seq, self._attempt = max(self._seq, session.seq), 0
                 raise ReshardError(outcome.Outcome({self.rank: outcome.FAILED}, part.lines, session.seq).message(
                     what) + "; this rank left at once, every other rank raises too")
             result = outcome.agree(channel, session, part)
+            counts = session.seq > 0 and result.counts
+            if session.seq > 0 and not counts:  # the next execute has this one's number (and token): a retry
+                self._lingering = channel.lingering(session, self._attempt)
         finally:
             channel.end_call()
-        if session.seq > 0 and result.counts:  # every rank ran this call: it counts, at the largest number
-            self._seq = max(self._seq, session.seq, result.seq)
-        elif part.status == outcome.FAILED:
-            self._stale = (session.plan_id, session.seq)  # the next execute has this one's number (and token)
+        if counts:  # every rank ran this call: it counts, at the largest number
+            self._seq, self._attempt = max(self._seq, session.seq, result.seq), 0
+        else:
+            self._attempt += session.seq > 0
+            if part.status == outcome.FAILED:
+                self._stale = (session.plan_id, session.seq)  # its alarm is taken back as the next execute begins
         self._sums = result.sums
         if not result.ok:
             raise ReshardError(result.message(what))

@@ -238,3 +238,18 @@ def test_a_peer_whose_process_exited_is_gone():
     assert mine.gone([1]) == [1]
     child.wait()
     assert mine.gone([1]) == [1]
+
+
+def test_a_peer_is_behind_while_it_is_in_an_earlier_attempt_of_the_execute():
+    """behind(): a peer in the execute of a token at a lower attempt (the call the others
+    gave up on); not once it is in the retry, in another execute, or in none."""
+    a, b = _pair()
+    token = 7
+    assert b.behind([0], token, 1) == []  # in no execute
+    a.begin(token, 0)
+    assert b.behind([0], token, 1) == [0] and b.behind([0], token, 0) == []
+    assert b.behind([0], token + 1, 1) == []  # another execute's token
+    a.end()
+    assert b.behind([0], token, 1) == []
+    a.begin(token, 1)  # the retry: level with b's
+    assert b.behind([0], token, 1) == [] and b.behind([0], token, 2) == [0]

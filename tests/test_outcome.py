@@ -178,9 +178,11 @@ def test_a_rank_that_never_calls_is_named_at_the_timeout(far: bool) -> None:
         assert version is None and again is None and last == 3 and ok, (rank, again)
 
 
-def _stalls(rank: int, world: int):
+def _stalls(rank: int, world: int, at_once: bool):
     """Rank 0 calls the execute on time but its part stalls past the timeout (its pack sleeps
-    4 s of a 2 s timeout): the others give up on it and leave; it reaches the end alone."""
+    4 s of a 2 s timeout): the others give up on it and leave; it reaches the end alone. Then
+    every rank executes again: once rank 0 has its answer, or (at_once) as soon as each has
+    its own, the others' retry beginning while rank 0 is still in the failed call."""
     p, out, want = _tp2_tp4(rank, world, seed=4)
     rx.execute(p)
     store = dist.distributed_c10d._get_default_store()
@@ -197,17 +199,21 @@ def _stalls(rank: int, world: int):
     error, took = _try(rx.execute, p, timeout=2.0)
     if rank == 0:
         store.add("stall_done", 1)
-    while store.add("stall_done", 0) < base + 1:  # the next execute once rank 0 has its answer
+    while not at_once and store.add("stall_done", 0) < base + 1:  # the next execute once rank 0 has its answer
         time.sleep(0.01)
     version = p.version
     again = _try(rx.execute, p, version=3, timeout=LONG)[0]
     return error, took, version, again, p.version, bits_equal(out, want)
 
 
-def test_a_rank_that_stalls_past_the_timeout_hears_why_the_others_left() -> None:
+@pytest.mark.parametrize("at_once", [False, True], ids=["retry_after", "retry_at_once"])
+def test_a_rank_that_stalls_past_the_timeout_hears_why_the_others_left(at_once: bool) -> None:
     """The stalled rank raises with the cause the others raised (rank 1's alarm: rank 0 sent
-    it nothing in time) and says that it came late, instead of blaming the ranks that left."""
-    results = run_ranks(WORLD, _stalls)
+    it nothing in time) and says that it came late, instead of blaming the ranks that left.
+    A retry that begins while it is still in the failed call waits for it to leave that call,
+    so that its data does not land in the retry of the others while its own call fails: the
+    retry lands on every rank."""
+    results = run_ranks(WORLD, _stalls, at_once)
     for rank, (error, took, version, again, last, ok) in enumerate(results):
         assert error is not None and "rank 0" in error, (rank, error)
         assert version is None and again is None and last == 3 and ok, (rank, version, again)

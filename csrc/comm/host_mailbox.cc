@@ -17,7 +17,8 @@ constexpr uint64_t kMagic = 0x52584d4158424f58ull;  // "RXMAXBOX"
 constexpr size_t kHead = 128;                       // segment header: see Head
 // Words of the segment's head: the owner's process (comm/process_alive.h) and alarm word.
 enum Head {
-  kMagicWord, kSizeWord, kWordsWord, kPidWord, kPidNsWord, kStartWord, kAlarmWord, kAlarmLeftWord, kCurrentWord
+  kMagicWord, kSizeWord, kWordsWord, kPidWord, kPidNsWord, kStartWord, kAlarmWord, kAlarmLeftWord, kCurrentWord,
+  kAttemptWord
 };
 // After the slots: the alarm's text, its length in the first word.
 constexpr size_t kTextBytes = 8 + HostMailbox::kMaxAlarmText;
@@ -184,14 +185,25 @@ void HostMailbox::raise_alarm(uint64_t token, const std::string& text, bool left
   __atomic_store_n(head + kAlarmWord, token, __ATOMIC_RELEASE);
 }
 
-void HostMailbox::begin(uint64_t token) {
+void HostMailbox::begin(uint64_t token, uint64_t attempt) {
   auto* head = static_cast<uint64_t*>(segment_.base());
   // An alarm of an earlier execute with another token stays: its peers may still read why.
   if (load(head + kAlarmWord) == token) {
     __atomic_store_n(head + kAlarmWord, uint64_t{0}, __ATOMIC_RELEASE);
     __atomic_store_n(head + kAlarmLeftWord, uint64_t{0}, __ATOMIC_RELEASE);
   }
+  __atomic_store_n(head + kAttemptWord, attempt, __ATOMIC_RELEASE);  // before the token: read in that order
   __atomic_store_n(head + kCurrentWord, token, __ATOMIC_RELEASE);
+}
+
+std::vector<int32_t> HostMailbox::behind(const std::vector<int32_t>& peers, uint64_t token, uint64_t attempt) const {
+  std::vector<int32_t> out;
+  for (int32_t p : peers) {
+    if (!attached(p)) continue;
+    const auto* head = static_cast<const uint64_t*>(peers_[static_cast<size_t>(p)].base());
+    if (load(head + kCurrentWord) == token && load(head + kAttemptWord) < attempt) out.push_back(p);
+  }
+  return out;
 }
 
 void HostMailbox::end() {

@@ -66,8 +66,13 @@ class HostMailbox {
   // own token (left over from an earlier execute with the same number, one that did not
   // count), then setting this: an alarm with the token of the execute its owner is in is of
   // that execute.
-  void begin(uint64_t token);
+  // attempt: how many calls with this token this rank made before that did not count (a
+  // failed execute keeps its number, so its retry has the same token).
+  void begin(uint64_t token, uint64_t attempt = 0);
   void end();
+  // The attached peers among `peers` still in an earlier attempt of the execute of `token`
+  // (one that this rank's failed call gave up on and that outlived it).
+  std::vector<int32_t> behind(const std::vector<int32_t>& peers, uint64_t token, uint64_t attempt) const;
   // The attached peers among `peers` whose alarm holds `token` and who are in that execute
   // (or left it: plan.abort()).
   std::vector<int32_t> alarmed(const std::vector<int32_t>& peers, uint64_t token) const;

@@ -56,8 +56,11 @@ void register_mailbox(py::module_& m) {
       .def("raise_alarm", &HostMailbox::raise_alarm, py::arg("token"), py::arg("text"), py::arg("left"),
            "Sets this rank's alarm (read by the peers): the token of the execute it failed in, why, and whether it "
            "left that execute without its final exchange.")
-      .def("begin", &HostMailbox::begin, py::arg("token"),
-           "This rank enters the execute of `token`: clears its alarm, then says which execute it is in.")
+      .def("begin", &HostMailbox::begin, py::arg("token"), py::arg("attempt") = 0,
+           "This rank enters the execute of `token` (its `attempt`-th call with it): clears its alarm, then says "
+           "which execute it is in.")
+      .def("behind", &HostMailbox::behind, py::arg("peers"), py::arg("token"), py::arg("attempt"),
+           "The attached peers among `peers` still in an earlier attempt of the execute of `token`.")
       .def("end", &HostMailbox::end, "This rank is in no execute now.")
       .def(
           "read_alarm",

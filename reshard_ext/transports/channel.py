@@ -46,7 +46,7 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,18 +339,39 @@ class Channel:
         except RuntimeError:
             pass
 
-    def begin_call(self, session: Session, stale: tuple[int, int] | None = None) -> None:
+    def begin_call(self, session: Session, stale: tuple[int, int] | None = None, attempt: int = 0,
+                   lingering: Sequence[int] = ()) -> None:
         """This rank enters `session`'s execute: an alarm it raised earlier under the same
         token (an execute that did not count: stale, its (plan, seq)) is taken back first, so
-        that the other ranks never read it as this execute's."""
+        that the other ranks never read it as this execute's. attempt: how many calls with
+        this token did not count before; lingering: the ranks of this host still in the last
+        of them when it ended here (`lingering`). This call waits, within its deadline, until
+        they have left it: a rank late past the timeout must end the call the others gave up
+        on before they retry, else its data would land in their retry while its own outcome
+        (and the others', who miss its row) says failed."""
         if self._mailbox is not None:
-            self._mailbox.begin(session.token)
+            waiting = list(lingering)
+            pause = 0.001
+            while waiting and session.remaining() > 0:
+                waiting = [r for r in self._mailbox.behind(waiting, session.token, attempt)
+                           if r not in self.gone([r])]
+                if waiting:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.02)
+            self._mailbox.begin(session.token, attempt)
         if stale is not None and not self.all_local():
             try:
                 self.store.delete_key(self._alarm_key(*stale))
                 self.store.delete_key(self._why_key(self.rank))
             except RuntimeError:
                 pass
+
+    def lingering(self, session: Session, attempt: int) -> list[int]:
+        """The ranks of this host in `session`'s execute at `attempt` or an earlier one now
+        (as this rank's call of it, which did not count, ends)."""
+        if self._mailbox is None:
+            return []
+        return list(self._mailbox.behind([r for r in self.others if self._local.get(r)], session.token, attempt + 1))
 
     def end_call(self) -> None:
         if self._mailbox is not None:
