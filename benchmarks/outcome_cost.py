@@ -8,6 +8,7 @@ rx.execute of each kind and the difference (the slowest rank's median difference
     python benchmarks/outcome_cost.py [--device cpu|cuda] [--world N] [--backend auto] [--blocks 20] [--per 50]
     python benchmarks/outcome_cost.py --case TP2->TP1 --blocks 10 --per 1   # cpu_refit_bench.py's refit
     # 2 GPUs: python benchmarks/outcome_cost.py --device cuda --world 2 --backend nccl   (and direct, nvshmem)
+    # 1 GPU:  python benchmarks/outcome_cost.py --device cuda --world 2 --backend direct --share-gpu
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
 
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count() if args.share_gpu else rank)
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    group_backend = "nccl" if cuda and not args.share_gpu else "gloo"
+    dist.init_process_group(group_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     dev = "cuda" if cuda else "cpu"
     if args.case:  # benchmarks/cpu_refit_bench.py's refit: a GPT of 335M fp32 parameters
@@ -89,6 +91,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--cols", type=int, default=64)
     ap.add_argument("--case", choices=("TP2->TP1", "TP2->TP4"), help="cpu_refit_bench.py's refit instead (--world 4)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="CUDA ranks share the GPUs there are (rank r on GPU r mod count; the group over gloo): "
+                         "backend direct only; the exchange's host cost, not a 2-GPU execute's")
     args = ap.parse_args()
     port = free_port()
     ctx = mp.get_context("spawn")

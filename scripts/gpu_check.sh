@@ -77,6 +77,9 @@ stage_shared() {
       test_nvfp4_refit.py test_mxfp8_refit.py test_verify.py \
       -k "${RX_SHARED_K:-(2gpu or 4gpu or two_gpus or matrix_cuda or staging_ring) and not nccl and not nvshmem and not torch and not falls_back and not mixed and not beside_nccl and not cannot_map}" \
       2>&1 | tee "$OUT/shared.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -40)
+  step "outcome_cost --device cuda --world 2 --backend direct --share-gpu (the exchange's host cost)"
+  RESHARD_EXT_TIMEOUT=60 timeout 150 python3 benchmarks/outcome_cost.py --device cuda --world 2 --backend direct \
+    --share-gpu --blocks 10 2>&1 | grep -v "^W\|^\[W" | tee -a "$OUT/outcome_cost.log" | tail -6
 }
 
 stage_tests() {
