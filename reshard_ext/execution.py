@@ -533,7 +533,8 @@ class Plan:
             result = outcome.agree(channel, session, part)
             counts = session.seq > 0 and result.counts
             if session.seq > 0 and not counts:  # the next execute has this one's number (and token): a retry
-                self._lingering = channel.lingering(session, self._attempt)
+                unheard = {r for r, s in result.status.items() if s == outcome.MISSING}
+                self._lingering = [r for r in channel.lingering(session, self._attempt) if r in unheard]
         finally:
             channel.end_call()
         if counts:  # every rank ran this call: it counts, at the largest number

@@ -216,7 +216,8 @@ def test_refit_one_gpu(where):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]),
+                    reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("backend", ["nccl", "direct", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("where", ["sender", "receiver"])

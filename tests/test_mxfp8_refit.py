@@ -321,7 +321,8 @@ def test_refit_one_gpu(where, layout_kind):
         run_ranks(1, refit_worker, where, layout_kind, rounding, "cuda", backend="nccl")
 
 
-@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]),
+                    reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("backend", ["nccl", "direct", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
@@ -335,7 +336,8 @@ def test_refit_matrix_cuda(where, layout_kind, world, backend):
         run_ranks(world, refit_worker, where, layout_kind, rounding, "cuda", 0, backend, backend="nccl")
 
 
-@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]),
+                    reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("verify", [False, True])
 @pytest.mark.parametrize("layout_kind", ["2d", "swizzled"])
 def test_sender_side_through_a_small_staging_ring_cuda(layout_kind, verify):

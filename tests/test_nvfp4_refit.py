@@ -180,7 +180,8 @@ def test_refit_two_ranks_verified(where):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]), reason="needs 2 GPUs and reshard_ext built with CUDA")
+@pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]),
+                    reason="needs 2 GPUs and reshard_ext built with CUDA")
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scale_layout", ["2d", "swizzled"])
 @pytest.mark.parametrize("where", ["receiver", "sender"])
