@@ -353,7 +353,7 @@ class Channel:
         if self._mailbox is not None:
             waiting = list(lingering)
             pause = 0.001
-            while waiting and session.remaining() > 0:
+            while waiting and session.remaining() > 0 and not session.abort.is_set():
                 waiting = [r for r in self._mailbox.behind(waiting, session.token, attempt)
                            if r not in self.gone([r])]
                 if waiting:
