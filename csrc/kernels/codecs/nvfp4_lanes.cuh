@@ -28,14 +28,9 @@ RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
 }
 
 // The amax (abs_bits max) of the block at p.
-RX_LANE uint32_t block_amax(const char* p, bool wide) {
-  uint32_t m = 0;
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const uint4 v = load_chunk(p, c, wide);
-    m = max(m, max(max(word_amax(v.x), word_amax(v.y)), max(word_amax(v.z), word_amax(v.w))));
-  }
-  return m;
+RX_LANE uint32_t block_amax_at(const char* p, bool wide) {
+  const uint4 a = load_chunk(p, 0, wide), b = load_chunk(p, 1, wide);
+  return block_amax(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
 }
 
 // 8 packed bytes at p as two little-endian words: one load where 8-byte aligned.
@@ -71,7 +66,7 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
   const bool data = box_is_data(b);
   const char* src = reinterpret_cast<const char*>(b.src);
   char* dst = reinterpret_cast<char*>(b.dst);
-  TensorScale ts{0, 0};
+  TensorScale ts{0, 0, false};
   if (P != RX_PASS_DST) ts = tensor_scale(load_item<unsigned int>(reinterpret_cast<const char*>(box_amax(b))));
 #pragma unroll 1
   for (; i < end; i += kWarp) {
@@ -88,18 +83,19 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
       load8(to, q);
     } else {
       const bool wide = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
-      const uint32_t bmax = block_amax(from, wide);
-      const BlockScale bs = block_scale(bmax, ts.pts, ts.rcp);
+      const uint32_t bmax = block_amax_at(from, wide);
+      const BlockScale bs = block_scale(bmax, ts);
       if (!data) {
         if (kStore) store_item<unsigned char>(to, bs.scale);
         if (P != RX_PASS_NONE) hash_element(dg, ord, bs.scale);
         continue;
       }
-      const bool finite = block_finite(bmax, bs.mult);
+      const uint32_t mult = block_mult(bmax, bs, ts);  // a scale box never needs it
+      const bool finite = block_finite(bmax, mult);
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const uint4 v = load_chunk(from, c, wide);
-        q[c] = quantize_words4(v.x, v.y, v.z, v.w, bs.mult, finite);
+        q[c] = quantize_words4(v.x, v.y, v.z, v.w, mult, finite);
       }
       if (kStore) store8(to, q);
     }
