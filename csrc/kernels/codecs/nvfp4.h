@@ -176,7 +176,8 @@ RX_HD BlockScale block_scale(uint32_t bmax, TensorScale t) {
 
 // What every element of a block is multiplied by: FP32 bits of (1 / pts) / float(scale).
 RX_HD uint32_t block_mult(uint32_t bmax, BlockScale b, TensorScale t) {
-  return block_plain(bmax, t) ? f32_bits(div_rn(f32_from_bits(t.rcp), f32_from_bits(b.value))) : div_bits(t.rcp, b.value);
+  if (block_plain(bmax, t)) return f32_bits(div_rn(f32_from_bits(t.rcp), f32_from_bits(b.value)));
+  return div_bits(t.rcp, b.value);
 }
 
 // FP32 bits a rounded at bit 22 (nearest, ties to even) and rebased so that 1.0 is 2.
@@ -203,15 +204,32 @@ RX_HD uint32_t e2m1_of(uint32_t y) {
   return ((e2m1_rebias(y & 0x7fffffffu) & 0xffu) | ((y >> 28) & 8u)) & 0xffu;
 }
 
-// The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier
-// m, where both elements are finite and m is finite and not negative (every finite
-// multiplier is: block_scale divides non-negative values): no NaN to propagate, no 0 * Inf,
-// and x * m is |x| * m with x's sign, so the product of the magnitude (a free operand
-// modifier) gives the code and the element's sign bit its sign.
-RX_HD uint32_t quantize_word_finite(uint32_t w, float m) {
-  const uint32_t lo = e2m1_magnitude(f32_bits(mul_rn(f32_from_bits((w << 16) & 0x7fff0000u), m)));
+// The E2M1 magnitude codes of elements 2i (low nibble) and 2i+1 of a BF16 word under
+// multiplier m, where both elements are finite and m is finite and not negative (every
+// finite multiplier is: block_scale divides non-negative values): no NaN to propagate, no
+// 0 * Inf, and x * m is |x| * m with x's sign, so the product of the magnitude (a free
+// operand modifier) gives the code; the sign bits are the caller's.
+RX_HD uint32_t word_codes(uint32_t w, float m) {
+  const uint32_t lo = e2m1_magnitude(f32_bits(mul_rn(fabsf(f32_from_bits(w << 16)), m)));
   const uint32_t hi = e2m1_magnitude(f32_bits(mul_rn(f32_from_bits(w & 0x7fff0000u), m)));
-  return (lo | ((w >> 12) & 8u)) | (hi | ((w >> 28) & 8u)) << 4;
+  return (hi << 4) + lo;
+}
+
+// The packed E2M1 byte of a word under such an m: its codes and its elements' sign bits.
+RX_HD uint32_t quantize_word_finite(uint32_t w, float m) {
+  return word_codes(w, m) | ((w >> 12) & 0x8u) | ((w >> 24) & 0x80u);
+}
+
+// Byte n of the result is byte (s >> 4n) & 7 of y:x (x bytes 0-3): one PRMT on the GPU.
+RX_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t v = (uint64_t)y << 32 | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= (uint32_t)(v >> (8 * ((s >> (4 * n)) & 7u)) & 0xffu) << (8 * n);
+  return r;
+#endif
 }
 
 // The same byte for any bits.
@@ -228,9 +246,13 @@ RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
 // of one per word.
 RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t m, bool finite) {
   if (finite) {
+    // Byte k holds word k's codes; the signs of all 8 elements come in together: byte 1
+    // (low element) and byte 3 (high) of each word gathered into byte k, bit 7 of which is
+    // the sign, moved to bit 3 (low nibble) or kept at bit 7 (high nibble).
     const float f = f32_from_bits(m);
-    return quantize_word_finite(a, f) | quantize_word_finite(b, f) << 8 | quantize_word_finite(c, f) << 16 |
-           quantize_word_finite(d, f) << 24;
+    const uint32_t lo = word_codes(a, f) | word_codes(b, f) << 8, hi = word_codes(c, f) | word_codes(d, f) << 8;
+    const uint32_t u = byte_perm(a, b, 0x7531u), v = byte_perm(c, d, 0x7531u);
+    return (lo | hi << 16) | (byte_perm(u, v, 0x7531u) & 0x80808080u) | ((byte_perm(u, v, 0x6420u) >> 4) & 0x08080808u);
   }
   return quantize_word(a, m) | quantize_word(b, m) << 8 | quantize_word(c, m) << 16 | quantize_word(d, m) << 24;
 }
