@@ -183,16 +183,30 @@ RX_HD uint32_t block_mult(uint32_t bmax, BlockScale b, TensorScale t) {
 // FP32 bits a rounded at bit 22 (nearest, ties to even) and rebased so that 1.0 is 2.
 RX_HD uint32_t e2m1_rebias(uint32_t a) { return (a + 0x1fffffu + ((a >> 22) & 1u) - 0x3f000000u) >> 22; }
 
+// min(a + b, c) of unsigned words (one VIADDMNMX on the GPU).
+RX_HD uint32_t add_min(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  return __viaddmin_u32(a, b, c);
+#else
+  return a + b < c ? a + b : c;
+#endif
+}
+
 // E2M1 code (3 bits) of FP32 bits a >= 0 that are not NaN, as torchao's
-// _f32_to_floatx_unpacked rounds min(a, 6) (to nearest, ties to even codes). Below 1
-// (E2M1's subnormals, steps of 0.5) one FP32 add of 1.5 * 2^22, whose unit in the last
-// place is 0.5, rounds a the same way and leaves the code in the low bits. From 1 up,
-// E2M1 keeps one mantissa bit: a's bits rounded at bit 22 (nearest, ties to even),
-// rebased so that 1.0 is code 2, saturating at code 7 (6.0; Inf too).
+// _f32_to_floatx_unpacked rounds min(a, 6) (to nearest, ties to even codes). E2M1 steps by
+// 0.5 below 2, by 1 up to 4, by 2 up to 6: an FP32 add of 1.5 * 2^22 (unit in the last
+// place 0.5) rounds a as the first range does and leaves the step count in the low bits,
+// 2 * round(a), the code below 2; adds of 1.5 * 2^23 and 1.5 * 2^24 give round(a) + 2 and
+// round(a / 2) + 4, the codes from 2 and from 4. Each is the code in its range and no less
+// than it elsewhere (the counts grow faster the finer the step; Inf and every a past 2^21
+// give huge counts), and 7 saturates: the code is their minimum (exhaustively equal to the
+// previous threshold and bit-22 rounding on every non-NaN a >= 0).
 RX_HD uint32_t e2m1_magnitude(uint32_t a) {
-  if (a < 0x3f800000u) return f32_bits(add_rn(f32_from_bits(a), 6291456.0f)) - 0x4ac00000u;
-  const uint32_t code = e2m1_rebias(a);
-  return code < 7u ? code : 7u;
+  const float f = f32_from_bits(a);
+  const uint32_t c1 = f32_bits(add_rn(f, 6291456.0f)), c2 = f32_bits(add_rn(f, 12582912.0f)),
+                 c4 = f32_bits(add_rn(f, 25165824.0f));
+  const uint32_t m = add_min(c4, 0u - (0x4bc00000u - 4u), add_min(c2, 0u - (0x4b400000u - 2u), 7u));
+  return add_min(c1, 0u - 0x4ac00000u, m);
 }
 
 // E2M1 code (sign << 3 | 3 bits) of FP32 bits y that are not NaN, clamped to [-6, 6].
