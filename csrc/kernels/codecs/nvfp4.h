@@ -185,7 +185,7 @@ RX_HD uint32_t e2m1_rebias(uint32_t a) { return (a + 0x1fffffu + ((a >> 22) & 1u
 
 // min(a + b, c) of unsigned words (one VIADDMNMX on the GPU).
 RX_HD uint32_t add_min(uint32_t a, uint32_t b, uint32_t c) {
-#if defined(__CUDA_ARCH__)
+#if defined(RX_DPX)
   return __viaddmin_u32(a, b, c);
 #else
   return a + b < c ? a + b : c;
