@@ -29,7 +29,7 @@ constexpr int kThreads = 256;
 constexpr int kCols = 8;    // columns per unit
 constexpr int kRows = 16;   // rows per unit
 constexpr int kSlots = 4;   // cells kept in registers before the oldest is flushed
-constexpr int kBlocksPerSm = 4;  // resident at once: the launch bounds keep 64 registers
+constexpr int kBlocksPerSm = 3;  // resident at once: the launch bounds keep 80 registers
 
 struct Cells {
   int32_t cell[kSlots];
@@ -144,7 +144,7 @@ __device__ void unit_amax(const Elem<Dtype>* __restrict__ src, int64_t rows, int
         load_map<kRows>(rowmap + r0, wide_maps, rc);
         if (all_equal<kRows>(rc)) {
           // The whole unit in one cell: its loads issued 128 bytes at a time (more would
-          // spill at this kernel's 64 registers), one max, one add.
+          // spill at this kernel's 80 registers), one max, one add.
           constexpr int kBatch = 128 / (kCols * sizeof(Elem<Dtype>));
           am::Fold<Dtype, Nan> f;
 #pragma unroll 1
@@ -229,8 +229,11 @@ extern "C" int32_t rx_amax_partial_cuda(const void* src, int32_t dtype, int64_t 
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e != cudaSuccess) return static_cast<int32_t>(e);
-  int64_t blocks = (total + kThreads - 1) / kThreads;
-  blocks = blocks > static_cast<int64_t>(sms) * kBlocksPerSm ? static_cast<int64_t>(sms) * kBlocksPerSm : blocks;
+  // As many sweeps as the resident blocks need, and the fewest blocks that cover the units in
+  // that many: every lane gets the same number of units, none idles through a last sweep.
+  const int64_t resident = static_cast<int64_t>(sms) * kBlocksPerSm * kThreads;
+  const int64_t sweeps = (total + resident - 1) / resident;
+  const int64_t blocks = (total + sweeps * kThreads - 1) / (sweeps * kThreads);
   const int64_t elem = dtype == RX_F32 ? 4 : 2;
   const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0 && (rows <= 1 || row_stride * elem % 16 == 0);
   const bool wide_maps = reinterpret_cast<uintptr_t>(rowmap) % 16 == 0 && reinterpret_cast<uintptr_t>(colmap) % 16 == 0;

@@ -57,9 +57,14 @@ RX_HD uint32_t abs_bits(uint32_t raw, int32_t dtype, int32_t nan) {
 // the NaNs into the sign bit, so that a signed max never picks one and a run of NaNs only
 // keeps the initial bias (FP32: the same on 32 bits).
 
+// The three-operand integer min/max intrinsics (CUDA 12; one instruction from sm_90).
+#if defined(__CUDA_ARCH__) && __CUDACC_VER_MAJOR__ >= 12
+#define RX_DPX 1
+#endif
+
 // Per-half max of three words: unsigned, and of halves read as int16.
 RX_HD uint32_t max3_u16x2(uint32_t a, uint32_t b, uint32_t c) {
-#if defined(__CUDA_ARCH__)
+#if defined(RX_DPX)
   return __vimax3_u16x2(a, b, c);
 #else
   uint32_t r = 0;
@@ -73,7 +78,7 @@ RX_HD uint32_t max3_u16x2(uint32_t a, uint32_t b, uint32_t c) {
 }
 
 RX_HD uint32_t max3_s16x2(uint32_t a, uint32_t b, uint32_t c) {
-#if defined(__CUDA_ARCH__)
+#if defined(RX_DPX)
   return __vimax3_s16x2(a, b, c);
 #else
   uint32_t r = 0;
@@ -87,7 +92,7 @@ RX_HD uint32_t max3_s16x2(uint32_t a, uint32_t b, uint32_t c) {
 }
 
 RX_HD uint32_t max3_u32(uint32_t a, uint32_t b, uint32_t c) {
-#if defined(__CUDA_ARCH__)
+#if defined(RX_DPX)
   return __vimax3_u32(a, b, c);
 #else
   const uint32_t m = a > b ? a : b;
@@ -96,7 +101,7 @@ RX_HD uint32_t max3_u32(uint32_t a, uint32_t b, uint32_t c) {
 }
 
 RX_HD uint32_t max3_s32(uint32_t a, uint32_t b, uint32_t c) {
-#if defined(__CUDA_ARCH__)
+#if defined(RX_DPX)
   return (uint32_t)__vimax3_s32((int)a, (int)b, (int)c);
 #else
   const int32_t x = (int32_t)a, y = (int32_t)b, z = (int32_t)c, m = x > y ? x : y;

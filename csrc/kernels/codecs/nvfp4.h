@@ -35,6 +35,7 @@
 // unused), param[2] is 0, no codec flags.
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 
 #include <string>
@@ -43,6 +44,7 @@
 #include "core/box.h"
 #include "core/runs.h"
 #include "kernels/cast.h"
+#include "kernels/codecs/amax.h"
 #include "kernels/codecs/registry.h"
 
 namespace rx::nv {
@@ -81,13 +83,20 @@ RX_HD uint32_t clamp_bits(uint32_t x, float lo, float hi) {
   return f < lo ? f32_bits(lo) : (f > hi ? f32_bits(hi) : x);
 }
 
-// |x| of a BF16 as the FP32 bits torch's amax compares: integer max over these is the
-// float max, NaN (any payload) above everything; canonical() then maps a NaN to torch's.
-RX_HD uint32_t abs_bits(uint16_t h) { return (uint32_t)(h & 0x7fffu) << 16; }
+// A block's amax is the max of |x| as the FP32 bits torch's amax compares (amax::abs_bits
+// of a BF16): integer max over these is the float max, NaN (any payload) above
+// everything; canonical() then maps a NaN to torch's.
 RX_HD uint32_t canonical(uint32_t amax) { return is_nan(amax) ? kNaN : amax; }
-RX_HD uint32_t word_amax(uint32_t w) {
-  const uint32_t lo = abs_bits((uint16_t)(w & 0xffffu)), hi = abs_bits((uint16_t)(w >> 16));
-  return lo > hi ? lo : hi;
+
+// The amax of a block of 8 words, in packed 16-bit maxima (amax::Fold).
+RX_HD uint32_t block_amax(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t e, uint32_t f, uint32_t g,
+                          uint32_t h) {
+  amax::Fold<RX_BF16, amax::kPropagate> m;
+  m.add2(a, b);
+  m.add2(c, d);
+  m.add2(e, f);
+  m.add2(g, h);
+  return m.bits();
 }
 
 // The per-tensor scale (torchao per_tensor_amax_to_scale) of an amax (abs_bits max).
@@ -108,38 +117,96 @@ RX_HD uint32_t f32_of_e4m3(uint8_t s) {
   return sign | ((uint32_t)((s & 0x7fu) >> 3) + 120u) << 23 | (uint32_t)(s & 7u) << 20;
 }
 
-// What every element of a block is multiplied by, and the block's scale byte.
+// The per-tensor state every block of a tensor needs, from its amax cell.
+struct TensorScale {
+  uint32_t pts;  // FP32 bits of the per-tensor scale
+  uint32_t rcp;  // FP32 bits of 1 / pts
+  // pts and rcp finite and pts nonzero (every tensor without NaN/Inf whose amax is not 0):
+  // a block with a finite amax then meets none of div_bits' special cases
+  bool plain;
+};
+RX_HD TensorScale tensor_scale(uint32_t amax) {
+  const uint32_t pts = tensor_scale_bits(amax);
+  const uint32_t rcp = div_bits(f32_bits(1.0f), pts);
+  return TensorScale{pts, rcp, is_finite(pts) && (pts & 0x7fffffffu) != 0 && is_finite(rcp)};
+}
+
+// Whether a block whose amax (abs_bits max) is `bmax` takes the plain path of its tensor.
+RX_HD bool block_plain(uint32_t bmax, TensorScale t) { return t.plain && bmax < 0x7f800000u; }
+
+// a * b + c in one FP32 rounding to nearest even.
+RX_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return fmaf(a, b, c);
+#endif
+}
+
+// div_rn(x, 6) of a finite BF16 magnitude x (abs_bits): the product by the rounded 1/6
+// and one correction (exhaustively equal for every finite BF16 magnitude, not for FP32 in
+// general), in place of a division with its range check.
+RX_HD float div6(float x) {
+  const float r = 0.16666667163372039795f;  // RN(1/6)
+  const float q = mul_rn(x, r);
+  return fma_rn(fma_rn(-q, 6.0f, x), r, q);
+}
+
+// A block's E4M3 scale: its byte and its value as FP32 bits (c10's widening).
 struct BlockScale {
-  uint8_t scale;  // E4M3
-  uint32_t mult;  // FP32 bits of (1 / pts) / float(scale)
+  uint8_t scale;
+  uint32_t value;
 };
 
-// The block scale of a block whose amax (abs_bits max) is `bmax`, for per-tensor scale
-// bits `pts` and rcp = 1 / pts (div_bits(1.0f, pts)).
-RX_HD BlockScale block_scale(uint32_t bmax, uint32_t pts, uint32_t rcp) {
-  // A finite amax and a finite, nonzero per-tensor scale (every block of a tensor without
-  // NaN/Inf whose amax is not 0) meet none of div_bits' special cases: plain divisions.
-  const bool plain = bmax < 0x7f800000u && is_finite(pts) && (pts & 0x7fffffffu) != 0 && is_finite(rcp);
-  const auto div = [plain](uint32_t a, uint32_t b) {
-    return plain ? f32_bits(div_rn(f32_from_bits(a), f32_from_bits(b))) : div_bits(a, b);
-  };
-  const uint8_t s8 = e4m3_of(clamp_bits(div(div(canonical(bmax), f32_bits(6.0f)), pts), 0.015625f, 448.0f));
-  return BlockScale{s8, div(rcp, f32_of_e4m3(s8))};
+// The block scale of a block whose amax (abs_bits max) is `bmax`.
+RX_HD BlockScale block_scale(uint32_t bmax, TensorScale t) {
+  if (block_plain(bmax, t)) {
+    // Plain FP32 steps; the clamped value is positive, finite and not NaN, so its E4M3 is
+    // its bits rounded at bit 20 (nearest, ties to even), rebiased, and the widening of
+    // that byte is the rounded bits themselves.
+    const float s = div_rn(div6(f32_from_bits(bmax)), f32_from_bits(t.pts));
+    const uint32_t c = f32_bits(fmaxf(fminf(s, 448.0f), 0.015625f));
+    const uint32_t r = c + 0x7ffffu + ((c >> 20) & 1u);
+    return BlockScale{(uint8_t)((r >> 20) + 0x40u), r & 0xfff00000u};  // 0x40: the rebias 127 -> 7, mod 256
+  }
+  const uint8_t s8 =
+      e4m3_of(clamp_bits(div_bits(div_bits(canonical(bmax), f32_bits(6.0f)), t.pts), 0.015625f, 448.0f));
+  return BlockScale{s8, f32_of_e4m3(s8)};
+}
+
+// What every element of a block is multiplied by: FP32 bits of (1 / pts) / float(scale).
+RX_HD uint32_t block_mult(uint32_t bmax, BlockScale b, TensorScale t) {
+  if (block_plain(bmax, t)) return f32_bits(div_rn(f32_from_bits(t.rcp), f32_from_bits(b.value)));
+  return div_bits(t.rcp, b.value);
 }
 
 // FP32 bits a rounded at bit 22 (nearest, ties to even) and rebased so that 1.0 is 2.
 RX_HD uint32_t e2m1_rebias(uint32_t a) { return (a + 0x1fffffu + ((a >> 22) & 1u) - 0x3f000000u) >> 22; }
 
+// min(a + b, c) of unsigned words (one VIADDMNMX on the GPU).
+RX_HD uint32_t add_min(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(RX_DPX)
+  return __viaddmin_u32(a, b, c);
+#else
+  return a + b < c ? a + b : c;
+#endif
+}
+
 // E2M1 code (3 bits) of FP32 bits a >= 0 that are not NaN, as torchao's
-// _f32_to_floatx_unpacked rounds min(a, 6) (to nearest, ties to even codes). Below 1
-// (E2M1's subnormals, steps of 0.5) one FP32 add of 1.5 * 2^22, whose unit in the last
-// place is 0.5, rounds a the same way and leaves the code in the low bits. From 1 up,
-// E2M1 keeps one mantissa bit: a's bits rounded at bit 22 (nearest, ties to even),
-// rebased so that 1.0 is code 2, saturating at code 7 (6.0; Inf too).
+// _f32_to_floatx_unpacked rounds min(a, 6) (to nearest, ties to even codes). E2M1 steps by
+// 0.5 below 2, by 1 up to 4, by 2 up to 6: an FP32 add of 1.5 * 2^22 (unit in the last
+// place 0.5) rounds a as the first range does and leaves the step count in the low bits,
+// 2 * round(a), the code below 2; adds of 1.5 * 2^23 and 1.5 * 2^24 give round(a) + 2 and
+// round(a / 2) + 4, the codes from 2 and from 4. Each is the code in its range and no less
+// than it elsewhere (the counts grow faster the finer the step; Inf and every a past 2^21
+// give huge counts), and 7 saturates: the code is their minimum (exhaustively equal to the
+// previous threshold and bit-22 rounding on every non-NaN a >= 0).
 RX_HD uint32_t e2m1_magnitude(uint32_t a) {
-  if (a < 0x3f800000u) return f32_bits(add_rn(f32_from_bits(a), 6291456.0f)) - 0x4ac00000u;
-  const uint32_t code = e2m1_rebias(a);
-  return code < 7u ? code : 7u;
+  const float f = f32_from_bits(a);
+  const uint32_t c1 = f32_bits(add_rn(f, 6291456.0f)), c2 = f32_bits(add_rn(f, 12582912.0f)),
+                 c4 = f32_bits(add_rn(f, 25165824.0f));
+  const uint32_t m = add_min(c4, 0u - (0x4bc00000u - 4u), add_min(c2, 0u - (0x4b400000u - 2u), 7u));
+  return add_min(c1, 0u - 0x4ac00000u, m);
 }
 
 // E2M1 code (sign << 3 | 3 bits) of FP32 bits y that are not NaN, clamped to [-6, 6].
@@ -151,15 +218,32 @@ RX_HD uint32_t e2m1_of(uint32_t y) {
   return ((e2m1_rebias(y & 0x7fffffffu) & 0xffu) | ((y >> 28) & 8u)) & 0xffu;
 }
 
-// The packed E2M1 byte of elements 2i (low nibble) and 2i+1 of a BF16 word under multiplier
-// m, where both elements are finite and m is finite and not negative (every finite
-// multiplier is: block_scale divides non-negative values): no NaN to propagate, no 0 * Inf,
-// and x * m is |x| * m with x's sign, so the product of the magnitude (a free operand
-// modifier) gives the code and the element's sign bit its sign.
-RX_HD uint32_t quantize_word_finite(uint32_t w, float m) {
-  const uint32_t lo = e2m1_magnitude(f32_bits(mul_rn(f32_from_bits((w << 16) & 0x7fff0000u), m)));
+// The E2M1 magnitude codes of elements 2i (low nibble) and 2i+1 of a BF16 word under
+// multiplier m, where both elements are finite and m is finite and not negative (every
+// finite multiplier is: block_scale divides non-negative values): no NaN to propagate, no
+// 0 * Inf, and x * m is |x| * m with x's sign, so the product of the magnitude (a free
+// operand modifier) gives the code; the sign bits are the caller's.
+RX_HD uint32_t word_codes(uint32_t w, float m) {
+  const uint32_t lo = e2m1_magnitude(f32_bits(mul_rn(fabsf(f32_from_bits(w << 16)), m)));
   const uint32_t hi = e2m1_magnitude(f32_bits(mul_rn(f32_from_bits(w & 0x7fff0000u), m)));
-  return (lo | ((w >> 12) & 8u)) | (hi | ((w >> 28) & 8u)) << 4;
+  return (hi << 4) + lo;
+}
+
+// The packed E2M1 byte of a word under such an m: its codes and its elements' sign bits.
+RX_HD uint32_t quantize_word_finite(uint32_t w, float m) {
+  return word_codes(w, m) | ((w >> 12) & 0x8u) | ((w >> 24) & 0x80u);
+}
+
+// Byte n of the result is byte (s >> 4n) & 7 of y:x (x bytes 0-3): one PRMT on the GPU.
+RX_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t v = (uint64_t)y << 32 | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= (uint32_t)(v >> (8 * ((s >> (4 * n)) & 7u)) & 0xffu) << (8 * n);
+  return r;
+#endif
 }
 
 // The same byte for any bits.
@@ -176,9 +260,13 @@ RX_HD uint32_t quantize_word(uint32_t w, uint32_t m) {
 // of one per word.
 RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t m, bool finite) {
   if (finite) {
+    // Byte k holds word k's codes; the signs of all 8 elements come in together: byte 1
+    // (low element) and byte 3 (high) of each word gathered into byte k, bit 7 of which is
+    // the sign, moved to bit 3 (low nibble) or kept at bit 7 (high nibble).
     const float f = f32_from_bits(m);
-    return quantize_word_finite(a, f) | quantize_word_finite(b, f) << 8 | quantize_word_finite(c, f) << 16 |
-           quantize_word_finite(d, f) << 24;
+    const uint32_t lo = word_codes(a, f) | word_codes(b, f) << 8, hi = word_codes(c, f) | word_codes(d, f) << 8;
+    const uint32_t u = byte_perm(a, b, 0x7531u), v = byte_perm(c, d, 0x7531u);
+    return (lo | hi << 16) | (byte_perm(u, v, 0x7531u) & 0x80808080u) | ((byte_perm(u, v, 0x6420u) >> 4) & 0x08080808u);
   }
   return quantize_word(a, m) | quantize_word(b, m) << 8 | quantize_word(c, m) << 16 | quantize_word(d, m) << 24;
 }
@@ -188,29 +276,16 @@ RX_HD uint32_t quantize_words4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, u
 // bounds every element, and non-negative finite FP32 bits are those below Inf's.
 RX_HD bool block_finite(uint32_t bmax, uint32_t mult) { return bmax < 0x7f800000u && mult < 0x7f800000u; }
 
-// The per-tensor state every block of a tensor needs, from its amax cell.
-struct TensorScale {
-  uint32_t pts;  // FP32 bits of the per-tensor scale
-  uint32_t rcp;  // FP32 bits of 1 / pts
-};
-RX_HD TensorScale tensor_scale(uint32_t amax) {
-  const uint32_t pts = tensor_scale_bits(amax);
-  return TensorScale{pts, div_bits(f32_bits(1.0f), pts)};
-}
-
 // One block of 8 BF16 words: its scale byte, and its 8 packed bytes (little-endian, two
 // words) when `packed` is given.
 RX_HD uint8_t quantize_block(const uint32_t* w, TensorScale t, uint32_t* packed) {
-  uint32_t bmax = 0;
-  for (int i = 0; i < kBlockWords; ++i) {
-    const uint32_t a = word_amax(w[i]);
-    bmax = a > bmax ? a : bmax;
-  }
-  const BlockScale b = block_scale(bmax, t.pts, t.rcp);
+  const uint32_t bmax = block_amax(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
+  const BlockScale b = block_scale(bmax, t);
   if (packed) {
-    const bool finite = block_finite(bmax, b.mult);
-    packed[0] = quantize_words4(w[0], w[1], w[2], w[3], b.mult, finite);
-    packed[1] = quantize_words4(w[4], w[5], w[6], w[7], b.mult, finite);
+    const uint32_t mult = block_mult(bmax, b, t);
+    const bool finite = block_finite(bmax, mult);
+    packed[0] = quantize_words4(w[0], w[1], w[2], w[3], mult, finite);
+    packed[1] = quantize_words4(w[4], w[5], w[6], w[7], mult, finite);
   }
   return b.scale;
 }

@@ -27,17 +27,6 @@ RX_LANE uint4 load_chunk(const char* p, int c, bool wide) {
                     load_item<unsigned int>(p + 16 * c + 8), load_item<unsigned int>(p + 16 * c + 12));
 }
 
-// The amax (abs_bits max) of the block at p.
-RX_LANE uint32_t block_amax(const char* p, bool wide) {
-  uint32_t m = 0;
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const uint4 v = load_chunk(p, c, wide);
-    m = max(m, max(max(word_amax(v.x), word_amax(v.y)), max(word_amax(v.z), word_amax(v.w))));
-  }
-  return m;
-}
-
 // 8 packed bytes at p as two little-endian words: one load where 8-byte aligned.
 RX_LANE void load8(const char* p, uint32_t* q) {
   if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
@@ -60,10 +49,9 @@ RX_LANE void store8(char* p, const uint32_t* q) {
 }
 
 // NVFP4 boxes: one lane per item (no warp intrinsics, so the emulated run executes this
-// very code). The tensor's amax is read once per lane. A block is read twice, once for
-// its amax and once to quantize it 8 elements at a time: the second read hits L2, and a
-// lane never holds the whole block (which would spill at this kernel's 64-register
-// budget). A data box writes a block's 8 packed bytes, a scale box its scale byte. Item i
+// very code). The tensor's amax is read once per lane. A lane reads its block once and
+// holds its 8 words for the amax, the scale and the packed bytes. A data box writes a
+// block's 8 packed bytes, a scale box its scale byte (and derives no multiplier). Item i
 // is block i (its first byte has ordinal 8 i) or scale byte i.
 template <int P, typename W>
 RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
@@ -71,7 +59,7 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
   const bool data = box_is_data(b);
   const char* src = reinterpret_cast<const char*>(b.src);
   char* dst = reinterpret_cast<char*>(b.dst);
-  TensorScale ts{0, 0};
+  TensorScale ts{0, 0, false};
   if (P != RX_PASS_DST) ts = tensor_scale(load_item<unsigned int>(reinterpret_cast<const char*>(box_amax(b))));
 #pragma unroll 1
   for (; i < end; i += kWarp) {
@@ -88,19 +76,18 @@ RX_LANE void box_items(const rx_box& b, W& w, int64_t i, int64_t end, Dg& dg) {
       load8(to, q);
     } else {
       const bool wide = (reinterpret_cast<uintptr_t>(from) & 15u) == 0;
-      const uint32_t bmax = block_amax(from, wide);
-      const BlockScale bs = block_scale(bmax, ts.pts, ts.rcp);
+      const uint4 x = load_chunk(from, 0, wide), y = load_chunk(from, 1, wide);
+      const uint32_t bmax = block_amax(x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w);
+      const BlockScale bs = block_scale(bmax, ts);
       if (!data) {
         if (kStore) store_item<unsigned char>(to, bs.scale);
         if (P != RX_PASS_NONE) hash_element(dg, ord, bs.scale);
         continue;
       }
-      const bool finite = block_finite(bmax, bs.mult);
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint4 v = load_chunk(from, c, wide);
-        q[c] = quantize_words4(v.x, v.y, v.z, v.w, bs.mult, finite);
-      }
+      const uint32_t mult = block_mult(bmax, bs, ts);  // a scale box never needs it
+      const bool finite = block_finite(bmax, mult);
+      q[0] = quantize_words4(x.x, x.y, x.z, x.w, mult, finite);
+      q[1] = quantize_words4(y.x, y.y, y.z, y.w, mult, finite);
       if (kStore) store8(to, q);
     }
     if (P != RX_PASS_NONE)
