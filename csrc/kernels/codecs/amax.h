@@ -62,18 +62,25 @@ RX_HD uint32_t abs_bits(uint32_t raw, int32_t dtype, int32_t nan) {
 #define RX_DPX 1
 #endif
 
+// Per-half max of three words, each half read as H (uint16_t or int16_t): the portable
+// body of the packed intrinsics below.
+template <typename H>
+RX_HD uint32_t max3_halves(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r = 0;
+  for (int s = 0; s < 32; s += 16) {
+    const H x = (H)(a >> s & 0xffffu), y = (H)(b >> s & 0xffffu), z = (H)(c >> s & 0xffffu);
+    const H m = x > y ? x : y;
+    r |= (uint32_t)(uint16_t)(m > z ? m : z) << s;
+  }
+  return r;
+}
+
 // Per-half max of three words: unsigned, and of halves read as int16.
 RX_HD uint32_t max3_u16x2(uint32_t a, uint32_t b, uint32_t c) {
 #if defined(RX_DPX)
   return __vimax3_u16x2(a, b, c);
 #else
-  uint32_t r = 0;
-  for (int s = 0; s < 32; s += 16) {
-    const uint32_t x = a >> s & 0xffffu, y = b >> s & 0xffffu, z = c >> s & 0xffffu;
-    const uint32_t m = x > y ? x : y;
-    r |= (m > z ? m : z) << s;
-  }
-  return r;
+  return max3_halves<uint16_t>(a, b, c);
 #endif
 }
 
@@ -81,13 +88,7 @@ RX_HD uint32_t max3_s16x2(uint32_t a, uint32_t b, uint32_t c) {
 #if defined(RX_DPX)
   return __vimax3_s16x2(a, b, c);
 #else
-  uint32_t r = 0;
-  for (int s = 0; s < 32; s += 16) {
-    const int16_t x = (int16_t)(a >> s & 0xffffu), y = (int16_t)(b >> s & 0xffffu), z = (int16_t)(c >> s & 0xffffu);
-    const int16_t m = x > y ? x : y;
-    r |= (uint32_t)(uint16_t)(m > z ? m : z) << s;
-  }
-  return r;
+  return max3_halves<int16_t>(a, b, c);
 #endif
 }
 
