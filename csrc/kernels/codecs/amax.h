@@ -62,10 +62,15 @@ RX_HD uint32_t abs_bits(uint32_t raw, int32_t dtype, int32_t nan) {
 #define RX_DPX 1
 #endif
 
-// Per-half max of three words, each half read as H (uint16_t or int16_t): the portable
-// body of the packed intrinsics below.
+// Per-half max of three words, each half read as H: uint16_t, or int16_t (a signed max).
 template <typename H>
-RX_HD uint32_t max3_halves(uint32_t a, uint32_t b, uint32_t c) {
+RX_HD uint32_t max3_16x2(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(RX_DPX)
+  if constexpr (H(-1) < H(0))
+    return __vimax3_s16x2(a, b, c);
+  else
+    return __vimax3_u16x2(a, b, c);
+#else
   uint32_t r = 0;
   for (int s = 0; s < 32; s += 16) {
     const H x = (H)(a >> s & 0xffffu), y = (H)(b >> s & 0xffffu), z = (H)(c >> s & 0xffffu);
@@ -73,22 +78,6 @@ RX_HD uint32_t max3_halves(uint32_t a, uint32_t b, uint32_t c) {
     r |= (uint32_t)(uint16_t)(m > z ? m : z) << s;
   }
   return r;
-}
-
-// Per-half max of three words: unsigned, and of halves read as int16.
-RX_HD uint32_t max3_u16x2(uint32_t a, uint32_t b, uint32_t c) {
-#if defined(RX_DPX)
-  return __vimax3_u16x2(a, b, c);
-#else
-  return max3_halves<uint16_t>(a, b, c);
-#endif
-}
-
-RX_HD uint32_t max3_s16x2(uint32_t a, uint32_t b, uint32_t c) {
-#if defined(RX_DPX)
-  return __vimax3_s16x2(a, b, c);
-#else
-  return max3_halves<int16_t>(a, b, c);
 #endif
 }
 
@@ -125,7 +114,7 @@ struct Fold {
   RX_HD void add2(uint32_t a, uint32_t b) {
     a = (a & kMag) + kBias;
     b = (b & kMag) + kBias;
-    if constexpr (kHalves) acc = Nan == kPropagate ? max3_u16x2(acc, a, b) : max3_s16x2(acc, a, b);
+    if constexpr (kHalves) acc = Nan == kPropagate ? max3_16x2<uint16_t>(acc, a, b) : max3_16x2<int16_t>(acc, a, b);
     else acc = Nan == kPropagate ? max3_u32(acc, a, b) : max3_s32(acc, a, b);
   }
 
