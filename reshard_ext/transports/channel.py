@@ -344,12 +344,11 @@ class Channel:
         """This rank enters `session`'s execute: an alarm it raised earlier under the same
         token (an execute that did not count: stale, its (plan, seq)) is taken back first, so
         that the other ranks never read it as this execute's. attempt: how many calls with
-        this token did not count before; lingering: the ranks of this host not heard from in
-        the last of them and still in it when it ended here (`lingering`; a rank that was
-        not in it but began this execute since is not one). This call waits, within its deadline, until
-        they have left it: a rank late past the timeout must end the call the others gave up
-        on before they retry, else its data would land in their retry while its own outcome
-        (and the others', who miss its row) says failed."""
+        this token did not count before this one (a retry); lingering: ranks of this host
+        not heard from in the last of them and still in it as it ended here (`lingering`).
+        The retry waits, within its deadline, until they have left that call: a rank late
+        past the timeout must end the call the others gave up on before they retry, else its
+        data lands in their retry while its own call (and theirs, without its row) fails."""
         if self._mailbox is not None:
             waiting = list(lingering)
             pause = 0.001
