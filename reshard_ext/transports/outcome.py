@@ -381,17 +381,28 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
     # came (this rank was late): its causes, not a guess at why it is silent
     silent = [r for r, why in missing.items() if not why]
     late = channel.alarms(session, silent, tokens=dict.fromkeys(silent, session.token)) if silent else {}
+    unexplained: list[int] = []
     for r, why in sorted(missing.items()):
         if why == NAMED:
             continue
         why = why or late.get(r, ("", False))[0]
-        if not why and part.late_by > 0:  # it most likely came and left: this rank is the one that stalled
-            why = (f"rank {r} did not wait for this rank: rank {channel.rank} reached the end of its part "
-                   f"{part.late_by:.1f} s past the {session.timeout:g} s timeout")
-        lines += [line for line in why.split("\n") if line] or [
-            f"rank {r} did not reach the end of the execute within {session.timeout:g} s (it stalled, died, or did "
-            f"not call it)"]
+        lines += [line for line in why.split("\n") if line]
+        if not why:
+            unexplained.append(r)
+    if unexplained and part.late_by > 0:  # they most likely came and left: this rank is the one that stalled
+        lines.append(f"{_who(unexplained)} did not wait for this rank: rank {channel.rank} reached the end of its "
+                     f"part {part.late_by:.1f} s past the {session.timeout:g} s timeout")
+    elif unexplained:
+        lines.append(f"{_who(unexplained)} did not reach the end of the execute within {session.timeout:g} s "
+                     f"(stalled, died, or did not call it)")
     return lines
+
+
+def _who(ranks: list[int]) -> str:
+    """'rank 2', 'ranks 2 and 3', 'ranks 1, 2 and 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
 
 
 def _split(lines: list[str], what: str, summary: str) -> list[str]:
