@@ -56,6 +56,16 @@ def gpus_for(ranks: int) -> bool:
     return n >= ranks or (SHARED_GPU and n >= 1)
 
 
+def own_gpus(backend: str = "nccl") -> None:
+    """Skips the calling test where ranks share GPUs (RX_TEST_SHARED_GPU=1) and `backend`
+    needs a GPU per rank: NCCL refuses two ranks on one GPU, and NVSHMEM and torch's
+    point-to-point go through it or their own per-GPU setup; the direct transport does not."""
+    if SHARED_GPU and backend not in ("direct", "auto"):
+        import pytest
+
+        pytest.skip(f"backend {backend!r} between the ranks needs a GPU per rank (RX_TEST_SHARED_GPU=1)")
+
+
 def gpu_of(rank: int) -> Any:
     """The GPU of test rank `rank` (as the pool's workers set it)."""
     import torch

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _cases import CASES, bits_equal, run_case
 from _direct_sim import LANDING_GROUPS, all_pairs, make_entries, simulate
-from _dist import gpus_for, run_ranks
+from _dist import gpus_for, own_gpus, run_ranks
 
 import reshard_ext as rx
 from reshard_ext import _C, Layout, Mesh, Replicate, Shard
@@ -1162,6 +1162,7 @@ def _paths_check(world, path):
 def test_small_boxes_beside_nccl_pairs_4gpu():
     """Rank 3 opts out: the others' direct writes (batched engines, tiny boxes in the
     kernel) run beside NCCL pairs, which keep the same-rank copies; bit for bit."""
+    own_gpus()
     for rank, (got, _) in enumerate(run_ranks(4, _paths_gpu, "engines_batched", 3, backend="nccl")):
         if rank == 3:
             assert got is None, got
@@ -1186,6 +1187,7 @@ def _opted_out(rank, world, out, case, backend):
 @pytest.mark.parametrize("backend", ["direct", "auto"])
 def test_pair_falls_back_to_nccl_2gpu(backend):
     """A rank that maps nothing: its pairs move over NCCL, on both ends, bit for bit."""
+    own_gpus()
     for direct, nccl, staging, _ in run_ranks(2, _opted_out, 1, "tp", backend, backend="nccl"):
         assert direct == [] and nccl and staging > 0
 
@@ -1194,6 +1196,7 @@ def test_pair_falls_back_to_nccl_2gpu(backend):
 @pytest.mark.parametrize("case", ["tp", "meshes", "pp_experts"])
 def test_mixed_direct_and_nccl_4gpu(case):
     """Rank 3 opts out: pairs with it use NCCL, the others stay direct, in one plan."""
+    own_gpus()
     for rank, (direct, nccl, _, _) in enumerate(run_ranks(4, _opted_out, 3, case, "direct", backend="nccl")):
         assert 3 not in direct and (rank == 3 or set(nccl) <= {3}) and (rank != 3 or direct == []), (rank, direct, nccl)
 
@@ -1223,6 +1226,7 @@ def _expandable_dst(rank, world):
 
 @needs2
 def test_unmappable_memory_falls_back_2gpu():
+    own_gpus()
     got = run_ranks(2, _expandable_dst, backend="nccl")
     if got[0] is None:
         pytest.skip("this torch cannot switch to expandable segments at run time")
@@ -1320,6 +1324,7 @@ def test_a_rank_rebinds_alone_2gpu(side):
 @needs2
 @pytest.mark.parametrize("refuse", ["open", "executor"])
 def test_a_sender_that_cannot_map_rebound_destinations_raises_2gpu(refuse):
+    own_gpus()
     _check_refused(run_ranks(2, _rebind_one, 1, "dst", True, refuse, backend="nccl"), refuse)
 
 

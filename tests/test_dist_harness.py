@@ -27,3 +27,16 @@ def test_a_pool_whose_port_was_taken_starts_on_another(monkeypatch):
             pool.close()
     finally:
         taken.close()
+
+
+def test_shared_gpus_skip_only_the_backends_that_need_a_gpu_per_rank(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(_dist, "SHARED_GPU", True)
+    for backend in ("nccl", "nvshmem", "torch"):
+        with pytest.raises(pytest.skip.Exception, match="needs a GPU per rank"):
+            _dist.own_gpus(backend)
+    for backend in ("direct", "auto"):
+        _dist.own_gpus(backend)  # runs
+    monkeypatch.setattr(_dist, "SHARED_GPU", False)
+    _dist.own_gpus("nccl")

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 import torch
-from _dist import gpu_of, gpus_for, run_ranks
+from _dist import gpu_of, gpus_for, own_gpus, run_ranks
 from test_fp8block_kernels import assert_bytes, ref_fp8block, special_case
 
 import reshard_ext as rx
@@ -223,6 +223,7 @@ def test_refit_one_gpu(where):
 @pytest.mark.parametrize("where", ["sender", "receiver"])
 def test_refit_matrix_cuda(where, world, backend):
     """backend "direct": the sender's boxes quantize straight into the receiver's memory."""
+    own_gpus(backend)
     if not gpus_for(world):
         pytest.skip(f"needs {world} GPUs")
     for scales in ("fp32", "pow2"):

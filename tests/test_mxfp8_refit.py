@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from _dist import gpu_of, gpus_for, run_ranks
+from _dist import gpu_of, gpus_for, own_gpus, run_ranks
 from test_mxfp8_kernels import assert_bytes_equal, make_case, ref_mxfp8, ref_swizzle
 
 import reshard_ext as rx
@@ -330,6 +330,7 @@ def test_refit_one_gpu(where, layout_kind):
 def test_refit_matrix_cuda(where, layout_kind, world, backend):
     """backend "direct": the sender's boxes write (and quantize) straight into the receiver;
     "nvshmem": the NCCL path's boxes around put-with-signal."""
+    own_gpus(backend)
     if not gpus_for(world):
         pytest.skip(f"needs {world} GPUs")
     for rounding in ("ceil", "floor"):

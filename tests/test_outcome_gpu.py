@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from _dist import close_pool, gpus_for, run_ranks
+from _dist import close_pool, gpus_for, own_gpus, run_ranks
 from test_outcome import _try as _timed
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -68,6 +68,7 @@ def _one_fails(rank: int, world: int, backend: str, case: str):
 @pytest.mark.parametrize("case", ["version", "verify", "abort"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_failure_raises_on_both_gpus_soon_2gpu(backend: str, case: str) -> None:
+    own_gpus(backend)
     for rank, (error, took, version, again, last, ok) in enumerate(
             run_ranks(2, _one_fails, backend, case, backend="nccl", timeout=300)):
         assert error is not None and took < FAST + 1.0, (rank, took, error)
@@ -93,6 +94,7 @@ def _killed(rank: int, world: int, backend: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_killed_rank_is_named_within_seconds_2gpu(backend: str) -> None:
+    own_gpus(backend)
     error, took = run_ranks(2, _killed, backend, backend="nccl", timeout=300, dies=(1,))[0]
     assert error is not None and "rank 1: its process exited" in error and took < 0.5 + FAST, (took, error)
 
@@ -143,6 +145,7 @@ def _three_backends(rank: int, world: int, batch_bytes: int | None, keep: bool):
 @pytest.mark.parametrize("batch_bytes", [None, 64 << 20], ids=["default_batches", "many_batches"])
 @pytest.mark.parametrize("keep", [True, False], ids=["plans_kept", "plans_dropped"])
 def test_nvshmem_after_auto_and_nccl_non_collocated_2gpu(batch_bytes: int | None, keep: bool) -> None:
+    own_gpus("nvshmem")
     # Fresh processes, as the report's: NVSHMEM (one world per process) then starts after the
     # auto and nccl plans, not in an earlier test of the pool.
     close_pool(2, "nccl")
@@ -176,4 +179,5 @@ def _nan_refit_cuda(rank: int, world: int, dtype: torch.dtype, backend: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_nan_payloads_cast_as_tensor_to_on_the_gpu_2gpu(dtype: torch.dtype, backend: str) -> None:
+    own_gpus(backend)
     assert all(run_ranks(2, _nan_refit_cuda, dtype, backend, backend="nccl"))

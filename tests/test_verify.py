@@ -22,7 +22,7 @@ import pytest
 import torch
 from _boxes import BOX, random_specs, specs_table, table
 from _cases import CASES, run_case
-from _dist import gpu_of, gpus_for, run_ranks
+from _dist import gpu_of, gpus_for, own_gpus, run_ranks
 from test_mxfp8_kernels import make_case
 
 import reshard_ext as rx
@@ -788,6 +788,7 @@ NEEDS_2_GPUS = pytest.mark.skipif(not (gpus_for(2) and rx.build_info()["cuda"]),
 @pytest.mark.parametrize("backend", ["nccl", "direct", "torch", "nvshmem"])
 @pytest.mark.parametrize("max_batch_bytes", [None, 4096])
 def test_verified_matrix_cuda(backend, max_batch_bytes):
+    own_gpus(backend)
     run_ranks(2, verified, run_case, "two", "cuda", max_batch_bytes, backend, backend="nccl")
 
 
