@@ -540,7 +540,8 @@ class Plan:
         if counts:  # every rank ran this call: it counts, at the largest number
             self._seq, self._attempt = max(self._seq, session.seq, result.seq), 0
         else:
-            self._attempt += session.seq > 0
+            if session.seq > 0:  # an execute (not rx.verify) whose number the next one keeps
+                self._attempt += 1
             if part.status == outcome.FAILED:
                 self._stale = (session.plan_id, session.seq)  # its alarm is taken back as the next execute begins
         self._sums = result.sums

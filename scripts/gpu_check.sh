@@ -68,14 +68,14 @@ gpu_tests() {  # $1: log name; every test file with GPU tests (the 2-GPU ones; 4
 }
 
 stage_shared() {
-  # The 2- and 4-rank cases of the direct transport (formats, prep overlap, outcome, verify)
-  # with the ranks sharing this machine's GPUs: their correctness where fewer GPUs are lent,
-  # never their speed (tests/_dist.py says what the mode is).
+  # The 2- and 4-rank GPU cases with the ranks sharing this machine's GPUs (formats, prep
+  # overlap, outcome, verify): the direct transport's correctness where fewer GPUs are lent,
+  # never its speed; cases whose backend needs a GPU per rank skip (tests/_dist.py).
   step "multi-rank direct cases, ranks sharing $ngpu GPU(s) (RX_TEST_SHARED_GPU=1)"
   (cd tests && RX_TEST_SHARED_GPU=1 RX_TEST_DUMP_AFTER=150 timeout "${RX_SHARED_TIMEOUT:-420}" python3 -m pytest -q \
       -p no:warnings -rs --durations=10 test_prep_overlap.py test_outcome_gpu.py test_fp8block_refit.py test_direct.py \
       test_nvfp4_refit.py test_mxfp8_refit.py test_verify.py \
-      -k "${RX_SHARED_K:-(2gpu or 4gpu or two_gpus or matrix_cuda or staging_ring) and not nccl and not nvshmem and not torch and not falls_back and not mixed and not beside_nccl and not cannot_map}" \
+      -k "${RX_SHARED_K:-2gpu or 4gpu or two_gpus or matrix_cuda or staging_ring}" \
       2>&1 | tee "$OUT/shared.log" | grep -v "^\[rank\|^frame\|^Exception raised" | tail -40)
   step "outcome_cost --device cuda --world 2 --backend direct --share-gpu (the exchange's host cost)"
   RESHARD_EXT_TIMEOUT=60 timeout 150 python3 benchmarks/outcome_cost.py --device cuda --world 2 --backend direct \

@@ -12,8 +12,8 @@ rank print every thread's stack to stderr when one call runs S seconds (run pyte
 RX_TEST_SHARED_GPU=1 lets the GPU tests of n ranks run on fewer GPUs: rank r of an "nccl"
 pool takes GPU r mod count, and the group runs over gloo (NCCL refuses two ranks on one GPU).
 Two processes on one GPU is a real deployment (a trainer and an engine collocated in separate
-processes) and the direct transport serves it; the cases that need an NCCL or NVSHMEM
-communicator between the ranks fail there, so select the rest (gpu_check.sh's `shared`).
+processes) and the direct transport serves it; the cases whose backend needs a GPU per rank
+(NCCL, NVSHMEM, torch point-to-point) skip themselves there (`own_gpus`).
 """
 from __future__ import annotations
 
@@ -100,9 +100,8 @@ def _worker(rank: int, world: int, port: int, backend: str, env: dict[str, str],
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     torch.set_num_threads(1)
-    device = gpu_of(rank).index
     if backend == "nccl":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(gpu_of(rank))
     group_backend = "gloo" if SHARED_GPU else backend
     try:
         dist.init_process_group(
@@ -111,7 +110,7 @@ def _worker(rank: int, world: int, port: int, backend: str, env: dict[str, str],
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=120),
-            **({"device_id": torch.device("cuda", device)} if group_backend == "nccl" else {}),
+            **({"device_id": gpu_of(rank)} if group_backend == "nccl" else {}),
         )
     except BaseException as e:  # e.g. the free port was taken meanwhile: the pool retries on another
         outq.put((rank, "init_err", f"{type(e).__name__}: {e}"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _boxes import BOX
 from _direct_sim import all_pairs, prep_event, simulate
-from _dist import gpu_of, gpus_for
+from _dist import gpu_of, gpus_for, run_ranks
 
 import reshard_ext as rx
 from reshard_ext import _C, Layout, Mesh, Replicate, Shard
@@ -370,7 +370,6 @@ def test_refit_over_the_direct_transport_defers_and_stays_exact(kind, verify):
     with rx.Tuning(direct_prep_overlap=True) the transport runs the deferrable tensors' pre-pass
     itself (StagedRun's prep stream) and the plan skips them; every byte as the reference, two
     executes with changed sources, verify=True passing."""
-    from _dist import run_ranks
 
     got = run_ranks(4, _fake_worker, kind, True, verify)
     assert any(d for per_rank in got for d in per_rank), got  # something was deferred somewhere
@@ -381,7 +380,6 @@ def test_work_left_to_the_transport_runs_when_a_remap_rebuilds_its_executor(kind
     """A remap after the headers rebuilds the executor; where the new one defers other work
     (here: none), what Plan already skipped for this execute runs on the caller's stream
     before the writes: every byte as the reference (it was never run: stale factors)."""
-    from _dist import run_ranks
 
     got = run_ranks(4, _fake_worker, kind, True, False, True)
     assert any(d for per_rank in got for d in per_rank), got
@@ -433,7 +431,6 @@ def gpu_worker(rank: int, world: int, kind: str, stage_bytes: int) -> dict:
 def test_deferred_prep_on_two_gpus(kind, stage_bytes):
     """Many chunks (a 64 KiB ring: the gates matter) and the default ring: with the knob on,
     rank 0 defers its TP1 tensors (and FP8's whole-block TP2 shard); the cut ones keep the pre-pass."""
-    from _dist import run_ranks
 
     got = run_ranks(2, gpu_worker, kind, stage_bytes, backend="nccl")
     off, on = got[0]["deferred"]

@@ -353,8 +353,8 @@ class Channel:
             waiting = list(lingering)
             pause = 0.001
             while waiting and session.remaining() > 0 and not session.abort.is_set():
-                waiting = [r for r in self._mailbox.behind(waiting, session.token, attempt)
-                           if r not in self.gone([r])]
+                waiting = self._mailbox.behind(waiting, session.token, attempt)
+                waiting = list(set(waiting) - set(self.gone(waiting)))
                 if waiting:
                     time.sleep(pause)
                     pause = min(pause * 2, 0.02)
