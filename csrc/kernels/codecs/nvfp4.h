@@ -199,8 +199,8 @@ RX_HD uint32_t add_min(uint32_t a, uint32_t b, uint32_t c) {
 // 2 * round(a), the code below 2; adds of 1.5 * 2^23 and 1.5 * 2^24 give round(a) + 2 and
 // round(a / 2) + 4, the codes from 2 and from 4. Each is the code in its range and no less
 // than it elsewhere (the counts grow faster the finer the step; Inf and every a past 2^21
-// give huge counts), and 7 saturates: the code is their minimum (exhaustively equal to the
-// previous threshold and bit-22 rounding on every non-NaN a >= 0).
+// give huge counts), and 7 saturates: the code is their minimum (equal to rounding by
+// E2M1's thresholds on every non-NaN a >= 0, checked exhaustively on the host).
 RX_HD uint32_t e2m1_magnitude(uint32_t a) {
   const float f = f32_from_bits(a);
   const uint32_t c1 = f32_bits(add_rn(f, 6291456.0f)), c2 = f32_bits(add_rn(f, 12582912.0f)),
