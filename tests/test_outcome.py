@@ -178,12 +178,25 @@ def test_a_rank_that_never_calls_is_named_at_the_timeout(far: bool) -> None:
         assert version is None and again is None and last == 3 and ok, (rank, again)
 
 
-def _stalls(rank: int, world: int, at_once: bool):
+def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
     """Rank 0 calls the execute on time but its part stalls past the timeout (its pack sleeps
     4 s of a 2 s timeout): the others give up on it and leave; it reaches the end alone. Then
     every rank executes again: once rank 0 has its answer, or (at_once) as soon as each has
-    its own, the others' retry beginning while rank 0 is still in the failed call."""
-    p, out, want = _tp2_tp4(rank, world, seed=4)
+    its own, the others' retry beginning while rank 0 is still in the failed call. far: no
+    rank reaches another through shared memory, as between hosts (a group of its own whose
+    channel has no mailboxes: headers, data and the outcome over gloo)."""
+    from reshard_ext import options
+
+    group = None
+    if far:
+        os.environ["RESHARD_EXT_HOST_MAILBOX"] = "0"
+        options.reload_environment()
+        group = dist.new_group(list(range(world)))
+    try:
+        p, out, want = _tp2_tp4(rank, world, seed=4, group=group)
+    finally:
+        os.environ.pop("RESHARD_EXT_HOST_MAILBOX", None)
+        options.reload_environment()
     rx.execute(p)
     store = dist.distributed_c10d._get_default_store()
     base = store.add("stall_done", 0)
@@ -224,6 +237,17 @@ def test_a_rank_that_stalls_past_the_timeout_hears_why_the_others_left(at_once: 
     assert "did not reach the end" not in late and "past the 2 s timeout" in late, late
 
 
+def test_a_rank_that_stalls_on_another_host_is_named_in_words() -> None:
+    """Between hosts the stall is seen by gloo; its errors are said in words (not gloo's source
+    lines and guesses), and a retry after every rank has raised lands on every rank."""
+    results = run_ranks(WORLD, _stalls, False, True)
+    for rank, (error, _took, version, again, last, ok) in enumerate(results):
+        assert error is not None and "rank 0" in error, (rank, error)
+        assert "gloo" not in error and ".cc:" not in error, (rank, error)
+        assert version is None and again is None and last == 3 and ok, (rank, version, again)
+    assert "rank 1: the data exchange with rank 0 failed (it sent nothing within 2 s)" in results[1][0], results[1]
+
+
 def _killed(rank: int, world: int, far_ok: bool):
     p, out, want = _tp2_tp4(rank, world, seed=3)
     rx.execute(p)
@@ -251,6 +275,21 @@ def test_layout_mistakes_raise_where_they_are_made() -> None:
     with pytest.raises(rx.ReshardError, match=r"Shard\(2\) of a 2-d tensor \(dims are -2 to 1\)"):
         Layout((4, 4), F32, Mesh([0, 1]), [Shard(2)])
     Layout((4, 4), F32, Mesh([0, 1]), [Shard(-2)])
+
+
+def test_gloo_failures_are_said_in_words() -> None:
+    from reshard_ext.transports.channel import gloo_words
+
+    closed = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[127.0.0.1]:32643. This is typically caused by a remote worker crashing. GLHF!")
+    assert gloo_words(closed, 2.0) == ("it closed the connection (its process exited, or it had already given up "
+                                       "on this execute)")
+    recv = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1999ms for recv operation")
+    send = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:136] Timed out waiting 1999ms for send operation")
+    assert gloo_words(recv, 2.0) == "it sent nothing within 2 s"
+    assert gloo_words(send, 2.5) == "it did not take this rank's message within 2.5 s"
+    other = RuntimeError("[gloo/x.cc:1] Something odd. This is typically caused by a remote worker crashing.")
+    assert gloo_words(other, 1.0) == "Something odd"
 
 
 def _summary(rank: int, world: int):

@@ -692,13 +692,12 @@ class Channel:
                     failed.setdefault(peer, (gen, e))
             for peer, (gen, err) in failed.items():
                 self._closed(peer, gen)
-                message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
                 # Not our own wait timing out: the peer had closed the pair earlier. Even where
                 # our send completed: gloo matched it to a receive the peer posted before closing.
-                if retry_closed and "Timed out" not in message and session.remaining() > 0:
+                if retry_closed and "Timed out" not in str(err) and session.remaining() > 0:
                     todo.append(peer)
                 else:
-                    errors[peer] = message
+                    errors[peer] = gloo_words(err, session.timeout)
             if not todo:
                 break
         for peer in todo:
@@ -849,6 +848,21 @@ class _Pair:
 # the words of a pair's disagreement on the version or verify= (the outcome says it for the group)
 VERSION_SPLIT, VERIFY_SPLIT = "passed different versions to rx.execute", "passed different verify= to rx.execute"
 _MAILBOX_FAILURES = {1: "it posted nothing in time", 2: "it did not take this rank's message in time"}
+
+
+def gloo_words(err: BaseException, timeout: float) -> str:
+    """What a failed gloo message of a pair says of the peer, in a user's words (gloo's own
+    text names its source files and guesses at causes)."""
+    text = str(err)
+    if "Timed out" in text:
+        kind = "send" if "send operation" in text else "recv"
+        return (f"it did not take this rank's message within {timeout:g} s" if kind == "send"
+                else f"it sent nothing within {timeout:g} s")
+    if any(w in text for w in ("Connection closed", "Connection reset", "Broken pipe", "closed by peer")):
+        return "it closed the connection (its process exited, or it had already given up on this execute)"
+    first = text.splitlines()[0] if text else type(err).__name__
+    first = first.split("] ", 1)[-1] if first.startswith("[") else first  # gloo's "[file.cc:N] " prefix
+    return first.split(". This is typically", 1)[0][:300]
 
 
 def _host_key() -> str:
