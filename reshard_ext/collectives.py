@@ -10,7 +10,6 @@ the late rank joins it, so the group's order of collectives is kept.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import time
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import groups
+from .backoff import Backoff
 from .errors import ReshardError
 from .options import default_timeout
 
@@ -32,22 +32,16 @@ def wait(work: Any, what: str, timeout_s: float | None = None) -> None:
     """Waits for an async collective; ReshardError after the timeout (default
     RESHARD_EXT_TIMEOUT) or when the collective fails (a peer died)."""
     limit = default_timeout("gloo") if timeout_s is None else timeout_s
-    start = time.monotonic()
-    deadline = start + limit
-    pause = 1e-5
+    deadline = time.monotonic() + limit
+    backoff = Backoff(1e-5, _MAX_PAUSE_S, spin_s=_SPIN_S)
     try:
         while not work.is_completed():
-            now = time.monotonic()
-            if now < start + _SPIN_S:  # short sleeps overshoot by the timer slack: short waits poll
-                os.sched_yield()
-                continue
-            if now > deadline:
+            if not backoff.spinning() and time.monotonic() > deadline:
                 raise ReshardError(
                     f"{what}: not every rank of the group joined within {limit:g} s (rx.Options.timeout, default "
                     f"RESHARD_EXT_TIMEOUT); "
                     f"a rank stalled, died or did not make the same call")
-            time.sleep(pause)
-            pause = min(pause * 2, _MAX_PAUSE_S)
+            backoff.pause()
         work.wait()
     except ReshardError:
         raise

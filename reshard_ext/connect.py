@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import groups
+from .backoff import Backoff
 from .errors import ReshardError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -117,10 +118,9 @@ class ConnectedGroup(groups.Standalone):
                 self._base.set(f"{_PREFIX}{self.name}/{_CLOSING}", "1")
             self._own.add("left", 1)
             deadline = time.monotonic() + limit
-            pause = 1e-3
+            backoff = Backoff(1e-3, 0.05)
             while self._own.add("left", 0) < self.size and time.monotonic() < deadline:
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
+                backoff.pause()
         except RuntimeError:
             pass  # the store is gone: its host left first (it died, or it gave up waiting)
         groups.release(self)
@@ -268,12 +268,11 @@ def _join(base: Any, name: str, me: Member, world_size: int, address: str, deadl
     if join.add("arrived", 1) >= world_size:
         verdict = _verdict(join, world_size)
     else:
-        pause = 1e-3
+        backoff = Backoff(1e-3, 0.05)
         while not join.check(["verdict"]) and time.monotonic() < deadline:
             if me.rank != 0 and base.check([closing]):
                 raise _Stale
-            time.sleep(pause)  # polled: TCPStore.wait logs a warning when it times out
-            pause = min(2 * pause, 0.05)
+            backoff.pause()  # polled: TCPStore.wait logs a warning when it times out
         # past the deadline: closes the join for everyone, unless it formed meanwhile
         verdict = join.get("verdict").decode() if join.check(["verdict"]) else _verdict(join, world_size)
     if verdict != "ok":

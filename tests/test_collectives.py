@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard_ext import collectives
+from reshard_ext import backoff, collectives
 from reshard_ext.errors import ReshardError
 
 
@@ -36,7 +36,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[float]]:
 
     monkeypatch.setattr(collectives.time, "monotonic", tick)
     monkeypatch.setattr(collectives.time, "sleep", sleep)
-    monkeypatch.setattr(collectives.os, "sched_yield", lambda: None)
+    monkeypatch.setattr(backoff.os, "sched_yield", lambda: None)
     return now, pauses
 
 

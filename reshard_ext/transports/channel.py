@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, groups
+from ..backoff import Backoff
 from ..errors import ReshardError
 from ..options import default_timeout, env_default, scoped_external_env, wait_time
 from .peer_watch import PeerWatch
@@ -351,13 +352,12 @@ class Channel:
         data lands in their retry while its own call (and theirs, without its row) fails."""
         if self._mailbox is not None:
             waiting = list(lingering)
-            pause = 0.001
+            backoff = Backoff(1e-3, 0.02)
             while waiting and session.remaining() > 0 and not session.abort.is_set():
                 waiting = self._mailbox.behind(waiting, session.token, attempt)
                 waiting = list(set(waiting) - set(self.gone(waiting)))
                 if waiting:
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.02)
+                    backoff.pause()
             self._mailbox.begin(session.token, attempt)
         if stale is not None and not self.all_local():
             try:
@@ -657,7 +657,7 @@ class Channel:
         todo = list(by_peer)
         for _attempt in range(3 if retry_closed else 1):
             posted = []
-            pause = 1e-3
+            backoff = Backoff(1e-3, 0.05)
             while todo:  # post to every peer that meets us on the pair's generation; wait for the others
                 waiting = []
                 for peer in todo:
@@ -679,8 +679,7 @@ class Channel:
                             errors[peer] = "it never joined (it did not reach the connection in time)"
                     todo = late
                 elif todo:
-                    time.sleep(pause)
-                    pause = min(2 * pause, 0.05)
+                    backoff.pause()
             failed: dict[int, tuple[int, BaseException]] = {}
             for peer, gen, work in posted:
                 if isinstance(work, BaseException):
