@@ -423,7 +423,7 @@ class Plan:
         (transports/outcome.py): returns on every rank only if every rank's part landed."""
         timeout_s = self._timeout_s if timeout is None or problem else float(timeout)
         session = Session(self.plan_id, self._seq + 1, None if problem else version, 1 if problem else 0,
-                          time.monotonic() + timeout_s, timeout_s, abort, swap=swap)
+                          time.monotonic() + timeout_s, timeout_s, abort, swap=swap, attempt=self._attempt)
         session.error, session.verify = problem, bool(verify) and not problem
         # verify=True digests only what crosses ranks (a same-rank copy's two ends would be one
         # kernel's registers): a plan in which no rank sends has nothing to check.
@@ -541,7 +541,7 @@ class Plan:
             self._seq, self._attempt = max(self._seq, session.seq, result.seq), 0
         else:
             if session.seq > 0:  # an execute (not rx.verify) whose number the next one keeps
-                self._attempt += 1
+                self._attempt = session.attempt + 1  # the count its peers agreed on (exchange_headers)
             if part.status == outcome.FAILED:
                 self._stale = (session.plan_id, session.seq)  # its alarm is taken back as the next execute begins
         self._sums = result.sums

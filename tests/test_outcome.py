@@ -58,6 +58,20 @@ def _far(p) -> None:
     ch._all_local = False
 
 
+def _tp2_tp4_between_hosts(rank: int, world: int, seed: int):
+    """_tp2_tp4 over a group of its own whose channel has no mailboxes: headers, data and the
+    outcome go over gloo, as between hosts (_far keeps the data rings of one host)."""
+    from reshard_ext import options
+
+    os.environ["RESHARD_EXT_HOST_MAILBOX"] = "0"
+    options.reload_environment()
+    try:
+        return _tp2_tp4(rank, world, seed=seed, group=dist.new_group(list(range(world))))
+    finally:
+        os.environ.pop("RESHARD_EXT_HOST_MAILBOX", None)
+        options.reload_environment()
+
+
 def _near(p) -> None:
     ch = p.transport.channel
     ch._local.clear()
@@ -145,9 +159,7 @@ def test_a_failure_anywhere_raises_on_every_rank_soon_naming_it(case: str, far: 
 
 
 def _skips(rank: int, world: int, far: bool):
-    p, out, want = _tp2_tp4(rank, world, seed=2)
-    if far:
-        _far(p)
+    p, out, want = _tp2_tp4_between_hosts(rank, world, 2) if far else _tp2_tp4(rank, world, seed=2)
     rx.execute(p)
     store = dist.distributed_c10d._get_default_store()
     base = store.add("skip_done", 0)
@@ -161,9 +173,8 @@ def _skips(rank: int, world: int, far: bool):
         while store.add("skip_done", 0) < base + world - 1:
             time.sleep(0.01)
     version = p.version
-    again = _try(rx.execute, p, version=3, timeout=LONG)[0]  # rank 1 made one call fewer: this one meets
-    if far:
-        _near(p)
+    # rank 1 made one call fewer: this one meets (at the others' attempt count, exchange_headers)
+    again = _try(rx.execute, p, version=3, timeout=LONG)[0]
     return error, took, version, again, p.version, bits_equal(out, want)
 
 
@@ -185,18 +196,7 @@ def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
     its own, the others' retry beginning while rank 0 is still in the failed call. far: no
     rank reaches another through shared memory, as between hosts (a group of its own whose
     channel has no mailboxes: headers, data and the outcome over gloo)."""
-    from reshard_ext import options
-
-    group = None
-    if far:
-        os.environ["RESHARD_EXT_HOST_MAILBOX"] = "0"
-        options.reload_environment()
-        group = dist.new_group(list(range(world)))
-    try:
-        p, out, want = _tp2_tp4(rank, world, seed=4, group=group)
-    finally:
-        os.environ.pop("RESHARD_EXT_HOST_MAILBOX", None)
-        options.reload_environment()
+    p, out, want = _tp2_tp4_between_hosts(rank, world, 4) if far else _tp2_tp4(rank, world, seed=4)
     rx.execute(p)
     store = dist.distributed_c10d._get_default_store()
     base = store.add("stall_done", 0)
@@ -237,10 +237,13 @@ def test_a_rank_that_stalls_past_the_timeout_hears_why_the_others_left(at_once: 
     assert "did not reach the end" not in late and "past the 2 s timeout" in late, late
 
 
-def test_a_rank_that_stalls_on_another_host_is_named_in_words() -> None:
+@pytest.mark.parametrize("at_once", [False, True], ids=["retry_after", "retry_at_once"])
+def test_a_rank_that_stalls_on_another_host_is_named_in_words(at_once: bool) -> None:
     """Between hosts the stall is seen by gloo; its errors are said in words (not gloo's source
-    lines and guesses), and a retry after every rank has raised lands on every rank."""
-    results = run_ranks(WORLD, _stalls, False, True)
+    lines and guesses). A retry lands on every rank, also one that begins while rank 0 is still
+    in the failed call: the messages of each attempt carry its count, so rank 0's late outcome
+    never answers for the others' retry (outcome._talk_to)."""
+    results = run_ranks(WORLD, _stalls, at_once, True)
     for rank, (error, _took, version, again, last, ok) in enumerate(results):
         assert error is not None and "rank 0" in error, (rank, error)
         assert "gloo" not in error and ".cc:" not in error, (rank, error)

@@ -64,8 +64,9 @@ HEADER_TAG = 1
 REMAP_TAG = 0  # the direct transport's new IPC exports after a receiver's local rebind (transports/direct.py)
 _MAGIC = 0x52584844  # "RXHD"
 # Header fields (int64): what both ends of a pair must agree on before data moves.
-MAGIC, PLAN, SEQ, VERSION, FLAGS, STATUS, BATCHES, EPOCH, SWAP_GEN, REMAP = range(10)
-HEADER_LEN = 10
+# ATTEMPT: the sender's Session.attempt (not checked: each end takes the larger, exchange_headers).
+MAGIC, PLAN, SEQ, VERSION, FLAGS, STATUS, BATCHES, EPOCH, SWAP_GEN, REMAP, ATTEMPT = range(11)
+HEADER_LEN = 11
 HAS_VERSION = 1  # FLAGS bit
 COMM_UNUSABLE = 2  # FLAGS bit: the sender's NCCL communicator needs a rebuild
 IN_SWAP = 4  # FLAGS bit: a warm rx.swap_model_weights round (headers go to every rank of the group)
@@ -79,10 +80,10 @@ REPLAN_HERE = -1  # Session.swap of a rank that takes the swap's slow path
 _RING_SLOTS, _RING_SLOT_BYTES = 4, 128 << 10
 
 
-def data_tag(plan_id: int, seq: int) -> int:
+def data_tag(plan_id: int, seq: int, attempt: int = 0) -> int:
     """The gloo tag of an execute's data messages: a message abandoned by an earlier
-    execute can never match a later one."""
-    return 2 + (plan_id * 0x9E3779B1 + seq) % (1 << 30)
+    execute, or by an earlier attempt at this one, can never match a later one."""
+    return 2 + (plan_id * 0x9E3779B1 + seq * 0x85EBCA77 + attempt) % (1 << 30)
 
 
 def data_token(plan_id: int, seq: int) -> int:
@@ -115,6 +116,11 @@ class Session:
     stop_reason: str = ""
     stop_cause: str = ""
     stop_cause_rank: int = -1  # the rank stop_cause is about
+    # How many calls with this (plan, seq) failed before this one, as this rank and the peers
+    # it exchanged headers with agree (the larger of theirs): a retry's gloo messages never
+    # match those of a call still running late on another host (data_tag, outcome.py).
+    attempt: int = 0
+    attempt_fixed: bool = False  # a peer's header or outcome row confirmed `attempt`
 
     @property
     def token(self) -> int:
@@ -133,7 +139,7 @@ class Session:
         if self.swap is not None:
             flags |= IN_SWAP | (REPLAN if self.swap == REPLAN_HERE else 0)
         return [_MAGIC, self.plan_id, self.seq, self.version or 0, flags, self.status, batches, self.epoch,
-                self.swap if self.swap is not None else 0, self.remap]
+                self.swap if self.swap is not None else 0, self.remap, self.attempt]
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -206,6 +212,10 @@ class Channel:
         if not lane:  # an outcome lane carries gloo messages only
             self._mailbox, self._announced = self._open_mailbox()
         self._lane: Channel | None = None  # see outcome_lane
+        self._why, self._why_text = "", ""  # this rank's last alarm in the store (raise_alarm)
+        # (peer, plan, seq, attempt) -> an outcome union of a later attempt that reached this
+        # rank while it was still in an earlier one (outcome lanes; outcome._talk_to)
+        self.early: dict[tuple[int, int, int, int], np.ndarray] = {}
         self._local: dict[int, bool] = {}  # peer -> whether our headers go through the mailboxes
         self._all_local: bool | None = None  # see all_local
         self._splits: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}  # see split()
@@ -335,7 +345,9 @@ class Channel:
         if self.all_local():
             return
         try:  # the failure path only: two small writes; a store that is gone reads as no alarm
-            self.store.set(self._why_key(self.rank), f"{session.plan_id} {session.seq} {int(left)}\n{text}")
+            self._why = f"{session.plan_id} {session.seq} {session.attempt} {int(left)}"
+            self.store.set(self._why_key(self.rank), f"{self._why} 0\n{text}")
+            self._why_text = text
             self.store.set(self._alarm_key(session.plan_id, session.seq), "1")
         except RuntimeError:
             pass
@@ -362,7 +374,10 @@ class Channel:
         if stale is not None and not self.all_local():
             try:
                 self.store.delete_key(self._alarm_key(*stale))
-                self.store.delete_key(self._why_key(self.rank))
+                # marked taken back, not deleted: a peer may be reading it for its answer's
+                # causes (and a get of a deleted key would wait out the store's timeout)
+                if self._why:
+                    self.store.set(self._why_key(self.rank), f"{self._why} 1\n{self._why_text}")
             except RuntimeError:
                 pass
 
@@ -378,10 +393,11 @@ class Channel:
             self._mailbox.end()
 
     def alarms(self, session: Session, ranks: list[int], remote: bool = True,
-               tokens: dict[int, int] | None = None) -> dict[int, tuple[str, bool]]:
+               tokens: dict[int, int] | None = None, taken_back: bool = False) -> dict[int, tuple[str, bool]]:
         """{rank: (why, left)} of the ranks among `ranks` that raised an alarm for `session`'s
         execute (or, for a rank in `tokens`, for that token's): from their mailboxes, and
-        (remote) from the store for the others."""
+        (remote) from the store for the others, also those that a rank took back as it began
+        its next attempt (taken_back: the causes of an answer, not a reason to stop)."""
         found: dict[int, tuple[str, bool]] = {}
         local = [r for r in ranks if self._local.get(r)]
         if tokens:
@@ -397,14 +413,16 @@ class Channel:
         far = [r for r in ranks if not self._local.get(r)]
         if far and remote:
             try:
-                if self.store.check([self._alarm_key(session.plan_id, session.seq)]):
+                if taken_back or self.store.check([self._alarm_key(session.plan_id, session.seq)]):
                     for r in far:
                         key = self._why_key(r)
                         if not self.store.check([key]):
                             continue
                         head, _, text = self.store.get(key).decode(errors="replace").partition("\n")
-                        plan, seq, left = (int(x) for x in head.split())
-                        if (plan, seq) == (session.plan_id, session.seq):
+                        plan, seq, attempt, left, back = (int(x) for x in head.split())
+                        # a rank still in an attempt the others gave up on: not this attempt's cause
+                        if (plan, seq, attempt) == (session.plan_id, session.seq, session.attempt) and (
+                                taken_back or not back):
                             found[r] = (text, bool(left))
             except (RuntimeError, ValueError):
                 pass
@@ -762,6 +780,7 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
         errors.update(channel.wait(task, session, "exchanging execute headers"))
     if not errors:
         channel.keep_headers(bufs)
+    _agree_attempt(session, ranks, bufs.received_np, errors)
     verdict = Verdict({}, {})
     data = set(peers) if swap else None
     replan = session.swap == REPLAN_HERE
@@ -828,6 +847,15 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     verdict.agreed = not verdict.bad
     session.verdict = verdict
     return verdict
+
+
+def _agree_attempt(session: Session, ranks: list[int], received: np.ndarray, errors: dict[int, str]) -> None:
+    """Takes the largest attempt among this execute's headers: a rank that skipped a failed
+    call (it never came) joins the others' retry, at their count."""
+    for p, h in zip(ranks, received):
+        if p not in errors and h[MAGIC] == _MAGIC and h[PLAN] == session.plan_id and h[SEQ] == session.seq:
+            session.attempt = max(session.attempt, int(h[ATTEMPT]))
+            session.attempt_fixed = True
 
 
 class _Pair:

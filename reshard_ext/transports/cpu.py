@@ -90,7 +90,7 @@ class CpuTransport:
         # A rank that cannot agree with every peer still moves the data of the pairs that
         # agree (those peers complete), but writes none of its own destinations.
         writes = ok and not verdict.bad
-        tag = data_tag(session.plan_id, session.seq)
+        tag = data_tag(session.plan_id, session.seq, session.attempt)
         token = data_token(session.plan_id, session.seq) if self.rings else None
         # Verified, with every peer on this host's rings: direct messages are hashed as the
         # rings copy them, in one round per batch.

@@ -34,7 +34,7 @@ OUTCOME_TAG = 3  # gloo tag of the recursive doubling's messages (data tags star
 GRACE_S = 2.0  # how long the exchange waits past the execute's deadline
 _MAGIC = 0x52584f43  # "RXOC"
 # A row (the mailbox path): one rank's outcome.
-MAGIC, PLAN, SEQ, STATUS, VERSION, FLAGS, GAVE_UP, LO, HI, DIFFER = range(HEADER_LEN)
+MAGIC, PLAN, SEQ, STATUS, VERSION, FLAGS, GAVE_UP, LO, HI, DIFFER, ATTEMPT = range(HEADER_LEN)
 HAS_SUMS = 64  # FLAGS bit: LO, HI, DIFFER are a verify check's digest sums
 OWN_PROBLEM = 128  # FLAGS bit: the rank failed a check of its own (its version and verify= do not count)
 _AGREE = [MAGIC, PLAN, STATUS, VERSION, FLAGS]  # the fields every row of an execute that landed has alike
@@ -43,8 +43,9 @@ NAMED = "-"  # why a rank is missing: another rank's cause names it already
 OTHER_PLANS = "ran different plans"
 # The union (the recursive doubling): fixed fields, then three bitmaps of ranks (failed at all;
 # failed with a cause of their own; not heard from by some rank).
-U_MAGIC, U_PLAN, U_SEQ, U_VMIN, U_VMAX, U_HMIN, U_HMAX, U_FMIN, U_FMAX, U_LO, U_HI, U_DIFFER, U_SUMS = range(13)
-_U_FIXED = 13
+(U_MAGIC, U_PLAN, U_SEQ, U_VMIN, U_VMAX, U_HMIN, U_HMAX, U_FMIN, U_FMAX, U_LO, U_HI, U_DIFFER, U_SUMS,
+ U_ATTEMPT) = range(14)
+_U_FIXED = 14
 _I64_MAX, _I64_MIN = (1 << 63) - 1, -(1 << 63)
 
 
@@ -92,8 +93,8 @@ class Outcome:
 def _row(session: Session, part: Part) -> np.ndarray:
     row = np.zeros(HEADER_LEN, dtype=np.int64)
     flags = (HAS_VERSION if session.version is not None else 0) | (VERIFIES if session.verify else 0)
-    row[[MAGIC, PLAN, SEQ, STATUS, VERSION, GAVE_UP]] = (_MAGIC, session.plan_id, session.seq, part.status,
-                                                         session.version or 0, part.gave_up)
+    row[[MAGIC, PLAN, SEQ, STATUS, VERSION, GAVE_UP, ATTEMPT]] = (_MAGIC, session.plan_id, session.seq, part.status,
+                                                                  session.version or 0, part.gave_up, session.attempt)
     if session.status != 0:
         flags |= OWN_PROBLEM
     if part.sums is not None:
@@ -176,7 +177,7 @@ def _union_of(n: int, session: Session, part: Part) -> np.ndarray:
     has = 1 if session.version is not None else 0
     v = session.version or 0
     f = 1 if session.verify else 0
-    u[[U_MAGIC, U_PLAN, U_SEQ]] = _MAGIC, session.plan_id, session.seq
+    u[[U_MAGIC, U_PLAN, U_SEQ, U_ATTEMPT]] = _MAGIC, session.plan_id, session.seq, session.attempt
     # a rank with a problem of its own: its version and verify= do not count (min > max merges as nothing)
     u[[U_VMIN, U_VMAX, U_HMIN, U_HMAX, U_FMIN, U_FMAX]] = (v, v, has, has, f, f) if session.status == 0 else (
         _I64_MAX, _I64_MIN) * 3
@@ -213,26 +214,67 @@ def _merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def _talk_to(channel: Channel, session: Session, peer: int, send: np.ndarray | None,
-             size: int) -> np.ndarray | None:
-    """Sends `send` to the peer (if any) and receives its union (size > 0); None where the
-    pair failed (the peer is missing) or it sent another call's."""
-    theirs = torch.zeros(max(size, 1), dtype=torch.int64)
-    ops = [("send", peer, torch.from_numpy(send.copy()))] if send is not None else []
-    ops += [("recv", peer, theirs)] if size else []
+def _post(channel: Channel, session: Session, ops: list) -> bool:
+    """Posts one round's messages on the outcome lane; False where the pair failed."""
     lane = channel.outcome_lane()
-    errors = lane.wait(lane.submit(lambda: lane.exchange(ops, OUTCOME_TAG, session, retry_closed=True)), session,
-                       "agreeing on the outcome")
-    if errors:
+    return not lane.wait(lane.submit(lambda: lane.exchange(ops, OUTCOME_TAG, session, retry_closed=True)), session,
+                         "agreeing on the outcome")
+
+
+def _talk_to(channel: Channel, session: Session, execute: Session, peer: int, u: np.ndarray, send: bool,
+             size: int, sent: set[int]) -> np.ndarray | None:
+    """Sends our union `u` to the peer (send) and receives its union (size > 0); None where
+    the pair failed (the peer is missing) or it is at a later attempt of this execute.
+    sent: the peers this rank sent its union to in this exchange.
+
+    Between hosts a rank the others gave up on may still be in the call they retry: its
+    messages carry the attempt it is at (Session.attempt). A union of an earlier attempt is
+    dropped and the next one read; one of a later attempt is kept for this rank's own next
+    attempt (Channel.early) where this rank's attempt was confirmed (by a header or a
+    row), else this rank joins that attempt (it skipped the failed call) and sends again
+    where it sent before."""
+    early = channel.outcome_lane().early
+    key = (peer, execute.plan_id, execute.seq)
+    got = early.pop(key + (execute.attempt,), None) if size else None
+    theirs = torch.zeros(max(size, 1), dtype=torch.int64)
+    ops = [("send", peer, torch.from_numpy(u.copy()))] if send else []
+    ops += [("recv", peer, theirs)] if size and got is None else []
+    if send:
+        sent.add(peer)
+    if ops and not _post(channel, session, ops):
         return None
-    got = theirs.numpy()
-    if size and got[U_MAGIC] != _MAGIC:
-        return None
-    return got
+    if not size:
+        return theirs.numpy()
+    if got is None:
+        got = theirs.numpy().copy()
+    while True:
+        if got[U_MAGIC] != _MAGIC:
+            return None
+        if (int(got[U_PLAN]), int(got[U_SEQ])) != key[1:]:
+            return got  # another plan or execute: the caller says so
+        attempt = int(got[U_ATTEMPT])
+        if attempt == execute.attempt:
+            execute.attempt_fixed = True
+            return got
+        if attempt > execute.attempt and execute.attempt_fixed:
+            early[key + (attempt,)] = got
+            return None
+        if attempt > execute.attempt:
+            execute.attempt, execute.attempt_fixed = attempt, True
+            u[U_ATTEMPT] = attempt
+            if peer in sent and not _post(channel, session, [("send", peer, torch.from_numpy(u.copy()))]):
+                return None
+            return got
+        if not _post(channel, session, [("recv", peer, theirs)]):
+            return None
+        got = theirs.numpy().copy()
 
 
 def _doubling(channel: Channel, session: Session, execute: Session, part: Part) -> Outcome:
     n, me = channel.size, channel.rank
+    early = channel.outcome_lane().early
+    for passed in [e for e in early if e[1] == execute.plan_id and (e[2], e[3]) < (execute.seq, execute.attempt)]:
+        del early[passed]  # kept for an attempt this rank has passed
     u = _union_of(n, execute, part)
     size = u.size
     if part.status != OK:
@@ -249,19 +291,21 @@ def _doubling(channel: Channel, session: Session, execute: Session, part: Part) 
             _mark(u, n, r, FAILED_BITS, MISSING_BITS)
         missing.setdefault(peer, "")
 
-    def _talk(channel: Channel, session: Session, peer: int, send: np.ndarray | None, size: int) -> np.ndarray | None:
+    sent: set[int] = set()
+
+    def _talk(peer: int, send: bool, size: int) -> np.ndarray | None:
         nonlocal other_plan
-        got = _talk_to(channel, session, peer, send, size)
+        got = _talk_to(channel, session, execute, peer, u, send, size, sent)
         if got is not None and size and int(got[U_PLAN]) != plan:  # it ran another plan: the headers said why
             other_plan = True
             return None
         return got
 
     if me >= p2:  # hands its part to me - p2, which hands back the whole group's
-        if me - p2 == part.gave_up or _talk(channel, session, me - p2, u, 0) is None:
+        if me - p2 == part.gave_up or _talk(me - p2, True, 0) is None:
             lost(me - p2, me - p2, 1)
         else:
-            got = _talk(channel, session, me - p2, None, size)
+            got = _talk(me - p2, False, size)
             if got is None:
                 lost(me - p2, 0, n)
             else:
@@ -272,7 +316,7 @@ def _doubling(channel: Channel, session: Session, execute: Session, part: Part) 
             lost(me + p2, me + p2, 1)
             missing[me + p2] = NAMED
         if folded:
-            got = _talk(channel, session, me + p2, None, size)
+            got = _talk(me + p2, False, size)
             if got is None:
                 lost(me + p2, me + p2, 1)
                 folded = False
@@ -286,14 +330,14 @@ def _doubling(channel: Channel, session: Session, execute: Session, part: Part) 
                 missing[peer] = NAMED
                 k <<= 1
                 continue
-            got = _talk(channel, session, peer, u, size)
+            got = _talk(peer, True, size)
             if got is None:
                 lost(peer, peer & ~(k - 1), k)
             else:
                 u = _merge(u, got)
             k <<= 1
         if folded:
-            _talk(channel, session, me + p2, u, 0)
+            _talk(me + p2, True, 0)
     status = {r: OK for r in range(n)}
     for r in _bits(u, n, FAILED_BITS):
         status[r] = STOPPED
@@ -369,7 +413,7 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
     lines: list[str] = []
     failed = [r for r, s in status.items() if s == FAILED]
     others = [r for r in failed if r != channel.rank]
-    texts = channel.alarms(session, others, tokens=tokens) if others else {}
+    texts = channel.alarms(session, others, tokens=tokens, taken_back=True) if others else {}
     for r in failed:
         if r == channel.rank:
             lines += part.lines
@@ -380,7 +424,8 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
     # a rank whose row is missing but whose alarm is there failed and left before this rank
     # came (this rank was late): its causes, not a guess at why it is silent
     silent = [r for r, why in missing.items() if not why]
-    late = channel.alarms(session, silent, tokens=dict.fromkeys(silent, session.token)) if silent else {}
+    late = channel.alarms(session, silent, tokens=dict.fromkeys(silent, session.token), taken_back=True) \
+        if silent else {}
     unexplained: list[int] = []
     for r, why in sorted(missing.items()):
         if why == NAMED:
