@@ -157,6 +157,36 @@ def test_nvshmem_after_auto_and_nccl_non_collocated_2gpu(batch_bytes: int | None
             assert ok, (rank, backend, used, batches, step, took, error)
 
 
+def _nvshmem_setup_fails(rank: int, world: int):
+    """Rank 1's NVSHMEM plan cannot set up its signal words (its constructor raises): both
+    ranks raise in rx.plan, before any rank enters nvshmem_barrier_all (which cannot time out)."""
+    from reshard_ext import _C
+
+    real = _C.NvshmemExchange
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("cudaMalloc of the signal words failed (injected)")
+
+        _C.NvshmemExchange = broken
+    t0 = time.monotonic()
+    try:
+        _pair(rank, "nvshmem")
+        return None, time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - rank 1 raises its own error as it is
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+    finally:
+        _C.NvshmemExchange = real
+
+
+@needs2
+@pytest.mark.gpu
+def test_an_nvshmem_plan_that_fails_to_set_up_on_one_rank_raises_on_both_2gpu() -> None:
+    own_gpus("nvshmem")
+    for rank, (error, took) in enumerate(run_ranks(2, _nvshmem_setup_fails, backend="nccl", timeout=300)):
+        assert error is not None and took < FAST, (rank, took, error)
+        assert ("injected" if rank == 1 else "rank 1 failed to set up its part of the NVSHMEM plan") in error, error
+
+
 def _nan_refit_cuda(rank: int, world: int, dtype: torch.dtype, backend: str):
     from test_outcome import _NANS
 

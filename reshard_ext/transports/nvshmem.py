@@ -19,12 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import _C, groups
+from ..collectives import all_gather_objects, first_failed_rank
 from ..errors import InternalError
 from ..options import Options
-from ..planning import _raise, first_failed_rank
+from ..planning import _raise
 from . import nvshmem_lib
 from .cuda import CudaTransport
 
@@ -91,8 +91,8 @@ class NvshmemTransport(CudaTransport):
     def bind_plan(self, plan: Any, errors: list[str]) -> None:
         tables = plan.tables
         need = (tables.send_buffer_bytes, tables.recv_buffer_bytes, STAGING_SLOTS if tables.num_batches > 1 else 1)
-        votes: list[Any] = [None] * groups.size(self.group)
-        dist.all_gather_object(votes, (errors, need, nvshmem_lib.free_regions()), group=self.group)
+        what = "binding an NVSHMEM plan (rx.plan)"
+        votes = all_gather_objects((errors, need, nvshmem_lib.free_regions()), self.group, what, self.timeout)
         agreed = [e for v in votes for e in v[0]]
         if agreed:
             _raise(agreed)
@@ -102,29 +102,38 @@ class NvshmemTransport(CudaTransport):
         slots = max(v[1][2] for v in votes)
         npes = len(self.pe_of)
         signal_offset = slots * stride
-        self._region, base = nvshmem_lib.take_region([v[2] for v in votes], signal_offset + 16 * npes)
-        self._layout = (base, slots, stride, _up(tables.recv_buffer_bytes))
-        self.staging_bytes = signal_offset
-        # The counters restart with this plan: its signal words are zeroed (in the constructor)
-        # on every rank before any peer can signal.
-        self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device(), self.timeout)
-        self.comm.exchange = self.puts
-        self.executor.set_transport(_C.nvshmem_transport(self.puts))
+        failure: Exception | None = None
+        try:
+            self._region, base = nvshmem_lib.take_region([v[2] for v in votes], signal_offset + 16 * npes)
+            self._layout = (base, slots, stride, _up(tables.recv_buffer_bytes))
+            self.staging_bytes = signal_offset
+            # The counters restart with this plan: its signal words are zeroed (in the constructor)
+            # on every rank before any peer can signal.
+            self.puts = _C.NvshmemExchange(base, signal_offset, npes, slots, torch.cuda.current_device(),
+                                           self.timeout)
+            self.comm.exchange = self.puts
+            self.executor.set_transport(_C.nvshmem_transport(self.puts))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+            failure = e
+        # nvshmem_barrier_all cannot time out: every rank enters it only once all are ready
+        failed = first_failed_rank(self.group, failure is not None, what, self.timeout)
+        if failure is not None:
+            raise failure
+        if failed >= 0:
+            _raise([f"rank {failed} failed to set up its part of the NVSHMEM plan; see that rank's error"])
         _C.nvshmem_barrier()
-        failure = None
         try:
             self._bind_local(plan)
             mine = self._receive_offsets(tables)
         except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
             failure, mine = e, {}
-        offsets: list[Any] = [None] * len(votes)
-        dist.all_gather_object(offsets, mine, group=self.group)
+        offsets = all_gather_objects(mine, self.group, what, self.timeout)
         if failure is None:
             try:
                 self._set_batches(tables, offsets)
             except Exception as e:  # noqa: BLE001
                 failure = e
-        failed = first_failed_rank(self.group, failure is not None)
+        failed = first_failed_rank(self.group, failure is not None, what, self.timeout)
         if failure is not None:
             raise failure
         if failed >= 0:
