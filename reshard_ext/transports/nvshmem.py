@@ -115,12 +115,7 @@ class NvshmemTransport(CudaTransport):
             self.executor.set_transport(_C.nvshmem_transport(self.puts))
         except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
             failure = e
-        # nvshmem_barrier_all cannot time out: every rank enters it only once all are ready
-        failed = first_failed_rank(self.group, failure is not None, what, self.timeout)
-        if failure is not None:
-            raise failure
-        if failed >= 0:
-            _raise([f"rank {failed} failed to set up its part of the NVSHMEM plan; see that rank's error"])
+        self._every_rank_ok(failure, what, "set up")  # nvshmem_barrier_all cannot time out: all enter it or none
         _C.nvshmem_barrier()
         try:
             self._bind_local(plan)
@@ -133,12 +128,17 @@ class NvshmemTransport(CudaTransport):
                 self._set_batches(tables, offsets)
             except Exception as e:  # noqa: BLE001
                 failure = e
+        self._every_rank_ok(failure, what, "bind")
+        self.collective_bind = False  # rebinding tensors keeps the region and the offsets
+
+    def _every_rank_ok(self, failure: Exception | None, what: str, step: str) -> None:
+        """Raises on every rank where any rank's `step` failed: its own error there, a pointer
+        to it on the others."""
         failed = first_failed_rank(self.group, failure is not None, what, self.timeout)
         if failure is not None:
             raise failure
         if failed >= 0:
-            _raise([f"rank {failed} failed to bind its part of the NVSHMEM plan; see that rank's error"])
-        self.collective_bind = False  # rebinding tensors keeps the region and the offsets
+            _raise([f"rank {failed} failed to {step} its part of the NVSHMEM plan; see that rank's error"])
 
     def bind(self, tables: Any) -> tuple[list[int], list[int]]:
         base, slots, stride, recv_b = self._layout
