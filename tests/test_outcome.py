@@ -291,6 +291,8 @@ def test_gloo_failures_are_said_in_words() -> None:
     send = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:136] Timed out waiting 1999ms for send operation")
     assert gloo_words(recv, 2.0) == "it sent nothing within 2 s"
     assert gloo_words(send, 2.5) == "it did not take this rank's message within 2.5 s"
+    closed = RuntimeError("Application timeout caused pair closure")
+    assert gloo_words(closed, 1.0) == "the connection to it had closed after an earlier wait on it timed out"
     other = RuntimeError("[gloo/x.cc:1] Something odd. This is typically caused by a remote worker crashing.")
     assert gloo_words(other, 1.0) == "Something odd"
 

@@ -887,6 +887,8 @@ def gloo_words(err: BaseException, timeout: float) -> str:
                 else f"it sent nothing within {timeout:g} s")
     if any(w in text for w in ("Connection closed", "Connection reset", "Broken pipe", "closed by peer")):
         return "it closed the connection (its process exited, or it had already given up on this execute)"
+    if "timeout caused pair closure" in text:  # gloo closed the pair when an earlier wait on it timed out
+        return "the connection to it had closed after an earlier wait on it timed out"
     first = text.splitlines()[0] if text else type(err).__name__
     first = first.split("] ", 1)[-1] if first.startswith("[") else first  # gloo's "[file.cc:N] " prefix
     return first.split(". This is typically", 1)[0][:300]
