@@ -49,18 +49,9 @@ def _try(fn, *args, **kwargs):
         return str(e), time.monotonic() - t0
 
 
-def _far(p) -> None:
-    """This rank's channel treats every other rank as on another host: headers over gloo,
-    the outcome by recursive doubling, alarms in the store (every rank calls it alike)."""
-    ch = p.transport.channel
-    ch._local.update({peer: False for peer in range(ch.size) if peer != ch.rank})
-    ch._splits.clear()
-    ch._all_local = False
-
-
 def _tp2_tp4_between_hosts(rank: int, world: int, seed: int):
     """_tp2_tp4 over a group of its own whose channel has no mailboxes: headers, data and the
-    outcome go over gloo, as between hosts (_far keeps the data rings of one host)."""
+    outcome go over gloo, and alarms through the store, as between hosts."""
     from reshard_ext import options
 
     os.environ["RESHARD_EXT_HOST_MAILBOX"] = "0"
@@ -72,18 +63,8 @@ def _tp2_tp4_between_hosts(rank: int, world: int, seed: int):
         options.reload_environment()
 
 
-def _near(p) -> None:
-    ch = p.transport.channel
-    ch._local.clear()
-    ch._splits.clear()
-    ch._all_local = None
-    ch.learn_peers()
-
-
 def _case(rank: int, world: int, case: str, far: bool):
-    p, out, want = _tp2_tp4(rank, world, seed=1)
-    if far:
-        _far(p)
+    p, out, want = _tp2_tp4_between_hosts(rank, world, 1) if far else _tp2_tp4(rank, world, seed=1)
     rx.execute(p, version=0)  # a connected group to start from
     out.zero_()
     # between hosts a stopped execute's gloo messages stay posted until its deadline, which the
@@ -112,8 +93,6 @@ def _case(rank: int, world: int, case: str, far: bool):
         p.rebind(src={"w": (_tp2_tp4_src(rank), p._layouts["src"]["w"])})
     out.zero_()
     again = _try(rx.execute, p, version=7, timeout=LONG)[0]
-    if far:
-        _near(p)
     return error, took, version, again, p.version, bits_equal(out, want)
 
 
