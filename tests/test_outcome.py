@@ -142,17 +142,24 @@ def _skips(rank: int, world: int, far: bool):
     rx.execute(p)
     store = dist.distributed_c10d._get_default_store()
     base = store.add("skip_done", 0)
-    if rank == 1:  # never calls this execute: waits until the others gave up on it
-        while store.add("skip_done", 0) < base + world - 1:
-            time.sleep(0.01)
-        error, took = None, 0.0
-    else:
+    error, took = None, 0.0
+    if rank != 1:  # rank 1 never calls this execute: it waits until the others gave up on it
         error, took = _try(rx.execute, p, timeout=2.0)
         store.add("skip_done", 1)
-        while store.add("skip_done", 0) < base + world - 1:
-            time.sleep(0.01)
-    version = p.version
+    _until(store, "skip_done", base + world - 1)
     # rank 1 made one call fewer: this one meets (at the others' attempt count, exchange_headers)
+    return _then_retry(p, out, want, error, took)
+
+
+def _until(store, key: str, count: int) -> None:
+    """Waits until the store's counter `key` reaches `count` (the ranks pace each other)."""
+    while store.add(key, 0) < count:
+        time.sleep(0.01)
+
+
+def _then_retry(p, out, want, error, took):
+    """What _skips and _stalls return: the failed execute's answer, then a retry's."""
+    version = p.version
     again = _try(rx.execute, p, version=3, timeout=LONG)[0]
     return error, took, version, again, p.version, bits_equal(out, want)
 
@@ -191,11 +198,9 @@ def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
     error, took = _try(rx.execute, p, timeout=2.0)
     if rank == 0:
         store.add("stall_done", 1)
-    while not at_once and store.add("stall_done", 0) < base + 1:  # the next execute once rank 0 has its answer
-        time.sleep(0.01)
-    version = p.version
-    again = _try(rx.execute, p, version=3, timeout=LONG)[0]
-    return error, took, version, again, p.version, bits_equal(out, want)
+    if not at_once:  # the next execute once rank 0 has its answer
+        _until(store, "stall_done", base + 1)
+    return _then_retry(p, out, want, error, took)
 
 
 @pytest.mark.parametrize("at_once", [False, True], ids=["retry_after", "retry_at_once"])
