@@ -780,7 +780,6 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
         errors.update(channel.wait(task, session, "exchanging execute headers"))
     if not errors:
         channel.keep_headers(bufs)
-    _agree_attempt(session, ranks, bufs.received_np, errors)
     verdict = Verdict({}, {})
     data = set(peers) if swap else None
     replan = session.swap == REPLAN_HERE
@@ -788,13 +787,19 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
     # remap, unless ours does
     same_ok = ours[STATUS] == 0 and not ours[FLAGS] & (COMM_UNUSABLE | REPLAN) and not ours[REMAP]
     me = channel.rank
+    # The attempt is the largest of this execute's headers: a rank that skipped a failed call
+    # (it never came) joins the others' retry, at their count.
+    attempt, heard = session.attempt, False
     for p, h in zip(ranks, bufs.received_np.tolist()):  # a row is read only where its receive completed
         if same_ok and h == ours and p not in errors:
+            heard = True
             continue
         if p in errors:
             verdict.bad[p] = (f"rank {p} sent no execute header within {session.timeout:g} s: it did not call "
                               f"rx.execute for this plan, stalled or died")
             continue
+        if h[MAGIC] == _MAGIC and h[PLAN] == session.plan_id and h[SEQ] == session.seq:
+            attempt, heard = max(attempt, h[ATTEMPT]), True
         why = ""
         pair = _Pair(me, p, ours, h)
         if h[MAGIC] != _MAGIC:
@@ -845,17 +850,9 @@ def exchange_headers(channel: Channel, peers: list[int], session: Session, batch
         for p in ranks:
             verdict.bad.setdefault(p, "takes rx.swap_model_weights' slow path with every rank (a model changed)")
     verdict.agreed = not verdict.bad
+    session.attempt, session.attempt_fixed = attempt, session.attempt_fixed or heard
     session.verdict = verdict
     return verdict
-
-
-def _agree_attempt(session: Session, ranks: list[int], received: np.ndarray, errors: dict[int, str]) -> None:
-    """Takes the largest attempt among this execute's headers: a rank that skipped a failed
-    call (it never came) joins the others' retry, at their count."""
-    for p, h in zip(ranks, received):
-        if p not in errors and h[MAGIC] == _MAGIC and h[PLAN] == session.plan_id and h[SEQ] == session.seq:
-            session.attempt = max(session.attempt, int(h[ATTEMPT]))
-            session.attempt_fixed = True
 
 
 class _Pair:
