@@ -499,6 +499,8 @@ class Plan:
         me, verdict = self.rank, session.verdict
         if session.status != 0:
             return outcome.Part(outcome.FAILED, [f"rank {me}: {session.error}"])
+        if session.remaining() <= 0:  # it waited for a peer past the deadline: has the peer said why?
+            self.transport.channel.watch.last_look(session)
         lines: list[str] = []
         if verdict is not None:
             lines = [why for p, why in sorted(verdict.bad.items()) if p not in verdict.quiet]

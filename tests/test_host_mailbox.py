@@ -176,7 +176,7 @@ def test_rows_of_an_execute_one_end_left_are_never_taken_as_the_others(poster_fi
     a, b = _pair()
     ra, rb = _rows(), _rows()
     a.begin(7)
-    a.raise_alarm(7, "rank 0: rx.execute was aborted", True)
+    a.raise_alarm(7, 0, "rank 0: rx.execute was aborted", True)
     a.end()
     a.begin(8)
     b.begin(7)
@@ -200,18 +200,18 @@ def test_alarms_are_read_by_token_whole():
     a, b = _pair()
     assert b.alarmed([0], 7) == [] and b.read_alarm(0, 7) is None
     a.begin(7)
-    a.raise_alarm(7, "rank 0: why\nand more", False)
+    a.raise_alarm(7, 2, "rank 0: why\nand more", False)  # in its third call of execute 7 (a retry's)
     assert b.alarmed([0], 7) == [0] and b.alarmed([0], 8) == []
-    assert b.read_alarm(0, 7) == (b"rank 0: why\nand more", False)
+    assert b.read_alarm(0, 7) == (b"rank 0: why\nand more", False, 2)
     a.end()  # out of that execute: its alarm is no longer one to stop for, but still says why
     assert b.alarmed([0], 7) == [] and b.read_alarm(0, 7) is not None
     a.begin(9)  # a later execute: the earlier alarm stays readable
     assert b.read_alarm(0, 7) is not None and b.alarmed([0], 9) == []
     a.begin(7)  # the same number again (the earlier execute did not count): its old alarm is gone
     assert b.alarmed([0], 7) == [] and b.read_alarm(0, 7) is None
-    a.raise_alarm(8, "x" * 5000, True)  # cut to the mailbox's room; left: read even outside the execute
-    text, left = b.read_alarm(0, 8)
-    assert left and text == b"x" * 1000 and b.alarmed([0], 8) == [0]
+    a.raise_alarm(8, 0, "x" * 5000, True)  # cut to the mailbox's room; left: read even outside the execute
+    text, left, attempt = b.read_alarm(0, 8)
+    assert left and text == b"x" * 1000 and attempt == 0 and b.alarmed([0], 8) == [0]
 
 
 def test_a_peer_whose_process_exited_is_gone():

@@ -176,26 +176,41 @@ def test_a_rank_that_never_calls_is_named_at_the_timeout(far: bool) -> None:
 
 
 def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
-    """Rank 0 calls the execute on time but its part stalls past the timeout (its pack sleeps
-    4 s of a 2 s timeout): the others give up on it and leave; it reaches the end alone. Then
-    every rank executes again: once rank 0 has its answer, or (at_once) as soon as each has
-    its own, the others' retry beginning while rank 0 is still in the failed call. far: no
-    rank reaches another through shared memory, as between hosts (a group of its own whose
+    """Rank 0 calls the execute on time but its part stalls past the timeout: the others
+    give up on it and leave; it reaches the end alone. On one host the others come 0.5 s
+    after it and its pack ends as they have left, past its own deadline, its watch not
+    looking (as where a loaded machine ran it too late: PeerWatch.last_look must find their
+    alarms); between hosts its pack sleeps 4 s of the 2 s timeout. Then every rank
+    executes again: once rank 0 has its answer, or (at_once) as soon as each has its own,
+    the others' retry beginning while rank 0 is still in the failed call. far: no rank
+    reaches another through shared memory, as between hosts (a group of its own whose
     channel has no mailboxes: headers, data and the outcome over gloo)."""
     p, out, want = _tp2_tp4_between_hosts(rank, world, 4) if far else _tp2_tp4(rank, world, seed=4)
     rx.execute(p)
     store = dist.distributed_c10d._get_default_store()
-    base = store.add("stall_done", 0)
+    base, left = store.add("stall_done", 0), store.add("stall_left", 0)
+    ready = store.add("stall_ready", 1)  # every rank has read the counts before any adds to them
+    _until(store, "stall_ready", (ready - 1) // world * world + world)
     if rank == 0:
         real = _C.ExecTables.run_pack_cpu
 
         def slow(*args, _real=real):
             _C.ExecTables.run_pack_cpu = _real
-            time.sleep(4.0)
+            if far:
+                time.sleep(4.0)
+            else:
+                _until(store, "stall_left", left + world - 1)
             return _real(*args)
 
         _C.ExecTables.run_pack_cpu = slow
+    elif not far:
+        time.sleep(0.5)
+    watch = p.transport.channel.watch
+    if rank == 0 and not far:
+        watch.start = lambda session, stop: None  # for this call only (the instance's own, deleted below)
     error, took = _try(rx.execute, p, timeout=2.0)
+    vars(watch).pop("start", None)
+    store.add("stall_left", 1)
     if rank == 0:
         store.add("stall_done", 1)
     if not at_once:  # the next execute once rank 0 has its answer

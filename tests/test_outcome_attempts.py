@@ -95,3 +95,29 @@ def test_a_rank_that_skipped_the_failed_call_joins_the_others_attempt() -> None:
     assert got is not None and got[outcome.U_LO] == 9
     assert skipper.attempt == 2 and skipper.attempt_fixed
     assert lane.sent == [0, 2]
+
+
+def test_an_alarm_of_another_attempt_is_not_this_attempts_cause():
+    """A rank past its deadline looks once more at its peers' alarms (PeerWatch.last_look),
+    also of those that left the call: a peer's alarm from the failed call before a retry
+    (same execute number, same token) must not be read as the retry's cause."""
+    from reshard_ext import _C
+    from reshard_ext.transports.channel import Channel
+    from reshard_ext.transports.peer_watch import PeerWatch
+
+    a, b = _C.HostMailbox(0, 2, 11), _C.HostMailbox(1, 2, 11)
+    a.attach(1, b.name)
+    channel = object.__new__(Channel)  # only what alarms() reads on one host
+    channel._mailbox, channel._local, channel.others = a, {1: True}, [1]
+    retry = _session(1, True)
+    retry.deadline = time.monotonic() - 1.0
+    b.begin(retry.token, 0)
+    b.raise_alarm(retry.token, 0, "rank 1: rank 0 sent no execute header within 1 s", False)
+    b.end()  # rank 1 left the failed call (attempt 0) and has not begun the retry
+    PeerWatch(channel).last_look(retry)
+    assert retry.stop_reason == ""
+    b.begin(retry.token, 1)
+    b.raise_alarm(retry.token, 1, "rank 1: the data exchange with rank 0 failed", False)
+    b.end()  # it failed the retry too, and left it
+    PeerWatch(channel).last_look(retry)
+    assert retry.stop_reason == "rank 1 failed this execute"

@@ -18,7 +18,7 @@ constexpr size_t kHead = 128;                       // segment header: see Head
 // Words of the segment's head: the owner's process (comm/process_alive.h) and alarm word.
 enum Head {
   kMagicWord, kSizeWord, kWordsWord, kPidWord, kPidNsWord, kStartWord, kAlarmWord, kAlarmLeftWord, kCurrentWord,
-  kAttemptWord
+  kAttemptWord, kAlarmAttemptWord
 };
 // After the slots: the alarm's text, its length in the first word.
 constexpr size_t kTextBytes = 8 + HostMailbox::kMaxAlarmText;
@@ -170,7 +170,7 @@ std::vector<int32_t> HostMailbox::unfinished() const {
   return out;
 }
 
-void HostMailbox::raise_alarm(uint64_t token, const std::string& text, bool left) {
+void HostMailbox::raise_alarm(uint64_t token, uint64_t attempt, const std::string& text, bool left) {
   RX_HOST_ASSERT(token != 0, "HostMailbox: alarm token 0");
   auto* head = static_cast<uint64_t*>(segment_.base());
   // A reader copies between two reads of the alarm word and keeps the copy only if both
@@ -180,6 +180,7 @@ void HostMailbox::raise_alarm(uint64_t token, const std::string& text, bool left
   const size_t n = std::min(text.size(), kMaxAlarmText);
   char* area = static_cast<char*>(segment_.base()) + kHead + static_cast<size_t>(size_) * kSlot;
   __atomic_store_n(head + kAlarmLeftWord, uint64_t{left}, __ATOMIC_RELAXED);
+  __atomic_store_n(head + kAlarmAttemptWord, attempt, __ATOMIC_RELAXED);
   __atomic_store_n(reinterpret_cast<uint64_t*>(area), static_cast<uint64_t>(n), __ATOMIC_RELAXED);
   std::memcpy(area + 8, text.data(), n);
   __atomic_store_n(head + kAlarmWord, token, __ATOMIC_RELEASE);
@@ -210,7 +211,7 @@ void HostMailbox::end() {
   __atomic_store_n(static_cast<uint64_t*>(segment_.base()) + kCurrentWord, uint64_t{0}, __ATOMIC_RELEASE);
 }
 
-bool HostMailbox::read_alarm(int32_t peer, uint64_t token, std::string* text, bool* left) const {
+bool HostMailbox::read_alarm(int32_t peer, uint64_t token, std::string* text, bool* left, uint64_t* attempt) const {
   if (!attached(peer)) return false;
   const char* base = static_cast<const char*>(peers_[static_cast<size_t>(peer)].base());
   const auto* head = reinterpret_cast<const uint64_t*>(base);
@@ -219,10 +220,12 @@ bool HostMailbox::read_alarm(int32_t peer, uint64_t token, std::string* text, bo
   const uint64_t n = std::min<uint64_t>(load(reinterpret_cast<const uint64_t*>(area)), kMaxAlarmText);
   std::string copy(area + 8, static_cast<size_t>(n));
   const bool was_left = load(head + kAlarmLeftWord) != 0;
+  const uint64_t of_attempt = load(head + kAlarmAttemptWord);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   if (load(head + kAlarmWord) != token) return false;  // rewritten while we copied
   *text = std::move(copy);
   *left = was_left;
+  *attempt = of_attempt;
   return true;
 }
 

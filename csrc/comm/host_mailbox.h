@@ -59,9 +59,10 @@ class HostMailbox {
 
   static constexpr size_t kMaxAlarmText = 1000;  // bytes of an alarm's text (longer is cut)
 
-  // Sets this rank's alarm to `token` (never 0, the execute it failed in) with why, and
-  // whether it left that execute without its final exchange (plan.abort()).
-  void raise_alarm(uint64_t token, const std::string& text, bool left);
+  // Sets this rank's alarm to `token` (never 0, the execute it failed in) and `attempt`
+  // (which call with that token: a retry keeps it) with why, and whether it left that
+  // execute without its final exchange (plan.abort()).
+  void raise_alarm(uint64_t token, uint64_t attempt, const std::string& text, bool left);
   // The execute this rank is in (0: none). An execute begins by clearing an alarm of its
   // own token (left over from an earlier execute with the same number, one that did not
   // count), then setting this: an alarm with the token of the execute its owner is in is of
@@ -76,8 +77,9 @@ class HostMailbox {
   // The attached peers among `peers` whose alarm holds `token` and who are in that execute
   // (or left it: plan.abort()).
   std::vector<int32_t> alarmed(const std::vector<int32_t>& peers, uint64_t token) const;
-  // Peer's alarm text and left flag if its alarm holds `token` (a consistent copy), else false.
-  bool read_alarm(int32_t peer, uint64_t token, std::string* text, bool* left) const;
+  // Peer's alarm text, left flag and attempt if its alarm holds `token` (a consistent
+  // copy), else false.
+  bool read_alarm(int32_t peer, uint64_t token, std::string* text, bool* left, uint64_t* attempt) const;
   // The attached peers among `peers` whose process has exited (comm/process_alive.h).
   std::vector<int32_t> gone(const std::vector<int32_t>& peers) const;
 

@@ -53,9 +53,10 @@ void register_mailbox(py::module_& m) {
           "finish", [](HostMailbox& mb, Rows& rows) { return mb.finish(rows_of(mb, rows)); }, py::arg("rows"),
           "Ends the exchange: per peer in post order 0 (done), 1 (it posted nothing) or 2 (it took nothing).")
       .def("unfinished", &HostMailbox::unfinished, "The peers of the open exchange whose pair is not done yet.")
-      .def("raise_alarm", &HostMailbox::raise_alarm, py::arg("token"), py::arg("text"), py::arg("left"),
-           "Sets this rank's alarm (read by the peers): the token of the execute it failed in, why, and whether it "
-           "left that execute without its final exchange.")
+      .def("raise_alarm", &HostMailbox::raise_alarm, py::arg("token"), py::arg("attempt"), py::arg("text"),
+           py::arg("left"),
+           "Sets this rank's alarm (read by the peers): the token and attempt of the execute it failed in, why, and "
+           "whether it left that execute without its final exchange.")
       .def("begin", &HostMailbox::begin, py::arg("token"), py::arg("attempt") = 0,
            "This rank enters the execute of `token` (its `attempt`-th call with it): clears its alarm, then says "
            "which execute it is in.")
@@ -67,10 +68,11 @@ void register_mailbox(py::module_& m) {
           [](const HostMailbox& mb, int32_t peer, uint64_t token) -> py::object {
             std::string text;
             bool left = false;
-            if (!mb.read_alarm(peer, token, &text, &left)) return py::none();
-            return py::make_tuple(py::bytes(text), left);
+            uint64_t attempt = 0;
+            if (!mb.read_alarm(peer, token, &text, &left, &attempt)) return py::none();
+            return py::make_tuple(py::bytes(text), left, attempt);
           },
-          py::arg("peer"), py::arg("token"), "(text, left) of peer's alarm if it holds `token`, else None.")
+          py::arg("peer"), py::arg("token"), "(text, left, attempt) of peer's alarm if it holds `token`, else None.")
       .def("alarmed", &HostMailbox::alarmed, py::arg("peers"), py::arg("token"),
            "The attached peers among `peers` whose alarm holds `token` and who are in that execute (or left it).")
       .def("gone", &HostMailbox::gone, py::arg("peers"),

@@ -341,7 +341,7 @@ class Channel:
         another host, in the store. left: this rank leaves without the execute's outcome
         round (plan.abort()), so nobody waits for its row."""
         if self._mailbox is not None:
-            self._mailbox.raise_alarm(session.token, text, left)
+            self._mailbox.raise_alarm(session.token, session.attempt, text, left)
         if self.all_local():
             return
         try:  # the failure path only: two small writes; a store that is gone reads as no alarm
@@ -395,15 +395,18 @@ class Channel:
     def alarms(self, session: Session, ranks: list[int], remote: bool = True,
                tokens: dict[int, int] | None = None, taken_back: bool = False) -> dict[int, tuple[str, bool]]:
         """{rank: (why, left)} of the ranks among `ranks` that raised an alarm for `session`'s
-        execute (or, for a rank in `tokens`, for that token's): from their mailboxes, and
-        (remote) from the store for the others, also those that a rank took back as it began
-        its next attempt (taken_back: the causes of an answer, not a reason to stop)."""
+        execute (or, for a rank in `tokens`, for that token's; also after the rank left the
+        execute): from their mailboxes, and (remote) from the store for the others, also those
+        that a rank took back as it began its next attempt (taken_back: the causes of an
+        answer, not a reason to stop). An alarm of another attempt of `session`'s execute is
+        none of its."""
         found: dict[int, tuple[str, bool]] = {}
         local = [r for r in ranks if self._local.get(r)]
         if tokens:
             for r in local:
-                got = self._mailbox.read_alarm(r, tokens.get(r, session.token))
-                if got is not None:
+                token = tokens.get(r, session.token)
+                got = self._mailbox.read_alarm(r, token)
+                if got is not None and (token != session.token or got[2] == session.attempt):
                     found[r] = (got[0].decode(errors="replace"), bool(got[1]))
         elif local:
             for r in self._mailbox.alarmed(local, session.token):
