@@ -177,14 +177,17 @@ def test_a_rank_that_never_calls_is_named_at_the_timeout(far: bool) -> None:
 
 def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
     """Rank 0 calls the execute on time but its part stalls past the timeout: the others
-    give up on it and leave; it reaches the end alone. On one host the others come 0.5 s
-    after it and its pack ends as they have left, past its own deadline, its watch not
-    looking (as where a loaded machine ran it too late: PeerWatch.last_look must find their
-    alarms); between hosts its pack sleeps 4 s of the 2 s timeout. Then every rank
+    give up on it and leave; it reaches the end alone, its watch not looking (as where a
+    loaded machine ran it too late: PeerWatch.last_look must find their alarms), so that it
+    goes on to move its data late. On one host the others come 0.5 s after it and its pack
+    ends as they have left, past its own deadline; between hosts its pack sleeps 4 s of the
+    2 s timeout. Then every rank
     executes again: once rank 0 has its answer, or (at_once) as soon as each has its own,
-    the others' retry beginning while rank 0 is still in the failed call. far: no rank
-    reaches another through shared memory, as between hosts (a group of its own whose
-    channel has no mailboxes: headers, data and the outcome over gloo)."""
+    the others' retry beginning while rank 0 is still in the failed call. Every rank's
+    source changes between the two calls (a trainer step): rank 0's late data of the failed
+    call must land nowhere in the retry. far: no rank reaches another through shared memory,
+    as between hosts (a group of its own whose channel has no mailboxes: headers, data and
+    the outcome over gloo)."""
     p, out, want = _tp2_tp4_between_hosts(rank, world, 4) if far else _tp2_tp4(rank, world, seed=4)
     rx.execute(p)
     store = dist.distributed_c10d._get_default_store()
@@ -206,16 +209,17 @@ def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
     elif not far:
         time.sleep(0.5)
     watch = p.transport.channel.watch
-    if rank == 0 and not far:
+    if rank == 0:
         watch.start = lambda session, stop: None  # for this call only (the instance's own, deleted below)
     error, took = _try(rx.execute, p, timeout=2.0)
     vars(watch).pop("start", None)
     store.add("stall_left", 1)
     if rank == 0:
         store.add("stall_done", 1)
+    p._entries["src"]["w"][0].add_(1.0)
     if not at_once:  # the next execute once rank 0 has its answer
         _until(store, "stall_done", base + 1)
-    return _then_retry(p, out, want, error, took)
+    return _then_retry(p, out, want + 1.0, error, took)
 
 
 @pytest.mark.parametrize("at_once", [False, True], ids=["retry_after", "retry_at_once"])
