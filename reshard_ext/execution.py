@@ -433,7 +433,7 @@ class Plan:
         digests: Any = None
         # A rank of this host that aborted this execute before we came has left it: nothing
         # to exchange but the outcome (its headers may be the next execute's already).
-        left = [r for r, (_, gone) in channel.alarms(session, channel.others, remote=False).items() if gone]
+        left = [r for r, alarm in channel.alarms(session, channel.others, remote=False).items() if alarm.left]
         if left and not problem:
             part = outcome.Part(outcome.STOPPED)
         rearm = getattr(self.transport, "rearm", None)
@@ -500,7 +500,7 @@ class Plan:
         if session.status != 0:
             return outcome.Part(outcome.FAILED, [f"rank {me}: {session.error}"])
         if session.remaining() <= 0:  # it waited for a peer past the deadline: has the peer said why?
-            self.transport.channel.watch.last_look(session)
+            self.transport.channel.watch.last_look(session, list(self.transport.peers))
         lines: list[str] = []
         if verdict is not None:
             lines = [why for p, why in sorted(verdict.bad.items()) if p not in verdict.quiet]
@@ -526,7 +526,7 @@ class Plan:
         alarm tells the others not to wait for it)."""
         channel = self.transport.channel
         if part.status == outcome.FAILED:
-            channel.raise_alarm(session, "\n".join(part.lines), left and channel.all_local())
+            channel.raise_alarm(session, "\n".join(part.lines), left and channel.all_local(), part.gave_up)
         try:
             if left and channel.all_local():  # the others do not wait for this rank's row (its alarm says it left)
                 self._seq, self._attempt = max(self._seq, session.seq), 0

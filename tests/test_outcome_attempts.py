@@ -114,10 +114,10 @@ def test_an_alarm_of_another_attempt_is_not_this_attempts_cause():
     b.begin(retry.token, 0)
     b.raise_alarm(retry.token, 0, "rank 1: rank 0 sent no execute header within 1 s", False)
     b.end()  # rank 1 left the failed call (attempt 0) and has not begun the retry
-    PeerWatch(channel).last_look(retry)
+    PeerWatch(channel).last_look(retry, [1])
     assert retry.stop_reason == ""
     b.begin(retry.token, 1)
     b.raise_alarm(retry.token, 1, "rank 1: the data exchange with rank 0 failed", False)
     b.end()  # it failed the retry too, and left it
-    PeerWatch(channel).last_look(retry)
+    PeerWatch(channel).last_look(retry, [1])
     assert retry.stop_reason == "rank 1 failed this execute"

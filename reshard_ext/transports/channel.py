@@ -48,7 +48,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -335,17 +335,19 @@ class Channel:
     def _why_key(self, rank: int) -> str:
         return f"{self._prefix}why/{rank}"
 
-    def raise_alarm(self, session: Session, text: str, left: bool = False) -> None:
+    def raise_alarm(self, session: Session, text: str, left: bool = False, gave_up: int = -1) -> None:
         """Tells every other rank that this rank failed `session`'s execute, and why: in its
         mailbox (ranks of this host read it while they wait) and, where some rank is on
         another host, in the store. left: this rank leaves without the execute's outcome
-        round (plan.abort()), so nobody waits for its row."""
+        round (plan.abort()), so nobody waits for its row; gave_up: the rank it stopped
+        waiting for (a rank whose union never reaches another host's rank is still named
+        there as the cause's, Alarm.gave_up)."""
         if self._mailbox is not None:
             self._mailbox.raise_alarm(session.token, session.attempt, text, left)
         if self.all_local():
             return
         try:  # the failure path only: two small writes; a store that is gone reads as no alarm
-            self._why = f"{session.plan_id} {session.seq} {session.attempt} {int(left)}"
+            self._why = f"{session.plan_id} {session.seq} {session.attempt} {int(left)} {gave_up}"
             self.store.set(self._why_key(self.rank), f"{self._why} 0\n{text}")
             self._why_text = text
             self.store.set(self._alarm_key(session.plan_id, session.seq), "1")
@@ -393,26 +395,26 @@ class Channel:
             self._mailbox.end()
 
     def alarms(self, session: Session, ranks: list[int], remote: bool = True,
-               tokens: dict[int, int] | None = None, taken_back: bool = False) -> dict[int, tuple[str, bool]]:
-        """{rank: (why, left)} of the ranks among `ranks` that raised an alarm for `session`'s
+               tokens: dict[int, int] | None = None, taken_back: bool = False) -> dict[int, Alarm]:
+        """{rank: Alarm} of the ranks among `ranks` that raised an alarm for `session`'s
         execute (or, for a rank in `tokens`, for that token's; also after the rank left the
         execute): from their mailboxes, and (remote) from the store for the others, also those
         that a rank took back as it began its next attempt (taken_back: the causes of an
         answer, not a reason to stop). An alarm of another attempt of `session`'s execute is
         none of its."""
-        found: dict[int, tuple[str, bool]] = {}
+        found: dict[int, Alarm] = {}
         local = [r for r in ranks if self._local.get(r)]
         if tokens:
             for r in local:
                 token = tokens.get(r, session.token)
                 got = self._mailbox.read_alarm(r, token)
                 if got is not None and (token != session.token or got[2] == session.attempt):
-                    found[r] = (got[0].decode(errors="replace"), bool(got[1]))
+                    found[r] = Alarm(got[0].decode(errors="replace"), bool(got[1]))
         elif local:
             for r in self._mailbox.alarmed(local, session.token):
                 got = self._mailbox.read_alarm(r, session.token)
                 if got is not None:
-                    found[r] = (got[0].decode(errors="replace"), bool(got[1]))
+                    found[r] = Alarm(got[0].decode(errors="replace"), bool(got[1]))
         far = [r for r in ranks if not self._local.get(r)]
         if far and remote:
             try:
@@ -422,11 +424,11 @@ class Channel:
                         if not self.store.check([key]):
                             continue
                         head, _, text = self.store.get(key).decode(errors="replace").partition("\n")
-                        plan, seq, attempt, left, back = (int(x) for x in head.split())
+                        plan, seq, attempt, left, gave_up, back = (int(x) for x in head.split())
                         # a rank still in an attempt the others gave up on: not this attempt's cause
                         if (plan, seq, attempt) == (session.plan_id, session.seq, session.attempt) and (
                                 taken_back or not back):
-                            found[r] = (text, bool(left))
+                            found[r] = Alarm(text, bool(left), gave_up)
             except (RuntimeError, ValueError):
                 pass
         return found
@@ -727,6 +729,16 @@ class Channel:
 
 class SwapReplan(ReshardError):
     """A swap round in which some rank takes the slow path: no data moved on any rank."""
+
+
+class Alarm(NamedTuple):
+    """Another rank's alarm: why it failed an execute (its cause lines), whether it left
+    without the outcome round (plan.abort() on one host), and the rank it gave up waiting
+    for (-1: none, or not known: a mailbox alarm says no more than why and left)."""
+
+    why: str
+    left: bool
+    gave_up: int = -1
 
 
 @dataclass

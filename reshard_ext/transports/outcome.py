@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,9 +151,9 @@ def _mailbox_rows(channel: Channel, session: Session, mine: np.ndarray,
         """Whether every rank still missing is one nobody waits for."""
         nonlocal ticks
         ticks += 1
-        for r, (text, gone) in channel.alarms(session, unfinished, remote=False).items():
-            if gone:
-                skip.setdefault(r, text)
+        for r, alarm in channel.alarms(session, unfinished, remote=False).items():
+            if alarm.left:
+                skip.setdefault(r, alarm.why)
                 left.add(r)
         if ticks % 5 == 0:
             for r in channel.gone(unfinished):
@@ -345,7 +346,8 @@ def _doubling(channel: Channel, session: Session, execute: Session, part: Part) 
         status[r] = FAILED
     for r in missing:
         status[r] = MISSING
-    lines = _causes(channel, execute, status, part, missing)
+    unheard = [r for r in _bits(u, n, MISSING_BITS) if r != me]
+    lines = _causes(channel, execute, status, part, missing, unheard=unheard)
     if other_plan and not any(OTHER_PLANS in x for x in lines):
         lines.append(f"the ranks {OTHER_PLANS} (ranks call rx.execute / rx.verify on plans in different orders, or one "
                      f"skipped one)")
@@ -406,10 +408,12 @@ def _decide(channel: Channel, session: Session, rows: dict[int, np.ndarray], par
 
 
 def _causes(channel: Channel, session: Session, status: dict[int, int], part: Part,
-            missing: dict[int, str], tokens: dict[int, int] | None = None) -> list[str]:
+            missing: dict[int, str], tokens: dict[int, int] | None = None, unheard: Sequence[int] = ()) -> list[str]:
     """The cause lines: this rank's own, the other failed ranks' (their alarms; tokens: the
-    token of each rank's execute, where it differs from ours), and one per rank that did not
-    report."""
+    token of each rank's execute, where it differs from ours), those of the unheard ranks
+    that raised an alarm (ranks whose union never reached this one: a pair on its way
+    failed), and one per rank that did not report and that no alarm names as the rank it
+    gave up on."""
     lines: list[str] = []
     failed = [r for r, s in status.items() if s == FAILED]
     others = [r for r in failed if r != channel.rank]
@@ -418,19 +422,25 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
         if r == channel.rank:
             lines += part.lines
         elif r in texts:
-            lines += [line for line in texts[r][0].split("\n") if line]
+            lines += [line for line in texts[r].why.split("\n") if line]
         else:
             lines.append(f"rank {r} failed (its own error says why)")
+    unheard = [r for r in unheard if r not in failed and r not in missing]
+    heard_of = channel.alarms(session, unheard, tokens=dict.fromkeys(unheard, session.token), taken_back=True) \
+        if unheard else {}
+    for _, alarm in sorted(heard_of.items()):
+        lines += [line for line in alarm.why.split("\n") if line]
     # a rank whose row is missing but whose alarm is there failed and left before this rank
     # came (this rank was late): its causes, not a guess at why it is silent
     silent = [r for r, why in missing.items() if not why]
     late = channel.alarms(session, silent, tokens=dict.fromkeys(silent, session.token), taken_back=True) \
         if silent else {}
+    named = {a.gave_up for a in (*texts.values(), *heard_of.values(), *late.values())}
     unexplained: list[int] = []
     for r, why in sorted(missing.items()):
-        if why == NAMED:
+        if why == NAMED or (not why and r not in late and r in named):
             continue
-        why = why or late.get(r, ("", False))[0]
+        why = why or (late[r].why if r in late else "")
         lines += [line for line in why.split("\n") if line]
         if not why:
             unexplained.append(r)

@@ -65,15 +65,16 @@ class PeerWatch:
                 session = self._current[0]
             handled = session if self._watch(session) else None
 
-    def last_look(self, session: Any) -> None:
-        """Once more, as this rank's part fails without the watch having stopped it: a peer
-        may have raised its alarm after the last tick. Its alarm then is the cause and this
-        rank's failure (a peer that left gives no header, no data) only what followed, as
-        where the watch had seen it. Of two ranks failing at once, at least one keeps its
-        own cause: each looks before it raises its alarm."""
+    def last_look(self, session: Any, peers: list[int]) -> None:
+        """Once more, as this rank's part fails without the watch having stopped it: one of
+        its peers may have raised its alarm after the last tick. That alarm then is the
+        cause and this rank's failure (a peer that left sends no header, no data) only what
+        followed, as where the watch had seen it. Also the alarm of a peer that left the
+        call since, or took it back as it began its retry: it still says why this attempt
+        failed. Of two ranks failing at once, at least one keeps its own cause: each looks
+        before it raises its alarm."""
         if not session.stop_reason and not session.abort.is_set():
-            others = self._channel.others  # also those that left the execute since (their alarm stays)
-            alarms = self._channel.alarms(session, others, tokens=dict.fromkeys(others, session.token))
+            alarms = self._channel.alarms(session, peers, tokens=dict.fromkeys(peers, session.token), taken_back=True)
             session.stop_reason = f"rank {min(alarms)} failed this execute" if alarms else ""
 
     def _watch(self, session: Any) -> bool:
