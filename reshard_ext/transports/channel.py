@@ -340,8 +340,8 @@ class Channel:
         mailbox (ranks of this host read it while they wait) and, where some rank is on
         another host, in the store. left: this rank leaves without the execute's outcome
         round (plan.abort()), so nobody waits for its row; gave_up: the rank it stopped
-        waiting for (a rank whose union never reaches another host's rank is still named
-        there as the cause's, Alarm.gave_up)."""
+        waiting for (-1: none), so that a rank on another host that never hears this one's
+        union still knows why that rank is silent (Alarm.gave_up)."""
         if self._mailbox is not None:
             self._mailbox.raise_alarm(session.token, session.attempt, text, left)
         if self.all_local():
