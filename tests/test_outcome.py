@@ -224,11 +224,15 @@ def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
 
 def _one_cause(results) -> str:
     """The stall's answers: one on the ranks that left on time, and the same cause first on
-    rank 0 (which says besides that it came late). Returns that cause."""
+    rank 0 (which says besides that it came late, and that it cannot tell whether the parts
+    of ranks 2 and 3, which it never heard from, landed). Returns that cause."""
     answers = {results[r][0] for r in range(1, WORLD)}
     assert len(answers) == 1, answers
+    assert "not completed on ranks [0, 1] (" in results[1][0] and "completed on ranks [2, 3]" in results[1][0]
+    late = results[0][0]
     cause = results[1][0].split("\n")[1].strip()
-    assert results[0][0].split("\n")[1].strip() == cause, (results[0][0], cause)
+    assert late.split("\n")[1].strip() == cause, (late, cause)
+    assert "not completed on ranks [0, 1] (" in late and "ranks [2, 3] not known to this rank" in late, late
     return cause
 
 

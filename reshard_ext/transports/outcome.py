@@ -72,6 +72,9 @@ class Outcome:
     # every rank answered from this plan's call (or left it: plan.abort()), so the call counts
     # for this plan's execute numbers; else it counts for none
     counts: bool = True
+    # ranks this rank has no word from (no row or union, no alarm, not named as given up on):
+    # whether their part landed is not known here
+    unknown: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -79,14 +82,17 @@ class Outcome:
 
     def message(self, what: str) -> str:
         """The error every rank raises: the causes, then which ranks' parts did not land."""
-        bad = sorted(r for r, s in self.status.items() if s != OK)
+        bad = sorted(r for r, s in self.status.items() if s != OK and r not in self.unknown)
         lines = list(self.lines) or [f"rank {r} failed" for r in bad]
         landed = sorted(r for r, s in self.status.items() if s == OK)
-        if not bad:
+        unknown = f"ranks {sorted(self.unknown)} not known to this rank (no word from them)" if self.unknown else ""
+        if not bad and not unknown:
             tail = "every rank's data landed, but the ranks disagree as above"
+        elif not bad:
+            tail = unknown + (f"; completed on ranks {landed}" if landed else "")
         else:
             tail = (f"not completed on ranks {bad} (their destinations are not, or only partly, updated)"
-                    + (f"; completed on ranks {landed}" if landed else ""))
+                    + (f"; completed on ranks {landed}" if landed else "") + (f"; {unknown}" if unknown else ""))
         return (f"{what} failed on every rank (plan.version is None everywhere):\n  " + "\n  ".join(lines)
                 + f"\n  {tail}")
 
@@ -347,7 +353,7 @@ def _doubling(channel: Channel, session: Session, execute: Session, part: Part) 
     for r in missing:
         status[r] = MISSING
     unheard = [r for r in _bits(u, n, MISSING_BITS) if r != me]
-    lines = _causes(channel, execute, status, part, missing, unheard=unheard)
+    lines, unknown = _causes(channel, execute, status, part, missing, unheard=unheard)
     if other_plan and not any(OTHER_PLANS in x for x in lines):
         lines.append(f"the ranks {OTHER_PLANS} (ranks call rx.execute / rx.verify on plans in different orders, or one "
                      f"skipped one)")
@@ -358,7 +364,8 @@ def _doubling(channel: Channel, session: Session, execute: Session, part: Part) 
     if u[U_FMIN] < u[U_FMAX] and not any(VERIFY_SPLIT in x for x in lines):
         lines.append(f"the ranks {VERIFY_SPLIT} (True and False; every rank must pass the same)")
     sums = u[[U_LO, U_HI, U_DIFFER]] if u[U_SUMS] and part.sums is not None else None
-    return Outcome(status, _once(lines), int(u[U_SEQ]), sums, not other_plan and not _bits(u, n, MISSING_BITS))
+    return Outcome(status, _once(lines), int(u[U_SEQ]), sums, not other_plan and not _bits(u, n, MISSING_BITS),
+                   unknown)
 
 
 def _version(u: np.ndarray, has: int, v: int) -> str:
@@ -378,7 +385,7 @@ def _decide(channel: Channel, session: Session, rows: dict[int, np.ndarray], par
         seq = max(seq, int(row[SEQ]))
         tokens[r] = data_token(int(row[PLAN]), int(row[SEQ]))  # a rank on another plan: its alarm's
     counts = all(row[PLAN] == mine[PLAN] for row in rows.values()) and set(missing) <= left
-    lines = _causes(channel, session, status, part, missing, tokens)
+    lines, unknown = _causes(channel, session, status, part, missing, tokens)
     plans: dict[int, list[int]] = {}
     for r, row in sorted(rows.items()):
         plans.setdefault(int(row[PLAN]), []).append(r)
@@ -404,16 +411,18 @@ def _decide(channel: Channel, session: Session, rows: dict[int, np.ndarray], par
     sums = None
     if part.sums is not None and all(r in rows and rows[r][FLAGS] & HAS_SUMS for r in range(n)):
         sums = np.sum([rows[r][[LO, HI, DIFFER]] for r in range(n)], axis=0)
-    return Outcome(status, _once(lines), seq, sums, counts)
+    return Outcome(status, _once(lines), seq, sums, counts, unknown)
 
 
 def _causes(channel: Channel, session: Session, status: dict[int, int], part: Part,
-            missing: dict[int, str], tokens: dict[int, int] | None = None, unheard: Sequence[int] = ()) -> list[str]:
+            missing: dict[int, str], tokens: dict[int, int] | None = None,
+            unheard: Sequence[int] = ()) -> tuple[list[str], list[int]]:
     """The cause lines: this rank's own, the other failed ranks' (their alarms; tokens: the
     token of each rank's execute, where it differs from ours), those of the unheard ranks
     that raised an alarm (ranks whose union never reached this one: a pair on its way
     failed), and one per rank that did not report and that no alarm names as the rank it
-    gave up on."""
+    gave up on. Then the ranks whose part is not known here: unheard ranks without an
+    alarm, and where this rank came late, those that did not wait for it."""
     lines: list[str] = []
     failed = [r for r, s in status.items() if s == FAILED]
     others = [r for r in failed if r != channel.rank]
@@ -444,13 +453,15 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
         lines += [line for line in why.split("\n") if line]
         if not why:
             unexplained.append(r)
+    unknown = [r for r in unheard if r not in heard_of and r not in named]
     if unexplained and part.late_by > 0:  # they most likely came and left: this rank is the one that stalled
         lines.append(f"{_who(unexplained)} did not wait for this rank: rank {channel.rank} reached the end of its "
                      f"part {part.late_by:.1f} s past the {session.timeout:g} s timeout")
+        unknown += unexplained
     elif unexplained:
         lines.append(f"{_who(unexplained)} did not reach the end of the execute within {session.timeout:g} s "
                      f"(stalled, died, or did not call it)")
-    return lines
+    return lines, sorted(unknown)
 
 
 def _who(ranks: list[int]) -> str:
