@@ -395,18 +395,18 @@ class Channel:
             self._mailbox.end()
 
     def alarms(self, session: Session, ranks: list[int], remote: bool = True,
-               tokens: dict[int, int] | None = None, taken_back: bool = False) -> dict[int, Alarm]:
+               tokens: dict[int, int] | None = None, causes: bool = False) -> dict[int, Alarm]:
         """{rank: Alarm} of the ranks among `ranks` that raised an alarm for `session`'s
-        execute (or, for a rank in `tokens`, for that token's; also after the rank left the
-        execute): from their mailboxes, and (remote) from the store for the others, also those
-        that a rank took back as it began its next attempt (taken_back: the causes of an
-        answer, not a reason to stop). An alarm of another attempt of `session`'s execute is
-        none of its."""
+        execute (or, for a rank in `tokens`, for that token's): from their mailboxes, and
+        (remote) from the store for the others. causes: the causes of an answer, not a
+        reason to stop: also the alarms of ranks that left the execute since, or took them
+        back as they began their next attempt. An alarm of another attempt of `session`'s
+        execute is none of its."""
         found: dict[int, Alarm] = {}
         local = [r for r in ranks if self._local.get(r)]
-        if tokens:
+        if tokens or causes:
             for r in local:
-                token = tokens.get(r, session.token)
+                token = (tokens or {}).get(r, session.token)
                 got = self._mailbox.read_alarm(r, token)
                 if got is not None and (token != session.token or got[2] == session.attempt):
                     found[r] = Alarm(got[0].decode(errors="replace"), bool(got[1]))
@@ -418,7 +418,7 @@ class Channel:
         far = [r for r in ranks if not self._local.get(r)]
         if far and remote:
             try:
-                if taken_back or self.store.check([self._alarm_key(session.plan_id, session.seq)]):
+                if causes or self.store.check([self._alarm_key(session.plan_id, session.seq)]):
                     for r in far:
                         key = self._why_key(r)
                         if not self.store.check([key]):
@@ -427,7 +427,7 @@ class Channel:
                         plan, seq, attempt, left, gave_up, back = (int(x) for x in head.split())
                         # a rank still in an attempt the others gave up on: not this attempt's cause
                         if (plan, seq, attempt) == (session.plan_id, session.seq, session.attempt) and (
-                                taken_back or not back):
+                                causes or not back):
                             found[r] = Alarm(text, bool(left), gave_up)
             except (RuntimeError, ValueError):
                 pass

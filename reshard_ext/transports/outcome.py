@@ -426,31 +426,29 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
     lines: list[str] = []
     failed = [r for r, s in status.items() if s == FAILED]
     others = [r for r in failed if r != channel.rank]
-    texts = channel.alarms(session, others, tokens=tokens, taken_back=True) if others else {}
+    texts = channel.alarms(session, others, tokens=tokens, causes=True) if others else {}
     for r in failed:
         if r == channel.rank:
             lines += part.lines
         elif r in texts:
-            lines += [line for line in texts[r].why.split("\n") if line]
+            lines += _lines(texts[r].why)
         else:
             lines.append(f"rank {r} failed (its own error says why)")
     unheard = [r for r in unheard if r not in failed and r not in missing]
-    heard_of = channel.alarms(session, unheard, tokens=dict.fromkeys(unheard, session.token), taken_back=True) \
-        if unheard else {}
+    heard_of = channel.alarms(session, unheard, causes=True) if unheard else {}
     for _, alarm in sorted(heard_of.items()):
-        lines += [line for line in alarm.why.split("\n") if line]
+        lines += _lines(alarm.why)
     # a rank whose row is missing but whose alarm is there failed and left before this rank
     # came (this rank was late): its causes, not a guess at why it is silent
     silent = [r for r, why in missing.items() if not why]
-    late = channel.alarms(session, silent, tokens=dict.fromkeys(silent, session.token), taken_back=True) \
-        if silent else {}
+    late = channel.alarms(session, silent, causes=True) if silent else {}
     named = {a.gave_up for a in (*texts.values(), *heard_of.values(), *late.values())}
     unexplained: list[int] = []
     for r, why in sorted(missing.items()):
         if why == NAMED or (not why and r not in late and r in named):
             continue
         why = why or (late[r].why if r in late else "")
-        lines += [line for line in why.split("\n") if line]
+        lines += _lines(why)
         if not why:
             unexplained.append(r)
     unknown = [r for r in unheard if r not in heard_of and r not in named]
@@ -462,6 +460,11 @@ def _causes(channel: Channel, session: Session, status: dict[int, int], part: Pa
         lines.append(f"{_who(unexplained)} did not reach the end of the execute within {session.timeout:g} s "
                      f"(stalled, died, or did not call it)")
     return lines, sorted(unknown)
+
+
+def _lines(text: str) -> list[str]:
+    """An alarm's cause lines (its text, one cause per line)."""
+    return [line for line in text.split("\n") if line]
 
 
 def _who(ranks: list[int]) -> str:

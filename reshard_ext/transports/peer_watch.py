@@ -74,7 +74,7 @@ class PeerWatch:
         failed. Of two ranks failing at once, at least one keeps its own cause: each looks
         before it raises its alarm."""
         if not session.stop_reason and not session.abort.is_set():
-            alarms = self._channel.alarms(session, peers, tokens=dict.fromkeys(peers, session.token), taken_back=True)
+            alarms = self._channel.alarms(session, peers, causes=True)
             session.stop_reason = f"rank {min(alarms)} failed this execute" if alarms else ""
 
     def _watch(self, session: Any) -> bool:
