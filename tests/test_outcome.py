@@ -181,9 +181,9 @@ def _stalls(rank: int, world: int, at_once: bool, far: bool = False):
     loaded machine ran it too late: PeerWatch.last_look must find their alarms), so that it
     goes on to move its data late. On one host the others come 0.5 s after it and its pack
     ends as they have left, past its own deadline; between hosts its pack sleeps 4 s of the
-    2 s timeout. Then every rank
-    executes again: once rank 0 has its answer, or (at_once) as soon as each has its own,
-    the others' retry beginning while rank 0 is still in the failed call. Every rank's
+    2 s timeout. Then every rank executes again: once rank 0 has its answer, or (at_once) as
+    soon as each has its own, the others' retry beginning while rank 0 is still in the
+    failed call. Every rank's
     source changes between the two calls (a trainer step): rank 0's late data of the failed
     call must land nowhere in the retry. far: no rank reaches another through shared memory,
     as between hosts (a group of its own whose channel has no mailboxes: headers, data and

@@ -1,6 +1,7 @@
 """The outcome's unions between hosts carry the attempt of the call they answer for
-(outcome._talk_to): one pair's messages scripted, so that each rule is seen alone.
-The 4-process cases are test_outcome.py's stall and never-calls tests between hosts."""
+(outcome._talk_to): one pair's messages scripted, so that each rule is seen alone; and an
+alarm is a cause only for its own attempt (Channel.alarms). The 4-process cases are
+test_outcome.py's stall and never-calls tests."""
 from __future__ import annotations
 
 import threading
